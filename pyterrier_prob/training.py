@@ -1,0 +1,55 @@
+"""Fine-tuning with the sentence-transformers trainer on a fixed step budget (used by the CLI and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from datasets import Dataset
+from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers.base.sampler import BatchSamplers
+from torch import nn
+
+
+def fine_tune(
+    model: SentenceTransformer,
+    loss: nn.Module,
+    train: Dataset,
+    steps: int,
+    batch_size: int = 16,
+    learning_rate: float = 5e-5,
+    seed: int = 0,
+    output_dir: str | None = None,
+    show_progress: bool = True,
+) -> list[float]:
+    """Train ``model`` in place for ``steps`` optimiser steps of ``batch_size`` (anchor, positive) pairs.
+
+    Uses :class:`~sentence_transformers.SentenceTransformerTrainer` with ``BatchSamplers.NO_DUPLICATES``
+    (a query with many relevant documents never meets itself as an in-batch negative), 10% linear warm-up,
+    no checkpoints. Columns other than ``anchor``, ``positive``, ``negative*`` are dropped.
+
+    Returns:
+        The logged training loss of every step.
+    """
+    if steps <= 0 or batch_size <= 1:
+        raise ValueError(f"steps must be > 0 and batch_size > 1, got steps={steps}, batch_size={batch_size}")
+    keep = [c for c in train.column_names if c in ("anchor", "positive") or c.startswith("negative")]
+    train = train.select_columns(keep)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = SentenceTransformerTrainingArguments(
+            output_dir=output_dir or os.path.join(tmp, "run"),
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            learning_rate=learning_rate,
+            warmup_ratio=0.1,
+            seed=seed,
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            batch_sampler=BatchSamplers.NO_DUPLICATES,
+            disable_tqdm=not show_progress,
+            dataloader_drop_last=True,
+        )
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
+        trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -1,0 +1,20 @@
+"""sentence-transformers extensions of pyterrier-prob: modules, losses and models.
+
+Usable on its own with sentence-transformers; knows nothing of PyTerrier.
+"""
+
+from st_extensions.distributions import BetaCosine, ExpCosine
+from st_extensions.loading import load_model
+from st_extensions.modules import QueryDistributionHead
+from st_extensions.pebr import build_pebr_model, default_model_path, encode_queries, query_distribution
+
+__all__ = [
+    "BetaCosine",
+    "ExpCosine",
+    "QueryDistributionHead",
+    "build_pebr_model",
+    "default_model_path",
+    "encode_queries",
+    "load_model",
+    "query_distribution",
+]

@@ -1,0 +1,251 @@
+"""pEBR losses (Zhang et al., ``../shared/papers/pebr.md``): ExpNCE, BetaNCE (Sec. 3.2) and the MLE of Sec. 3.1.
+
+All three read the query's distribution parameters from the model's
+:class:`~st_extensions.modules.QueryDistributionHead`, so the learned per-query law is saved with the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.losses.merged_forward import embed_columns
+from torch import Tensor, nn
+
+from st_extensions.pebr import find_head
+
+PEBR_CITATION = """
+@misc{zhang2024pebr,
+    title={pEBR: A Probabilistic Approach to Embedding Based Retrieval},
+    author={Han Zhang and Yunjiang Jiang and Mingming Li and Haowei Yuan and Yiming Qiu and Wen-Yun Yang},
+    year={2024},
+    archivePrefix={arXiv},
+}
+"""
+
+
+class _PEBRLoss(nn.Module):
+    """Shared set-up: find the head, embed the columns, in-batch cosine matrix, per-query parameters."""
+
+    family: str = ""
+
+    def __init__(self, model: SentenceTransformer, eps: float = 1e-6) -> None:
+        super().__init__()
+        head = find_head(model)
+        if head.family != self.family:
+            raise ValueError(
+                f"{type(self).__name__} needs a QueryDistributionHead of family {self.family!r}, but the model's "
+                f"head is {head.family!r}: build the model with build_pebr_model(..., family={self.family!r})"
+            )
+        if not (0.0 < eps < 0.5):
+            raise ValueError(f"eps must be in (0, 0.5), got {eps}")
+        self.model = model
+        self.head = head
+        self.eps = eps
+
+    def cosines_and_params(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
+        """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (column 0 of candidates is
+        anchor i's positive at index i), and the anchors' distribution parameters ``(B, k)``."""
+        embeddings = embed_columns(self.model, sentence_features)
+        if len(embeddings) < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs (anchor, positive[, negative_1, ...]) columns, got {len(embeddings)}"
+            )
+        anchors = embeddings[0]
+        params = self.head.distribution_params(anchors)
+        candidates = torch.cat(embeddings[1:], dim=0)
+        cos = F.normalize(anchors, dim=-1) @ F.normalize(candidates, dim=-1).T
+        return cos, params
+
+    def log_z(self, cos: Tensor) -> Tensor:
+        """log((1 + cos) / 2), the log of the Beta variable z of Sec. 3.2.2, with z clamped to ``[eps, 1]``:
+        finite, with finite gradients, even at cos = -1."""
+        return torch.log(((1.0 + cos) * 0.5).clamp(self.eps, 1.0))
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "eps": self.eps}
+
+    @property
+    def citation(self) -> str:
+        return PEBR_CITATION
+
+
+class ExpNCELoss(_PEBRLoss):
+    """ExpNCE (pEBR Sec. 3.2.1): InfoNCE with a query-dependent temperature.
+
+    For anchors q_i and candidates d_j (every positive and hard negative in the batch), the logits are
+    ``cos(q_i, d_j) / tau_{q_i}`` with tau_q from the model's QueryDistributionHead (family ``"exp"``), and
+
+        L = -1/B sum_i log( exp(cos(q_i, d_i+) / tau_i) / sum_j exp(cos(q_i, d_j) / tau_i) ),
+
+    i.e. the relevant items of q follow the truncated exponential law exp(x / tau_q) on [-1, 1]
+    (:class:`~st_extensions.distributions.ExpCosine`). With a constant tau it is exactly
+    ``MultipleNegativesRankingLoss(model, scale=1 / tau)``.
+
+    Args:
+        model: a SentenceTransformer built with ``build_pebr_model(..., family="exp")``.
+
+    Requirements:
+        1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"exp"``.
+        2. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Inputs                                          | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from sentence_transformers import SentenceTransformerTrainer
+            from st_extensions import build_pebr_model
+            from st_extensions.losses import ExpNCELoss
+
+            model = build_pebr_model(family="exp")  # packaged all-MiniLM-L6-v2 + head
+            train = Dataset.from_dict({"anchor": ["q1", "q2"], "positive": ["d1", "d2"]})
+            SentenceTransformerTrainer(model=model, train_dataset=train, loss=ExpNCELoss(model)).train()
+    """
+
+    family = "exp"
+
+    def __init__(self, model: SentenceTransformer) -> None:
+        super().__init__(model)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"family": self.family}
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        cos, params = self.cosines_and_params(sentence_features)
+        logits = cos / params[:, :1]
+        return F.cross_entropy(logits, torch.arange(len(logits), device=logits.device))
+
+
+class BetaNCELoss(_PEBRLoss):
+    """BetaNCE (pEBR Sec. 3.2.2): InfoNCE on log((1 + cos) / 2) with a query-dependent temperature.
+
+    With z = (1 + cos) / 2, p(d|q) ∝ z^alpha_g(q) (1 - z)^beta_g and a uniform background, the ratio
+    r(d, q) = z^(1 / tau_q) and Eq. (2) becomes
+
+        L = -1/B sum_i log( exp(log z_ii+ / tau_i) / sum_j exp(log z_ij / tau_i) ),
+
+    after which the relevant items of q follow Beta(alpha = 1 / tau_q, beta = 1) in z (Eq. 3,
+    :class:`~st_extensions.distributions.BetaCosine`). z is clamped to ``[eps, 1]`` so the loss and its
+    gradients stay finite as cos -> -1.
+
+    Args:
+        model: a SentenceTransformer built with ``build_pebr_model(..., family="beta")``.
+        eps: lower clamp of z.
+
+    Requirements:
+        1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta"``.
+        2. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Inputs                                          | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+
+    Example:
+        ::
+
+            from st_extensions import build_pebr_model
+            from st_extensions.losses import BetaNCELoss
+
+            model = build_pebr_model(family="beta")
+            loss = BetaNCELoss(model)  # then SentenceTransformerTrainer(model=model, loss=loss, ...)
+    """
+
+    family = "beta"
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        cos, params = self.cosines_and_params(sentence_features)
+        logits = self.log_z(cos) / params[:, :1]
+        return F.cross_entropy(logits, torch.arange(len(logits), device=logits.device))
+
+
+def beta_log_density(cos: Tensor, alpha: Tensor, beta: Tensor, eps: float) -> Tensor:
+    """log of the Beta(alpha, beta) density of the cosine on [-1, 1] (pEBR Sec. 3.2.2):
+    log[(z^(alpha-1) (1-z)^(beta-1)) / (2 B(alpha, beta))], z = (1 + cos) / 2 clamped to [eps, 1 - eps]."""
+    z = ((1.0 + cos) * 0.5).clamp(eps, 1.0 - eps)
+    log_beta_fn = torch.lgamma(alpha) + torch.lgamma(beta) - torch.lgamma(alpha + beta)
+    return (alpha - 1.0) * torch.log(z) + (beta - 1.0) * torch.log1p(-z) - log_beta_fn - math.log(2.0)
+
+
+class BetaMLELoss(_PEBRLoss):
+    """The maximum-likelihood estimator of pEBR Sec. 3.1 with query-dependent Beta laws.
+
+    For each anchor q_i the head predicts (alpha+_i, beta+_i) for the cosine of its relevant items and
+    (alpha-_i, beta-_i) for its irrelevant ones; the positive is relevant, every other candidate in the
+    batch (other anchors' positives and all hard negatives) irrelevant. The loss is the negative
+    log-likelihood l(theta) of Sec. 3.1, averaged per class:
+
+        L = -[ mean_i log f_i(cos(q_i, d_i+)) + w * mean_{i, j != i} log h_i(cos(q_i, d_ij)) ]
+
+    with f, h Beta densities on [-1, 1] (:func:`beta_log_density`) and ``w = negative_weight``. As the
+    paper notes, this is a point-wise objective: it rewards each law for fitting its own class and only
+    separates them through the shared embeddings, so expect it to rank worse than the NCE losses.
+
+    Args:
+        model: a SentenceTransformer built with ``build_pebr_model(..., family="beta_mle")``.
+        negative_weight: weight w of the irrelevant-item term.
+        eps: z is clamped to ``[eps, 1 - eps]`` so the log-densities and gradients stay finite.
+
+    Requirements:
+        1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta_mle"``.
+        2. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples; batch size
+           above 1 or hard negatives, so there is an irrelevant item.
+
+    Inputs:
+        +-------------------------------------------------+--------+
+        | Inputs                                          | Labels |
+        +=================================================+========+
+        | (anchor, positive) pairs                        | none   |
+        +-------------------------------------------------+--------+
+        | (anchor, positive, negative_1, ..., negative_n) | none   |
+        +-------------------------------------------------+--------+
+
+    Example:
+        ::
+
+            from st_extensions import build_pebr_model
+            from st_extensions.losses import BetaMLELoss
+
+            model = build_pebr_model(family="beta_mle")
+            loss = BetaMLELoss(model)  # then SentenceTransformerTrainer(model=model, loss=loss, ...)
+    """
+
+    family = "beta_mle"
+
+    def __init__(self, model: SentenceTransformer, negative_weight: float = 1.0, eps: float = 1e-6) -> None:
+        super().__init__(model, eps=eps)
+        if not (math.isfinite(negative_weight) and negative_weight >= 0):
+            raise ValueError(f"negative_weight must be finite and >= 0, got {negative_weight}")
+        self.negative_weight = negative_weight
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
+        cos, params = self.cosines_and_params(sentence_features)
+        batch = len(cos)
+        if cos.shape[1] < 2:
+            raise ValueError("BetaMLELoss needs at least one irrelevant candidate: use batch size > 1")
+        a_pos, b_pos, a_neg, b_neg = (params[:, k : k + 1] for k in range(4))
+        positive = torch.zeros_like(cos, dtype=torch.bool)
+        positive[torch.arange(batch), torch.arange(batch)] = True
+        log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
+        log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[~positive]
+        return -(log_f.mean() + self.negative_weight * log_h.mean())
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {**super().get_config_dict(), "negative_weight": self.negative_weight}

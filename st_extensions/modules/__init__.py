@@ -1,0 +1,5 @@
+"""sentence-transformers Modules that are saved inside our models."""
+
+from st_extensions.modules.query_distribution import QueryDistributionHead
+
+__all__ = ["QueryDistributionHead"]
