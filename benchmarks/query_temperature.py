@@ -6,7 +6,7 @@ rank correlation with the query's number of relevant documents (a broad query ha
 translated: larger tau_q (a flatter Beta(1/tau_q, 1) law, i.e. a lower per-query cutoff) for queries with more
 relevant documents, so the correlation should be positive. No target: we report what happens.
 
-    python benchmarks/query_temperature.py [--steps 400 --batch-size 16]
+    python benchmarks/query_temperature.py [--steps 200 --batch-size 16 --max-seq-length 128]
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", default="irds:beir/nfcorpus/train")
     ap.add_argument("--dev", default="irds:beir/nfcorpus/dev")
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--max-seq-length", type=int, default=128, help="token budget per text in training")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--head-scale", type=float, default=None, help="QueryDistributionHead scale (default: its own)")
@@ -69,6 +70,7 @@ def main() -> None:
 
     head_kwargs = {} if a.head_scale is None else {"scale": a.head_scale}
     model = build_pebr_model(family="beta", device="cpu", **head_kwargs)
+    model.max_seq_length = a.max_seq_length
     queries = dev_queries(a.dev)
     counts_by_qid = relevant_counts(a.dev)
     qids = [q for q in queries if q in counts_by_qid]

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dev-split", default="dev")
     ap.add_argument("--model", default=None, help="base model name or path (default: packaged all-MiniLM-L6-v2)")
     ap.add_argument("--family", choices=["exp", "beta", "beta_mle"], default="beta")
-    ap.add_argument("--steps", type=int, default=100, help="training steps")
+    ap.add_argument("--steps", type=int, default=60, help="training steps")
+    ap.add_argument("--max-seq-length", type=int, default=128, help="token budget per text")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--p", type=float, default=0.5, help="share of the relevant-item law the cutoff keeps, in (0, 1)")
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     dev_id = f"{a.dataset}/{a.dev_split}"
     print(f"[1/3] fine-tuning {a.family} head on {train_id} for {a.steps} steps of {a.batch_size}", flush=True)
     model = build_pebr_model(a.model, family=a.family, device="cpu")
+    model.max_seq_length = a.max_seq_length
     loss = {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[a.family](model)
     pairs = training_pairs(train_id, max_pairs=a.steps * a.batch_size * 2, seed=a.seed)
     losses = fine_tune(model, loss, pairs, steps=a.steps, batch_size=a.batch_size, learning_rate=a.lr, seed=a.seed)

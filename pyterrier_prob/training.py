@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import torch
 from datasets import Dataset
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.base.sampler import BatchSamplers
@@ -49,6 +50,7 @@ def fine_tune(
             batch_sampler=BatchSamplers.NO_DUPLICATES,
             disable_tqdm=not show_progress,
             dataloader_drop_last=True,
+            dataloader_pin_memory=torch.cuda.is_available(),
         )
         trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
         trainer.train()
