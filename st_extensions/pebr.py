@@ -110,7 +110,7 @@ def distribution_from_params(params: np.ndarray, family: Family, dim: int | None
     if family == "exp":
         return ExpCosine(params[:, 0], dim=dim)
     if family == "beta":
-        return BetaCosine(1.0 / params[:, 0], 1.0, dim=dim)
+        return BetaCosine.from_temperature(params[:, 0], dim=dim)
     if family == "beta_mle":
         if params.shape[1] != 4:
             raise ValueError(f"beta_mle needs 4 parameters per query, got {params.shape[1]}")
