@@ -4,4 +4,34 @@ PyTerrier transformers, indexes, evaluation and the ``pyterrier-prob`` command; 
 losses they use live in :mod:`st_extensions`.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
+
+#: Public names, imported on first use (``import pyterrier_prob`` stays cheap for the command line).
+_EXPORTS: dict[str, str] = {
+    "ProbBiEncoder": "pyterrier_prob.encoders",
+    "DenseIndex": "pyterrier_prob.index",
+    "CDFCutoffRetriever": "pyterrier_prob.cutoff",
+    "ScoreCutoffRetriever": "pyterrier_prob.cutoff",
+    "TopKRetriever": "pyterrier_prob.cutoff",
+    "threshold_search": "pyterrier_prob.cutoff",
+    "count_above": "pyterrier_prob.cutoff",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pyterrier_prob' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

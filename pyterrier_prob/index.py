@@ -1,0 +1,363 @@
+"""On-disk dense vector index: pyterrier-dr's FlexIndex format, written atomically and validated.
+
+:class:`DenseIndex` subclasses :class:`pyterrier_dr.FlexIndex` and keeps its on-disk format byte for byte
+(``pt_meta.json`` with ``type="dense_index"``, ``format="flex"``; raw float32 vectors in ``vecs.f4`` opened
+with ``np.memmap``; docnos in ``docnos.npids``), so there is one vector store, not two:
+
+* an index written here is a FlexIndex: ``pt.Artifact.load(path)`` (pyterrier-dr's entry point
+  ``dense_index.flex``) opens it, and every pyterrier-dr retriever (``np_retriever``, ``faiss_flat_retriever``,
+  ``torch_retriever``, HNSW, ...) works on it;
+* the cutoff retrievers of :mod:`pyterrier_prob.cutoff` accept any FlexIndex, including one built by
+  pyterrier-dr itself.
+
+What the subclass adds is what the pEBR cutoffs (``shared/papers/pebr.md``, Sec. 4.1.2 and Appendix A) need
+of the store: vectors are L2-normalised at indexing (``normalize=True``, recorded as ``"normalized": true`` in
+``pt_meta.json``) so the inner product is the cosine the cutoffs threshold; indexing is atomic (written into
+a hidden sibling directory and renamed into place at the end, so an interrupted run never leaves an index
+that loads); input is checked (missing ``doc_vec``/``docno``, inconsistent dimensions, non-finite or zero
+vectors, duplicate docnos); and loading an incomplete or corrupt directory raises a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+from npids import Lookup
+from pyterrier_dr import FlexIndex, SimFn
+
+__all__ = ["DenseIndex", "DenseIndexer", "IndexingMode", "as_dense_index"]
+
+_BATCH = 4096
+
+
+class IndexingMode(Enum):
+    """What :meth:`DenseIndex.indexer` does when the path already holds something."""
+
+    create = "create"
+    overwrite = "overwrite"
+
+
+class DenseIndex(FlexIndex):
+    """A dense index on disk (a pyterrier-dr FlexIndex with atomic, validated writes and cosine-ready vectors).
+
+    Build with ``encoder.doc_encoder() >> DenseIndex(path).indexer()`` (``.index(corpus_iter)``), or index
+    precomputed ``{"docno", "doc_vec"}`` records or a frame with those columns directly::
+
+        index = DenseIndex("my.flex")
+        (encoder.doc_encoder() >> index.indexer()).index(dataset.get_corpus_iter())
+        retriever = encoder.query_encoder() >> pyterrier_prob.CDFCutoffRetriever(index, p=0.5)
+
+    Args:
+        path: the index directory.
+        verbose: progress bars while indexing.
+
+    The vectors are a float32 ``np.memmap`` (:meth:`vectors`, shape ``(len(index), dim)``); :meth:`docnos`
+    is pyterrier-dr's ``npids.Lookup`` (``.fwd[docids]`` -> docnos, ``.inv[docnos]`` -> docids, -1 if absent).
+    """
+
+    ARTIFACT_TYPE = "dense_index"
+    ARTIFACT_FORMAT = "flex"
+
+    def __init__(self, path: str | os.PathLike, *, verbose: bool = False) -> None:
+        super().__init__(str(path), sim_fn=SimFn.dot, verbose=verbose)
+
+    # ---- loading -----------------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._meta = None
+        self._docnos = None
+        self._dvecs = None
+        self._cache = {}
+
+    def _check_files(self) -> dict[str, Any]:
+        """Read and check ``pt_meta.json`` and the sizes of the files; a clear error when anything is off."""
+        path = self.index_path
+        if not path.exists():
+            raise FileNotFoundError(
+                f"no dense index at {str(path)!r}: build one with DenseIndex(path).indexer().index(records) "
+                "(records with 'docno' and 'doc_vec', e.g. from ProbBiEncoder(model).doc_encoder())"
+            )
+        if not path.is_dir():
+            raise ValueError(f"{str(path)!r} is a file, not a dense index directory")
+        meta_path = path / "pt_meta.json"
+        if not meta_path.exists():
+            raise ValueError(
+                f"{str(path)!r} is not a complete dense index (no pt_meta.json): an interrupted or foreign "
+                "indexing run? Rebuild it with DenseIndex(path).indexer(mode='overwrite')"
+            )
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt") from e
+        if meta.get("type") != self.ARTIFACT_TYPE or meta.get("format") != self.ARTIFACT_FORMAT:
+            raise ValueError(
+                f"{str(path)!r} holds an artifact of type={meta.get('type')!r}, format={meta.get('format')!r}, "
+                f"not a dense index (type={self.ARTIFACT_TYPE!r}, format={self.ARTIFACT_FORMAT!r})"
+            )
+        count, dim = meta.get("doc_count"), meta.get("vec_size")
+        if not (isinstance(count, int) and isinstance(dim, int) and count > 0 and dim > 0):
+            raise ValueError(f"{str(meta_path)!r} has invalid doc_count={count!r} / vec_size={dim!r}")
+        vecs = path / "vecs.f4"
+        if not vecs.exists() or vecs.stat().st_size != count * dim * 4:
+            size = vecs.stat().st_size if vecs.exists() else None
+            raise ValueError(
+                f"{str(path)!r} is corrupt: vecs.f4 has {size} bytes, pt_meta.json says {count} x {dim} float32 "
+                f"({count * dim * 4} bytes)"
+            )
+        if not (path / "docnos.npids").exists():
+            raise ValueError(f"{str(path)!r} is corrupt: docnos.npids is missing")
+        return meta
+
+    def payload(self, return_dvecs: bool = True, return_docnos: bool = True) -> list:
+        """FlexIndex's ``(docnos, vectors, meta)`` accessor, with the checks of a complete index first."""
+        if self._meta is None:
+            self._check_files()
+        res = super().payload(return_dvecs=return_dvecs, return_docnos=return_docnos)
+        if return_docnos and len(self._docnos) != self._meta["doc_count"]:
+            n = len(self._docnos)
+            self._docnos = None
+            raise ValueError(f"{str(self.index_path)!r} is corrupt: {n} docnos for {self._meta['doc_count']} vectors")
+        return res
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The index's ``pt_meta.json``."""
+        (meta,) = self.payload(return_dvecs=False, return_docnos=False)
+        return meta
+
+    @property
+    def dim(self) -> int:
+        """Dimension of the indexed vectors."""
+        return int(self.meta["vec_size"])
+
+    @property
+    def normalized(self) -> bool:
+        """Whether the vectors were L2-normalised at indexing (inner product = cosine)."""
+        return bool(self.meta.get("normalized", False))
+
+    def vectors(self) -> np.memmap:
+        """The indexed vectors, a read-only float32 memmap of shape ``(len(self), self.dim)``."""
+        dvecs, _ = self.payload(return_docnos=False)
+        return dvecs
+
+    def docno_array(self) -> np.ndarray:
+        """All docnos, in index order, as a numpy string array."""
+        return self.docnos().fwd[np.arange(len(self))]
+
+    # ---- indexing ----------------------------------------------------------------------------------------
+    def indexer(  # type: ignore[override]
+        self, *, mode: IndexingMode | str = IndexingMode.create, normalize: bool = True
+    ) -> DenseIndexer:
+        """An indexer writing this index (``encoder.doc_encoder() >> index.indexer()``).
+
+        Args:
+            mode: ``"create"`` (error if the path exists) or ``"overwrite"`` (replace it, atomically).
+            normalize: L2-normalise the vectors so that inner product = cosine (what the cutoffs threshold).
+        """
+        return DenseIndexer(self, mode=mode, normalize=normalize)
+
+    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> DenseIndex:  # type: ignore[override]
+        """Index ``docno``/``doc_vec`` records (or a frame) into a new index at this path."""
+        return self.indexer().index(inp)
+
+    def __repr__(self) -> str:
+        return f"DenseIndex({str(self.index_path)!r})"
+
+
+class DenseIndexer(pt.Indexer):
+    """Writes a :class:`DenseIndex`; made by :meth:`DenseIndex.indexer`.
+
+    Input: an iterable of records (dicts) or a DataFrame with ``docno`` (str) and ``doc_vec`` (1-D float
+    vectors of one dimension). Everything is written into a hidden temporary directory next to the target and
+    renamed into place only once complete; on any error the temporary directory is removed and the path is
+    left as it was.
+    """
+
+    def __init__(
+        self, index: DenseIndex, mode: IndexingMode | str = IndexingMode.create, normalize: bool = True
+    ) -> None:
+        self._index = index
+        self.mode = IndexingMode(mode)
+        self.normalize = bool(normalize)
+
+    def __repr__(self) -> str:
+        return f"{self._index!r}.indexer(mode={self.mode.value!r}, normalize={self.normalize})"
+
+    def index_inputs(self) -> list[list[str]]:
+        return [["docno", "doc_vec"]]
+
+    def _check_target(self) -> None:
+        path = self._index.index_path
+        if path.exists() and self.mode == IndexingMode.create:
+            raise FileExistsError(
+                f"{str(path)!r} already exists; use DenseIndex(path).indexer(mode='overwrite') to replace it"
+            )
+
+    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> DenseIndex:
+        """Consume the records and write the index; returns the (re-opened) :class:`DenseIndex`."""
+        path = self._index.index_path
+        self._check_target()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            count, dim = self._write(inp, tmp)
+            meta = {
+                "type": DenseIndex.ARTIFACT_TYPE,
+                "format": DenseIndex.ARTIFACT_FORMAT,
+                "vec_size": dim,
+                "doc_count": count,
+                "normalized": self.normalize,
+                "package_hint": "pyterrier-dr",
+            }
+            with open(tmp / "pt_meta.json", "w") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self._install(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._index._reset()
+        return self._index
+
+    def _install(self, tmp: Path, path: Path) -> None:
+        """Move the finished index into place (atomic rename; an old index is swapped out first)."""
+        self._check_target()  # again: something may have appeared while we were indexing
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+
+    def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list]]:
+        if isinstance(inp, pd.DataFrame):
+            missing = [c for c in ("docno", "doc_vec") if c not in inp.columns]
+            if missing:
+                raise ValueError(_missing_message(missing, list(inp.columns)))
+            docnos, vecs = inp["docno"].tolist(), inp["doc_vec"].tolist()
+            for i in range(0, len(docnos), _BATCH):
+                yield docnos[i : i + _BATCH], vecs[i : i + _BATCH]
+            return
+        if isinstance(inp, Mapping):
+            raise TypeError("index() takes an iterable of records (dicts) or a DataFrame, not a single dict")
+        docnos, vecs = [], []
+        for rec in inp:
+            try:
+                docnos.append(rec["docno"])
+                vecs.append(rec["doc_vec"])
+            except (KeyError, TypeError) as e:
+                cols = list(rec) if isinstance(rec, Mapping) else type(rec).__name__
+                missing = [c for c in ("docno", "doc_vec") if not isinstance(rec, Mapping) or c not in rec]
+                raise ValueError(_missing_message(missing, cols)) from e
+            if len(docnos) >= _BATCH:
+                yield docnos, vecs
+                docnos, vecs = [], []
+        if docnos:
+            yield docnos, vecs
+
+    def _write(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> tuple[int, int]:
+        dim: int | None = None
+        count = 0
+        seen: set[str] = set()
+        bar = pt.tqdm(desc=f"indexing {self._index.index_path.name}", unit="doc") if self._index.verbose else None
+        try:
+            with open(tmp / "vecs.f4", "wb") as fvecs, Lookup.builder(tmp / "docnos.npids") as lookup:
+                for docnos, vecs in self._batches(inp):
+                    arr, dim = _stack_vectors(vecs, dim, count)
+                    if self.normalize:
+                        norms = np.linalg.norm(arr.astype(np.float64), axis=1)
+                        zero = np.flatnonzero(norms == 0)
+                        if zero.size:
+                            raise ValueError(
+                                f"doc_vec of docno {docnos[zero[0]]!r} is all zeros: it has no direction and "
+                                "cannot be normalised for cosine retrieval"
+                            )
+                        arr = (arr / norms[:, None]).astype(np.float32)
+                    for docno in docnos:
+                        if not isinstance(docno, str):
+                            raise ValueError(f"docno must be a str, got {docno!r} ({type(docno).__name__})")
+                        if docno in seen:
+                            raise ValueError(f"duplicate docno {docno!r}: docnos must be unique in an index")
+                        seen.add(docno)
+                        lookup.add(docno)
+                    fvecs.write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
+                    count += len(docnos)
+                    if bar is not None:
+                        bar.update(len(docnos))
+                if count == 0:
+                    raise ValueError("nothing to index: the input had no records")
+                if count == 1:  # npids' fixed-bytes codec divides by zero on a single docno
+                    raise ValueError(
+                        "a dense index needs at least 2 documents (npids, FlexIndex's docno store, cannot hold one)"
+                    )
+                fvecs.flush()
+                os.fsync(fvecs.fileno())
+        finally:
+            if bar is not None:
+                bar.close()
+        assert dim is not None
+        return count, dim
+
+
+def _missing_message(missing: list[str], have: Any) -> str:
+    hint = ""
+    if "doc_vec" in missing:
+        hint = " (encode the documents first: encoder.doc_encoder() >> index.indexer())"
+    return f"indexer input lacks column(s) {missing}{hint}; got {have}"
+
+
+def _stack_vectors(vecs: list, dim: int | None, offset: int) -> tuple[np.ndarray, int]:
+    """Stack a batch of vectors into a float32 (n, dim) array, checking shape, dimension and finiteness."""
+    rows = []
+    for i, v in enumerate(vecs):
+        a = np.asarray(v, dtype=np.float32)
+        if a.ndim != 1:
+            raise ValueError(f"doc_vec #{offset + i} must be a 1-D vector, got shape {a.shape}")
+        if dim is None:
+            if a.shape[0] == 0:
+                raise ValueError("doc_vec must not be empty")
+            dim = int(a.shape[0])
+        elif a.shape[0] != dim:
+            raise ValueError(
+                f"inconsistent vector dimensions: doc_vec #{offset + i} has {a.shape[0]} dims, earlier ones {dim}"
+            )
+        rows.append(a)
+    arr = np.stack(rows)
+    bad = ~np.isfinite(arr).all(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"doc_vec #{offset + i} has non-finite values (nan or inf)")
+    return arr, dim
+
+
+def as_dense_index(index: Any) -> DenseIndex:
+    """``index`` as a :class:`DenseIndex`: itself, or a :class:`DenseIndex` over a FlexIndex's directory.
+
+    Raises:
+        TypeError: for anything that is not a :class:`DenseIndex` or :class:`pyterrier_dr.FlexIndex`.
+    """
+    if isinstance(index, DenseIndex):
+        return index
+    if isinstance(index, FlexIndex):
+        return DenseIndex(index.index_path, verbose=index.verbose)
+    raise TypeError(
+        f"expected a pyterrier_prob.DenseIndex or pyterrier_dr.FlexIndex, got {type(index).__name__}: "
+        "build one with DenseIndex(path).indexer().index(...) or open it with DenseIndex(path)"
+    )
