@@ -16,7 +16,7 @@ from typing import Any
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 
-from st_extensions.modules import QueryDistributionHead
+from st_extensions.modules import MixtureOfLogits, QueryDistributionHead
 
 #: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
 #: ``trust_remote_code``. Later modules of this package register here.
@@ -32,6 +32,7 @@ def register_module(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 register_module(QueryDistributionHead)
+register_module(MixtureOfLogits)
 
 
 def _module_types(path: str) -> list[tuple[str, str]]:

@@ -1,5 +1,6 @@
 """sentence-transformers Modules that are saved inside our models."""
 
+from st_extensions.modules.mol import MixtureOfLogits
 from st_extensions.modules.query_distribution import QueryDistributionHead
 
-__all__ = ["QueryDistributionHead"]
+__all__ = ["MixtureOfLogits", "QueryDistributionHead"]
