@@ -20,6 +20,10 @@ _EXPORTS: dict[str, str] = {
     "TopKRetriever": "pyterrier_prob.cutoff",
     "threshold_search": "pyterrier_prob.cutoff",
     "count_above": "pyterrier_prob.cutoff",
+    "MoLIndex": "pyterrier_prob.mol_index",
+    "MoLEncoder": "pyterrier_prob.mol",
+    "MoLRetriever": "pyterrier_prob.mol",
+    "MoLReranker": "pyterrier_prob.mol",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,0 +1,531 @@
+"""On-disk index of Mixture-of-Logits component embeddings (``shared/papers/mixture-of-logits.txt``, Sec. 3).
+
+MoL scores a query q and an item x as ``phi(q, x) = sum_p pi_p(q, x) <f_pq(q), g_px(x)>`` over the
+``P = P_q x P_x`` pairs of the query's P_q and the item's P_x component embeddings (Eqs. 1, 2, 5). What the
+retrieval algorithms of Sec. 3 need from the item side is stored here, precomputed ("Can be preprocessed",
+Algorithm 1 line 3 and Algorithm 2 lines 7 and 12):
+
+* ``comps.f4``: every item's P_x component embeddings g_px(x), raw float32, shape ``(N, P_x, d)``, opened with
+  ``np.memmap`` (:meth:`MoLIndex.components`);
+* ``mean.f4``: their mean over components ``sum_px g_px(x) / P_x``, float32 ``(N, d)`` -- the item side of
+  TopKAvg (Algorithm 2 line 12, Eq. 6; :meth:`MoLIndex.means`);
+* ``feats.f4`` (optional): each document's gate features, float32 ``(N, F)``, for MoL gates that also read
+  query- and item-side features (App. A.3; ``gate_features=True`` in :mod:`st_extensions.mol`), indexed from a
+  ``doc_feat`` column (:meth:`MoLEncoder.doc_encoder <pyterrier_prob.MoLEncoder.doc_encoder>` adds it for such
+  models);
+* ``docnos.npids``: docnos, stored with npids exactly as pyterrier-dr's FlexIndex stores them;
+* ``pt_meta.json``: ``type="mol_index"``, ``format="np"``, ``doc_count``, ``num_components`` (P_x), ``dim`` (d),
+  ``feature_dim`` (F, or null).
+
+Writing is atomic, as for :class:`~pyterrier_prob.DenseIndex`: everything goes to a hidden sibling directory,
+``pt_meta.json`` last, and the directory is renamed into place only when complete, so an interrupted run never
+leaves a loadable index. Inputs are checked (shapes, finiteness, duplicate docnos) and loading an incomplete,
+corrupt or foreign directory raises a clear error. Vectors are stored as given (the MoL encoders of
+:mod:`st_extensions.mol` already L2-normalise them, Eq. 2); they are not re-normalised here.
+
+The per-component faiss indexes the retrievers search (:meth:`MoLIndex.faiss_component`,
+:meth:`MoLIndex.faiss_mean`) are built on first use and cached on the object; each holds an in-memory copy of
+its ``(N, d)`` slice (faiss' flat indexes own their vectors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+from npids import Lookup
+
+from pyterrier_prob.index import IndexingMode
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pyterrier_prob.mol import MoLReranker, MoLRetriever
+
+__all__ = ["MoLIndex", "MoLIndexer", "as_mol_index"]
+
+_BATCH = 4096
+
+
+class MoLIndex(pt.Artifact):
+    """An index of MoL item component embeddings on disk (Sec. 3's item side, preprocessed).
+
+    Build with ``encoder.doc_encoder() >> MoLIndex(path).indexer()`` (``.index(corpus_iter)``), or index
+    precomputed ``{"docno", "doc_comp"}`` records (``doc_comp``: a ``(P_x, d)`` array) or a frame::
+
+        index = MoLIndex("docs.mol")
+        (encoder.doc_encoder() >> index.indexer()).index(dataset.get_corpus_iter())
+        pipeline = encoder.query_encoder() >> index.retriever(encoder.mol, method="exact", num_results=10)
+
+    Args:
+        path: the index directory.
+        verbose: progress bars while indexing.
+
+    ``len(index)`` is the number of documents; :meth:`components` is a read-only float32 memmap of shape
+    ``(len(index), num_components, dim)``; :meth:`docnos` is an ``npids.Lookup`` (``.fwd[docids]`` -> docnos,
+    ``.inv[docnos]`` -> docids, -1 if absent).
+    """
+
+    ARTIFACT_TYPE = "mol_index"
+    ARTIFACT_FORMAT = "np"
+
+    def __init__(self, path: str | os.PathLike, *, verbose: bool = False) -> None:
+        super().__init__(path)
+        self.verbose = bool(verbose)
+        self._reset()
+
+    @property
+    def index_path(self) -> Path:
+        """The index directory."""
+        return Path(self.path)
+
+    def _reset(self) -> None:
+        self._meta: dict[str, Any] | None = None
+        self._comps: np.memmap | None = None
+        self._means: np.memmap | None = None
+        self._feats: np.memmap | None = None
+        self._docnos: Lookup | None = None
+        self._cache: dict[str, Any] = {}
+
+    # ---- loading -----------------------------------------------------------------------------------------
+    def _load_meta(self) -> dict[str, Any]:
+        """Read and check ``pt_meta.json`` and the sizes of the files; a clear error when anything is off."""
+        if self._meta is not None:
+            return self._meta
+        path = self.index_path
+        if not path.exists():
+            raise FileNotFoundError(
+                f"no MoL index at {str(path)!r}: build one with MoLIndex(path).indexer().index(records) "
+                "(records with 'docno' and 'doc_comp', e.g. from MoLEncoder(model).doc_encoder())"
+            )
+        if not path.is_dir():
+            raise ValueError(f"{str(path)!r} is a file, not a MoL index directory")
+        meta_path = path / "pt_meta.json"
+        if not meta_path.exists():
+            raise ValueError(
+                f"{str(path)!r} is not a complete MoL index (no pt_meta.json): an interrupted or foreign indexing "
+                "run? Rebuild it with MoLIndex(path).indexer(mode='overwrite')"
+            )
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt") from e
+        if not isinstance(meta, dict):
+            raise ValueError(f"{str(meta_path)!r} does not hold a JSON object: the index is corrupt")
+        if meta.get("type") != self.ARTIFACT_TYPE or meta.get("format") != self.ARTIFACT_FORMAT:
+            raise ValueError(
+                f"{str(path)!r} holds an artifact of type={meta.get('type')!r}, format={meta.get('format')!r}, "
+                f"not a MoL index (type={self.ARTIFACT_TYPE!r}, format={self.ARTIFACT_FORMAT!r})"
+            )
+        count, comps, dim = meta.get("doc_count"), meta.get("num_components"), meta.get("dim")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (count, comps, dim)):
+            raise ValueError(
+                f"{str(meta_path)!r} has invalid doc_count={count!r} / num_components={comps!r} / dim={dim!r}"
+            )
+        fdim = meta.get("feature_dim")
+        if fdim is not None and (isinstance(fdim, bool) or not isinstance(fdim, int) or fdim < 1):
+            raise ValueError(f"{str(meta_path)!r} has invalid feature_dim={fdim!r}")
+        files = [("comps.f4", (count, comps, dim)), ("mean.f4", (count, dim))]
+        if fdim is not None:
+            files.append(("feats.f4", (count, fdim)))
+        for name, shape in files:
+            f = path / name
+            want = int(np.prod(shape)) * 4
+            size = f.stat().st_size if f.exists() else None
+            if size != want:
+                raise ValueError(
+                    f"{str(path)!r} is corrupt: {name} has {size} bytes, pt_meta.json says "
+                    f"{' x '.join(map(str, shape))} float32 ({want} bytes)"
+                )
+        if not (path / "docnos.npids").exists():
+            raise ValueError(f"{str(path)!r} is corrupt: docnos.npids is missing")
+        self._meta = meta
+        return meta
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The index's ``pt_meta.json``."""
+        return dict(self._load_meta())
+
+    def __len__(self) -> int:
+        return int(self._load_meta()["doc_count"])
+
+    @property
+    def num_components(self) -> int:
+        """P_x, the number of component embeddings per document."""
+        return int(self._load_meta()["num_components"])
+
+    @property
+    def dim(self) -> int:
+        """d, the dimension of each component embedding."""
+        return int(self._load_meta()["dim"])
+
+    def components(self) -> np.memmap:
+        """All documents' component embeddings: read-only float32 memmap ``(len(self), num_components, dim)``."""
+        if self._comps is None:
+            meta = self._load_meta()
+            shape = (meta["doc_count"], meta["num_components"], meta["dim"])
+            self._comps = np.memmap(self.index_path / "comps.f4", dtype=np.float32, mode="r", shape=shape)
+        return self._comps
+
+    def means(self) -> np.memmap:
+        """Each document's mean component embedding (TopKAvg's X', Algorithm 2 line 12): memmap ``(N, dim)``."""
+        if self._means is None:
+            meta = self._load_meta()
+            shape = (meta["doc_count"], meta["dim"])
+            self._means = np.memmap(self.index_path / "mean.f4", dtype=np.float32, mode="r", shape=shape)
+        return self._means
+
+    @property
+    def feature_dim(self) -> int | None:
+        """F, the dimension of the stored gate features (``None`` when the index holds none)."""
+        fdim = self._load_meta().get("feature_dim")
+        return None if fdim is None else int(fdim)
+
+    def features(self) -> np.memmap | None:
+        """Each document's gate features (App. A.3): memmap ``(N, feature_dim)``, or ``None`` if not indexed."""
+        if self.feature_dim is None:
+            return None
+        if self._feats is None:
+            shape = (len(self), self.feature_dim)
+            self._feats = np.memmap(self.index_path / "feats.f4", dtype=np.float32, mode="r", shape=shape)
+        return self._feats
+
+    def docnos(self) -> Lookup:
+        """The docno store (``npids.Lookup``, as pyterrier-dr's FlexIndex)."""
+        if self._docnos is None:
+            n = len(self)
+            lookup = Lookup(self.index_path / "docnos.npids")
+            if len(lookup) != n:
+                raise ValueError(f"{str(self.index_path)!r} is corrupt: {len(lookup)} docnos for {n} documents")
+            self._docnos = lookup
+        return self._docnos
+
+    def docno_array(self) -> np.ndarray:
+        """All docnos, in index order, as an object array (cached)."""
+        if "docnos" not in self._cache:
+            self._cache["docnos"] = np.asarray(self.docnos().fwd[np.arange(len(self))], dtype=object)
+        return self._cache["docnos"]
+
+    def docids_of(self, docnos: Iterable[str]) -> np.ndarray:
+        """Rows of the index of ``docnos`` (int64; -1 for docnos not in the index)."""
+        arr = np.asarray(list(docnos) if not isinstance(docnos, np.ndarray) else docnos, dtype=str)
+        if not arr.size:
+            return np.zeros(0, np.int64)
+        return np.asarray(self.docnos().inv[arr], dtype=np.int64).reshape(-1)
+
+    # ---- faiss -------------------------------------------------------------------------------------------
+    def faiss_component(self, px: int, gpu: bool = False) -> Any:
+        """A faiss ``IndexFlatIP`` over component ``px`` of every document (cached; on GPU if ``gpu``)."""
+        if not 0 <= px < self.num_components:
+            raise IndexError(f"component {px} out of range: the index has {self.num_components} components")
+        key = f"faiss_comp_{px}_{'gpu' if gpu else 'cpu'}"
+        if key not in self._cache:
+            if gpu:
+                self._cache[key] = _to_gpu(self.faiss_component(px, gpu=False))
+            else:
+                comps = self.components()
+                self._cache[key] = _flat_ip(lambda a, b: comps[a:b, px], len(self), self.dim)
+        return self._cache[key]
+
+    def faiss_mean(self, gpu: bool = False) -> Any:
+        """A faiss ``IndexFlatIP`` over the documents' mean component embeddings (cached; on GPU if ``gpu``)."""
+        key = f"faiss_mean_{'gpu' if gpu else 'cpu'}"
+        if key not in self._cache:
+            if gpu:
+                self._cache[key] = _to_gpu(self.faiss_mean(gpu=False))
+            else:
+                means = self.means()
+                self._cache[key] = _flat_ip(lambda a, b: means[a:b], len(self), self.dim)
+        return self._cache[key]
+
+    # ---- factories ---------------------------------------------------------------------------------------
+    def indexer(self, *, mode: IndexingMode | str = IndexingMode.create) -> MoLIndexer:
+        """An indexer writing this index (``encoder.doc_encoder() >> index.indexer()``).
+
+        Args:
+            mode: ``"create"`` (error if the path exists) or ``"overwrite"`` (replace it, atomically).
+        """
+        return MoLIndexer(self, mode=mode)
+
+    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> MoLIndex:
+        """Index ``docno``/``doc_comp`` records (or a frame) into a new index at this path."""
+        return self.indexer().index(inp)
+
+    def retriever(self, mol: Any, method: str = "exact", **kwargs: Any) -> MoLRetriever:
+        """A :class:`~pyterrier_prob.MoLRetriever` over this index (keyword arguments are passed on)."""
+        from pyterrier_prob.mol import MoLRetriever
+
+        return MoLRetriever(self, mol, method=method, **kwargs)
+
+    def reranker(self, mol: Any, **kwargs: Any) -> MoLReranker:
+        """A :class:`~pyterrier_prob.MoLReranker` looking document components up in this index."""
+        from pyterrier_prob.mol import MoLReranker
+
+        return MoLReranker(self, mol, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"MoLIndex({str(self.index_path)!r})"
+
+
+def _flat_ip(rows: Any, n: int, dim: int) -> Any:
+    import faiss
+
+    index = faiss.IndexFlatIP(dim)
+    for a in range(0, n, 65536):
+        index.add(np.ascontiguousarray(rows(a, min(n, a + 65536)), dtype=np.float32))
+    return index
+
+
+def _to_gpu(index: Any) -> Any:  # pragma: no cover - needs faiss-gpu and a GPU
+    import faiss
+
+    return faiss.index_cpu_to_all_gpus(index)
+
+
+class MoLIndexer(pt.Indexer):
+    """Writes a :class:`MoLIndex`; made by :meth:`MoLIndex.indexer`.
+
+    Input: an iterable of records (dicts) or a DataFrame with ``docno`` (str) and ``doc_comp`` (a
+    ``(P_x, d)`` float array, the same shape for every document), and optionally ``doc_feat`` (a 1-D float
+    vector, the gate's document features; all documents or none). Everything is written into a hidden temporary
+    directory next to the target and renamed into place only once complete; on any error (or interruption) the
+    temporary directory is removed and the path is left as it was.
+    """
+
+    def __init__(self, index: MoLIndex, mode: IndexingMode | str = IndexingMode.create) -> None:
+        self._index = index
+        self.mode = IndexingMode(mode)
+
+    def __repr__(self) -> str:
+        return f"{self._index!r}.indexer(mode={self.mode.value!r})"
+
+    def index_inputs(self) -> list[list[str]]:
+        return [["docno", "doc_comp"]]
+
+    def _check_target(self) -> None:
+        path = self._index.index_path
+        if path.exists() and self.mode == IndexingMode.create:
+            raise FileExistsError(
+                f"{str(path)!r} already exists; use MoLIndex(path).indexer(mode='overwrite') to replace it"
+            )
+
+    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> MoLIndex:
+        """Consume the records and write the index; returns the (re-opened) :class:`MoLIndex`."""
+        path = self._index.index_path
+        self._check_target()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+        try:
+            count, shape, fdim = self._write(inp, tmp)
+            meta = {
+                "type": MoLIndex.ARTIFACT_TYPE,
+                "format": MoLIndex.ARTIFACT_FORMAT,
+                "doc_count": count,
+                "num_components": shape[0],
+                "dim": shape[1],
+                "feature_dim": fdim,
+                "dtype": "float32",
+                "files": {"comps.f4": "(doc_count, num_components, dim)", "mean.f4": "(doc_count, dim)"}
+                | ({"feats.f4": "(doc_count, feature_dim)"} if fdim is not None else {}),
+                "package_hint": "pyterrier-prob",
+            }
+            with open(tmp / "pt_meta.json", "w") as f:
+                json.dump(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self._install(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._index._reset()
+        return self._index
+
+    def _install(self, tmp: Path, path: Path) -> None:
+        """Move the finished index into place (atomic rename; an old index is swapped out first)."""
+        self._check_target()  # again: something may have appeared while we were indexing
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(path, old)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+
+    def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list, list | None]]:
+        if isinstance(inp, pd.DataFrame):
+            missing = [c for c in ("docno", "doc_comp") if c not in inp.columns]
+            if missing:
+                raise ValueError(_missing_message(missing, list(inp.columns)))
+            docnos, comps = inp["docno"].tolist(), inp["doc_comp"].tolist()
+            feats = inp["doc_feat"].tolist() if "doc_feat" in inp.columns else None
+            for i in range(0, len(docnos), _BATCH):
+                yield docnos[i : i + _BATCH], comps[i : i + _BATCH], None if feats is None else feats[i : i + _BATCH]
+            return
+        if isinstance(inp, Mapping):
+            raise TypeError("index() takes an iterable of records (dicts) or a DataFrame, not a single dict")
+        docnos, comps, feats = [], [], []
+        has_feat: bool | None = None
+        for rec in inp:
+            if not isinstance(rec, Mapping) or "docno" not in rec or "doc_comp" not in rec:
+                cols = list(rec) if isinstance(rec, Mapping) else type(rec).__name__
+                missing = [c for c in ("docno", "doc_comp") if not isinstance(rec, Mapping) or c not in rec]
+                raise ValueError(_missing_message(missing, cols))
+            if has_feat is None:
+                has_feat = "doc_feat" in rec
+            elif has_feat != ("doc_feat" in rec):
+                raise ValueError(
+                    f"the record with docno {rec.get('docno')!r} {'lacks' if has_feat else 'has'} doc_feat: give "
+                    "gate features (doc_feat) for all documents or none"
+                )
+            docnos.append(rec["docno"])
+            comps.append(rec["doc_comp"])
+            if has_feat:
+                feats.append(rec["doc_feat"])
+            if len(docnos) >= _BATCH:
+                yield docnos, comps, feats if has_feat else None
+                docnos, comps, feats = [], [], []
+        if docnos:
+            yield docnos, comps, feats if has_feat else None
+
+    def _write(
+        self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path
+    ) -> tuple[int, tuple[int, int], int | None]:
+        shape: tuple[int, int] | None = None
+        fdim: int | None = None
+        ffeats = None
+        count = 0
+        seen: set[str] = set()
+        bar = pt.tqdm(desc=f"indexing {self._index.index_path.name}", unit="doc") if self._index.verbose else None
+        try:
+            with ExitStack() as stack:
+                fcomps = stack.enter_context(open(tmp / "comps.f4", "wb"))
+                fmean = stack.enter_context(open(tmp / "mean.f4", "wb"))
+                lookup = stack.enter_context(Lookup.builder(tmp / "docnos.npids"))
+                for docnos, comps, feats in self._batches(inp):
+                    arr, shape = _stack_components(comps, shape, count)
+                    if (feats is not None) != (ffeats is not None) and count:
+                        raise ValueError("give doc_feat (gate features) for all documents or none")
+                    if feats is not None:
+                        farr, fdim = _stack_features(feats, fdim, count)
+                        if ffeats is None:
+                            ffeats = stack.enter_context(open(tmp / "feats.f4", "wb"))
+                        ffeats.write(np.ascontiguousarray(farr).tobytes())
+                    for docno in docnos:
+                        if not isinstance(docno, str):
+                            raise ValueError(f"docno must be a str, got {docno!r} ({type(docno).__name__})")
+                        if docno in seen:
+                            raise ValueError(f"duplicate docno {docno!r}: docnos must be unique in an index")
+                        seen.add(docno)
+                        lookup.add(docno)
+                    fcomps.write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
+                    mean = arr.astype(np.float64).mean(axis=1).astype(np.float32)
+                    fmean.write(np.ascontiguousarray(mean).tobytes())
+                    count += len(docnos)
+                    if bar is not None:
+                        bar.update(len(docnos))
+                if count == 0:
+                    raise ValueError("nothing to index: the input had no records")
+                if count == 1:  # npids' fixed-bytes codec divides by zero on a single docno
+                    raise ValueError(
+                        "a MoL index needs at least 2 documents (npids, FlexIndex's docno store, cannot hold one)"
+                    )
+                for f in (fcomps, fmean, ffeats):
+                    if f is None:
+                        continue
+                    f.flush()
+                    os.fsync(f.fileno())
+        finally:
+            if bar is not None:
+                bar.close()
+        assert shape is not None
+        return count, shape, fdim
+
+
+def _missing_message(missing: list[str], have: Any) -> str:
+    hint = ""
+    if "doc_comp" in missing:
+        hint = " (encode the documents first: MoLEncoder(model).doc_encoder() >> index.indexer())"
+    return f"indexer input lacks column(s) {missing}{hint}; got {have}"
+
+
+def _stack_components(comps: list, shape: tuple[int, int] | None, offset: int) -> tuple[np.ndarray, tuple[int, int]]:
+    """Stack a batch of ``(P_x, d)`` arrays into float32 ``(n, P_x, d)``, checking shapes and finiteness."""
+    rows = []
+    for i, c in enumerate(comps):
+        try:
+            a = np.asarray(c, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"doc_comp #{offset + i} is not a numeric (P_x, d) array: {e}") from e
+        if a.ndim != 2 or 0 in a.shape:
+            raise ValueError(
+                f"doc_comp #{offset + i} must be a non-empty 2-D (components, dim) array, got shape {a.shape}"
+            )
+        if shape is None:
+            shape = (int(a.shape[0]), int(a.shape[1]))
+        elif a.shape != shape:
+            raise ValueError(
+                f"inconsistent component shapes: doc_comp #{offset + i} has shape {a.shape}, earlier ones {shape} "
+                "(components x dim)"
+            )
+        rows.append(a)
+    arr = np.stack(rows)
+    bad = ~np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"doc_comp #{offset + i} has non-finite values (nan or inf)")
+    assert shape is not None
+    return arr, shape
+
+
+def _stack_features(feats: list, fdim: int | None, offset: int) -> tuple[np.ndarray, int]:
+    """Stack a batch of 1-D gate feature vectors into float32 ``(n, F)``, checking shapes and finiteness."""
+    rows = []
+    for i, v in enumerate(feats):
+        a = np.asarray(v, dtype=np.float32)
+        if a.ndim != 1 or not a.size:
+            raise ValueError(f"doc_feat #{offset + i} must be a non-empty 1-D vector, got shape {a.shape}")
+        if fdim is None:
+            fdim = int(a.size)
+        elif a.size != fdim:
+            raise ValueError(f"inconsistent doc_feat dimensions: #{offset + i} has {a.size}, earlier ones {fdim}")
+        rows.append(a)
+    arr = np.stack(rows)
+    if not np.isfinite(arr).all():
+        i = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
+        raise ValueError(f"doc_feat #{offset + i} has non-finite values (nan or inf)")
+    assert fdim is not None
+    return arr, fdim
+
+
+def as_mol_index(index: Any) -> MoLIndex:
+    """``index`` as a :class:`MoLIndex` (itself, or opened from a path), checking that it is one.
+
+    Raises:
+        TypeError: for anything else (e.g. a :class:`~pyterrier_prob.DenseIndex`).
+        ValueError / FileNotFoundError: for a path that does not hold a complete MoL index.
+    """
+    if isinstance(index, MoLIndex):
+        index._load_meta()
+        return index
+    if isinstance(index, (str, os.PathLike)):
+        out = MoLIndex(index)
+        out._load_meta()
+        return out
+    raise TypeError(
+        f"expected a pyterrier_prob.MoLIndex, got {type(index).__name__}: build one with "
+        "MoLIndex(path).indexer().index(records with 'docno' and 'doc_comp') and open it with MoLIndex(path)"
+    )
