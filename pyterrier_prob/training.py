@@ -42,7 +42,7 @@ def fine_tune(
             max_steps=steps,
             per_device_train_batch_size=batch_size,
             learning_rate=learning_rate,
-            warmup_ratio=0.1,
+            warmup_steps=0.1,  # a float below 1 is a ratio of the steps (transformers >= 5)
             seed=seed,
             report_to="none",
             save_strategy="no",
