@@ -24,6 +24,14 @@ _EXPORTS: dict[str, str] = {
     "MoLEncoder": "pyterrier_prob.mol",
     "MoLRetriever": "pyterrier_prob.mol",
     "MoLReranker": "pyterrier_prob.mol",
+    "VarCrossEncoderReranker": "pyterrier_prob.rerank",
+    "QueryNoise": "pyterrier_prob.noise",
+    "NOISE_TYPES": "pyterrier_prob.noise",
+    "all_noise": "pyterrier_prob.noise",
+    "percent_no": "pyterrier_prob.hard_queries",
+    "no_relevant_in_top": "pyterrier_prob.hard_queries",
+    "hard_queries": "pyterrier_prob.hard_queries",
+    "hard_query_table": "pyterrier_prob.hard_queries",
 }
 
 __all__ = ["__version__", *_EXPORTS]

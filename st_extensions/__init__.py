@@ -3,6 +3,7 @@
 Usable on its own with sentence-transformers; knows nothing of PyTerrier.
 """
 
+from st_extensions.cross_encoder import VarCrossEncoder, build_var_cross_encoder
 from st_extensions.distributions import BetaCosine, ExpCosine
 from st_extensions.loading import load_model
 from st_extensions.modules import MixtureOfLogits, QueryDistributionHead
@@ -14,8 +15,10 @@ __all__ = [
     "ExpCosine",
     "MixtureOfLogits",
     "QueryDistributionHead",
+    "VarCrossEncoder",
     "build_mol_model",
     "build_pebr_model",
+    "build_var_cross_encoder",
     "default_model_path",
     "encode_components",
     "encode_queries",

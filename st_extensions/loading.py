@@ -16,6 +16,7 @@ from typing import Any
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 
+from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead
 from st_extensions.modules import MixtureOfLogits, QueryDistributionHead
 
 #: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
@@ -33,6 +34,11 @@ def register_module(cls: type[nn.Module]) -> type[nn.Module]:
 
 register_module(QueryDistributionHead)
 register_module(MixtureOfLogits)
+register_module(VariationalHead)
+
+#: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
+#: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).
+MODEL_CLASSES: dict[str, type] = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VarCrossEncoder}
 
 
 def _module_types(path: str) -> list[tuple[str, str]]:
@@ -76,7 +82,8 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
     Args:
         path: a local directory written by ``model.save(...)`` / the trainer.
         cross_encoder: load as a :class:`~sentence_transformers.CrossEncoder`; by default a model whose
-            ``config_sentence_transformers.json`` says ``"model_type": "CrossEncoder"`` is one.
+            ``config_sentence_transformers.json`` says ``"model_type": "CrossEncoder"`` is one. A model holding
+            a module listed in :data:`MODEL_CLASSES` loads as that class (a VariationalHead: ``VarCrossEncoder``).
         **kwargs: passed to the model class (``device``, ``model_kwargs``, ...); ``trust_remote_code``
             is not accepted.
 
@@ -92,9 +99,10 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"load_model expects a local model directory, got {path!r}")
+    types = _module_types(path)
     foreign = [
         (t, where)
-        for t, where in _module_types(path)
+        for t, where in types
         if not t.startswith("sentence_transformers.") and t not in ALLOWED_MODULES
     ]
     if foreign:
@@ -112,5 +120,10 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
                 model_type = json.load(f).get("model_type")
         cross_encoder = model_type == "CrossEncoder"
     cls = CrossEncoder if cross_encoder else SentenceTransformer
+    special = sorted({MODEL_CLASSES[t].__name__: MODEL_CLASSES[t] for t, _ in types if t in MODEL_CLASSES}.items())
+    if len(special) > 1:
+        raise ValueError(f"{path!r} holds modules of several model classes: {[name for name, _ in special]}")
+    if special and issubclass(special[0][1], cls):
+        cls = special[0][1]  # e.g. VarCrossEncoder for a CrossEncoder with a VariationalHead
     # The loader maps the checked class references to our imported classes; trust_remote_code stays False.
     return cls._load_with_module_classes(path, module_classes=dict(ALLOWED_MODULES), **kwargs)

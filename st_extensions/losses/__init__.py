@@ -2,5 +2,6 @@
 
 from st_extensions.losses.mol import MoLLoss
 from st_extensions.losses.pebr import BetaMLELoss, BetaNCELoss, ExpNCELoss
+from st_extensions.losses.varce import VariationalBCELoss
 
-__all__ = ["BetaMLELoss", "BetaNCELoss", "ExpNCELoss", "MoLLoss"]
+__all__ = ["BetaMLELoss", "BetaNCELoss", "ExpNCELoss", "MoLLoss", "VariationalBCELoss"]

@@ -1,0 +1,144 @@
+"""Hard-query analysis of VarCrossEncoder Sec. 5 (Table 8): %no and the bottom half of queries under a baseline.
+
+* ``%no`` (Voorhees): the percentage of queries with no relevant document in the top 10 -- lower is more robust
+  (:func:`percent_no`, per query :func:`no_relevant_in_top`).
+* Hard queries (Bigdeli et al., as the paper uses them): rank the queries by a baseline's effectiveness
+  (the Cross Encoder's nDCG@10, MRR@10 on MS MARCO Dev) and keep the bottom 50 % (:func:`hard_queries`); then
+  compare systems on that subset (:func:`hard_query_table`).
+
+Inputs are PyTerrier result frames (``qid, docno, score``) and qrels (``qid, docno, label``); measures come from
+``ir_measures`` (through :func:`pyterrier_prob.evaluation.per_query_set_measures`, which scores a query a run
+returned nothing for as 0). The evaluated queries are those with a relevant qrel (label >= ``min_label``),
+restricted to ``topics`` when given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+from pyterrier_prob.evaluation import _parse_measures, per_query_set_measures
+
+__all__ = ["hard_queries", "hard_query_table", "no_relevant_in_top", "per_query", "percent_no"]
+
+
+def per_query(
+    run: pd.DataFrame,
+    qrels: pd.DataFrame,
+    measure: Any = "nDCG@10",
+    *,
+    topics: pd.DataFrame | Iterable[str] | None = None,
+    min_label: int = 1,
+) -> pd.Series:
+    """One ``ir_measures`` measure per evaluated query (0 where ``run`` has nothing), as a qid-indexed Series."""
+    (m,) = _parse_measures(measure)
+    values = per_query_set_measures({"run": run}, qrels, None, [m], topics=topics, min_label=min_label)
+    return values.set_index("qid")[str(m)].rename(str(m))
+
+
+def no_relevant_in_top(
+    run: pd.DataFrame,
+    qrels: pd.DataFrame,
+    k: int = 10,
+    *,
+    rel: int = 1,
+    topics: pd.DataFrame | Iterable[str] | None = None,
+) -> pd.Series:
+    """Per evaluated query: True when none of its top ``k`` documents has label >= ``rel`` (qid-indexed bools)."""
+    import ir_measures
+
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    p_at_k = per_query(run, qrels, ir_measures.P(rel=rel) @ k, topics=topics, min_label=rel)
+    return (p_at_k == 0).rename(f"no_rel@{k}")
+
+
+def percent_no(
+    run: pd.DataFrame,
+    qrels: pd.DataFrame,
+    k: int = 10,
+    *,
+    rel: int = 1,
+    topics: pd.DataFrame | Iterable[str] | None = None,
+) -> float:
+    """Voorhees' %no: the percentage (0-100) of evaluated queries with no relevant document in the top ``k``."""
+    return float(100.0 * no_relevant_in_top(run, qrels, k, rel=rel, topics=topics).mean())
+
+
+def _n_hard(n: int, fraction: float) -> int:
+    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    return max(1, math.floor(fraction * n + 1e-9)) if n else 0
+
+
+def hard_queries(
+    baseline: pd.DataFrame,
+    qrels: pd.DataFrame,
+    measure: Any = "nDCG@10",
+    fraction: float = 0.5,
+    *,
+    topics: pd.DataFrame | Iterable[str] | None = None,
+    min_label: int = 1,
+) -> list[str]:
+    """The qids of the ``fraction`` worst evaluated queries under ``baseline`` (Sec. 5: bottom 50 % by nDCG@10).
+
+    Queries are sorted by the baseline's per-query ``measure``, ascending, ties by qid (so the choice among
+    queries tied at the boundary is deterministic); the first ``max(1, floor(fraction * n))`` are returned,
+    in that order.
+    """
+    values = per_query(baseline, qrels, measure, topics=topics, min_label=min_label)
+    ordered = values.rename("value").reset_index().sort_values(["value", "qid"], kind="stable")
+    return ordered["qid"].astype(str).head(_n_hard(len(ordered), fraction)).tolist()
+
+
+def hard_query_table(
+    runs: Mapping[str, pd.DataFrame],
+    qrels: pd.DataFrame,
+    baseline: str | pd.DataFrame,
+    measures: Sequence[Any] | str = ("nDCG@10",),
+    fraction: float = 0.5,
+    *,
+    k: int = 10,
+    topics: pd.DataFrame | Iterable[str] | None = None,
+    min_label: int = 1,
+) -> pd.DataFrame:
+    """Table 8 of the paper: each system on the baseline's hard queries, next to all queries and its %no.
+
+    Args:
+        runs: ``{name: result frame}``.
+        qrels: ``qid, docno, label``.
+        baseline: the name of the run in ``runs`` that defines the hard queries, or its result frame.
+        measures: ``ir_measures`` measures (or names); the first one selects the hard queries.
+        fraction: the share of queries that are hard (0.5: the bottom half).
+        k: depth of %no.
+        topics, min_label: which queries are evaluated (those with a qrel of label >= ``min_label``).
+
+    Returns:
+        One row per system: ``name, n_queries, n_hard``, for each measure ``<measure>`` (mean over all
+        evaluated queries) and ``<measure> hard`` (mean over the hard ones), ``%no`` and ``%no hard``.
+    """
+    if not isinstance(runs, Mapping) or not runs:
+        raise ValueError("runs must be a non-empty mapping of name -> result frame")
+    if isinstance(baseline, str):
+        if baseline not in runs:
+            raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
+        baseline = runs[baseline]
+    ms = _parse_measures(measures)
+    hard = hard_queries(baseline, qrels, ms[0], fraction, topics=topics, min_label=min_label)
+    per_q = per_query_set_measures(runs, qrels, None, ms, topics=topics, min_label=min_label)
+    rows = []
+    for name, run in runs.items():
+        mine = per_q[per_q["name"] == name].set_index("qid")
+        in_hard = mine.index.isin(hard)
+        no = no_relevant_in_top(run, qrels, k, rel=min_label, topics=topics).reindex(mine.index)
+        row: dict[str, Any] = {"name": name, "n_queries": len(mine), "n_hard": int(in_hard.sum())}
+        for m in ms:
+            row[str(m)] = float(mine[str(m)].mean())
+            row[f"{m} hard"] = float(mine.loc[in_hard, str(m)].mean())
+        row["%no"] = float(100.0 * no.mean())
+        row["%no hard"] = float(100.0 * no[in_hard].mean())
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -1,0 +1,508 @@
+"""Query-noise injection: the six word-level perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4).
+
+``shared/papers/var-cross-encoder.md`` tests robustness by perturbing one word per query (noise level one)
+with each of six perturbations, implemented there with NLPaug:
+
+========================  ====  ==============================================================================
+type                      abbr  what changes (one word per query)
+========================  ====  ==============================================================================
+``spelling``              SE    a word becomes one of its common misspellings (NLPaug's dictionary)
+``wordemb_insert``        WEI   a word's embedding neighbour is inserted right after it
+``wordemb_substitute``    WES   a word is replaced by one of its embedding neighbours
+``synonym``               SR    a word is replaced by a WordNet synonym
+``random_swap``           RS    two words exchange positions
+``random_delete``         RD    a word is removed
+========================  ====  ==============================================================================
+
+:class:`QueryNoise` applies one of them to a query frame, keeping the original in ``query_0`` (PyTerrier's
+query-rewriting convention), e.g. ``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker``.
+Every query's perturbation is seeded by ``(seed, type, qid, query)``, so it is the same whatever frame or
+order the query comes in. Words are whitespace tokens; leading/trailing punctuation stays in place and a
+capitalised word's replacement is capitalised. Content words are picked before stopwords (a stopword only
+when the query has nothing else); a query the perturbation cannot change (one word for RS/RD, no word with a
+misspelling, neighbour or synonym) stays as it is.
+
+Resources, all offline:
+
+* misspellings: the dictionary NLPaug's ``SpellingAug`` uses (``nlpaug/res/word/spelling/spelling_en.txt``,
+  from the natural-noise corpus of Belinkov & Bisk), read from the installed ``nlpaug`` package (only the data
+  file; nothing of NLPaug is imported); a word without an entry falls back to a keyboard-free typo (two
+  adjacent inner letters swapped) unless ``spelling_fallback=False``;
+* embedding neighbours: cosine neighbours among the whole-word tokens (two or more letters) of a model's input
+  token embeddings (default the packaged all-MiniLM-L6-v2); words that are not such a token have no
+  embedding and are not picked, as word-embedding augmenters skip out-of-vocabulary words;
+* WordNet: the Princeton WordNet 3.0 database files (``index.*``/``data.*``/``*.exc``), read by a small
+  reader here with WordNet's morphology (exception lists + suffix rules, as ``morphy``). Found in
+  ``wordnet_dir``, ``$WORDNET_DIR``, Debian/Ubuntu's ``wordnet-base`` package (``/usr/share/wordnet``:
+  ``apt-get install wordnet-base``) or an unpacked NLTK ``corpora/wordnet``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+
+__all__ = [
+    "NOISE_TYPES",
+    "EmbeddingNeighbours",
+    "QueryNoise",
+    "WordNet",
+    "all_noise",
+    "find_wordnet",
+    "spelling_dictionary",
+]
+
+NOISE_TYPES: tuple[str, ...] = (
+    "spelling",
+    "wordemb_insert",
+    "wordemb_substitute",
+    "synonym",
+    "random_swap",
+    "random_delete",
+)
+"""The six perturbations of Sec. 4.5.2, in the paper's order."""
+
+ABBREVIATIONS: dict[str, str] = {
+    "SE": "spelling",
+    "SP": "spelling",
+    "WEI": "wordemb_insert",
+    "WES": "wordemb_substitute",
+    "SR": "synonym",
+    "RS": "random_swap",
+    "RD": "random_delete",
+}
+"""The paper's abbreviations (Table 4; the text also writes SP for spelling)."""
+
+STOPWORDS: frozenset[str] = frozenset(
+    """a an and are as at be by for from has have how i in is it its of on or that the this to was what when
+    where which who why will with do does did can could should would my your their our there these those
+    not no""".split()
+)
+"""Words picked only when a query has no other candidate."""
+
+WORDNET_DIRS: tuple[str, ...] = (
+    "/usr/share/wordnet",
+    "/usr/share/nltk_data/corpora/wordnet",
+    "/usr/local/share/nltk_data/corpora/wordnet",
+    "/usr/lib/nltk_data/corpora/wordnet",
+    "~/nltk_data/corpora/wordnet",
+)
+"""Where :func:`find_wordnet` looks after ``wordnet_dir`` and ``$WORDNET_DIR``."""
+
+_WORD = re.compile(r"^(\W*)(.*?)(\W*)$", re.UNICODE)
+_ALPHA = re.compile(r"[A-Za-z]")
+
+
+def _canonical_type(kind: str) -> str:
+    key = str(kind).strip()
+    if key.upper() in ABBREVIATIONS:
+        return ABBREVIATIONS[key.upper()]
+    key = key.lower().replace("-", "_").replace(" ", "_")
+    if key not in NOISE_TYPES:
+        raise ValueError(f"noise type must be one of {NOISE_TYPES} or {sorted(ABBREVIATIONS)}, got {kind!r}")
+    return key
+
+
+# ------------------------------------------------------------------------------------------------------------
+# resources
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _nlpaug_spelling_file() -> Path:
+    spec = importlib.util.find_spec("nlpaug")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the spelling perturbation reads NLPaug's misspelling dictionary: pip install nlpaug "
+            "(or pass spelling_path= a file of 'word misspelling1 misspelling2 ...' lines)"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / "res" / "word" / "spelling" / "spelling_en.txt"
+
+
+@lru_cache(maxsize=4)
+def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
+    """``{word: misspellings}`` from a file of ``word misspelling1 misspelling2 ...`` lines (default: NLPaug's).
+
+    Only the forward direction (correct word -> its misspellings): queries are assumed spelled correctly.
+    """
+    file = Path(path) if path is not None else _nlpaug_spelling_file()
+    if not file.is_file():
+        raise FileNotFoundError(f"no misspelling dictionary at {str(file)!r}")
+    out: dict[str, set[str]] = {}
+    with open(file, encoding="utf-8") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 2:
+                continue
+            key = parts[0].lower()
+            out.setdefault(key, set()).update(p for p in parts[1:] if p.lower() != key)
+    return {k: tuple(sorted(v)) for k, v in out.items() if v}
+
+
+def find_wordnet(wordnet_dir: str | os.PathLike | None = None) -> Path:
+    """The directory of the Princeton WordNet database files, or a clear error saying how to get them."""
+    candidates = [wordnet_dir] if wordnet_dir is not None else [os.environ.get("WORDNET_DIR"), *WORDNET_DIRS]
+    for c in candidates:
+        if c is None:
+            continue
+        p = Path(c).expanduser()
+        if (p / "index.noun").is_file() and (p / "data.noun").is_file():
+            return p
+        if (p / "dict" / "index.noun").is_file():
+            return p / "dict"
+    where = str(wordnet_dir) if wordnet_dir is not None else ", ".join(["$WORDNET_DIR", *WORDNET_DIRS])
+    raise FileNotFoundError(
+        f"no WordNet database (index.noun, data.noun, ...) in {where}: install Debian/Ubuntu's wordnet-base "
+        "(apt-get install wordnet-base, files in /usr/share/wordnet) or pass wordnet_dir= a WordNet 3.x dict "
+        "directory (e.g. an unpacked NLTK corpora/wordnet)"
+    )
+
+
+_POS = ("noun", "verb", "adj", "adv")
+_SUBSTITUTIONS: dict[str, tuple[tuple[str, str], ...]] = {  # WordNet's morphy suffix rules
+    "noun": (
+        ("s", ""),
+        ("ses", "s"),
+        ("ves", "f"),
+        ("xes", "x"),
+        ("zes", "z"),
+        ("ches", "ch"),
+        ("shes", "sh"),
+        ("men", "man"),
+        ("ies", "y"),
+    ),
+    "verb": (("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""), ("ing", "e"), ("ing", "")),
+    "adj": (("er", ""), ("est", ""), ("er", "e"), ("est", "e")),
+    "adv": (),
+}
+
+
+class WordNet:
+    """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms.
+
+    Reads ``index.<pos>`` (lemma -> synset offsets), ``data.<pos>`` (synset -> its words, looked up by byte
+    offset) and ``<pos>.exc`` (irregular forms) for pos in noun, verb, adj, adv.
+    """
+
+    def __init__(self, root: str | os.PathLike | None = None) -> None:
+        self.root = find_wordnet(root)
+        self._index: dict[str, dict[str, tuple[int, ...]]] = {}
+        self._exc: dict[str, dict[str, tuple[str, ...]]] = {}
+        self._data: dict[str, bytes] = {}
+        for pos in _POS:
+            index: dict[str, tuple[int, ...]] = {}
+            with open(self.root / f"index.{pos}", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith(" "):
+                        continue  # licence header
+                    parts = line.split()
+                    if len(parts) < 6:
+                        continue
+                    n = int(parts[2])
+                    index[parts[0]] = tuple(int(o) for o in parts[-n:])
+            self._index[pos] = index
+            exc: dict[str, tuple[str, ...]] = {}
+            exc_file = self.root / f"{pos}.exc"
+            if exc_file.is_file():
+                with open(exc_file, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        parts = line.split()
+                        if len(parts) >= 2:
+                            exc[parts[0]] = tuple(parts[1:])
+            self._exc[pos] = exc
+
+    def __repr__(self) -> str:
+        return f"WordNet({str(self.root)!r})"
+
+    def lemmas(self, word: str, pos: str) -> list[str]:
+        """Base forms of ``word`` in ``pos`` that WordNet knows (morphy: the word, its exceptions, suffix rules)."""
+        index = self._index[pos]
+        w = word.lower().replace(" ", "_")
+        forms = [w, *self._exc[pos].get(w, ())]
+        forms += [w[: -len(old)] + new for old, new in _SUBSTITUTIONS[pos] if w.endswith(old) and len(w) > len(old)]
+        return list(dict.fromkeys(f for f in forms if f in index))
+
+    def _synset_words(self, pos: str, offset: int) -> list[str]:
+        if pos not in self._data:
+            self._data[pos] = (self.root / f"data.{pos}").read_bytes()
+        data = self._data[pos]
+        end = data.find(b"\n", offset)
+        parts = data[offset : end if end >= 0 else None].decode("utf-8", errors="replace").split()
+        count = int(parts[3], 16)
+        return [re.sub(r"\(.*\)$", "", w) for w in parts[4 : 4 + 2 * count : 2]]
+
+    def synonyms(self, word: str, multiword: bool = False) -> list[str]:
+        """WordNet synonyms of ``word`` (every sense, every part of speech), without the word and its base forms.
+
+        Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces).
+        """
+        out: dict[str, None] = {}
+        exclude = {word.lower()}
+        for pos in _POS:
+            for lemma in self.lemmas(word, pos):
+                exclude.add(lemma)
+                for offset in self._index[pos][lemma]:
+                    for w in self._synset_words(pos, offset):
+                        if not multiword and ("_" in w or "-" in w):
+                            continue
+                        out.setdefault(w.replace("_", " "), None)
+        return [w for w in out if w.lower().replace(" ", "_") not in exclude]
+
+
+@lru_cache(maxsize=2)
+def _wordnet(root: str | None) -> WordNet:
+    return WordNet(root)
+
+
+class EmbeddingNeighbours:
+    """Nearest whole-word tokens of a word in a model's input token-embedding space (cosine).
+
+    Args:
+        model: a sentence-transformers model (or CrossEncoder) with a tokenizer and a Hugging Face encoder,
+            its path, or ``None`` for the packaged all-MiniLM-L6-v2.
+        top_k: how many neighbours :meth:`neighbours` returns.
+    """
+
+    def __init__(self, model: Any = None, top_k: int = 10) -> None:
+        import torch
+
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        if model is None or isinstance(model, (str, os.PathLike)):
+            from st_extensions import default_model_path, load_model
+
+            model = load_model(os.fspath(model) if model is not None else default_model_path(), device="cpu")
+        auto_model = getattr(model[0], "auto_model", None) if hasattr(model, "__getitem__") else None
+        tokenizer = getattr(model, "tokenizer", None)
+        if auto_model is None or tokenizer is None:
+            raise ValueError("EmbeddingNeighbours needs a model whose first module holds a Hugging Face encoder")
+        self.top_k = top_k
+        self.tokenizer = tokenizer
+        weight = auto_model.get_input_embeddings().weight.detach().float().cpu()
+        vocab = tokenizer.get_vocab()
+        words = sorted((t, i) for t, i in vocab.items() if re.fullmatch(r"[a-z]{2,}", t))
+        self.words = [t for t, _ in words]
+        self._row = {t: r for r, t in enumerate(self.words)}
+        cand = torch.nn.functional.normalize(weight[[i for _, i in words]], dim=-1)
+        self._candidates = cand.numpy()
+
+    def __contains__(self, word: str) -> bool:
+        """Whether ``word`` (lower-cased) is a whole-word token of the vocabulary, i.e. has an embedding."""
+        return word.lower() in self._row
+
+    def neighbours(self, word: str, k: int | None = None) -> list[str]:
+        """The ``k`` (default ``top_k``) nearest whole-word tokens of ``word``, nearest first, without the word;
+        ``[]`` for a word outside the vocabulary (as word-embedding augmenters skip out-of-vocabulary words)."""
+        k = self.top_k if k is None else k
+        row = self._row.get(word.lower())
+        if row is None:
+            return []
+        sims = self._candidates @ self._candidates[row]
+        top = np.argsort(-sims, kind="stable")[: k + 1]
+        return [self.words[i] for i in top if i != row][:k]
+
+
+@lru_cache(maxsize=2)
+def _default_neighbours(top_k: int) -> EmbeddingNeighbours:
+    return EmbeddingNeighbours(None, top_k=top_k)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the perturbations
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Word:
+    prefix: str
+    core: str
+    suffix: str
+
+    @classmethod
+    def parse(cls, token: str) -> _Word:
+        m = _WORD.match(token)
+        assert m is not None
+        return cls(m.group(1), m.group(2), m.group(3))
+
+    def replaced(self, new: str) -> str:
+        if self.core[:1].isupper() and new[:1].islower():
+            new = new[:1].upper() + new[1:]
+        return f"{self.prefix}{new}{self.suffix}"
+
+
+def _typo(word: str, rng: np.random.Generator) -> str | None:
+    """Swap two adjacent inner letters (first and last letter kept) so the word changes; None if impossible."""
+    positions = [i for i in range(1, len(word) - 2) if word[i] != word[i + 1]]
+    if not positions:
+        return None
+    i = positions[int(rng.integers(len(positions)))]
+    return word[:i] + word[i + 1] + word[i] + word[i + 2 :]
+
+
+class QueryNoise(pt.Transformer):
+    """Perturbs one word of every query (VarCrossEncoder Sec. 4.5.2); the original goes to ``query_0``.
+
+    Args:
+        kind: one of :data:`NOISE_TYPES` or the paper's abbreviation (SE/SP, WEI, WES, SR, RS, RD).
+        seed: with the qid and query text, seeds each query's perturbation.
+        embedding_model: for WEI/WES: a model, its path, or an :class:`EmbeddingNeighbours` (default: the
+            packaged all-MiniLM-L6-v2's input embeddings).
+        top_k: WEI/WES draw the new word among this many nearest neighbours.
+        wordnet_dir: for SR: the WordNet database directory (default: see :func:`find_wordnet`).
+        spelling_path: for SE: a misspelling dictionary (default: NLPaug's).
+        spelling_fallback: SE on a query none of whose words has a dictionary misspelling: swap two adjacent
+            inner letters of a word instead (``False``: leave the query unchanged).
+        stopwords: words picked only when a query has no other candidate (``None``: no preference).
+
+    The perturbed query replaces ``query``; ``query_0`` keeps the original (an existing ``query_0`` moves to
+    ``query_1``, as :func:`pyterrier.model.push_queries` does).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        seed: int = 0,
+        *,
+        embedding_model: Any = None,
+        top_k: int = 10,
+        wordnet_dir: str | os.PathLike | None = None,
+        spelling_path: str | os.PathLike | None = None,
+        spelling_fallback: bool = True,
+        stopwords: Iterable[str] | None = STOPWORDS,
+    ) -> None:
+        self.kind = _canonical_type(kind)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        self.seed = int(seed)
+        self.top_k = top_k
+        self.stopwords = frozenset(w.lower() for w in stopwords) if stopwords is not None else frozenset()
+        self.spelling_fallback = bool(spelling_fallback)
+        self._embedding_model = embedding_model
+        self._wordnet_dir = None if wordnet_dir is None else os.fspath(wordnet_dir)
+        self._spelling_path = None if spelling_path is None else os.fspath(spelling_path)
+        # load the resource now, so a missing one fails at construction rather than mid-pipeline
+        self._resource: Any = None
+        if self.kind == "spelling":
+            self._resource = spelling_dictionary(self._spelling_path)
+        elif self.kind in ("wordemb_insert", "wordemb_substitute"):
+            if isinstance(embedding_model, EmbeddingNeighbours):
+                self._resource = embedding_model
+            elif embedding_model is None:
+                self._resource = _default_neighbours(top_k)
+            else:
+                self._resource = EmbeddingNeighbours(embedding_model, top_k=top_k)
+        elif self.kind == "synonym":
+            self._resource = _wordnet(self._wordnet_dir)
+
+    def __repr__(self) -> str:
+        return f"QueryNoise({self.kind!r}, seed={self.seed})"
+
+    def subtransformers(self) -> dict:
+        return {}
+
+    # ---- one query ----------------------------------------------------------------------------------------
+    def rng(self, qid: str, query: str) -> np.random.Generator:
+        """The generator of one query: a function of (seed, type, qid, query) only."""
+        digest = hashlib.sha256(f"{self.kind}\x00{qid}\x00{query}".encode()).digest()
+        return np.random.default_rng([self.seed, *np.frombuffer(digest[:16], dtype=np.uint32).tolist()])
+
+    def _pick(self, tokens: list[str], rng: np.random.Generator, ok: Any) -> list[int]:
+        """Candidate positions in random order: content words first, stopwords after."""
+        order = rng.permutation(len(tokens)).tolist()
+        words = [_Word.parse(t) for t in tokens]
+        content = [i for i in order if words[i].core.lower() not in self.stopwords]
+        stop = [i for i in order if words[i].core.lower() in self.stopwords]
+        return [i for i in content + stop if _ALPHA.search(words[i].core) and ok(words[i].core)]
+
+    def perturb(self, query: str, qid: str = "") -> str:
+        """The perturbed query (the query itself when the perturbation cannot apply to it)."""
+        tokens = str(query).split()
+        rng = self.rng(str(qid), str(query))
+        if not tokens:
+            return str(query)
+        kind = self.kind
+        if kind == "random_delete":
+            if len(tokens) < 2:
+                return str(query)
+            positions = self._pick(tokens, rng, lambda w: True) or rng.permutation(len(tokens)).tolist()
+            i = positions[0]
+            return " ".join(tokens[:i] + tokens[i + 1 :])
+        if kind == "random_swap":
+            pairs = [(i, j) for i in range(len(tokens)) for j in range(i + 1, len(tokens)) if tokens[i] != tokens[j]]
+            if not pairs:
+                return str(query)
+            i, j = pairs[int(rng.integers(len(pairs)))]
+            out = list(tokens)
+            out[i], out[j] = out[j], out[i]
+            return " ".join(out)
+        if kind == "spelling":
+            table: dict[str, tuple[str, ...]] = self._resource
+            for i in self._pick(tokens, rng, lambda w: w.lower() in table):
+                word = _Word.parse(tokens[i])
+                options = table[word.core.lower()]
+                return self._replace(tokens, i, word.replaced(options[int(rng.integers(len(options)))]))
+            if self.spelling_fallback:
+                for i in self._pick(tokens, rng, lambda w: len(w) >= 4):
+                    word = _Word.parse(tokens[i])
+                    typo = _typo(word.core, rng)
+                    if typo is not None:
+                        return self._replace(tokens, i, f"{word.prefix}{typo}{word.suffix}")
+            return str(query)
+        if kind == "synonym":
+            wordnet: WordNet = self._resource
+            for i in self._pick(tokens, rng, lambda w: True):
+                word = _Word.parse(tokens[i])
+                options = wordnet.synonyms(word.core)
+                if options:
+                    return self._replace(tokens, i, word.replaced(options[int(rng.integers(len(options)))]))
+            return str(query)
+        # wordemb_insert / wordemb_substitute
+        neighbours: EmbeddingNeighbours = self._resource
+        for i in self._pick(tokens, rng, lambda w: w in neighbours):
+            word = _Word.parse(tokens[i])
+            options = neighbours.neighbours(word.core, self.top_k)
+            if not options:
+                continue
+            new = options[int(rng.integers(len(options)))]
+            if kind == "wordemb_substitute":
+                return self._replace(tokens, i, word.replaced(new))
+            return " ".join(tokens[: i + 1] + [new] + tokens[i + 1 :])
+        return str(query)
+
+    @staticmethod
+    def _replace(tokens: list[str], i: int, new: str) -> str:
+        return " ".join(tokens[:i] + [new] + tokens[i + 1 :])
+
+    # ---- a frame ------------------------------------------------------------------------------------------
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        try:
+            pt.validate.query_frame(inp, extra_columns=["query"])
+        except pt.validate.InputValidationError as e:
+            raise pt.validate.InputValidationError(
+                "QueryNoise perturbs topics before retrieval: it needs a query frame with columns ['qid', 'query'] "
+                f"and no docno (got {list(inp.columns)}); apply it to the topics, e.g. "
+                "QueryNoise('SR') >> bm25.",
+                e.modes,
+            ) from e
+        out = pt.model.push_queries(inp.reset_index(drop=True))
+        out["query"] = [self.perturb(q, qid) for qid, q in zip(out["qid"].astype(str), out["query_0"])]
+        return out
+
+
+def all_noise(seed: int = 0, **kwargs: Any) -> dict[str, QueryNoise]:
+    """``{abbreviation: QueryNoise}`` for the six perturbations of Table 4 (RD, RS, SE, SR, WEI, WES)."""
+    names = {"RD": "random_delete", "RS": "random_swap", "SE": "spelling", "SR": "synonym"}
+    names |= {"WEI": "wordemb_insert", "WES": "wordemb_substitute"}
+    return {abbr: QueryNoise(kind, seed, **kwargs) for abbr, kind in names.items()}

@@ -1,0 +1,205 @@
+"""The VarCrossEncoder head: the [CLS] embedding t -> a diagonal Gaussian N(mu(t), Sigma(t)) -> a relevance score.
+
+VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3.2) maps the contextual [CLS] embedding of a
+query-document pair to a Gaussian over a K-dimensional latent (Eq. 3) with one of three probabilistic modules:
+
+* ``VAR`` (VARM): mu(t) = [CLS] (so K = d) and a learned branch f^Sigma predicts diag Sigma(t);
+* ``MEANVAR`` (MEANVARM): two learned branches f^mu and f^Sigma (K free, default d);
+* ``MEAN`` (MEANM): diag Sigma(t) is read off [CLS] itself (so K = d) and a learned branch f^mu predicts mu(t).
+
+A linear decoder (the ranker, Eq. 7-8) scores a latent sample, s = z^T W (+ b). In training the head draws
+z = mu + Sigma^(1/2) eps, eps ~ N(0, I) (the reparameterisation trick, Eq. 5-6 and Alg. 1 lines 8-9); at
+inference the score is its expectation E[s] = mu^T W (+ b) (Eq. 22) and its variance Var[s] = W^T Sigma W
+(Eq. 23) -- both in closed form, since s is a linear function of a Gaussian.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file
+from sentence_transformers.base.modules import Module
+from torch import Tensor, nn
+
+Variant = Literal["VAR", "MEANVAR", "MEAN"]
+VARIANTS: tuple[str, ...] = ("VAR", "MEANVAR", "MEAN")
+MEAN_KEY = "latent_mean"
+VAR_KEY = "latent_var"
+SCORE_VAR_KEY = "score_var"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _check_variant(variant: str) -> str:
+    canonical = str(variant).upper().replace("-", "").replace("_", "")
+    canonical = {"VARM": "VAR", "MEANVARM": "MEANVAR", "MEANM": "MEAN"}.get(canonical, canonical)
+    if canonical not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} (the paper's VARM, MEANVARM, MEANM), got {variant!r}")
+    return canonical
+
+
+class VariationalHead(Module):
+    """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23).
+
+    Reads the pooled [CLS] embedding ``t`` (``features["sentence_embedding"]``, from a ``Pooling(d, "cls")``
+    module) and writes
+
+    * ``features["latent_mean"]``, ``features["latent_var"]``: mu(t) and diag Sigma(t), shape ``(batch, K)``;
+    * ``features["scores"]``, shape ``(batch, 1)``: in training mode one reparameterised sample
+      ``(mu + Sigma^(1/2) eps)^T W + b`` (Eq. 5, 8), in eval mode the expectation ``mu^T W + b`` (Eq. 22) --
+      so any CrossEncoder loss trains it on sampled scores and ``predict`` ranks by the expected score;
+    * ``features["score_var"]``, shape ``(batch, 1)``: ``W^T Sigma W`` (Eq. 23), in both modes.
+
+    Every branch predicts log Sigma, so Sigma = exp(log Sigma) > 0; in the ``MEAN`` module the [CLS]
+    embedding is read as log Sigma (a positive variance needs some fixed positive map, and the log scale is
+    the one the other branches use). log Sigma is clamped to ``[min_log_var, max_log_var]`` so the KL term and
+    exp stay finite. The variance branch starts with zero weights and bias ``init_log_var`` (default 0:
+    Sigma = I, the prior's covariance), the mean branch and the decoder with PyTorch's default init.
+
+    Args:
+        in_features: dimension d of the [CLS] embedding (384 for all-MiniLM-L6-v2).
+        variant: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"`` (Sec. 3.2.1).
+        latent_dim: K; must be ``in_features`` for ``VAR`` and ``MEAN`` (the default), free for ``MEANVAR``.
+        bias: a bias b in the decoder, s = z^T W + b. Eq. 8 has none; b shifts every score alike, so it
+            changes neither the ranking nor Var[s], and lets BCE fit the base rate.
+        init_log_var: initial log Sigma of the learned variance branch (``VAR``, ``MEANVAR``).
+        min_log_var, max_log_var: clamp of log Sigma.
+        module_input_name: the features key holding t.
+    """
+
+    config_keys: list[str] = [
+        "in_features",
+        "variant",
+        "latent_dim",
+        "bias",
+        "init_log_var",
+        "min_log_var",
+        "max_log_var",
+        "module_input_name",
+    ]
+    config_file_name = "config.json"
+
+    def __init__(
+        self,
+        in_features: int,
+        variant: Variant = "VAR",
+        latent_dim: int | None = None,
+        bias: bool = True,
+        init_log_var: float = 0.0,
+        min_log_var: float = -20.0,
+        max_log_var: float = 10.0,
+        module_input_name: str = "sentence_embedding",
+    ) -> None:
+        super().__init__()
+        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
+            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+        variant = _check_variant(variant)
+        if latent_dim is None:
+            latent_dim = in_features
+        if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or latent_dim < 1:
+            raise ValueError(f"latent_dim must be a positive int or None, got {latent_dim!r}")
+        if variant in ("VAR", "MEAN") and latent_dim != in_features:
+            raise ValueError(
+                f"the {variant} module uses [CLS] itself as the {'mean' if variant == 'VAR' else 'variance'}, "
+                f"so latent_dim must equal in_features ({in_features}), got {latent_dim}; use MEANVAR for another K"
+            )
+        for name, value in (("init_log_var", init_log_var), ("min_log_var", min_log_var), ("max_log_var", max_log_var)):
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be finite, got {value!r}")
+        if not min_log_var <= init_log_var <= max_log_var:
+            raise ValueError(
+                f"need min_log_var <= init_log_var <= max_log_var, got {min_log_var}, {init_log_var}, {max_log_var}"
+            )
+        self.in_features = in_features
+        self.variant = variant
+        self.latent_dim = latent_dim
+        self.bias = bool(bias)
+        self.init_log_var = float(init_log_var)
+        self.min_log_var = float(min_log_var)
+        self.max_log_var = float(max_log_var)
+        self.module_input_name = module_input_name
+
+        self.mean_branch = nn.Linear(in_features, latent_dim) if variant in ("MEANVAR", "MEAN") else None
+        if variant in ("VAR", "MEANVAR"):
+            self.var_branch = nn.Linear(in_features, latent_dim)
+            with torch.no_grad():
+                self.var_branch.weight.zero_()
+                self.var_branch.bias.fill_(self.init_log_var)
+        else:
+            self.var_branch = None
+        self.decoder = nn.Linear(latent_dim, 1, bias=self.bias)
+
+    # ---- the Gaussian and the ranker -----------------------------------------------------------------------
+    def distribution(self, cls_embedding: Tensor) -> tuple[Tensor, Tensor]:
+        """``(mu, diag Sigma)``, each ``(batch, K)``, of p(z | t) (Eq. 3) for [CLS] embeddings ``(batch, d)``."""
+        if cls_embedding.ndim != 2 or cls_embedding.shape[-1] != self.in_features:
+            raise ValueError(
+                f"VariationalHead expects [CLS] embeddings of shape (batch, {self.in_features}), got "
+                f"{tuple(cls_embedding.shape)}: the head was built for another hidden size"
+            )
+        t = cls_embedding.to(self.decoder.weight.dtype)
+        mean = t if self.mean_branch is None else self.mean_branch(t)
+        log_var = t if self.var_branch is None else self.var_branch(t)
+        log_var = log_var.clamp(self.min_log_var, self.max_log_var)
+        return mean, torch.exp(log_var)
+
+    def decode(self, z: Tensor) -> Tensor:
+        """The ranker s = z^T W (+ b) (Eq. 8), shape ``(..., 1)`` for latents ``(..., K)``."""
+        return self.decoder(z)
+
+    def sample(self, mean: Tensor, var: Tensor, num_samples: int | None = None) -> Tensor:
+        """Reparameterised latent samples z = mu + Sigma^(1/2) eps (Eq. 5): ``(batch, K)``, or
+        ``(num_samples, batch, K)`` when ``num_samples`` is given."""
+        shape = mean.shape if num_samples is None else (num_samples, *mean.shape)
+        eps = torch.randn(shape, dtype=mean.dtype, device=mean.device)
+        return mean + torch.sqrt(var) * eps
+
+    def score_moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
+        """E[s] = mu^T W + b (Eq. 22) and Var[s] = W^T Sigma W (Eq. 23), each ``(batch, 1)``."""
+        w = self.decoder.weight  # (1, K)
+        return self.decoder(mean), var @ (w * w).T
+
+    def forward(self, features: dict[str, Tensor | Any], **kwargs) -> dict[str, Tensor | Any]:
+        mean, var = self.distribution(features[self.module_input_name])
+        expected, score_var = self.score_moments(mean, var)
+        features[MEAN_KEY] = mean
+        features[VAR_KEY] = var
+        features[SCORE_VAR_KEY] = score_var
+        features["scores"] = self.decode(self.sample(mean, var)) if self.training else expected
+        return features
+
+    # ---- save / load ---------------------------------------------------------------------------------------
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        self.save_config(output_path)
+        self.save_torch_weights(output_path, safe_serialization=True)
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> VariationalHead:
+        hub_kwargs = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
+        config = cls.load_config(model_name_or_path, subfolder=subfolder, **hub_kwargs)
+        head = cls(**config)
+        path = cls.load_file_path(model_name_or_path, filename=WEIGHTS_NAME, subfolder=subfolder, **hub_kwargs)
+        if path is None or not os.path.isfile(path):
+            raise ValueError(
+                f"VariationalHead in {os.path.join(model_name_or_path, subfolder)!r} has no {WEIGHTS_NAME}; "
+                "only safetensors weights are loaded (never pickled .bin files)"
+            )
+        state = load_file(path)
+        expected = head.state_dict()
+        bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
+        if bad or set(state) - set(expected):
+            shapes = {k: tuple(v.shape) for k, v in state.items()}
+            raise ValueError(
+                f"VariationalHead weights in {path!r} do not match its config (in_features={head.in_features}, "
+                f"variant={head.variant!r}, latent_dim={head.latent_dim}, bias={head.bias}): got {shapes}"
+            )
+        head.load_state_dict(state)
+        return head
+
+    def __repr__(self) -> str:
+        return (
+            f"VariationalHead(in_features={self.in_features}, variant={self.variant!r}, "
+            f"latent_dim={self.latent_dim}, bias={self.bias})"
+        )
