@@ -253,8 +253,8 @@ def _index_bm25(cfg: PebrJobConfig, clock: _Clock) -> Any:
     from pyterrier_pisa import PisaIndex
 
     path = os.path.join(cfg.output, "indexes", "bm25.pisa")
-    index = PisaIndex(path, text_field="text", threads=max(1, os.cpu_count() or 1), overwrite=not cfg.reuse)
-    if not index.built():
+    index = PisaIndex(path, text_field="text", threads=max(1, os.cpu_count() or 1), overwrite=True)
+    if not (cfg.reuse and index.built()):
         with clock.stage("index_bm25", f"indexing {cfg.dataset} with PISA for BM25 into {path} (log: {path}.log)"):
             with _stderr_to(f"{path}.log"):  # PISA's C++ progress lines go to file descriptor 2
                 index.index(corpus_iter(cfg.dataset))
