@@ -241,11 +241,11 @@ def _index_dense(cfg: PebrJobConfig, name: str, encoder: Any, clock: _Clock) -> 
     from pyterrier_prob.index import DenseIndex
 
     path = os.path.join(cfg.output, "indexes", f"{name}.flex")
-    index = DenseIndex(path)
+    index = DenseIndex(path, verbose=cfg.verbose)  # one progress bar over the documents
     if cfg.reuse and index.built():
         return index
     with clock.stage(f"index_{name}", f"encoding {cfg.dataset} with the {name} model into {path}"):
-        (encoder.doc_encoder(verbose=cfg.verbose) >> index.indexer(mode="overwrite")).index(corpus_iter(cfg.dataset))
+        (encoder.doc_encoder(verbose=False) >> index.indexer(mode="overwrite")).index(corpus_iter(cfg.dataset))
     return index
 
 
