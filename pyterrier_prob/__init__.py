@@ -32,6 +32,12 @@ _EXPORTS: dict[str, str] = {
     "no_relevant_in_top": "pyterrier_prob.hard_queries",
     "hard_queries": "pyterrier_prob.hard_queries",
     "hard_query_table": "pyterrier_prob.hard_queries",
+    "MultiBranchRetriever": "pyterrier_prob.branches",
+    "UniERFEncoder": "pyterrier_prob.branches",
+    "TriggerText": "pyterrier_prob.branches",
+    "branch_quotas": "pyterrier_prob.branches",
+    "merge_branch_lists": "pyterrier_prob.branches",
+    "unierf_training_data": "pyterrier_prob.branches",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -17,7 +17,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 
 from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead
-from st_extensions.modules import MixtureOfLogits, QueryDistributionHead
+from st_extensions.modules import MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 
 #: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
 #: ``trust_remote_code``. Later modules of this package register here.
@@ -35,6 +35,7 @@ def register_module(cls: type[nn.Module]) -> type[nn.Module]:
 register_module(QueryDistributionHead)
 register_module(MixtureOfLogits)
 register_module(VariationalHead)
+register_module(MultiBranchQueryEncoder)
 
 #: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
 #: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).

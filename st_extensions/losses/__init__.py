@@ -2,6 +2,7 @@
 
 from st_extensions.losses.mol import MoLLoss
 from st_extensions.losses.pebr import BetaMLELoss, BetaNCELoss, ExpNCELoss
+from st_extensions.losses.unierf import UniERFLoss
 from st_extensions.losses.varce import VariationalBCELoss
 
-__all__ = ["BetaMLELoss", "BetaNCELoss", "ExpNCELoss", "MoLLoss", "VariationalBCELoss"]
+__all__ = ["BetaMLELoss", "BetaNCELoss", "ExpNCELoss", "MoLLoss", "UniERFLoss", "VariationalBCELoss"]
