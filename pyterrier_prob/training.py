@@ -27,14 +27,15 @@ def fine_tune(
 
     Uses :class:`~sentence_transformers.SentenceTransformerTrainer` with ``BatchSamplers.NO_DUPLICATES``
     (a query with many relevant documents never meets itself as an in-batch negative), 10% linear warm-up,
-    no checkpoints. Columns other than ``anchor``, ``positive``, ``negative*`` are dropped.
+    no checkpoints. Only columns named ``anchor*``, ``positive*`` and ``negative*`` are kept, in their order (so
+    UniERF's ``anchor_<branch>`` / ``positive_doc`` / ``negative_<branch>`` layout passes; ``qid`` is dropped).
 
     Returns:
         The logged training loss of every step.
     """
     if steps <= 0 or batch_size <= 1:
         raise ValueError(f"steps must be > 0 and batch_size > 1, got steps={steps}, batch_size={batch_size}")
-    keep = [c for c in train.column_names if c in ("anchor", "positive") or c.startswith("negative")]
+    keep = [c for c in train.column_names if c.startswith(("anchor", "positive", "negative"))]
     train = train.select_columns(keep)
     with tempfile.TemporaryDirectory() as tmp:
         args = SentenceTransformerTrainingArguments(
