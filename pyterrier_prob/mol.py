@@ -13,7 +13,7 @@ document's ``(P_x, d)`` components and their mean), and implements the top-K alg
 * ``brute_force`` -- phi for every (query, item), the reference (Sec. 3.1, first paragraph);
 * ``exact`` -- Algorithm 1, two passes. Pass 1: the top K items of every pair's dot product (one faiss
   ``IndexFlatIP`` per item component, searched with all P_q query components), scored with MoL. Pass 2: every
-  item with some ``<f_pq(q), g_px(x)> >= S_min`` (faiss ``range_search``), scored with MoL; the top K of the
+  item with some ``<f_pq(q), g_px(x)> >= S_min`` (a range scan), scored with MoL; the top K of the
   union. Exact because phi is a convex combination of the P dot products, so ``phi(q, x) <= max_p <.,.>``.
   S_min is the K-th best MoL score of pass 1 -- no lower than Algorithm 1's minimum over pass 1 (lines 5-8), so
   pass 2 has no more candidates, and still exact: the true K-th score is at least the K-th score of any subset;
@@ -30,7 +30,9 @@ MoL scoring is batched in torch on the gate's device (``mol.score_candidates`` o
 ``mol.score_all`` for brute force), under ``torch.inference_mode`` with the module in eval mode. A gate that
 also reads side features (App. A.3; ``mol.gate_features``) gets them from the frame (``query_feat``) and the
 index (``doc_feat`` at indexing), as :class:`MoLEncoder` writes them. faiss searches on the GPU when it sees one
-(k-NN only: faiss' GPU flat indexes have no range search, so Algorithm 1's second pass stays on the CPU).
+(k-NN only: faiss' GPU flat indexes have no range search, so Algorithm 1's second pass stays on the CPU). On the
+CPU, the k-NN and range scans run as blocked GEMMs in torch over the vectors of the index's faiss flat indexes
+(faiss-cpu scans the vectors once per query below its BLAS threshold, memory-bound for a block of queries).
 
 Gap bounds (``gap_bound=...``): Definition 2's gap S_Delta between the approximate and the exact top K is
 bounded per query by Theorem 2 (TopKPerEmbedding: ``S - S_K``, S the largest (N+1)-th dot product over the P
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import numbers
 import os
 from collections.abc import Callable, Sequence
@@ -84,6 +87,7 @@ QUERY_BATCH = 256  # queries per block
 _SCORE_BUDGET = 1 << 23  # float32 elements of one MoL scoring chunk (components + gate inputs), ~32 MiB
 _RANGE_SLACK = 1e-4  # relative slack of Algorithm 1's range search: float32 MoL scores vs faiss dot products
 _GPU_MAX_K = 2048  # faiss GPU k-NN limit; deeper searches run on the CPU index
+_SCAN_BUDGET = 1 << 23  # float32 scores of one block of a CPU exhaustive scan (queries x documents), ~32 MiB
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -192,6 +196,40 @@ def _gather(arr: np.ndarray, docids: np.ndarray) -> np.ndarray:
     return np.asarray(arr[uniq])[inv.reshape(-1)]
 
 
+def _flat_vectors(index: Any) -> np.ndarray | None:
+    """The ``(ntotal, d)`` float32 vectors of a CPU faiss ``IndexFlat`` (a zero-copy view), else ``None``."""
+    import faiss
+
+    if not isinstance(index, faiss.IndexFlat) or index.ntotal == 0:
+        return None
+    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+
+
+def _scan_blocks(vectors: np.ndarray, X: np.ndarray):
+    """``(start, X @ vectors[start:start + block].T)`` over document blocks, as torch float32 on the CPU.
+
+    faiss-cpu's flat search scans the vectors once per query below its BLAS threshold (memory-bound for the
+    few hundred query vectors of a block), so CPU exhaustive scans are blocked GEMMs in torch instead.
+    """
+    Xt = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32))
+    block = max(1024, _SCAN_BUDGET // max(1, len(X)))
+    for a in range(0, len(vectors), block):
+        yield a, Xt @ torch.from_numpy(vectors[a : a + block]).T
+
+
+def _knn_scan(vectors: np.ndarray, X: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exhaustive top-k by inner product, best first: ``(D, I)`` of shape ``(len(X), k)``, k <= len(vectors)."""
+    best_v = best_i = None
+    for a, S in _scan_blocks(vectors, X):
+        v, i = torch.topk(S, min(k, S.shape[1]), dim=1)
+        i = i + a
+        if best_v is not None:
+            v, j = torch.topk(torch.cat([best_v, v], dim=1), min(k, best_v.shape[1] + v.shape[1]), dim=1)
+            i = torch.gather(torch.cat([best_i, i], dim=1), 1, j)
+        best_v, best_i = v, i
+    return best_v.numpy(), best_i.numpy()
+
+
 #: ``docs(a, b)`` -> the components ``(b - a, P_x, d)`` and gate features ``(b - a, F)`` (or None) of pairs a..b.
 _DocSource = Callable[[int, int], "tuple[np.ndarray, np.ndarray | None]"]
 
@@ -205,6 +243,21 @@ def _tensor(a: np.ndarray | None, device: torch.device, dtype: torch.dtype) -> t
     if a is None:
         return None
     return torch.from_numpy(np.require(a, np.float32, ["C", "W"])).to(device=device, dtype=dtype)
+
+
+def _candidate_scorer(mol: Any) -> Callable[..., torch.Tensor]:
+    """``mol.score_candidates``, or ``mol.mixture(..., check_finite=False)`` where the MoL has it: the query
+    components and features are checked here and the index's at indexing, so the module need not re-scan every
+    (query, candidate) row for nan/inf (the scores are checked afterwards either way)."""
+    mixture = getattr(mol, "mixture", None)
+    if callable(mixture):
+        try:
+            takes_flag = "check_finite" in inspect.signature(mixture).parameters
+        except (TypeError, ValueError):
+            takes_flag = False
+        if takes_flag:
+            return lambda q, x, **kw: mixture(q, x, check_finite=False, **kw)[0]
+    return mol.score_candidates
 
 
 def _score_pairs(
@@ -230,6 +283,7 @@ def _score_pairs(
     chunk = max(1, _SCORE_BUDGET // per_pair)
     Qt = _tensor(Q, device, dtype)
     Qft = _tensor(Qf, device, dtype)
+    score = _candidate_scorer(mol)
     for a in range(0, m_total, chunk):
         b = min(m_total, a + chunk)
         comps, feats = docs(a, b)
@@ -238,7 +292,7 @@ def _score_pairs(
         kwargs = {}
         if Qft is not None or feats is not None:
             kwargs = {"q_features": Qft[rows], "x_features": _tensor(feats, device, dtype)[:, None]}
-        s = mol.score_candidates(Qt[rows], x[:, None], **kwargs)
+        s = score(Qt[rows], x[:, None], **kwargs)
         if tuple(s.shape) != (b - a, 1):
             raise ValueError(f"mol.score_candidates returned shape {tuple(s.shape)}, expected ({b - a}, 1)")
         out[a:b] = s.reshape(-1).float().cpu().numpy()
@@ -887,34 +941,49 @@ class MoLRetriever(pt.Transformer):
         thresh = np.full(B, -np.inf)
         last = rank == K - 1
         thresh[qi[sel][last]] = scores[sel][last]  # queries with fewer than K candidates already hold every item
-        starts = np.searchsorted(qi, np.arange(B + 1))
-        new_q, new_d = [], []
-        for b in np.flatnonzero(np.isfinite(thresh)):
+        active = np.flatnonzero(np.isfinite(thresh))
+        if not active.size:
+            return qi, di, scores
+        radius = np.empty(active.size, np.float32)
+        for j, b in enumerate(active):
             t = float(thresh[b])
             scale = max(1.0, abs(t), float(np.abs(D[b][np.isfinite(D[b])]).max(initial=0.0)))
-            radius = float(np.nextafter(np.float32(t - _RANGE_SLACK * scale), np.float32(-np.inf)))
-            found = np.unique(
-                np.concatenate(
-                    [
-                        self.index.faiss_component(px).range_search(np.ascontiguousarray(Q[b]), radius)[2]
-                        for px in range(self.shapes.px)
-                    ]
-                )
-            )
-            fresh = np.setdiff1d(found, di[starts[b] : starts[b + 1]], assume_unique=True)
-            new_q.append(np.full(fresh.size, b, np.int64))
-            new_d.append(fresh.astype(np.int64))
-        if new_q:
-            nq, nd = np.concatenate(new_q), np.concatenate(new_d)
+            radius[j] = np.nextafter(np.float32(t - _RANGE_SLACK * scale), np.float32(-np.inf))
+        # every (query, item) with some <f_pq(q), g_px(x)> >= the query's radius: one blocked scan per component
+        pq, n_docs = self.shapes.pq, len(self.index)
+        Qa = Q[active].reshape(-1, Q.shape[-1])
+        row_radius = torch.from_numpy(np.repeat(radius, pq))[:, None]
+        found = [np.zeros(0, np.int64)]
+        for px in range(self.shapes.px):
+            index = self.index.faiss_component(px)
+            vectors = _flat_vectors(index)
+            if vectors is None:  # pragma: no cover - the index's CPU component indexes are flat
+                lims, dis, ids = index.range_search(np.ascontiguousarray(Qa), float(radius.min()))
+                rows = np.repeat(np.arange(len(Qa)), np.diff(lims))
+                hit = dis >= np.repeat(radius, pq)[rows]  # each query's own radius
+                found.append(active[rows[hit] // pq].astype(np.int64) * n_docs + ids[hit])
+                continue
+            for a, S in _scan_blocks(vectors, Qa):
+                r, c = torch.nonzero(S >= row_radius, as_tuple=True)
+                found.append(active[r.numpy() // pq].astype(np.int64) * n_docs + (c.numpy() + a))
+        keys = np.setdiff1d(np.unique(np.concatenate(found)), qi.astype(np.int64) * n_docs + di, assume_unique=True)
+        if keys.size:
+            nq, nd = keys // n_docs, keys % n_docs
             ns = _score_pairs(self.mol, self.shapes, Q, Qf, nq, _index_docs(self.index, nd))
             qi, di, scores = np.concatenate([qi, nq]), np.concatenate([di, nd]), np.concatenate([scores, ns])
         return qi, di, scores
 
     def _search(self, make_index: Callable[..., Any], X: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """faiss k-NN by inner product (GPU when enabled and k allows), ``-inf`` / -1 beyond the index."""
+        """k-NN by inner product over a faiss flat index: faiss on the GPU (when enabled and k allows), a blocked
+        torch scan of its vectors on the CPU; ``-inf`` / -1 beyond the index."""
         k_eff = min(k, len(self.index))
         gpu = self._use_gpu() and k_eff <= _GPU_MAX_K
-        D, nbrs = make_index(gpu=gpu).search(np.ascontiguousarray(X, dtype=np.float32), k_eff)
+        index = make_index(gpu=gpu)
+        vectors = None if gpu else _flat_vectors(index)
+        if vectors is not None:
+            D, nbrs = _knn_scan(vectors, X, k_eff)
+        else:
+            D, nbrs = index.search(np.ascontiguousarray(X, dtype=np.float32), k_eff)
         D = np.where(nbrs >= 0, D, -np.inf).astype(np.float64)
         if k_eff < k:
             D = np.pad(D, ((0, 0), (0, k - k_eff)), constant_values=-np.inf)
@@ -940,9 +1009,8 @@ class MoLRetriever(pt.Transformer):
         comps, feats = self.index.components(), self.index.features()
         per_doc = self.shapes.px * self.shapes.dim + 4 * B * self.shapes.pq * self.shapes.px
         chunk = max(1, _SCORE_BUDGET // per_doc)
-        qi = np.zeros(0, np.int64)
-        di = np.zeros(0, np.int64)
-        sc = np.zeros(0, np.float32)
+        qi, di, sc = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
+        pending = 0
         for c0 in range(0, N, chunk):
             c1 = min(N, c0 + chunk)
             x = _tensor(comps[c0:c1], device, dtype)
@@ -952,13 +1020,20 @@ class MoLRetriever(pt.Transformer):
             S = self.mol.score_all(Qt, x, **kwargs)
             if tuple(S.shape) != (B, c1 - c0):
                 raise ValueError(f"mol.score_all returned shape {tuple(S.shape)}, expected ({B}, {c1 - c0})")
-            S = S.float().cpu().numpy()
-            if not np.isfinite(S).all():
+            S = S.float().cpu()
+            if not bool(torch.isfinite(S).all()):
                 raise ValueError("the MoL produced non-finite scores (nan or inf)")
-            qi = np.concatenate([qi, np.repeat(np.arange(B), c1 - c0)])
-            di = np.concatenate([di, np.tile(np.arange(c0, c1), B)])
-            sc = np.concatenate([sc, S.reshape(-1)])
-            sel, _ = _topk(qi, di, sc, K)
-            qi, di, sc = qi[sel], di[sel], sc[sel]
+            # each query's top K of the chunk and every tie of its K-th score: a superset of its part of the top K
+            kth = torch.topk(S, min(K, c1 - c0), dim=1).values[:, -1:]
+            r, c = torch.nonzero(S >= kth, as_tuple=True)
+            qi.append(r.numpy())
+            di.append(c.numpy() + c0)
+            sc.append(S[r, c].numpy())
+            pending += r.numel()
+            if pending > 8 * B * K:
+                qi, di, sc = np.concatenate(qi), np.concatenate(di), np.concatenate(sc)
+                sel, _ = _topk(qi, di, sc, K)
+                qi, di, sc, pending = [qi[sel]], [di[sel]], [sc[sel]], sel.size
+        qi, di, sc = np.concatenate(qi), np.concatenate(di), np.concatenate(sc)
         sel, rank = _topk(qi, di, sc, K)
         return _Block(qi[sel], di[sel], sc[sel], rank, np.zeros(B), np.full(B, N, np.int64))
