@@ -48,6 +48,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -199,7 +200,22 @@ def run_dataset(name: str, a: argparse.Namespace, t0: float) -> dict:
     runs: dict[str, pd.DataFrame] = {}
     info: dict[str, dict] = {}
     mol_model_path = None
+    checkpoints = os.path.join(a.output_dir, "checkpoints", name)
+    os.makedirs(checkpoints, exist_ok=True)
     for system in systems:
+        slug = re.sub(r"[^A-Za-z0-9]+", "_", system).strip("_")
+        ckpt_entry, ckpt_run = os.path.join(checkpoints, f"{slug}.json"), os.path.join(checkpoints, f"{slug}.run.tsv")
+        if a.resume and os.path.isfile(ckpt_entry) and os.path.isfile(ckpt_run):
+            with open(ckpt_entry) as f:
+                saved = json.load(f)
+            if saved["settings"] == a.settings:
+                runs[system] = pd.read_csv(ckpt_run, sep="\t", dtype={"qid": str, "docno": str})
+                info[system] = saved["entry"]
+                if saved.get("saved_mol_model"):
+                    mol_model_path = saved["saved_mol_model"]
+                log(f"{system}: reusing the run and figures of an earlier process ({ckpt_entry})")
+                continue
+            log(f"{system}: the checkpoint in {ckpt_entry} has other settings; running again")
         entry: dict = {}
         if system.startswith("MoL"):
             alpha = a.alpha if system == "MoL" else 0.0
@@ -278,6 +294,11 @@ def run_dataset(name: str, a: argparse.Namespace, t0: float) -> dict:
         )
         runs[system] = run[["qid", "docno", "score", "rank"]]
         info[system] = entry
+        # per-system checkpoint, so that --resume survives a killed process (shared machine)
+        runs[system].to_csv(ckpt_run, sep="\t", index=False)
+        saved_model = mol_model_path if system == "MoL" else None
+        with open(ckpt_entry, "w") as f:
+            json.dump({"settings": a.settings, "entry": entry, "saved_mol_model": saved_model}, f)
         del model, encoder
         gc.collect()
 
@@ -334,6 +355,12 @@ def main() -> None:
     ap.add_argument("--max-docs", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 600 documents, nfcorpus")
     ap.add_argument("--progress", action="store_true", help="training progress bars")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse the runs and figures of systems an earlier process with the same settings finished "
+        "(checkpoints under --output-dir)",
+    )
     ap.add_argument("--output-dir", default=None, help="models and indexes (default outputs/mol-bench)")
     ap.add_argument("--out", default=None, help="results JSON")
     a = ap.parse_args()
@@ -345,6 +372,10 @@ def main() -> None:
             a.datasets = ["nfcorpus"]
     a.output_dir = a.output_dir or ("/tmp/mol-bench-quick" if a.quick else "outputs/mol-bench")
     a.out = a.out or ("/tmp/mol_effectiveness_quick.json" if a.quick else "benchmarks/results/mol_effectiveness.json")
+
+    a.settings = {
+        k: v for k, v in vars(a).items() if k not in ("progress", "resume", "out", "datasets", "encode_batch_size")
+    }
 
     t0 = time.perf_counter()
     machine = describe()

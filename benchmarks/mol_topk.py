@@ -570,6 +570,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see the docstring)")
     ap.add_argument("--quick", action="store_true", help="sizes 10k,50k, 3 batches, fewer configurations")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--resume", action="store_true", help="keep the settings an interrupted run finished")
     a = ap.parse_args()
     if a.quick:
         a.sizes, a.batches = "10000,50000", a.batches or 3
@@ -610,6 +611,23 @@ def main() -> None:
     per_component = ("exact", "topk_per_embedding", "comb_topk")  # the methods searching per-component indexes
     os.makedirs(a.workdir, exist_ok=True)
 
+    # settings finished by an interrupted run with the same options are kept (--resume)
+    partial = out_path + ".partial.json"
+    key = {k: getattr(a, k) for k in ("sizes", "batches", "bf_batches", "exact_batches", "noise", "seed", "threads")}
+    done: dict[str, dict] = {}
+    if a.resume and os.path.exists(partial):
+        with open(partial) as f:
+            saved = json.load(f)
+        if saved.get("options") == key:
+            done = {s["name"]: s for s in saved["settings"]}
+            print(f"resuming: {len(done)} settings from {partial}")
+
+    def finished(res: dict) -> None:
+        settings.append(res)
+        with open(partial + ".tmp", "w") as f:
+            json.dump({"options": key, "settings": settings}, f)
+        os.replace(partial + ".tmp", partial)
+
     settings, models = [], {}
     for path in dict.fromkeys(paths):
         model, mol = load_mol_model(path)
@@ -619,27 +637,34 @@ def main() -> None:
         frames = query_batches(real, a.batches)
         tag = os.path.basename(path.rstrip("/"))
         ipath = os.path.join(a.workdir, f"{tag}-nfcorpus.mol")
-        index, build_s = build_index(ipath, [(real["docno"].tolist(), real["doc_comp"])])
-        res = run_setting(
-            f"(a) nfcorpus, {tag}",
-            index,
-            mol,
-            frames,
-            configs_real,
-            len(frames),
-            len(frames),
-            {
-                "setting": "a",
-                "model": info,
-                "data": "the nfcorpus documents and nfcorpus/test queries encoded by the model",
-                "index_bytes": index_bytes(ipath),
-            },
-        )
-        settings.append(res)
-        del index
-        gc.collect()
+        name = f"(a) nfcorpus, {tag}"
+        if name in done:
+            finished(done[name])
+        else:
+            index, build_s = build_index(ipath, [(real["docno"].tolist(), real["doc_comp"])])
+            res = run_setting(
+                name,
+                index,
+                mol,
+                frames,
+                configs_real,
+                len(frames),
+                len(frames),
+                {
+                    "setting": "a",
+                    "model": info,
+                    "data": "the nfcorpus documents and nfcorpus/test queries encoded by the model",
+                    "index_bytes": index_bytes(ipath),
+                },
+            )
+            finished(res)
+            del index
+            gc.collect()
         px, dim = mol.num_doc_components, mol.component_dim
         for n in sizes:
+            if f"(b) scaled to {n:,}, {tag}" in done:
+                finished(done[f"(b) scaled to {n:,}, {tag}"])
+                continue
             ipath = os.path.join(a.workdir, f"{tag}-scaled-{n}.mol")
             print(f"\nbuilding the scaled collection of {n:,} documents -> {ipath}")
             sys.stdout.flush()
@@ -687,7 +712,7 @@ def main() -> None:
                     "dropped_for_memory": dropped,
                 },
             )
-            settings.append(res)
+            finished(res)
             del index
             gc.collect()
             if not a.keep_indexes:
@@ -744,6 +769,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=2)
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"peak RSS {peak_rss_gb():.1f} GB; wrote {out_path}")
 
 

@@ -256,16 +256,29 @@ def load_or_train(name: str, data: Any, a: argparse.Namespace) -> tuple[Any, dic
     from st_extensions import load_model
 
     path = os.path.join(a.workdir, "models", name)
+    info_path = os.path.join(path, "train_info.json")
+    settings = {k: getattr(a, k) for k in ("steps", "batch_size", "negatives", "lr", "beta", "max_seq_length", "seed")}
     if a.reuse and os.path.isfile(os.path.join(path, "modules.json")):
-        log(f"reusing {name} from {path}")
+        info = None
+        if os.path.isfile(info_path):
+            with open(info_path) as f:
+                info = json.load(f)
+            if info.get("settings") != settings:
+                raise SystemExit(f"{path} was trained with {info.get('settings')}, not {settings}: drop --reuse")
+        log(f"reusing {name} from {path} (trained by an earlier run of this script)")
         model = CrossEncoder(path, device="cpu") if name == "CE" else load_model(path, device="cpu")
-        return model, None
+        return model, (info or {}) | {"reused": True}
     model = build(name, a.max_seq_length, a.seed)
     log(f"training {name}: {a.steps} steps of {a.batch_size} pairs, lr {a.lr}, max_seq_length {a.max_seq_length}")
-    info = train(name, model, data, a)
+    info = train(name, model, data, a) | {"settings": settings}
     log(f"  {name}: {info['seconds']} s ({info['s_per_step']} s/step), loss {info['logged_loss']}")
     model.save(path)
-    return model, info
+    with open(info_path, "w") as f:
+        json.dump(info, f, indent=2)
+    scores = os.path.join(a.workdir, "scores", f"{name}.tsv")
+    if os.path.exists(scores):  # scores of an earlier model of this name
+        os.remove(scores)
+    return model, info | {"reused": False}
 
 
 class Scorer:
@@ -275,7 +288,7 @@ class Scorer:
     whose ``score_mean`` = E[s] (Eq. 22) and ``score_std`` = sqrt(W^T Sigma W) (Eq. 23) are kept.
     """
 
-    def __init__(self, name: str, model: Any, batch_size: int) -> None:
+    def __init__(self, name: str, model: Any, batch_size: int, cache_path: str) -> None:
         from pyterrier_prob.rerank import VarCrossEncoderReranker
 
         self.name, self.model, self.batch_size = name, model, batch_size
@@ -284,8 +297,18 @@ class Scorer:
         self.cache: dict[tuple[str, str], tuple[float, float]] = {}
         self.seconds = 0.0
         self.pairs = 0
+        # Scores are appended to cache_path as they come (a killed run resumes with --reuse); the file is
+        # removed whenever the model is trained again. Queries are whitespace-normalised: no tab, no newline.
+        self.cache_path = cache_path
+        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+        if os.path.isfile(cache_path):
+            with open(cache_path, encoding="utf8") as f:
+                for line in f:
+                    q, d, m, s = line.rstrip("\n").split("\t")
+                    self.cache[(q, d)] = (float(m), float(s))
+        self.loaded = len(self.cache)
 
-    def score(self, cand: pd.DataFrame, chunk: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    def score(self, cand: pd.DataFrame, chunk: int = 1024) -> tuple[np.ndarray, np.ndarray]:
         keys = list(zip(cand["query"], cand["docno"]))
         todo = cand[[k not in self.cache for k in keys]].drop_duplicates(["query", "docno"])
         for start in range(0, len(todo), chunk):
@@ -300,9 +323,13 @@ class Scorer:
                     pairs, batch_size=self.batch_size, activation_fn=torch.nn.Identity(), show_progress_bar=False
                 )
                 new = zip(part["query"], part["docno"], mean, [math.nan] * len(part))
+            lines = []
             for q, d, m, s in new:
                 self.cache[(q, d)] = (float(m), float(s))
+                lines.append(f"{q}\t{d}\t{float(m)!r}\t{float(s)!r}\n")
             dt = time.perf_counter() - t0
+            with open(self.cache_path, "a", encoding="utf8") as f:
+                f.writelines(lines)
             self.seconds += dt
             self.pairs += len(part)
             if len(todo) > chunk:
@@ -507,7 +534,13 @@ def main() -> None:
     for name in MODELS:
         models[name], train_info[name] = load_or_train(name, data, a)
     timings["training"] = time.perf_counter() - t
-    scorers = {n: Scorer(n, m, a.inference_batch_size) for n, m in models.items()}
+    scorers = {
+        n: Scorer(n, m, a.inference_batch_size, os.path.join(a.workdir, "scores", f"{n}.tsv"))
+        for n, m in models.items()
+    }
+    for sc in scorers.values():
+        if sc.loaded:
+            log(f"{sc.name}: {sc.loaded} pair scores from an earlier run of this model ({sc.cache_path})")
 
     # ---- effectiveness -------------------------------------------------------------------------------------------
     depth = {n: (a.nfcorpus_depth if n == "nfcorpus" else a.depth) for n in COLLECTIONS}
@@ -646,11 +679,14 @@ def print_report(r: dict) -> None:
         f"lr {s['lr']}, max_seq_length {s['max_seq_length']}, seed {s['seed']}, beta {s['beta']}"
     )
     for n, info in r["training"].items():
-        if info:
+        if info.get("seconds") is not None:
             print(
                 f"  {n:14s} {info['seconds']:8.1f} s  ({info['s_per_step']} s/step)  loss first/last logged "
                 f"{info['logged_loss'][0]:.3f} / {info['logged_loss'][-1]:.3f}"
+                + ("  (trained by an earlier run of this script)" if info.get("reused") else "")
             )
+        if info.get("note"):
+            print(f"  {'':14s} note: {info['note']}")
 
     print("\nEffectiveness (BM25 candidates re-ranked; p: paired t-test vs CE, * p < 0.05)")
     print(
