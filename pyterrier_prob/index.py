@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +32,11 @@ import pyterrier as pt
 from npids import Lookup
 from pyterrier_dr import FlexIndex, SimFn
 
+from pyterrier_prob.atomic_indexer import AtomicIndexer, IndexingMode, missing_message
+
 __all__ = ["DenseIndex", "DenseIndexer", "IndexingMode", "as_dense_index"]
 
 _BATCH = 4096
-
-
-class IndexingMode(Enum):
-    """What :meth:`DenseIndex.indexer` does when the path already holds something."""
-
-    create = "create"
-    overwrite = "overwrite"
 
 
 class DenseIndex(FlexIndex):
@@ -174,7 +166,7 @@ class DenseIndex(FlexIndex):
         return f"DenseIndex({str(self.index_path)!r})"
 
 
-class DenseIndexer(pt.Indexer):
+class DenseIndexer(AtomicIndexer):
     """Writes a :class:`DenseIndex`; made by :meth:`DenseIndex.indexer`.
 
     Input: an iterable of records (dicts) or a DataFrame with ``docno`` (str) and ``doc_vec`` (1-D float
@@ -186,8 +178,7 @@ class DenseIndexer(pt.Indexer):
     def __init__(
         self, index: DenseIndex, mode: IndexingMode | str = IndexingMode.create, normalize: bool = True
     ) -> None:
-        self._index = index
-        self.mode = IndexingMode(mode)
+        super().__init__(index, mode)
         self.normalize = bool(normalize)
 
     def __repr__(self) -> str:
@@ -196,55 +187,16 @@ class DenseIndexer(pt.Indexer):
     def index_inputs(self) -> list[list[str]]:
         return [["docno", "doc_vec"]]
 
-    def _check_target(self) -> None:
-        path = self._index.index_path
-        if path.exists() and self.mode == IndexingMode.create:
-            raise FileExistsError(
-                f"{str(path)!r} already exists; use DenseIndex(path).indexer(mode='overwrite') to replace it"
-            )
-
-    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> DenseIndex:
-        """Consume the records and write the index; returns the (re-opened) :class:`DenseIndex`."""
-        path = self._index.index_path
-        self._check_target()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        try:
-            count, dim = self._write(inp, tmp)
-            meta = {
-                "type": DenseIndex.ARTIFACT_TYPE,
-                "format": DenseIndex.ARTIFACT_FORMAT,
-                "vec_size": dim,
-                "doc_count": count,
-                "normalized": self.normalize,
-                "package_hint": "pyterrier-dr",
-            }
-            with open(tmp / "pt_meta.json", "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self._install(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._index._reset()
-        return self._index
-
-    def _install(self, tmp: Path, path: Path) -> None:
-        """Move the finished index into place (atomic rename; an old index is swapped out first)."""
-        self._check_target()  # again: something may have appeared while we were indexing
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.replace(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+    def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
+        count, dim = self._write(inp, tmp)
+        return {
+            "type": DenseIndex.ARTIFACT_TYPE,
+            "format": DenseIndex.ARTIFACT_FORMAT,
+            "vec_size": dim,
+            "doc_count": count,
+            "normalized": self.normalize,
+            "package_hint": "pyterrier-dr",
+        }
 
     def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list]]:
         if isinstance(inp, pd.DataFrame):
@@ -317,10 +269,7 @@ class DenseIndexer(pt.Indexer):
 
 
 def _missing_message(missing: list[str], have: Any) -> str:
-    hint = ""
-    if "doc_vec" in missing:
-        hint = " (encode the documents first: encoder.doc_encoder() >> index.indexer())"
-    return f"indexer input lacks column(s) {missing}{hint}; got {have}"
+    return missing_message(missing, have, "doc_vec", "encoder.doc_encoder() >> index.indexer()")
 
 
 def _stack_vectors(vecs: list, dim: int | None, offset: int) -> tuple[np.ndarray, int]:

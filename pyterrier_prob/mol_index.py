@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -44,7 +42,7 @@ import pandas as pd
 import pyterrier as pt
 from npids import Lookup
 
-from pyterrier_prob.index import IndexingMode
+from pyterrier_prob.atomic_indexer import AtomicIndexer, IndexingMode, missing_message
 
 if TYPE_CHECKING:  # pragma: no cover
     from pyterrier_prob.mol import MoLReranker, MoLRetriever
@@ -291,7 +289,7 @@ def _to_gpu(index: Any) -> Any:  # pragma: no cover - needs faiss-gpu and a GPU
     return faiss.index_cpu_to_all_gpus(index)
 
 
-class MoLIndexer(pt.Indexer):
+class MoLIndexer(AtomicIndexer):
     """Writes a :class:`MoLIndex`; made by :meth:`MoLIndex.indexer`.
 
     Input: an iterable of records (dicts) or a DataFrame with ``docno`` (str) and ``doc_comp`` (a
@@ -301,69 +299,26 @@ class MoLIndexer(pt.Indexer):
     temporary directory is removed and the path is left as it was.
     """
 
-    def __init__(self, index: MoLIndex, mode: IndexingMode | str = IndexingMode.create) -> None:
-        self._index = index
-        self.mode = IndexingMode(mode)
-
     def __repr__(self) -> str:
         return f"{self._index!r}.indexer(mode={self.mode.value!r})"
 
     def index_inputs(self) -> list[list[str]]:
         return [["docno", "doc_comp"]]
 
-    def _check_target(self) -> None:
-        path = self._index.index_path
-        if path.exists() and self.mode == IndexingMode.create:
-            raise FileExistsError(
-                f"{str(path)!r} already exists; use MoLIndex(path).indexer(mode='overwrite') to replace it"
-            )
-
-    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> MoLIndex:
-        """Consume the records and write the index; returns the (re-opened) :class:`MoLIndex`."""
-        path = self._index.index_path
-        self._check_target()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        try:
-            count, shape, fdim = self._write(inp, tmp)
-            meta = {
-                "type": MoLIndex.ARTIFACT_TYPE,
-                "format": MoLIndex.ARTIFACT_FORMAT,
-                "doc_count": count,
-                "num_components": shape[0],
-                "dim": shape[1],
-                "feature_dim": fdim,
-                "dtype": "float32",
-                "files": {"comps.f4": "(doc_count, num_components, dim)", "mean.f4": "(doc_count, dim)"}
-                | ({"feats.f4": "(doc_count, feature_dim)"} if fdim is not None else {}),
-                "package_hint": "pyterrier-prob",
-            }
-            with open(tmp / "pt_meta.json", "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self._install(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self._index._reset()
-        return self._index
-
-    def _install(self, tmp: Path, path: Path) -> None:
-        """Move the finished index into place (atomic rename; an old index is swapped out first)."""
-        self._check_target()  # again: something may have appeared while we were indexing
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.replace(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+    def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
+        count, shape, fdim = self._write(inp, tmp)
+        return {
+            "type": MoLIndex.ARTIFACT_TYPE,
+            "format": MoLIndex.ARTIFACT_FORMAT,
+            "doc_count": count,
+            "num_components": shape[0],
+            "dim": shape[1],
+            "feature_dim": fdim,
+            "dtype": "float32",
+            "files": {"comps.f4": "(doc_count, num_components, dim)", "mean.f4": "(doc_count, dim)"}
+            | ({"feats.f4": "(doc_count, feature_dim)"} if fdim is not None else {}),
+            "package_hint": "pyterrier-prob",
+        }
 
     def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list, list | None]]:
         if isinstance(inp, pd.DataFrame):
@@ -456,10 +411,7 @@ class MoLIndexer(pt.Indexer):
 
 
 def _missing_message(missing: list[str], have: Any) -> str:
-    hint = ""
-    if "doc_comp" in missing:
-        hint = " (encode the documents first: MoLEncoder(model).doc_encoder() >> index.indexer())"
-    return f"indexer input lacks column(s) {missing}{hint}; got {have}"
+    return missing_message(missing, have, "doc_comp", "MoLEncoder(model).doc_encoder() >> index.indexer()")
 
 
 def _stack_components(comps: list, shape: tuple[int, int] | None, offset: int) -> tuple[np.ndarray, tuple[int, int]]:
