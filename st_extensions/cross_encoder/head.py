@@ -16,20 +16,18 @@ inference the score is its expectation E[s] = mu^T W (+ b) (Eq. 22) and its vari
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file
-from sentence_transformers.base.modules import Module
 from torch import Tensor, nn
+
+from st_extensions.modules.safetensors_module import SafetensorsModule
 
 Variant = Literal["VAR", "MEANVAR", "MEAN"]
 VARIANTS: tuple[str, ...] = ("VAR", "MEANVAR", "MEAN")
 MEAN_KEY = "latent_mean"
 VAR_KEY = "latent_var"
 SCORE_VAR_KEY = "score_var"
-WEIGHTS_NAME = "model.safetensors"
 
 
 def _check_variant(variant: str) -> str:
@@ -40,7 +38,7 @@ def _check_variant(variant: str) -> str:
     return canonical
 
 
-class VariationalHead(Module):
+class VariationalHead(SafetensorsModule):
     """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23).
 
     Reads the pooled [CLS] embedding ``t`` (``features["sentence_embedding"]``, from a ``Pooling(d, "cls")``
@@ -169,34 +167,6 @@ class VariationalHead(Module):
         features[SCORE_VAR_KEY] = score_var
         features["scores"] = self.decode(self.sample(mean, var)) if self.training else expected
         return features
-
-    # ---- save / load ---------------------------------------------------------------------------------------
-    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
-        self.save_config(output_path)
-        self.save_torch_weights(output_path, safe_serialization=True)
-
-    @classmethod
-    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> VariationalHead:
-        hub_kwargs = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
-        config = cls.load_config(model_name_or_path, subfolder=subfolder, **hub_kwargs)
-        head = cls(**config)
-        path = cls.load_file_path(model_name_or_path, filename=WEIGHTS_NAME, subfolder=subfolder, **hub_kwargs)
-        if path is None or not os.path.isfile(path):
-            raise ValueError(
-                f"VariationalHead in {os.path.join(model_name_or_path, subfolder)!r} has no {WEIGHTS_NAME}; "
-                "only safetensors weights are loaded (never pickled .bin files)"
-            )
-        state = load_file(path)
-        expected = head.state_dict()
-        bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
-        if bad or set(state) - set(expected):
-            shapes = {k: tuple(v.shape) for k, v in state.items()}
-            raise ValueError(
-                f"VariationalHead weights in {path!r} do not match its config (in_features={head.in_features}, "
-                f"variant={head.variant!r}, latent_dim={head.latent_dim}, bias={head.bias}): got {shapes}"
-            )
-        head.load_state_dict(state)
-        return head
 
     def __repr__(self) -> str:
         return (

@@ -14,20 +14,18 @@ documents are embedded and indexed once for all branches.
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-from sentence_transformers.base.modules import Module
 from torch import Tensor, nn
+
+from st_extensions.modules.safetensors_module import SafetensorsModule
 
 #: ``features`` key written on the query path: ``(batch, n_branches, dim)``, every row L2-normalised.
 BRANCH_EMBEDDINGS_KEY = "branch_embeddings"
-WEIGHTS_NAME = "model.safetensors"
 #: Branch names used by UniERF's training columns (``anchor_<branch>``, ``negative_<branch>``) must not be
 #: this word, which names the shared random-negative column ``negative_random``.
 RESERVED_BRANCH_NAMES: tuple[str, ...] = ("random",)
@@ -61,7 +59,7 @@ def check_branch_names(branches: Sequence[str]) -> list[str]:
     return names
 
 
-class MultiBranchQueryEncoder(Module):
+class MultiBranchQueryEncoder(SafetensorsModule):
     """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5).
 
     Branch b maps the pooled embedding e of *its own input text* to ``H^b = l2_norm(W_b e + c_b)``, a
@@ -162,33 +160,6 @@ class MultiBranchQueryEncoder(Module):
         if task == "query":
             features[BRANCH_EMBEDDINGS_KEY] = self.embed(features["sentence_embedding"])
         return features
-
-    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
-        self.save_config(output_path)
-        self.save_torch_weights(output_path, safe_serialization=True)
-
-    @classmethod
-    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> MultiBranchQueryEncoder:
-        hub_kwargs = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
-        config = cls.load_config(model_name_or_path, subfolder=subfolder, **hub_kwargs)
-        module = cls(**config)
-        path = cls.load_file_path(model_name_or_path, filename=WEIGHTS_NAME, subfolder=subfolder, **hub_kwargs)
-        if path is None or not os.path.isfile(path):
-            raise ValueError(
-                f"MultiBranchQueryEncoder in {os.path.join(model_name_or_path, subfolder)!r} has no {WEIGHTS_NAME}; "
-                "only safetensors weights are loaded (never pickled .bin files)"
-            )
-        state = load_file(path)
-        expected = module.state_dict()
-        bad = sorted(k for k in expected if k not in state or state[k].shape != expected[k].shape)
-        if bad or set(state) - set(expected):
-            shapes = {k: tuple(v.shape) for k, v in state.items()}
-            raise ValueError(
-                f"MultiBranchQueryEncoder weights in {path!r} do not match its config "
-                f"(in_features={module.in_features}, branches={module.branches}): mismatched {bad}; got {shapes}"
-            )
-        module.load_state_dict(state)
-        return module
 
     def __repr__(self) -> str:
         return f"MultiBranchQueryEncoder(in_features={self.in_features}, branches={self.branches})"

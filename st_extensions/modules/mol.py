@@ -17,16 +17,15 @@ construction of Sec. 2.2 / App. A.2 and the gating MLP of App. A.3).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-from sentence_transformers.base.modules import Module
 from torch import Tensor, nn
+
+from st_extensions.modules.safetensors_module import SafetensorsModule
 
 ComponentSource = Literal["tokens", "heads"]
 COMPONENT_SOURCES: tuple[str, ...] = ("tokens", "heads")
@@ -35,7 +34,6 @@ TASKS: tuple[str, ...] = ("query", "document")
 COMPONENTS_KEY = "mol_components"
 #: ``features`` key read as the gate's query- / document-side features (App. A.3) when ``gate_features``.
 FEATURES_KEY = "sentence_embedding"
-WEIGHTS_NAME = "model.safetensors"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +201,7 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
-class MixtureOfLogits(Module):
+class MixtureOfLogits(SafetensorsModule):
     """Mixture-of-Logits head: P_q query and P_x document component embeddings and the gate pi (Eq. 1-2).
 
     Component embeddings (Sec. 2.2, App. A.2), L2-normalised (Eq. 2), shape ``(batch, P, d_P)``:
@@ -626,36 +624,6 @@ class MixtureOfLogits(Module):
             dots, None if q_hidden is None else q_hidden[:, None], None if x_hidden is None else x_hidden[None]
         )
         return mixture_scores(weights, dots), weights
-
-    # ---------------------------------------------------------------- save / load
-
-    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
-        self.save_config(output_path)
-        self.save_torch_weights(output_path, safe_serialization=True)
-
-    @classmethod
-    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> MixtureOfLogits:
-        hub_kwargs = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
-        config = cls.load_config(model_name_or_path, subfolder=subfolder, **hub_kwargs)
-        module = cls(**config)
-        path = cls.load_file_path(model_name_or_path, filename=WEIGHTS_NAME, subfolder=subfolder, **hub_kwargs)
-        if path is None or not os.path.isfile(path):
-            raise ValueError(
-                f"MixtureOfLogits in {os.path.join(model_name_or_path, subfolder)!r} has no {WEIGHTS_NAME}; "
-                "only safetensors weights are loaded (never pickled .bin files)"
-            )
-        state = load_file(path)
-        expected = module.state_dict()
-        bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
-        if bad or set(state) - set(expected):
-            shapes = {k: tuple(v.shape) for k, v in state.items()}
-            raise ValueError(
-                f"MixtureOfLogits weights in {path!r} do not match its config (P_q={module.num_query_components}, "
-                f"P_x={module.num_doc_components}, d_P={module.component_dim}, "
-                f"source={module.component_source!r}): mismatched {sorted(bad)}; got {shapes}"
-            )
-        module.load_state_dict(state)
-        return module
 
     def __repr__(self) -> str:
         return (

@@ -9,21 +9,19 @@ where alpha_g(q) = 1 / tau_q and beta_g = 1, Eq. 3), or a pair of Beta laws (alp
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file
-from sentence_transformers.base.modules import Module
 from torch import Tensor, nn
+
+from st_extensions.modules.safetensors_module import SafetensorsModule
 
 Family = Literal["exp", "beta", "beta_mle"]
 FAMILIES: tuple[str, ...] = ("exp", "beta", "beta_mle")
 OUTPUT_KEY = "query_distribution"
-WEIGHTS_NAME = "model.safetensors"
 
 
-class QueryDistributionHead(Module):
+class QueryDistributionHead(SafetensorsModule):
     """Maps a query's pooled embedding to the parameters of its relevant-item cosine distribution.
 
     Every parameter is produced in log space and bounded by a scaled sigmoid,
@@ -138,33 +136,6 @@ class QueryDistributionHead(Module):
         if (task or features.get("task")) == "query":
             features[OUTPUT_KEY] = self.distribution_params(features["sentence_embedding"])
         return features
-
-    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
-        self.save_config(output_path)
-        self.save_torch_weights(output_path, safe_serialization=True)
-
-    @classmethod
-    def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs) -> QueryDistributionHead:
-        hub_kwargs = {k: kwargs[k] for k in ("token", "cache_folder", "revision", "local_files_only") if k in kwargs}
-        config = cls.load_config(model_name_or_path, subfolder=subfolder, **hub_kwargs)
-        head = cls(**config)
-        path = cls.load_file_path(model_name_or_path, filename=WEIGHTS_NAME, subfolder=subfolder, **hub_kwargs)
-        if path is None or not os.path.isfile(path):
-            raise ValueError(
-                f"QueryDistributionHead in {os.path.join(model_name_or_path, subfolder)!r} has no {WEIGHTS_NAME}; "
-                "only safetensors weights are loaded (never pickled .bin files)"
-            )
-        state = load_file(path)
-        expected = head.state_dict()
-        bad = [k for k in expected if k not in state or state[k].shape != expected[k].shape]
-        if bad or set(state) - set(expected):
-            shapes = {k: tuple(v.shape) for k, v in state.items()}
-            raise ValueError(
-                f"QueryDistributionHead weights in {path!r} do not match its config "
-                f"(in_features={head.in_features}, family={head.family!r}): got {shapes}"
-            )
-        head.load_state_dict(state)
-        return head
 
     def __repr__(self) -> str:
         return (
