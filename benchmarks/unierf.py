@@ -439,7 +439,10 @@ def main() -> None:
                 f"; training rows' cos(H_sem, H_trig) {np.mean(c[:10]):.3f} -> {np.mean(c[-10:]):.3f} (first/last 10 "
                 f"steps), share above alpha {alpha} {np.mean(sh[:10]):.3f} -> {np.mean(sh[-10:]):.3f}"
             )
-        log(f"trained {name} in {secs} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}{msg}")
+        log(
+            f"trained {name} in {secs} s, loss {np.mean(losses[:10]):.3f} -> {np.mean(losses[-10:]):.3f} (means of "
+            f"the first/last 10 steps){msg}"
+        )
         index = base_index if a.doc_tower == "frozen" else index_model(model, name.replace(" ", "_").replace("/", ""))
         return model, index
 
