@@ -29,7 +29,7 @@ vaswani out-of-domain. Also reported:
 Every re-ranker scores each distinct (query, document) pair once (a per-model cache), so the clean robustness
 run and the risk sweep reuse the main run's scores.
 
-    python benchmarks/varce.py [--steps 150 --max-seq-length 128 --queries-per-collection 60 --depth 20]
+    python benchmarks/varce.py [--steps 150 --nfcorpus-depth 100 --queries-per-collection 60 --depth 20]
     python benchmarks/varce.py --quick   # minutes: a smoke test of the whole pipeline
 """
 
@@ -476,7 +476,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--beta", type=float, default=1e-7, help="VariationalBCELoss beta")
     ap.add_argument("--max-seq-length", type=int, default=128, help="tokens of query + document, train and test")
     ap.add_argument("--nfcorpus-queries", type=int, default=None, help="cap on nfcorpus/test queries (all: 323)")
-    ap.add_argument("--nfcorpus-depth", type=int, default=25, help="BM25 depth re-ranked on nfcorpus/test")
+    ap.add_argument("--nfcorpus-depth", type=int, default=100, help="BM25 depth re-ranked on nfcorpus/test")
     ap.add_argument("--queries-per-collection", type=int, default=60, help="seeded cap per OOD collection")
     ap.add_argument("--depth", type=int, default=20, help="BM25 depth re-ranked on the OOD collections")
     ap.add_argument("--robust-queries", type=int, default=40, help="nfcorpus/test queries in the robustness table")
