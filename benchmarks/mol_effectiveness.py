@@ -50,7 +50,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -67,45 +66,6 @@ DATASETS = {
 BASELINE = "bi-encoder"
 #: Parameters of the MixtureOfLogits module (pooling, projections or heads, gate): the ones ``--head-lr`` sets.
 HEAD_PARAMS = r"(^|\.)(query_pool|doc_pool|query_proj|doc_proj|query_heads|doc_heads|gate_net)\."
-
-
-def fine_tune(
-    model,
-    loss,
-    train,
-    steps: int,
-    batch_size: int,
-    learning_rate: float,
-    seed: int,
-    learning_rate_mapping: dict[str, float] | None = None,
-    show_progress: bool = True,
-) -> list[float]:
-    """:func:`pyterrier_prob.training.fine_tune` (same trainer, NO_DUPLICATES batches, 10% warm-up, seed) plus
-    ``learning_rate_mapping`` (regex on parameter names -> learning rate), used for every system alike."""
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.base.sampler import BatchSamplers
-
-    train = train.select_columns(["anchor", "positive"])
-    with tempfile.TemporaryDirectory() as tmp:
-        args = SentenceTransformerTrainingArguments(
-            output_dir=os.path.join(tmp, "run"),
-            max_steps=steps,
-            per_device_train_batch_size=batch_size,
-            learning_rate=learning_rate,
-            learning_rate_mapping=learning_rate_mapping or {},
-            warmup_steps=0.1,
-            seed=seed,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            batch_sampler=BatchSamplers.NO_DUPLICATES,
-            disable_tqdm=not show_progress,
-            dataloader_drop_last=True,
-            dataloader_pin_memory=False,
-        )
-        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
-        trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -175,6 +135,7 @@ def run_dataset(name: str, a: argparse.Namespace, t0: float) -> dict:
     from pyterrier_prob.index import DenseIndex
     from pyterrier_prob.mol import MoLEncoder, MoLRetriever
     from pyterrier_prob.mol_index import MoLIndex
+    from pyterrier_prob.training import fine_tune
     from st_extensions import build_mol_model, default_model_path, load_model
     from st_extensions.losses import MoLLoss
 
@@ -239,7 +200,17 @@ def run_dataset(name: str, a: argparse.Namespace, t0: float) -> dict:
         if loss is not None:
             log(f"training {system}: {a.steps} steps of {a.batch_size}")
             ts = time.perf_counter()
-            losses = fine_tune(model, loss, pairs, a.steps, a.batch_size, a.lr, a.seed, mapping, a.progress)
+            losses = fine_tune(
+                model,
+                loss,
+                pairs,
+                a.steps,
+                a.batch_size,
+                a.lr,
+                a.seed,
+                show_progress=a.progress,
+                learning_rate_mapping=mapping,
+            )
             entry["train_seconds"] = round(time.perf_counter() - ts, 1)
             entry["seconds_per_step"] = round(entry["train_seconds"] / a.steps, 3)
             entry["train_loss"] = _loss_summary(losses)

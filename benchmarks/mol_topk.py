@@ -152,19 +152,14 @@ def train_model(path: str, dim: int, steps: int, batch_size: int = 16, head_lr: 
     gate has something to learn. (With the default aggregation tokens, 60 steps left every document's components
     at cosine ~0.99 to every other's and in-batch accuracy at chance: no ranking to approximate.)
     """
-    import tempfile
-
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-    from sentence_transformers.base.sampler import BatchSamplers
+    import torch
 
     from pyterrier_prob.data import training_pairs
-    from st_extensions import build_mol_model
+    from pyterrier_prob.training import fine_tune
+    from st_extensions import build_mol_model, find_mol
     from st_extensions.losses import MoLLoss
 
     t0 = time.perf_counter()
-    import torch
-
-    from st_extensions import find_mol
 
     model = build_mol_model(
         num_query_components=4,
@@ -180,27 +175,18 @@ def train_model(path: str, dim: int, steps: int, batch_size: int = 16, head_lr: 
         heads.query_heads.bias.copy_(heads.doc_heads.bias)
     model.max_seq_length = 128
     train = training_pairs(f"{DATASET}/train", max_pairs=steps * batch_size * 2, seed=seed)
-    train = train.select_columns(["anchor", "positive"])
     loss = MoLLoss(model, alpha=0.001, scale=20.0)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = SentenceTransformerTrainingArguments(
-            output_dir=os.path.join(tmp, "run"),
-            max_steps=steps,
-            per_device_train_batch_size=batch_size,
-            learning_rate=5e-5,
-            learning_rate_mapping={HEAD_PARAMS: head_lr},
-            warmup_steps=0.1,
-            seed=seed,
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            batch_sampler=BatchSamplers.NO_DUPLICATES,
-            dataloader_drop_last=True,
-            dataloader_pin_memory=False,
-        )
-        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = fine_tune(
+        model,
+        loss,
+        train,
+        steps,
+        batch_size,
+        5e-5,
+        seed,
+        show_progress=False,
+        learning_rate_mapping={HEAD_PARAMS: head_lr},
+    )
     os.makedirs(os.path.dirname(path), exist_ok=True)
     model.save(path)
     info = {

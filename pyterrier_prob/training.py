@@ -22,6 +22,7 @@ def fine_tune(
     seed: int = 0,
     output_dir: str | None = None,
     show_progress: bool = True,
+    learning_rate_mapping: dict[str, float] | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` optimiser steps of ``batch_size`` (anchor, positive) pairs.
 
@@ -29,6 +30,7 @@ def fine_tune(
     (a query with many relevant documents never meets itself as an in-batch negative), 10% linear warm-up,
     no checkpoints. Only columns named ``anchor*``, ``positive*`` and ``negative*`` are kept, in their order (so
     UniERF's ``anchor_<branch>`` / ``positive_doc`` / ``negative_<branch>`` layout passes; ``qid`` is dropped).
+    ``learning_rate_mapping`` (regex on parameter names -> learning rate) trains new heads faster than the encoder.
 
     Returns:
         The logged training loss of every step.
@@ -43,6 +45,7 @@ def fine_tune(
             max_steps=steps,
             per_device_train_batch_size=batch_size,
             learning_rate=learning_rate,
+            learning_rate_mapping=learning_rate_mapping or {},
             warmup_steps=0.1,  # a float below 1 is a ratio of the steps (transformers >= 5)
             seed=seed,
             report_to="none",
