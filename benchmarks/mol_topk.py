@@ -39,7 +39,7 @@ Settings:
     and not above ``--exact-max-docs`` (its range pass re-scores most of the collection with this model).
 
 The candidate searches of the approximate methods and of ``Exact`` are blocked GEMM scans in torch over the
-faiss flat indexes' vectors (see :mod:`pyterrier_prob.mol`); brute force is the model's own
+faiss flat indexes' vectors (see :mod:`pyterrier_prob.mol.retrieval`); brute force is the model's own
 ``MixtureOfLogits.score_all``. All run with ``--threads`` torch threads, 1 by default: on the shared 2-core
 machine these figures were taken on (load average 6-8), brute force at 1M documents took ~80 s per batch with
 one thread and ~150 s with two (every small op of the gate stalls when a sibling thread is descheduled), so
@@ -230,7 +230,7 @@ def model_info(path: str, mol) -> dict:
 def encode_real(model, path: str, cache_dir: str) -> dict:
     """nfcorpus documents and nfcorpus/test queries encoded by the model (cached next to the benchmark data)."""
     from pyterrier_prob import MoLEncoder
-    from pyterrier_prob.experiment import corpus_iter, load_topics
+    from pyterrier_prob.experiments.pebr import corpus_iter, load_topics
 
     cache = encoded_cache(path, cache_dir)
     if os.path.exists(cache):
@@ -279,7 +279,7 @@ def train_gate(path: str, cache_dir: str, steps: int, batch_size: int = 128, see
     import torch.nn.functional as F
 
     from pyterrier_prob import MoLEncoder
-    from pyterrier_prob.experiment import load_qrels, load_topics
+    from pyterrier_prob.experiments.pebr import load_qrels, load_topics
     from st_extensions.modules.mol import mutual_information_loss
 
     t0 = time.perf_counter()

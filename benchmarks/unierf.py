@@ -37,7 +37,7 @@ local (AdamW, 10% warm-up then linear decay, clipping at 1.0: the sentence-trans
 that every system sees identical batches and the frozen document tower needs no second model.
 
 On nfcorpus/test, per system: the merged candidates of the two branches at total budget B in {100, 300} (equal
-quotas B/2, dedup, refill: :func:`pyterrier_prob.branches.merge_branch_lists`; checked equal to
+quotas B/2, dedup, refill: :func:`pyterrier_prob.unierf.branches.merge_branch_lists`; checked equal to
 :class:`~pyterrier_prob.MultiBranchRetriever`'s sets whenever both branches search one index), recall R@B
 (ir_measures, over the B merged documents), paired t-tests against ``UniERF (all)`` (pt.Experiment); (b) each
 branch of (a) alone given the whole budget B; the two single models of (c) alone; BM25 (PISA) and the untrained
@@ -196,7 +196,7 @@ def _loss_summary(losses: list[float]) -> dict:
 
 def branch_lists(frame: pd.DataFrame, index, column: str, k: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """qid -> (docnos, scores) of the top-``k`` cosine search with the vectors in ``column``, best first."""
-    from pyterrier_prob.cutoff import TopKRetriever
+    from pyterrier_prob.pebr.cutoff import TopKRetriever
 
     queries = frame[["qid", column]].rename(columns={column: "query_vec"})
     res = TopKRetriever(index, num_results=k)(queries).sort_values(["qid", "rank"], kind="stable")
@@ -214,7 +214,7 @@ def as_run(lists: dict[str, tuple[np.ndarray, np.ndarray]], k: int) -> pd.DataFr
 def merge_run(per_branch: list[dict], budget: int) -> tuple[pd.DataFrame, float]:
     """Merge the branches' lists (each cut to ``budget``) with equal quotas: the run, and the mean share of the
     merged set that more than one branch found."""
-    from pyterrier_prob.branches import branch_quotas, merge_branch_lists
+    from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists
 
     quotas = branch_quotas(budget, [1.0] * len(per_branch))
     rows, shared = [], []
@@ -242,7 +242,7 @@ def mean_jaccard(sem: dict, trig: dict, k: int) -> float:
 @contextlib.contextmanager
 def _quiet_native(path: str):
     """PISA's C++ logging off the console: file descriptor 2 (progress) and 1 (spdlog lines) to ``path``."""
-    from pyterrier_prob.experiment import _stderr_to
+    from pyterrier_prob.experiments.pebr import _stderr_to
 
     sys.stdout.flush()
     saved = os.dup(1)
@@ -304,9 +304,9 @@ def main() -> None:
     from ir_measures import R
     from pyterrier_pisa import PisaIndex
 
-    from pyterrier_prob.branches import MultiBranchRetriever, TriggerText, UniERFEncoder, unierf_training_data
-    from pyterrier_prob.experiment import corpus_iter, load_qrels, load_topics
-    from pyterrier_prob.index import DenseIndex
+    from pyterrier_prob.unierf.branches import MultiBranchRetriever, TriggerText, UniERFEncoder, unierf_training_data
+    from pyterrier_prob.experiments.pebr import corpus_iter, load_qrels, load_topics
+    from pyterrier_prob.index.dense import DenseIndex
     from st_extensions import build_unierf_model, default_model_path, load_model
     from st_extensions.losses import UniERFLoss
 

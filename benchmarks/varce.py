@@ -15,7 +15,7 @@ Then, for each collection, BM25 (PISA) candidates are re-ranked by each model an
 (nDCG@10, RR@10 = MRR@10, paired t-test against CE): nfcorpus/test in-domain; scifact/test, cranfield and
 vaswani out-of-domain. Also reported:
 
-* the robustness table (paper Table 4): the six one-word query perturbations of ``pyterrier_prob.noise`` on a
+* the robustness table (paper Table 4): the six one-word query perturbations of ``pyterrier_prob.varce.noise`` on a
   seeded subset of nfcorpus/test queries; BM25 retrieves with the perturbed query too, so the table measures the
   whole pipeline; nDCG@10 and its drop against the clean queries (same queries, same depth);
 * the hard-query table (paper Table 8): the bottom 50 % of queries under CE's nDCG@10 (the paper's choice) and,
@@ -90,7 +90,7 @@ def norm(text: str) -> str:
 def native_output_to(path: str) -> Iterator[None]:
     """Send file descriptors 1 and 2 to ``path`` for the duration: PISA's C++ progress lines (index
     building, and the index compression on the first query) would flood the log otherwise
-    (``pyterrier_prob.experiment._stderr_to`` does the same for descriptor 2 only)."""
+    (``pyterrier_prob.experiments.pebr._stderr_to`` does the same for descriptor 2 only)."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
@@ -118,7 +118,7 @@ class Collection:
     def __init__(self, name: str, workdir: str, n_queries: int | None, seed: int) -> None:
         from pyterrier_pisa import PisaIndex
 
-        from pyterrier_prob.experiment import corpus_iter, load_qrels, load_topics
+        from pyterrier_prob.experiments.pebr import corpus_iter, load_qrels, load_topics
 
         docs_id, test_id = COLLECTIONS[name]
         self.name = name
@@ -289,7 +289,7 @@ class Scorer:
     """
 
     def __init__(self, name: str, model: Any, batch_size: int, cache_path: str) -> None:
-        from pyterrier_prob.rerank import VarCrossEncoderReranker
+        from pyterrier_prob.varce.rerank import VarCrossEncoderReranker
 
         self.name, self.model, self.batch_size = name, model, batch_size
         self.var = name != "CE"
@@ -342,7 +342,7 @@ class Scorer:
 
 def ranked(cand: pd.DataFrame, mean: np.ndarray, std: np.ndarray, risk: float = 0.0) -> pd.DataFrame:
     """The candidates re-ranked by mean - risk * std (ties: BM25 order); keeps score_mean and score_std."""
-    from pyterrier_prob.rerank import risk_adjusted
+    from pyterrier_prob.varce.rerank import risk_adjusted
 
     score = mean if risk == 0 else risk_adjusted(mean, std, risk)
     run = pd.DataFrame(
@@ -403,7 +403,7 @@ def fmt_p(p: float | None) -> str:
 
 
 def per_query_ndcg(run: pd.DataFrame, coll: Collection, topics: pd.DataFrame | None = None) -> pd.Series:
-    from pyterrier_prob.hard_queries import per_query
+    from pyterrier_prob.varce.hard_queries import per_query
 
     return per_query(run, coll.qrels, measures()[0], topics=coll.topics if topics is None else topics)
 
@@ -506,8 +506,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    from pyterrier_prob.hard_queries import hard_query_table
-    from pyterrier_prob.noise import all_noise
+    from pyterrier_prob.varce.hard_queries import hard_query_table
+    from pyterrier_prob.varce.noise import all_noise
 
     a = parse_args()
     torch.manual_seed(a.seed)

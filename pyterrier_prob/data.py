@@ -1,4 +1,4 @@
-"""Training data from ir_datasets collections, as datasets the sentence-transformers trainers take."""
+"""Training data from a collection's train split, as datasets the sentence-transformers trainers take."""
 
 from __future__ import annotations
 
@@ -6,25 +6,33 @@ import random
 
 from datasets import Dataset
 
+from pyterrier_prob.collections import Collection, load_collection
 
-def _irds(dataset_id: str):
-    import ir_datasets
-
-    return ir_datasets.load(dataset_id.removeprefix("irds:"))
+__all__ = ["training_pairs", "relevant_counts"]
 
 
-def doc_text(doc) -> str:
-    """A document's text as the encoders see it: ``title`` then ``text`` where the collection has both."""
-    title = getattr(doc, "title", "") or ""
-    text = getattr(doc, "text", "") or ""
-    return f"{title}\n{text}".strip() if title else text
+def _source(source: str | Collection, split: str | None) -> tuple[Collection, str]:
+    coll = load_collection(source)
+    if split is None:
+        if len(coll.splits) != 1:
+            raise ValueError(f"{coll.name} has splits {list(coll.splits)}: name one (split=...)")
+        split = coll.splits[0]
+    return coll, split
 
 
-def training_pairs(dataset_id: str, max_pairs: int | None = None, seed: int = 0, min_relevance: int = 1) -> Dataset:
-    """(anchor, positive) pairs, one per judged-relevant (query, document) of an ir_datasets split.
+def training_pairs(
+    source: str | Collection,
+    split: str | None = None,
+    max_pairs: int | None = None,
+    seed: int = 0,
+    min_relevance: int = 1,
+) -> Dataset:
+    """(anchor, positive) pairs, one per judged-relevant (query, document) of a split.
 
     Args:
-        dataset_id: e.g. ``"irds:beir/nfcorpus/train"`` (the ``irds:`` prefix is optional).
+        source: an ir_datasets split id such as ``"irds:beir/nfcorpus/train"`` (the ``irds:`` prefix is optional),
+            or any :class:`~pyterrier_prob.collections.Collection` / collection spec with ``split``.
+        split: the split, when ``source`` has more than one.
         max_pairs: keep a seeded random sample of at most this many pairs.
         seed: shuffling seed (the pairs come back shuffled).
         min_relevance: smallest qrel grade counted as relevant.
@@ -34,17 +42,19 @@ def training_pairs(dataset_id: str, max_pairs: int | None = None, seed: int = 0,
         and ``qid`` (for analysis; drop it before training). Use ``BatchSamplers.NO_DUPLICATES`` so a query
         with many relevant documents does not meet itself as an in-batch negative.
     """
-    ds = _irds(dataset_id)
-    queries = {q.query_id: q.text for q in ds.queries_iter()}
-    qrels = [(r.query_id, r.doc_id) for r in ds.qrels_iter() if r.relevance >= min_relevance and r.query_id in queries]
+    coll, split = _source(source, split)
+    queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
+    qrels = coll.qrels(split)
+    qrels = [
+        (q, d) for q, d, lab in qrels[["qid", "docno", "label"]].itertuples(index=False) if lab >= min_relevance and q in queries
+    ]
     if not qrels:
-        raise ValueError(f"{dataset_id} has no relevant (query, document) pairs with relevance >= {min_relevance}")
+        raise ValueError(f"{coll.name}/{split} has no relevant (query, document) pairs with relevance >= {min_relevance}")
     random.Random(seed).shuffle(qrels)
     if max_pairs is not None:
         qrels = qrels[:max_pairs]
-    store = ds.docs_store()
-    docs = store.get_many({doc_id for _, doc_id in qrels})
-    rows = [(qid, queries[qid], doc_text(docs[doc_id])) for qid, doc_id in qrels if doc_id in docs]
+    docs = coll.doc_texts({doc_id for _, doc_id in qrels})
+    rows = [(qid, queries[qid], docs[doc_id]) for qid, doc_id in qrels if doc_id in docs]
     return Dataset.from_dict(
         {
             "anchor": [r[1] for r in rows],
@@ -54,10 +64,8 @@ def training_pairs(dataset_id: str, max_pairs: int | None = None, seed: int = 0,
     )
 
 
-def relevant_counts(dataset_id: str, min_relevance: int = 1) -> dict[str, int]:
-    """Number of judged-relevant documents per query of an ir_datasets split."""
-    counts: dict[str, int] = {}
-    for r in _irds(dataset_id).qrels_iter():
-        if r.relevance >= min_relevance:
-            counts[r.query_id] = counts.get(r.query_id, 0) + 1
-    return counts
+def relevant_counts(source: str | Collection, split: str | None = None, min_relevance: int = 1) -> dict[str, int]:
+    """Number of judged-relevant documents per query of a split."""
+    coll, split = _source(source, split)
+    q = coll.qrels(split)
+    return {str(k): int(v) for k, v in q[q["label"] >= min_relevance].groupby("qid").size().items()}

@@ -1,40 +1,22 @@
 """Plots of the pEBR dynamic-retrieval study (Sec. 4.4.2): Figure 2 histogram and Table 3 curves.
 
 Figures are drawn on a bare :class:`matplotlib.figure.Figure` (Agg canvas, no pyplot state, no display
-needed) and written atomically: to a temporary file in the target directory, then ``os.replace``.
+needed) and written by the one atomic writer, :func:`pyterrier_prob.atomic.save_figure` (0644).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 
 import numpy as np
 import pandas as pd
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .evaluation import StrataLike, _strata_series, _stratum_order, retrieved_counts
+from pyterrier_prob.atomic import save_figure
+from pyterrier_prob.evaluation import StrataLike, _strata_series, _stratum_order, retrieved_counts
 
 _COLOURS = {"head": "tab:red", "torso": "tab:orange", "tail": "tab:blue", "all": "tab:gray"}
-
-
-def _save_atomic(fig: Figure, path: str | os.PathLike, dpi: int) -> str:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=dpi)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def retrieved_count_histogram(
@@ -92,7 +74,7 @@ def retrieved_count_histogram(
     if layout == "overlay":
         axes[0].legend()
     fig.suptitle(title)
-    return _save_atomic(fig, path, dpi)
+    return save_figure(fig, path, dpi)
 
 
 def table3_plot(
@@ -124,4 +106,4 @@ def table3_plot(
     ax.set_ylabel("mean retrieved documents per query")
     ax.set_title(title)
     ax.legend()
-    return _save_atomic(fig, path, dpi)
+    return save_figure(fig, path, dpi)

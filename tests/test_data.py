@@ -2,7 +2,8 @@
 
 import pytest
 
-from pyterrier_prob.data import doc_text, relevant_counts, training_pairs
+from pyterrier_prob.collections import doc_text
+from pyterrier_prob.data import relevant_counts, training_pairs
 
 
 @pytest.mark.slow
@@ -13,7 +14,7 @@ def test_training_pairs_nfcorpus_are_judged_relevant():
     assert len(pairs) == 50 and set(pairs.column_names) == {"anchor", "positive", "qid"}
     ds = ir_datasets.load("beir/nfcorpus/train")
     qrels = {(r.query_id, r.doc_id) for r in ds.qrels_iter() if r.relevance > 0}
-    docs = {d.doc_id: doc_text(d) for d in ds.docs_iter()}
+    docs = {d.doc_id: doc_text(d.title, d.text) for d in ds.docs_iter()}
     by_text = {}
     for doc_id, text in docs.items():
         by_text.setdefault(text, set()).add(doc_id)

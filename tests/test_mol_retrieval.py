@@ -18,7 +18,7 @@ import torch
 
 import pyterrier_prob
 from pyterrier_prob import DenseIndex, MoLEncoder, MoLIndex, MoLReranker, MoLRetriever
-from pyterrier_prob.mol import METHODS
+from pyterrier_prob.mol.retrieval import METHODS
 
 torch.set_num_threads(1)
 

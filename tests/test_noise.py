@@ -9,8 +9,8 @@ import pandas as pd
 import pyterrier as pt
 import pytest
 
-from pyterrier_prob.hard_queries import hard_queries, hard_query_table, no_relevant_in_top, percent_no
-from pyterrier_prob.noise import (
+from pyterrier_prob.varce.hard_queries import hard_queries, hard_query_table, no_relevant_in_top, percent_no
+from pyterrier_prob.varce.noise import (
     ABBREVIATIONS,
     NOISE_TYPES,
     EmbeddingNeighbours,

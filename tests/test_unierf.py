@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyterrier_prob import DenseIndex, MultiBranchRetriever, TriggerText, UniERFEncoder
-from pyterrier_prob.branches import branch_quotas, merge_branch_lists, query_vec_column, unierf_training_data
+from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists, query_vec_column, unierf_training_data
 from st_extensions import (
     MultiBranchQueryEncoder,
     branch_text,

@@ -320,7 +320,7 @@ def test_reranker_risk_ordering(base_model):
     for _, g in out.groupby("qid"):
         assert g["score"].is_monotonic_decreasing
     # a hand-made case where the risk term flips the order: same mean, larger std ranks lower for lam > 0
-    from pyterrier_prob.rerank import risk_adjusted
+    from pyterrier_prob.varce.rerank import risk_adjusted
 
     s = risk_adjusted(np.array([1.0, 1.0]), np.array([0.1, 2.0]), 0.5)
     assert s[0] > s[1]

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.autonotebook import trange
 
 from st_extensions.cross_encoder.head import SCORE_VAR_KEY, Variant, VariationalHead
-from st_extensions.pebr import default_model_path
+from st_extensions.defaults import default_model_path
 
 HEAD_REFERENCE = f"{VariationalHead.__module__}.{VariationalHead.__name__}"
 

@@ -7,7 +7,7 @@ with ``np.memmap``; docnos in ``docnos.npids``), so there is one vector store, n
 * an index written here is a FlexIndex: ``pt.Artifact.load(path)`` (pyterrier-dr's entry point
   ``dense_index.flex``) opens it, and every pyterrier-dr retriever (``np_retriever``, ``faiss_flat_retriever``,
   ``torch_retriever``, HNSW, ...) works on it;
-* the cutoff retrievers of :mod:`pyterrier_prob.cutoff` accept any FlexIndex, including one built by
+* the cutoff retrievers of :mod:`pyterrier_prob.pebr.cutoff` accept any FlexIndex, including one built by
   pyterrier-dr itself.
 
 What the subclass adds is what the pEBR cutoffs (``shared/papers/pebr.md``, Sec. 4.1.2 and Appendix A) need
@@ -32,7 +32,7 @@ import pyterrier as pt
 from npids import Lookup
 from pyterrier_dr import FlexIndex, SimFn
 
-from pyterrier_prob.atomic_indexer import AtomicIndexer, IndexingMode, missing_message
+from pyterrier_prob.index.indexer import AtomicIndexer, IndexingMode, missing_message
 
 __all__ = ["DenseIndex", "DenseIndexer", "IndexingMode", "as_dense_index"]
 

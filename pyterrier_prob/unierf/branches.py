@@ -35,8 +35,8 @@ import pandas as pd
 import pyterrier as pt
 from datasets import Dataset
 
-from pyterrier_prob.cutoff import QUERY_BATCH, _docnos_of, threshold_search
-from pyterrier_prob.index import as_dense_index
+from pyterrier_prob.pebr.cutoff import QUERY_BATCH, _docnos_of, threshold_search
+from pyterrier_prob.index.dense import as_dense_index
 from st_extensions.modules.branches import check_branch_names
 from st_extensions.unierf import SEP, branch_text, build_unierf_dataset, encode_branches, find_branches
 
@@ -267,7 +267,7 @@ class UniERFEncoder:
 
     def doc_encoder(self, batch_size: int | None = None) -> pt.Transformer:
         """Transformer adding ``doc_vec`` (the shared document tower, normalised) to a document frame."""
-        from pyterrier_prob.encoders import ProbBiEncoder
+        from pyterrier_prob.pebr.encoders import ProbBiEncoder
 
         bi = ProbBiEncoder(self.model, batch_size=self.batch_size, text_field=self.text_field, verbose=self.verbose)
         return bi.doc_encoder(batch_size=batch_size)

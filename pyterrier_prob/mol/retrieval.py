@@ -45,7 +45,7 @@ product, no extra search; per-embedding methods only). The column ``gap_bound`` 
 Both theorems hold because pi is a probability distribution (so phi <= max_p <.,.>); so does the exactness of
 Algorithm 1.
 
-Outputs follow the cutoff retrievers of :mod:`pyterrier_prob.cutoff`: ``qid, docno, docid, score, rank`` (rank
+Outputs follow the cutoff retrievers of :mod:`pyterrier_prob.pebr.cutoff`: ``qid, docno, docid, score, rank`` (rank
 from 0; ties broken by lower docid) plus the query columns, ``retriever % k`` folds the cutoff into retrieval
 (:meth:`MoLRetriever.fuse_rank_cutoff`), and an empty input gives an empty frame with those columns. Given a
 candidate frame (with ``docno``), :class:`MoLRetriever` re-ranks it like :class:`MoLReranker`.
@@ -68,7 +68,7 @@ import pandas as pd
 import pyterrier as pt
 import torch
 
-from pyterrier_prob.mol_index import MoLIndex, as_mol_index
+from pyterrier_prob.index.mol import MoLIndex, as_mol_index
 
 __all__ = [
     "METHODS",
@@ -1099,3 +1099,19 @@ class MoLRetriever(pt.Transformer):
         qi, di, sc = np.concatenate(qi), np.concatenate(di), np.concatenate(sc)
         sel, rank = _topk(qi, di, sc, K)
         return _Block(qi[sel], di[sel], sc[sel], rank, np.zeros(B), np.full(B, N, np.int64))
+
+
+# The index's factories, attached here as pyterrier-dr attaches its retrievers to FlexIndex, so that the index
+# module never imports the retrieval module (no import cycle); ``pyterrier_prob.mol`` always imports this module.
+def _index_retriever(self: MoLIndex, mol: Any, method: str = "exact", **kwargs: Any) -> MoLRetriever:
+    """A :class:`~pyterrier_prob.MoLRetriever` over this index (keyword arguments are passed on)."""
+    return MoLRetriever(self, mol, method=method, **kwargs)
+
+
+def _index_reranker(self: MoLIndex, mol: Any, **kwargs: Any) -> MoLReranker:
+    """A :class:`~pyterrier_prob.MoLReranker` looking document components up in this index."""
+    return MoLReranker(self, mol, **kwargs)
+
+
+MoLIndex.retriever = _index_retriever
+MoLIndex.reranker = _index_reranker

@@ -1,17 +1,15 @@
-"""Atomic index writing shared by :class:`~pyterrier_prob.DenseIndexer` and :class:`~pyterrier_prob.MoLIndexer`.
+"""The base of the index writers (:class:`~pyterrier_prob.index.DenseIndexer`, :class:`~pyterrier_prob.index.MoLIndexer`).
 
-An index directory is written into a hidden sibling directory, ``pt_meta.json`` last (flushed and fsynced), and
-renamed into place only when complete; an existing index (``mode="overwrite"``) is swapped out first and restored
-if the rename fails. On any error or interruption the temporary directory is removed and the target is left as it
-was, so an interrupted run never leaves a directory that loads.
+An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory`: into a hidden sibling
+directory, ``pt_meta.json`` last (flushed and fsynced), renamed into place only when complete; an existing index
+(``mode="overwrite"``) is swapped out first and restored if the rename fails. On any error or interruption the
+temporary directory is removed and the target is left as it was, so an interrupted run never leaves a directory
+that loads.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Iterable, Mapping
 from enum import Enum
 from pathlib import Path
@@ -19,6 +17,8 @@ from typing import Any
 
 import pandas as pd
 import pyterrier as pt
+
+from pyterrier_prob.atomic import atomic_directory, atomic_write
 
 __all__ = ["AtomicIndexer", "IndexingMode"]
 
@@ -53,36 +53,12 @@ class AtomicIndexer(pt.Indexer):
         """Consume the records and write the index; returns the (re-opened) index."""
         path = self._index.index_path
         self._check_target()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
-        tmp.mkdir()
-        try:
+        with atomic_directory(path, overwrite=self.mode == IndexingMode.overwrite) as tmp:
             meta = self._write_files(inp, tmp)
-            with open(tmp / "pt_meta.json", "w") as f:
-                json.dump(meta, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self._install(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            atomic_write(tmp / "pt_meta.json", json.dumps(meta))  # last: a directory without it never loads
+            self._check_target()  # again: something may have appeared while we were indexing
         self._index._reset()
         return self._index
-
-    def _install(self, tmp: Path, path: Path) -> None:
-        """Move the finished index into place (atomic rename; an old index is swapped out first)."""
-        self._check_target()  # again: something may have appeared while we were indexing
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.replace(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
 
 
 def missing_message(missing: list[str], have: Any, vector_column: str, hint: str) -> str:

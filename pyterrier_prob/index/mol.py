@@ -35,17 +35,14 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyterrier as pt
 from npids import Lookup
 
-from pyterrier_prob.atomic_indexer import AtomicIndexer, IndexingMode, missing_message
-
-if TYPE_CHECKING:  # pragma: no cover
-    from pyterrier_prob.mol import MoLReranker, MoLRetriever
+from pyterrier_prob.index.indexer import AtomicIndexer, IndexingMode, missing_message
 
 __all__ = ["MoLIndex", "MoLIndexer", "as_mol_index"]
 
@@ -257,18 +254,6 @@ class MoLIndex(pt.Artifact):
     def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> MoLIndex:
         """Index ``docno``/``doc_comp`` records (or a frame) into a new index at this path."""
         return self.indexer().index(inp)
-
-    def retriever(self, mol: Any, method: str = "exact", **kwargs: Any) -> MoLRetriever:
-        """A :class:`~pyterrier_prob.MoLRetriever` over this index (keyword arguments are passed on)."""
-        from pyterrier_prob.mol import MoLRetriever
-
-        return MoLRetriever(self, mol, method=method, **kwargs)
-
-    def reranker(self, mol: Any, **kwargs: Any) -> MoLReranker:
-        """A :class:`~pyterrier_prob.MoLReranker` looking document components up in this index."""
-        from pyterrier_prob.mol import MoLReranker
-
-        return MoLReranker(self, mol, **kwargs)
 
     def __repr__(self) -> str:
         return f"MoLIndex({str(self.index_path)!r})"

@@ -1,0 +1,446 @@
+"""Test collections from three sources, with their splits discovered rather than assumed.
+
+:func:`load_collection` takes
+
+* an **ir_datasets id** (``irds:beir/nfcorpus``, ``irds:cranfield``; the ``irds:`` prefix is optional): the splits
+  are the registered sub-datasets with queries and qrels (``beir/nfcorpus/{train,dev,test}``); a dataset that has
+  queries and qrels itself and no such sub-datasets is one split named ``test``; an id that names a split
+  (``irds:beir/nfcorpus/test``) is that one split of its parent's corpus;
+* a **BEIR folder**: ``corpus.jsonl`` (``_id``, ``title``, ``text``), ``queries.jsonl`` (``_id``, ``text``) and
+  ``qrels/<split>.tsv`` (``query-id``, ``corpus-id``, ``score``, with a header line); each qrels file is a split,
+  whose topics are the queries it judges (as BEIR's own loader does);
+* a **TREC folder**: topics files (TREC SGML ``<top>``/``<num>``/``<title>``, TREC XML ``<topic number=..>``, or
+  ``qid<TAB>query`` lines), qrels files (``qid iter docno label``) and a corpus (``*.jsonl`` with ``docno``/
+  ``doc_id``/``_id`` and ``text`` [+ ``title``], or ``*.tsv`` of ``docno<TAB>text``). A file is a topics file if its
+  name contains ``topics`` or ``queries``, a qrels file if it contains ``qrels``; the rest of its name is the split
+  (``topics.train.txt`` and ``train.qrels`` -> ``train``; a bare ``topics.txt`` + ``qrels.txt`` -> ``test``).
+
+Every source gives the same :class:`Collection`: ``splits``, ``topics(split)`` (``qid, query``), ``qrels(split)``
+(``qid, docno, label``), ``corpus_iter()`` (``docno, text``: title then body, as the encoders see it) and
+``doc_texts(docnos)``. Errors name the file, the line and what is wrong.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import random
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import pandas as pd
+
+__all__ = [
+    "Collection",
+    "IrdsCollection",
+    "BeirCollection",
+    "TrecCollection",
+    "load_collection",
+    "doc_text",
+    "split_topics",
+    "choose_splits",
+    "SplitChoice",
+]
+
+_DEV_NAMES = ("dev", "validation", "valid", "val")
+
+
+def doc_text(title: str | None, text: str | None) -> str:
+    """A document's text as the encoders see it: ``title`` then ``text`` where the collection has both."""
+    title, text = (title or "").strip(), text or ""
+    return f"{title}\n{text}".strip() if title else text
+
+
+class Collection:
+    """A corpus with judged query splits. Subclasses implement ``_topics``, ``_qrels``, ``corpus_iter``."""
+
+    name: str
+    splits: tuple[str, ...]
+
+    def _check_split(self, split: str) -> None:
+        if split not in self.splits:
+            raise ValueError(f"{self.name} has no split {split!r}; its splits are {list(self.splits)}")
+
+    def topics(self, split: str) -> pd.DataFrame:
+        """``qid, query`` (strings) of a split."""
+        self._check_split(split)
+        t = self._topics(split)
+        if t.empty:
+            raise ValueError(f"{self.name}: split {split!r} has no queries")
+        return t.reset_index(drop=True)
+
+    def qrels(self, split: str) -> pd.DataFrame:
+        """``qid, docno, label`` of a split (``label`` an int)."""
+        self._check_split(split)
+        q = self._qrels(split)
+        if q.empty:
+            raise ValueError(f"{self.name}: split {split!r} has no qrels")
+        return q.reset_index(drop=True)
+
+    def corpus_iter(self) -> Iterator[dict[str, str]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def doc_texts(self, docnos: Iterable[str]) -> dict[str, str]:
+        """``{docno: text}`` of the given documents that exist in the corpus."""
+        want = set(docnos)
+        return {d["docno"]: d["text"] for d in self.corpus_iter() if d["docno"] in want}
+
+    @cached_property
+    def num_docs(self) -> int:
+        return sum(1 for _ in self.corpus_iter())
+
+    def _topics(self, split: str) -> pd.DataFrame:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _qrels(self, split: str) -> pd.DataFrame:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, splits={list(self.splits)})"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# ir_datasets
+# --------------------------------------------------------------------------------------------------------------
+
+
+class IrdsCollection(Collection):
+    """An ir_datasets dataset and its judged sub-datasets (module docstring)."""
+
+    def __init__(self, dataset_id: str) -> None:
+        import ir_datasets
+
+        name = dataset_id.removeprefix("irds:").strip("/")
+        try:
+            ds = ir_datasets.load(name)
+        except KeyError as e:
+            raise ValueError(f"unknown ir_datasets id {dataset_id!r} (and no such folder): {e}") from e
+        self.name = f"irds:{name}"
+        registered = sorted(ir_datasets.registry._registered)
+        children = {
+            k[len(name) + 1 :]: k
+            for k in registered
+            if k.startswith(name + "/") and "/" not in k[len(name) + 1 :] and _judged(ir_datasets.load(k))
+        }
+        if children:
+            self._split_ids, self._docs_id = children, name
+        elif _judged(ds):
+            parent = name.rpartition("/")[0]
+            if parent and parent in registered and ir_datasets.load(parent).has_docs() and not ds.has_docs():
+                self._split_ids, self._docs_id = {name.rpartition("/")[2]: name}, parent
+            else:
+                self._split_ids, self._docs_id = {"test": name}, name
+        else:
+            raise ValueError(f"{self.name} has no queries with qrels, nor sub-datasets that have them")
+        if not ir_datasets.load(self._docs_id).has_docs():
+            raise ValueError(f"{self.name} has no documents")
+        self.splits = tuple(self._split_ids)
+
+    def _ds(self, split: str):
+        import ir_datasets
+
+        return ir_datasets.load(self._split_ids[split])
+
+    def _topics(self, split: str) -> pd.DataFrame:
+        rows = [(str(q.query_id), getattr(q, "text", None) or q[1]) for q in self._ds(split).queries_iter()]
+        return pd.DataFrame(rows, columns=["qid", "query"])
+
+    def _qrels(self, split: str) -> pd.DataFrame:
+        rows = [(str(r.query_id), str(r.doc_id), int(r.relevance)) for r in self._ds(split).qrels_iter()]
+        return pd.DataFrame(rows, columns=["qid", "docno", "label"])
+
+    def corpus_iter(self) -> Iterator[dict[str, str]]:
+        import ir_datasets
+
+        for doc in ir_datasets.load(self._docs_id).docs_iter():
+            yield {"docno": str(doc.doc_id), "text": doc_text(getattr(doc, "title", ""), getattr(doc, "text", ""))}
+
+    def doc_texts(self, docnos: Iterable[str]) -> dict[str, str]:
+        import ir_datasets
+
+        docs = ir_datasets.load(self._docs_id).docs_store().get_many(set(docnos))
+        return {k: doc_text(getattr(d, "title", ""), getattr(d, "text", "")) for k, d in docs.items()}
+
+    @cached_property
+    def num_docs(self) -> int:
+        import ir_datasets
+
+        return int(ir_datasets.load(self._docs_id).docs_count())
+
+
+def _judged(ds) -> bool:
+    return ds.has_queries() and ds.has_qrels()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# local folders
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    with open(path, encoding="utf8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}, line {n}: expected a JSON object, got {type(obj).__name__}")
+            yield n, obj
+
+
+def _field(obj: dict, names: tuple[str, ...], path: Path, n: int, what: str) -> str:
+    for k in names:
+        if k in obj and obj[k] is not None:
+            return str(obj[k])
+    raise ValueError(f"{path}, line {n}: no {what} field (one of {list(names)}); got keys {sorted(obj)}")
+
+
+def _jsonl_corpus(path: Path) -> Iterator[dict[str, str]]:
+    for n, obj in _read_jsonl(path):
+        docno = _field(obj, ("_id", "docno", "doc_id", "id"), path, n, "document id")
+        body = obj.get("text", obj.get("body", obj.get("contents")))
+        if body is None and not obj.get("title"):
+            raise ValueError(f"{path}, line {n}: document {docno!r} has no text (nor title)")
+        yield {"docno": docno, "text": doc_text(obj.get("title"), body)}
+
+
+def _tsv_corpus(path: Path) -> Iterator[dict[str, str]]:
+    with open(path, encoding="utf8", newline="") as f:
+        for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
+            if not row or (n == 1 and row[0].lower() in ("docno", "doc_id", "id", "_id")):
+                continue
+            if len(row) < 2:
+                raise ValueError(f"{path}, line {n}: expected docno<TAB>text, got {len(row)} field")
+            yield {"docno": row[0], "text": doc_text(row[2] if len(row) > 2 else None, row[1])}
+
+
+class BeirCollection(Collection):
+    """A folder in BEIR layout (module docstring)."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        self.name = str(self.folder)
+        for f in ("corpus.jsonl", "queries.jsonl"):
+            if not (self.folder / f).is_file():
+                raise ValueError(f"{self.folder} is not a BEIR folder: {f} is missing")
+        qrels = sorted((self.folder / "qrels").glob("*.tsv")) if (self.folder / "qrels").is_dir() else []
+        if not qrels:
+            raise ValueError(f"{self.folder} is not a BEIR folder: no qrels/<split>.tsv")
+        self._qrels_files = {p.stem: p for p in qrels}
+        self.splits = tuple(self._qrels_files)
+
+    @cached_property
+    def _queries(self) -> dict[str, str]:
+        path = self.folder / "queries.jsonl"
+        out = {}
+        for n, obj in _read_jsonl(path):
+            qid = _field(obj, ("_id", "qid", "query_id", "id"), path, n, "query id")
+            out[qid] = _field(obj, ("text", "query"), path, n, "query text")
+        return out
+
+    def _qrels(self, split: str) -> pd.DataFrame:
+        path = self._qrels_files[split]
+        rows = []
+        with open(path, encoding="utf8", newline="") as f:
+            for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
+                if not row or (n == 1 and not _is_int(row[-1])):
+                    continue  # the header (query-id corpus-id score)
+                if len(row) not in (3, 4) or not _is_int(row[-1]):
+                    raise ValueError(f"{path}, line {n}: expected query-id<TAB>corpus-id<TAB>score, got {row}")
+                rows.append((row[0], row[-2], int(row[-1])))
+        return pd.DataFrame(rows, columns=["qid", "docno", "label"])
+
+    def _topics(self, split: str) -> pd.DataFrame:
+        qids = list(dict.fromkeys(self.qrels(split)["qid"]))
+        missing = [q for q in qids if q not in self._queries]
+        if missing:
+            raise ValueError(
+                f"{self._qrels_files[split]} judges {len(missing)} queries missing from queries.jsonl, "
+                f"e.g. {missing[:3]}"
+            )
+        return pd.DataFrame({"qid": qids, "query": [self._queries[q] for q in qids]})
+
+    def corpus_iter(self) -> Iterator[dict[str, str]]:
+        return _jsonl_corpus(self.folder / "corpus.jsonl")
+
+
+def _is_int(s: str) -> bool:
+    return bool(re.fullmatch(r"-?\d+", s.strip()))
+
+
+_TOPIC_KEYS = ("topics", "queries")
+_QRELS_KEYS = ("qrels",)
+
+
+def _split_of(name: str, keys: tuple[str, ...]) -> str | None:
+    """``topics.train.txt`` -> ``train``; ``qrels`` -> ``""``; None when no key is in the name."""
+    stem = name.lower()
+    for ext in (".gz", ".txt", ".tsv", ".xml", ".trec", ".qrels", ".topics"):
+        stem = stem.removesuffix(ext)
+    for key in keys:
+        if key in stem:
+            rest = re.sub(r"[._\-]+", " ", stem.replace(key, " ")).split()
+            return "-".join(rest)
+    return None
+
+
+class TrecCollection(Collection):
+    """A folder of TREC-style topics, qrels and a jsonl / tsv corpus (module docstring)."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        self.name = str(self.folder)
+        topics, qrels, corpus = {}, {}, []
+        for p in sorted(self.folder.iterdir()):
+            if not p.is_file() or p.name.startswith("."):
+                continue
+            if (s := _split_of(p.name, _QRELS_KEYS)) is not None:
+                qrels[s or "test"] = p
+            elif (s := _split_of(p.name, _TOPIC_KEYS)) is not None:
+                topics[s or "test"] = p
+            elif p.suffix in (".jsonl", ".tsv"):
+                corpus.append(p)
+        if not corpus:
+            raise ValueError(f"{self.folder}: no corpus (a .jsonl or .tsv file other than topics and qrels)")
+        if len(corpus) > 1:
+            raise ValueError(f"{self.folder}: more than one corpus file: {[c.name for c in corpus]}")
+        self._corpus = corpus[0]
+        splits = sorted(set(topics) & set(qrels))
+        if not splits:
+            raise ValueError(
+                f"{self.folder}: no split has both a topics file (name containing 'topics' or 'queries') and a "
+                f"qrels file (name containing 'qrels'); found topics {sorted(topics)} and qrels {sorted(qrels)}"
+            )
+        for s in set(topics) ^ set(qrels):
+            raise ValueError(
+                f"{self.folder}: split {s!r} has a {'topics' if s in topics else 'qrels'} file but no "
+                f"{'qrels' if s in topics else 'topics'} file"
+            )
+        self._topic_files, self._qrels_files = topics, qrels
+        self.splits = tuple(splits)
+
+    def _topics(self, split: str) -> pd.DataFrame:
+        import pyterrier as pt
+
+        path = self._topic_files[split]
+        head = path.read_text(encoding="utf8", errors="replace")[:4096].lower()
+        if "<top>" in head:
+            t = pt.io.read_topics(str(path), format="trec")
+        elif "<topic" in head:
+            t = pt.io.read_topics(str(path), format="trecxml")
+        else:
+            rows = []
+            with open(path, encoding="utf8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    qid, sep, query = line.rstrip("\n").partition("\t")
+                    if not sep:
+                        qid, sep, query = line.strip().partition(" ")
+                    if not sep or not query.strip():
+                        raise ValueError(f"{path}, line {n}: expected qid<TAB>query, got {line.strip()[:80]!r}")
+                    rows.append((qid.strip(), query.strip()))
+            t = pd.DataFrame(rows, columns=["qid", "query"])
+        t = t[["qid", "query"]].astype(str)
+        dup = t["qid"][t["qid"].duplicated()].tolist()
+        if dup:
+            raise ValueError(f"{path}: query ids repeated, e.g. {dup[:3]}")
+        return t
+
+    def _qrels(self, split: str) -> pd.DataFrame:
+        path = self._qrels_files[split]
+        rows = []
+        with open(path, encoding="utf8") as f:
+            for n, line in enumerate(f, 1):
+                parts = line.split()
+                if not parts:
+                    continue
+                if len(parts) != 4 or not _is_int(parts[3]):
+                    raise ValueError(f"{path}, line {n}: expected 'qid iter docno label', got {line.strip()[:80]!r}")
+                rows.append((parts[0], parts[2], int(parts[3])))
+        return pd.DataFrame(rows, columns=["qid", "docno", "label"])
+
+    def corpus_iter(self) -> Iterator[dict[str, str]]:
+        return _jsonl_corpus(self._corpus) if self._corpus.suffix == ".jsonl" else _tsv_corpus(self._corpus)
+
+
+def load_collection(spec: str | os.PathLike | Collection) -> Collection:
+    """A :class:`Collection` from an ir_datasets id, a BEIR folder or a TREC folder (module docstring)."""
+    if isinstance(spec, Collection):
+        return spec
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "corpus.jsonl").is_file() and (path / "queries.jsonl").is_file():
+            return BeirCollection(path)
+        return TrecCollection(path)
+    if str(spec).startswith("irds:") or not path.exists():
+        return IrdsCollection(str(spec))
+    raise ValueError(f"{spec!r} is neither an ir_datasets id nor a folder (BEIR or TREC layout)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# splits of an experiment
+# --------------------------------------------------------------------------------------------------------------
+
+
+def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Split a topics frame into two disjoint seeded parts: ``(calibration, evaluation)``.
+
+    The first part has ``round(fraction * n)`` queries (at least 1, leaving at least 1); the order of each part
+    follows the input. Used when a collection has no dev split: calibrate on one half of the test queries and
+    report on the other.
+    """
+    n = len(topics)
+    if n < 2:
+        raise ValueError(f"need at least 2 queries to split into calibration and evaluation halves, got {n}")
+    k = min(n - 1, max(1, round(fraction * n)))
+    chosen = set(random.Random(seed).sample(range(n), k))
+    mask = [i in chosen for i in range(n)]
+    return topics[mask].reset_index(drop=True), topics[[not m for m in mask]].reset_index(drop=True)
+
+
+@dataclass
+class SplitChoice:
+    """Which splits an experiment trains on, calibrates on and reports on (see :func:`choose_splits`)."""
+
+    train: str | None
+    dev: str | None
+    test: str
+    note: str
+
+
+def choose_splits(
+    collection: Collection, train: str | None = None, dev: str | None = None, test: str | None = None
+) -> SplitChoice:
+    """Pick train / dev / test among the collection's discovered splits; explicit names win.
+
+    ``test``: the split named ``test``, else the only split, else an error listing them. ``train``: ``train`` if
+    present (else None: nothing to fine-tune on). ``dev``: the first of dev/validation/valid/val present (else
+    None: calibrate on a seeded half of the test queries).
+    """
+    s = collection.splits
+    for name, value in (("train", train), ("dev", dev), ("test", test)):
+        if value is not None and value not in s:
+            raise ValueError(f"--{name}-split {value!r}: {collection.name} has splits {list(s)}")
+    if test is None:
+        if "test" in s:
+            test = "test"
+        elif len(s) == 1:
+            test = s[0]
+        else:
+            raise ValueError(f"{collection.name} has no 'test' split; name one with --test-split (splits: {list(s)})")
+    if train is None and "train" in s and test != "train":
+        train = "train"
+    if dev is None:
+        dev = next((d for d in _DEV_NAMES if d in s and d != test), None)
+    if test in (train, dev):
+        raise ValueError(f"the test split {test!r} must differ from the train and dev splits")
+    note = f"splits of {collection.name}: train={train}, dev={dev}, test={test}"
+    return SplitChoice(train=train, dev=dev, test=test, note=note)

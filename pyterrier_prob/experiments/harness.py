@@ -1,0 +1,526 @@
+"""The shared experiment harness: what every paper's experiment needs, written once.
+
+A paper's module (:mod:`pyterrier_prob.experiments.pebr`, ``mol``, ``varce``, ``unierf``) describes its protocol
+and calls this for everything else:
+
+* **collections and splits** (:meth:`Harness.load_data`): ``--dataset`` is an ir_datasets id, a BEIR folder or a
+  TREC folder (:mod:`pyterrier_prob.collections`); splits are discovered. With no train split (or ``--steps 0``)
+  nothing is fine-tuned; with no dev split, calibration uses a seeded half of the test queries and results are
+  reported on the other half; ``--test-dataset`` evaluates on another collection (zero-shot transfer), with
+  calibration from the training collection's dev split;
+* **training** (:meth:`Harness.train`): :func:`pyterrier_prob.training.fine_tune`, the model saved under
+  ``output/models/<name>`` with its settings, and reused by ``--reuse`` only when the settings match;
+* **encoding and indexing** (:meth:`Harness.dense_index`, :meth:`Harness.mol_index`) and **BM25 through PISA**
+  (:meth:`Harness.bm25`), under ``output/indexes/``;
+* **evaluation** (:meth:`Harness.experiment`): ``pt.Experiment`` with paired t-tests against a baseline;
+* **the report** (:meth:`Harness.finish`): ``results.md``, one CSV per table, ``summary.json`` (settings, splits,
+  timings) and the PNG plots, all through the one atomic writer (:mod:`pyterrier_prob.atomic`, 0644 files,
+  0755 folders); the Markdown is printed at the end with its location.
+
+Progress is one bar per stage (training, encoding/indexing, scoring); ``quiet`` silences them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pyterrier_prob.atomic import atomic_write, make_dirs, save_figure
+from pyterrier_prob.collections import Collection, choose_splits, load_collection, split_topics
+
+__all__ = [
+    "CommonConfig",
+    "Data",
+    "Harness",
+    "add_common_arguments",
+    "common_from_args",
+    "markdown_table",
+    "native_output_to",
+    "p_mark",
+]
+
+
+@dataclass
+class CommonConfig:
+    """Options every experiment takes (the ``pyterrier-prob <paper>`` options shared by all four).
+
+    Attributes:
+        dataset: ir_datasets id, BEIR folder or TREC folder to train on (and test on, unless ``test_dataset``).
+        test_dataset: another collection to evaluate on (zero-shot transfer), or None.
+        train_split, dev_split, test_split: explicit split names; None: discovered (:func:`choose_splits`).
+        model: base model name or path, or one of our saved models (None: the packaged all-MiniLM-L6-v2).
+        steps: training steps (0: evaluate ``model`` without fine-tuning).
+        batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system.
+        output: folder for models, indexes, tables and plots.
+        reuse: reuse models (when their saved settings match) and indexes already in ``output``.
+        quiet: no progress bars and no printed table.
+    """
+
+    dataset: str = "irds:beir/nfcorpus"
+    test_dataset: str | None = None
+    train_split: str | None = None
+    dev_split: str | None = None
+    test_split: str | None = None
+    model: str | None = None
+    steps: int = 120
+    batch_size: int = 16
+    lr: float = 5e-5
+    seed: int = 0
+    max_seq_length: int = 128
+    output: str = "outputs/experiment"
+    reuse: bool = False
+    quiet: bool = False
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first setting out of range."""
+        if self.steps < 0:
+            raise ValueError(f"--steps must be >= 0, got {self.steps}")
+        if self.steps and self.batch_size < 2:
+            raise ValueError(f"--batch-size must be >= 2, got {self.batch_size}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.max_seq_length < 8:
+            raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
+
+
+def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) -> None:
+    """Add the shared options to a subcommand's parser, with the paper's defaults."""
+    g = ap.add_argument_group("collection and splits")
+    g.add_argument(
+        "--dataset",
+        default=defaults.dataset,
+        help="ir_datasets id (irds:beir/nfcorpus), BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv) or "
+        "TREC folder (topics, qrels, a jsonl/tsv corpus)",
+    )
+    g.add_argument(
+        "--test-dataset",
+        default=defaults.test_dataset,
+        help="evaluate on this collection instead (zero-shot transfer; calibration from --dataset's dev split)",
+    )
+    g.add_argument("--train-split", default=defaults.train_split, help="default: 'train' if the collection has it")
+    g.add_argument(
+        "--dev-split", default=defaults.dev_split, help="default: 'dev'/'validation' if present, else half of test"
+    )
+    g.add_argument("--test-split", default=defaults.test_split, help="default: 'test', or the only split")
+    t = ap.add_argument_group("model and training")
+    t.add_argument("--model", default=defaults.model, help="base or saved model (default: packaged all-MiniLM-L6-v2)")
+    t.add_argument("--steps", type=int, default=defaults.steps, help="training steps per model (0: no fine-tuning)")
+    t.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate of the encoder")
+    t.add_argument("--max-seq-length", type=int, default=defaults.max_seq_length, help="token budget per text")
+    t.add_argument("--seed", type=int, default=defaults.seed)
+    o = ap.add_argument_group("output")
+    o.add_argument("--output", default=defaults.output, help="folder for models, indexes, tables and plots")
+    o.add_argument("--reuse", action="store_true", help="reuse models (same settings) and indexes in --output")
+    o.add_argument("--quiet", action="store_true", help="no progress bars and no printed table")
+
+
+def common_from_args(a: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`CommonConfig` fields of parsed arguments, as keyword arguments."""
+    return {f: getattr(a, f) for f in CommonConfig.__dataclass_fields__}
+
+
+@dataclass
+class Data:
+    """The collections and query sets of one experiment (from :meth:`Harness.load_data`).
+
+    ``train`` is None when there is nothing to fine-tune on. ``cal_topics``/``cal_qrels`` are what calibration and
+    dev-side choices use: the dev split, else a seeded half of the test queries (then ``test_topics`` is the other
+    half). ``notes`` says which, for the report.
+    """
+
+    train_collection: Collection
+    test_collection: Collection
+    train: str | None
+    dev: str | None
+    test: str
+    cal_topics: pd.DataFrame
+    cal_qrels: pd.DataFrame
+    test_topics: pd.DataFrame
+    test_qrels: pd.DataFrame
+    cal_source: str
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "train": f"{self.train_collection.name}/{self.train}" if self.train else None,
+            "calibration": self.cal_source,
+            "test": f"{self.test_collection.name}/{self.test}",
+            "n_calibration_queries": len(self.cal_topics),
+            "n_test_queries": len(self.test_topics),
+            "notes": list(self.notes),
+        }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text.removeprefix("irds:")).strip("-") or "collection"
+
+
+@contextlib.contextmanager
+def native_output_to(path: str, fds: Sequence[int] = (2,)) -> Iterator[None]:
+    """Send file descriptors ``fds`` (where native libraries such as PISA print) to ``path`` for the duration."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in fds]
+    try:
+        with open(path, "ab") as log:
+            for fd in fds:
+                os.dup2(log.fileno(), fd)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, s in zip(fds, saved):
+            os.dup2(s, fd)
+            os.close(s)
+
+
+def p_mark(p: float | None) -> str:
+    """`` *`` for p < 0.05 (a paired test against the table's baseline), else ``""``."""
+    return " *" if p is not None and np.isfinite(p) and p < 0.05 else ""
+
+
+def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
+    """A frame as a GitHub Markdown table (floats with ``floatfmt``, NaN as blank)."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, (float, np.floating)):
+            return "" if not np.isfinite(v) else format(float(v), floatfmt)
+        return str(v)
+
+    cols = [str(c) for c in frame.columns]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+class Harness:
+    """Stages, models, indexes, ``pt.Experiment`` and the report of one experiment run (module docstring)."""
+
+    def __init__(self, name: str, cfg: CommonConfig) -> None:
+        cfg.check()
+        self.name, self.cfg = name, cfg
+        self.output = str(make_dirs(cfg.output))
+        self.verbose = not cfg.quiet
+        self.timings: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+        self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
+
+    # ---- stages and progress ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def stage(self, name: str, message: str) -> Iterator[None]:
+        """Time a stage (``summary.json``'s ``timings_s``) and announce it with one line."""
+        start = time.perf_counter()
+        if self.verbose:
+            print(f"[{start - self.t0:7.1f}s] {message}", flush=True)
+        try:
+            yield
+        finally:
+            self.timings[name] = round(self.timings.get(name, 0.0) + time.perf_counter() - start, 2)
+
+    def progress(self, iterable: Iterable[Any], desc: str, total: int | None = None, unit: str = "it") -> Iterable[Any]:
+        """A tqdm bar over ``iterable`` (none when quiet)."""
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, desc=desc, total=total, unit=unit, disable=not self.verbose, dynamic_ncols=True)
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.output, *parts)
+
+    # ---- collections ------------------------------------------------------------------------------------------
+    def load_data(self, require_test_qrels: bool = True) -> Data:
+        """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries."""
+        cfg = self.cfg
+        with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
+            train_coll = load_collection(cfg.dataset)
+            notes: list[str] = []
+            if cfg.test_dataset:
+                test_coll = load_collection(cfg.test_dataset)
+                src = choose_splits(train_coll, cfg.train_split, cfg.dev_split, _test_or_none(train_coll))
+                tgt = choose_splits(test_coll, None, None, cfg.test_split)
+                train, dev, test = src.train, src.dev, tgt.test
+                notes.append(
+                    f"zero-shot transfer: trained on {train_coll.name}"
+                    + (f"/{train}" if train else " (no train split)")
+                    + f", evaluated on {test_coll.name}/{test}"
+                )
+            else:
+                test_coll = train_coll
+                ch = choose_splits(train_coll, cfg.train_split, cfg.dev_split, cfg.test_split)
+                train, dev, test = ch.train, ch.dev, ch.test
+            if cfg.steps == 0:
+                if train:
+                    notes.append(f"--steps 0: {cfg.model or 'the base model'} evaluated without fine-tuning")
+                train = None
+            elif train is None:
+                notes.append(f"{train_coll.name} has no train split: {cfg.model or 'the base model'} is evaluated "
+                             "without fine-tuning")
+            test_topics, test_qrels = test_coll.topics(test), test_coll.qrels(test)
+            if dev is not None:
+                cal_topics, cal_qrels = train_coll.topics(dev), train_coll.qrels(dev)
+                cal_source = f"{train_coll.name}/{dev}"
+            else:
+                cal_topics, test_topics = split_topics(test_topics, seed=cfg.seed)
+                cal_qrels = test_qrels[test_qrels["qid"].isin(set(cal_topics["qid"]))]
+                test_qrels = test_qrels[test_qrels["qid"].isin(set(test_topics["qid"]))]
+                cal_source = (
+                    f"a seeded half (seed {cfg.seed}) of {test_coll.name}/{test}: {len(cal_topics)} queries"
+                )
+                notes.append(
+                    f"no dev split: calibration on a seeded half of {test_coll.name}/{test} ({len(cal_topics)} "
+                    f"queries), results reported on the other, disjoint half ({len(test_topics)} queries)"
+                )
+        return Data(
+            train_collection=train_coll,
+            test_collection=test_coll,
+            train=train,
+            dev=dev,
+            test=test,
+            cal_topics=cal_topics,
+            cal_qrels=cal_qrels.reset_index(drop=True),
+            test_topics=test_topics,
+            test_qrels=test_qrels.reset_index(drop=True),
+            cal_source=cal_source,
+            notes=notes,
+        )
+
+    # ---- models -----------------------------------------------------------------------------------------------
+    def train(
+        self,
+        name: str,
+        build: Callable[[], Any],
+        loss: Callable[[Any], Any],
+        data: Callable[[], Any] | None,
+        *,
+        steps: int | None = None,
+        learning_rate_mapping: Mapping[str, float] | None = None,
+        settings: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, list[float]]:
+        """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
+
+        ``data`` builds the training rows (None, or ``steps`` 0: the built model is returned untrained and not
+        saved). With ``--reuse``, a saved model whose ``train_settings.json`` matches these settings is loaded
+        instead of trained again.
+        """
+        from pyterrier_prob.training import fine_tune
+        from st_extensions import load_model
+
+        cfg = self.cfg
+        steps = cfg.steps if steps is None else steps
+        path = self.path("models", name)
+        info_path = os.path.join(path, "train_settings.json")
+        wanted = {
+            "model": cfg.model,
+            "dataset": cfg.dataset,
+            "steps": steps,
+            "batch_size": cfg.batch_size,
+            "lr": cfg.lr,
+            "seed": cfg.seed,
+            "max_seq_length": cfg.max_seq_length,
+            "learning_rate_mapping": dict(learning_rate_mapping or {}),
+            **dict(settings or {}),
+        }
+        wanted = json.loads(json.dumps(wanted, default=str))
+        if data is None or steps == 0:
+            model = build()
+            _set_max_len(model, cfg.max_seq_length)
+            return model, []
+        if cfg.reuse and os.path.isfile(info_path):
+            with open(info_path, encoding="utf8") as f:
+                saved = json.load(f)
+            if saved.get("settings") == wanted:
+                with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
+                    model = load_model(path, device="cpu")
+                _set_max_len(model, cfg.max_seq_length)
+                return model, list(saved.get("losses", []))
+        with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {cfg.batch_size}"):
+            import torch
+
+            torch.manual_seed(cfg.seed)
+            model = build()
+            _set_max_len(model, cfg.max_seq_length)
+            rows = data()
+            losses = fine_tune(
+                model,
+                loss(model),
+                rows,
+                steps=steps,
+                batch_size=cfg.batch_size,
+                learning_rate=cfg.lr,
+                seed=cfg.seed,
+                show_progress=self.verbose,
+                learning_rate_mapping=dict(learning_rate_mapping or {}),
+                desc=f"training {name}",
+            )
+            _save_model(model, path)
+            atomic_write(info_path, json.dumps({"settings": wanted, "losses": losses}, indent=1))
+        self._fresh.add(name)
+        return model, losses
+
+    # ---- indexes ----------------------------------------------------------------------------------------------
+    def _index_path(self, name: str, collection: Collection, ext: str) -> str:
+        return self.path("indexes", f"{name}-{_slug(collection.name)}.{ext}")
+
+    def dense_index(self, name: str, encoder: Any, collection: Collection) -> Any:
+        """Encode ``collection`` with a :class:`~pyterrier_prob.ProbBiEncoder` (or any pyterrier-dr BiEncoder) into a
+        :class:`~pyterrier_prob.DenseIndex` (one bar over the documents)."""
+        from pyterrier_prob.index import DenseIndex
+
+        path = self._index_path(name, collection, "flex")
+        index = DenseIndex(path, verbose=self.verbose)
+        if self.cfg.reuse and name not in self._fresh and index.built():
+            return index
+        with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
+            (encoder.doc_encoder(verbose=False) >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
+        return index
+
+    def mol_index(self, name: str, encoder: Any, collection: Collection) -> Any:
+        """Encode ``collection`` with a :class:`~pyterrier_prob.MoLEncoder` into a :class:`~pyterrier_prob.MoLIndex`."""
+        from pyterrier_prob.index import MoLIndex
+
+        path = self._index_path(name, collection, "mol")
+        index = MoLIndex(path, verbose=self.verbose)
+        if self.cfg.reuse and name not in self._fresh and index.built():
+            return index
+        with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
+            (encoder.doc_encoder() >> index.indexer(mode="overwrite")).index(
+                self.progress(collection.corpus_iter(), f"encoding {name}", collection.num_docs, "doc")
+            )
+        return index
+
+    def bm25(self, collection: Collection) -> Any:
+        """A PISA index of ``collection`` for BM25 (built once per output folder; PISA's log goes to a file)."""
+        from pyterrier_pisa import PisaIndex
+
+        path = self._index_path("bm25", collection, "pisa")
+        index = PisaIndex(path, text_field="text", threads=max(1, os.cpu_count() or 1), overwrite=True)
+        if not (self.cfg.reuse and index.built()):
+            with self.stage("index_bm25", f"indexing {collection.name} with PISA for BM25 (log: {path}.log)"):
+                with native_output_to(f"{path}.log"):
+                    index.index(self.progress(collection.corpus_iter(), "indexing BM25", collection.num_docs, "doc"))
+                    index.bm25(num_results=1)(pd.DataFrame({"qid": ["warm-up"], "query": ["warm up"]}))
+        return index
+
+    def bm25_run(self, index: Any, topics: pd.DataFrame, k: int) -> pd.DataFrame:
+        """BM25's top ``k`` for ``topics`` (``qid, docno, score, rank`` + query columns)."""
+        with native_output_to(f"{index.path}.log"):
+            return index.bm25(num_results=k)(topics)
+
+    # ---- evaluation -------------------------------------------------------------------------------------------
+    def experiment(
+        self,
+        runs: Mapping[str, pd.DataFrame],
+        topics: pd.DataFrame,
+        qrels: pd.DataFrame,
+        measures: Sequence[Any],
+        baseline: str | None = None,
+        perquery: bool = False,
+    ) -> pd.DataFrame:
+        """``pt.Experiment`` over precomputed runs, with paired t-tests against ``baseline`` (its name).
+
+        Returns pt.Experiment's frame (``name``, one column per measure, and ``<measure> p-value`` columns when a
+        baseline is given); with ``perquery`` the per-query frame instead.
+        """
+        import ir_measures
+        import pyterrier as pt
+
+        names = list(runs)
+        ms = [ir_measures.parse_measure(m) if isinstance(m, str) else m for m in measures]
+        frames = [r[["qid", "docno", "score"]].assign(qid=r["qid"].astype(str)) for r in runs.values()]
+        kwargs: dict[str, Any] = {"names": names, "eval_metrics": ms}
+        if perquery:
+            kwargs["perquery"] = True
+        elif baseline is not None:
+            kwargs["baseline"] = names.index(baseline)
+        return pt.Experiment(frames, topics, qrels, **kwargs)
+
+    # ---- report -----------------------------------------------------------------------------------------------
+    def figure(self, fig: Any, filename: str) -> str:
+        """Save a matplotlib figure as ``output/<filename>`` (PNG, atomic, 0644)."""
+        return save_figure(fig, self.path(filename))
+
+    def finish(
+        self,
+        title: str,
+        markdown: str,
+        tables: Mapping[str, pd.DataFrame],
+        summary: Mapping[str, Any],
+        data: Data | None = None,
+    ) -> dict[str, Any]:
+        """Write ``results.md``, ``<table>.csv`` per table and ``summary.json``; print the report and its location.
+
+        Returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs`` added).
+        """
+        total = round(time.perf_counter() - self.t0, 1)
+        head = [f"# {title}", ""]
+        if data is not None:
+            d = data.describe()
+            head.append(
+                f"Trained on {d['train'] or 'nothing (no fine-tuning)'}; calibration/dev: {d['calibration']}; "
+                f"test: {d['test']} ({d['n_test_queries']} queries)."
+            )
+            head += [f"- {n}" for n in d["notes"]]
+            head.append("")
+        text = "\n".join(head) + markdown.rstrip() + f"\n\nWall time: {total:.0f} s.\n"
+        outputs = {}
+        for name, frame in tables.items():
+            outputs[name] = atomic_write(self.path(f"{name}.csv"), frame.to_csv(index=False))
+        outputs["results.md"] = atomic_write(self.path("results.md"), text)
+        full = {
+            "experiment": self.name,
+            "config": asdict(self.cfg) if hasattr(self.cfg, "__dataclass_fields__") else dict(vars(self.cfg)),
+            "data": data.describe() if data is not None else None,
+            **dict(summary),
+            "timings_s": dict(self.timings),
+            "total_s": total,
+        }
+        full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
+        atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
+        if self.verbose:
+            print("\n" + text, flush=True)
+        print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
+        return full
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def _test_or_none(coll: Collection) -> str | None:
+    """The source collection's test split name for choose_splits, or a harmless one when it has none."""
+    if "test" in coll.splits:
+        return "test"
+    others = [s for s in coll.splits if s not in ("train", "dev", "validation", "valid", "val")]
+    return others[0] if others else coll.splits[-1]
+
+
+def _set_max_len(model: Any, n: int) -> None:
+    if hasattr(model, "max_seq_length"):
+        model.max_seq_length = n
+    elif hasattr(model, "max_length"):
+        model.max_length = n
+
+
+def _save_model(model: Any, path: str) -> None:
+    """Save a model atomically: into a sibling folder renamed into place (folders 0755, files 0644)."""
+    from pyterrier_prob.atomic import atomic_directory
+
+    with atomic_directory(path, overwrite=True) as tmp:
+        model.save(str(tmp))

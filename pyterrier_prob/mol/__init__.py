@@ -1,0 +1,18 @@
+"""Mixture-of-Logits' PyTerrier side (``shared/papers/mixture-of-logits.txt``): the component encoder, the exact and
+approximate top-K retriever and the re-ranker; the component index is :class:`pyterrier_prob.index.MoLIndex`. The
+experiment is :mod:`pyterrier_prob.experiments.mol`."""
+
+from pyterrier_prob.index.mol import MoLIndex, MoLIndexer, as_mol_index
+from pyterrier_prob.mol.retrieval import METHODS, MoLDocEncoder, MoLEncoder, MoLQueryEncoder, MoLReranker, MoLRetriever
+
+__all__ = [
+    "METHODS",
+    "MoLDocEncoder",
+    "MoLEncoder",
+    "MoLIndex",
+    "MoLIndexer",
+    "MoLQueryEncoder",
+    "MoLReranker",
+    "MoLRetriever",
+    "as_mol_index",
+]
