@@ -128,13 +128,13 @@ def run_dataset(name: str, a: argparse.Namespace, t0: float) -> dict:
     from ir_measures import R, nDCG
     from sentence_transformers.losses import MultipleNegativesRankingLoss
 
-    from pyterrier_prob.pebr.cutoff import TopKRetriever
     from pyterrier_prob.data import training_pairs
-    from pyterrier_prob.pebr.encoders import ProbBiEncoder
     from pyterrier_prob.experiments.pebr import corpus_iter, load_qrels, load_topics
     from pyterrier_prob.index.dense import DenseIndex
-    from pyterrier_prob.mol.retrieval import MoLEncoder, MoLRetriever
     from pyterrier_prob.index.mol import MoLIndex
+    from pyterrier_prob.mol.retrieval import MoLEncoder, MoLRetriever
+    from pyterrier_prob.pebr.cutoff import TopKRetriever
+    from pyterrier_prob.pebr.encoders import ProbBiEncoder
     from pyterrier_prob.training import fine_tune
     from st_extensions import build_mol_model, default_model_path, load_model
     from st_extensions.losses import MoLLoss

@@ -304,9 +304,9 @@ def main() -> None:
     from ir_measures import R
     from pyterrier_pisa import PisaIndex
 
-    from pyterrier_prob.unierf.branches import MultiBranchRetriever, TriggerText, UniERFEncoder, unierf_training_data
     from pyterrier_prob.experiments.pebr import corpus_iter, load_qrels, load_topics
     from pyterrier_prob.index.dense import DenseIndex
+    from pyterrier_prob.unierf.branches import MultiBranchRetriever, TriggerText, UniERFEncoder, unierf_training_data
     from st_extensions import build_unierf_model, default_model_path, load_model
     from st_extensions.losses import UniERFLoss
 

@@ -46,10 +46,14 @@ def training_pairs(
     queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
     qrels = coll.qrels(split)
     qrels = [
-        (q, d) for q, d, lab in qrels[["qid", "docno", "label"]].itertuples(index=False) if lab >= min_relevance and q in queries
+        (q, d)
+        for q, d, lab in qrels[["qid", "docno", "label"]].itertuples(index=False)
+        if lab >= min_relevance and q in queries
     ]
     if not qrels:
-        raise ValueError(f"{coll.name}/{split} has no relevant (query, document) pairs with relevance >= {min_relevance}")
+        raise ValueError(
+            f"{coll.name}/{split} has no relevant (query, document) pairs with relevance >= {min_relevance}"
+        )
     random.Random(seed).shuffle(qrels)
     if max_pairs is not None:
         qrels = qrels[:max_pairs]

@@ -4,11 +4,11 @@ Usable on its own with sentence-transformers; knows nothing of PyTerrier.
 """
 
 from st_extensions.cross_encoder import VarCrossEncoder, build_var_cross_encoder
+from st_extensions.defaults import default_model_path
 from st_extensions.distributions import BetaCosine, ExpCosine
 from st_extensions.loading import load_model
 from st_extensions.modules import MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.mol import build_mol_model, encode_components, find_mol
-from st_extensions.defaults import default_model_path
 from st_extensions.pebr import build_pebr_model, encode_queries, query_distribution
 from st_extensions.unierf import (
     branch_text,

@@ -19,6 +19,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.util import batch_to_device
 from tqdm.autonotebook import trange
 
+from st_extensions.defaults import default_model_path
 from st_extensions.modules.mol import (
     COMPONENT_SOURCES,
     COMPONENTS_KEY,
@@ -29,7 +30,6 @@ from st_extensions.modules.mol import (
     aggregation_token_names,
     install_aggregation_tokens,
 )
-from st_extensions.defaults import default_model_path
 
 Task = Literal["query", "document"]
 

@@ -27,8 +27,8 @@ import torch
 from datasets import Dataset
 from sentence_transformers import SentenceTransformer
 
-from st_extensions.modules.branches import MultiBranchQueryEncoder, check_branch_names
 from st_extensions.defaults import default_model_path
+from st_extensions.modules.branches import MultiBranchQueryEncoder, check_branch_names
 
 #: Separator between the parts of a branch's input text: BERT-like tokenizers read ``[SEP]`` as their special
 #: separator token, so ``query [SEP] document`` is encoded like a text pair.

@@ -1,4 +1,4 @@
-"""The base of the index writers (:class:`~pyterrier_prob.index.DenseIndexer`, :class:`~pyterrier_prob.index.MoLIndexer`).
+"""The base of the index writers (:class:`~pyterrier_prob.index.DenseIndexer`, ``MoLIndexer``).
 
 An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory`: into a hidden sibling
 directory, ``pt_meta.json`` last (flushed and fsynced), renamed into place only when complete; an existing index

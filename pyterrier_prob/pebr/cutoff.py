@@ -50,8 +50,8 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
-from pyterrier_prob.pebr.encoders import PARAM_COLUMNS
 from pyterrier_prob.index.dense import DenseIndex, as_dense_index
+from pyterrier_prob.pebr.encoders import PARAM_COLUMNS
 from st_extensions.distributions import BetaCosine, ExpCosine
 
 __all__ = [

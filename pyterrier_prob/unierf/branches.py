@@ -35,8 +35,8 @@ import pandas as pd
 import pyterrier as pt
 from datasets import Dataset
 
-from pyterrier_prob.pebr.cutoff import QUERY_BATCH, _docnos_of, threshold_search
 from pyterrier_prob.index.dense import as_dense_index
+from pyterrier_prob.pebr.cutoff import QUERY_BATCH, _docnos_of, threshold_search
 from st_extensions.modules.branches import check_branch_names
 from st_extensions.unierf import SEP, branch_text, build_unierf_dataset, encode_branches, find_branches
 
