@@ -44,6 +44,7 @@ __all__ = [
     "split_topics",
     "choose_splits",
     "SplitChoice",
+    "source_splits",
 ]
 
 _DEV_NAMES = ("dev", "validation", "valid", "val")
@@ -130,7 +131,7 @@ class IrdsCollection(Collection):
             self._split_ids, self._docs_id = children, name
         elif _judged(ds):
             parent = name.rpartition("/")[0]
-            if parent and parent in registered and ir_datasets.load(parent).has_docs() and not ds.has_docs():
+            if parent and parent in registered and ir_datasets.load(parent).has_docs():
                 self._split_ids, self._docs_id = {name.rpartition("/")[2]: name}, parent
             else:
                 self._split_ids, self._docs_id = {"test": name}, name
@@ -281,14 +282,14 @@ _QRELS_KEYS = ("qrels",)
 
 def _split_of(name: str, keys: tuple[str, ...]) -> str | None:
     """``topics.train.txt`` -> ``train``; ``qrels`` -> ``""``; None when no key is in the name."""
-    stem = name.lower()
-    for ext in (".gz", ".txt", ".tsv", ".xml", ".trec", ".qrels", ".topics"):
-        stem = stem.removesuffix(ext)
+    lower = name.lower()
+    if not any(key in lower for key in keys):
+        return None
+    for ext in (".gz", ".txt", ".tsv", ".xml", ".trec", ".qrels", ".topics", ".queries"):
+        lower = lower.removesuffix(ext)
     for key in keys:
-        if key in stem:
-            rest = re.sub(r"[._\-]+", " ", stem.replace(key, " ")).split()
-            return "-".join(rest)
-    return None
+        lower = lower.replace(key, " ")
+    return "-".join(re.sub(r"[._\-]+", " ", lower).split())
 
 
 class TrecCollection(Collection):
@@ -444,3 +445,19 @@ def choose_splits(
         raise ValueError(f"the test split {test!r} must differ from the train and dev splits")
     note = f"splits of {collection.name}: train={train}, dev={dev}, test={test}"
     return SplitChoice(train=train, dev=dev, test=test, note=note)
+
+
+def source_splits(
+    collection: Collection, train: str | None = None, dev: str | None = None
+) -> tuple[str | None, str | None]:
+    """Train and dev splits of a collection used only as a training source (zero-shot transfer): explicit names
+    win, else ``train`` and the first of dev/validation/valid/val that it has (each None when absent)."""
+    s = collection.splits
+    for name, value in (("train", train), ("dev", dev)):
+        if value is not None and value not in s:
+            raise ValueError(f"--{name}-split {value!r}: {collection.name} has splits {list(s)}")
+    train = train or ("train" if "train" in s else None)
+    dev = dev or next((d for d in _DEV_NAMES if d in s), None)
+    if train is not None and train == dev:
+        raise ValueError(f"the train and dev splits must differ, got {train!r} for both")
+    return train, dev

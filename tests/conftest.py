@@ -21,9 +21,10 @@ def base_model(minilm_path):
     return load_model(minilm_path, device="cpu")
 
 
-def write_beir_folder(folder, splits: dict[str, int], docs_per_query: int = 3, extra_docs: int = 60, seed: int = 0):
+def write_beir_folder(folder, splits: dict[str, int], docs_per_query: int = 6, extra_docs: int = 60, seed: int = 0):
     """A small BEIR folder cut from nfcorpus: per split the first ``n`` queries that have judged-relevant
-    documents, up to ``docs_per_query`` of their relevant documents each, plus ``extra_docs`` other documents.
+    documents, the i-th with up to ``1 + i % docs_per_query`` of its relevant documents (so the number of relevant
+    documents varies, as head/torso/tail strata need), plus ``extra_docs`` other documents.
 
     Returns ``{"docs": n_docs, "queries": {split: n}, "qrels": {split: n_rows}}`` (what loading must give).
     """
@@ -45,7 +46,7 @@ def write_beir_folder(folder, splits: dict[str, int], docs_per_query: int = 3, e
             if r.relevance >= 1 and r.query_id in texts:
                 rel.setdefault(r.query_id, []).append(r.doc_id)
         chosen = sorted(rel)[:n]
-        rows = [(q, d, 1) for q in chosen for d in sorted(rel[q])[:docs_per_query]]
+        rows = [(q, d, 1) for i, q in enumerate(chosen) for d in sorted(rel[q])[: 1 + i % docs_per_query]]
         rows_by_split[split] = rows
         wanted |= {d for _, d, _ in rows}
         queries.update({q: texts[q] for q in chosen})

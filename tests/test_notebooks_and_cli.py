@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from pyterrier_prob.cli import main
+from pyterrier_prob.cli import PAPERS, main
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
@@ -38,9 +38,9 @@ def test_cli_help(capsys):
     [
         (["--ks", "100", "--cap", "50"], "cap (50) must be at least the largest k (100)"),
         (["--ks", "0"], "ks must be positive integers"),
-        (["--steps", "0"], "need steps >= 1"),
+        (["--steps", "-1"], "--steps must be >= 0"),
         (["--table3-ps", "1.0"], "table3_ps must lie strictly inside (0, 1)"),
-        (["--test-split", "dev"], "must differ from the train and dev splits"),
+        (["--test-split", "dev", "--dev-split", "dev"], "must differ from the train and dev splits"),
         (["--lr", "-1"], "lr must be > 0"),
     ],
 )
@@ -55,15 +55,38 @@ def test_cli_rejects_unknown_geometry(capsys):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("paper", list(PAPERS))
+def test_each_subcommand_has_its_own_help(paper, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([paper, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"pyterrier-prob {paper}" in out
+    for option in ("--dataset", "--test-dataset", "--model", "--steps", "--output", "--reuse", "--quiet"):
+        assert option in out
+
+
+def test_unknown_collection_is_a_clear_error(capsys, tmp_path):
+    assert main(["--dataset", str(tmp_path / "nothing-here"), "--output", str(tmp_path / "o"), "--quiet"]) == 2
+    assert "unknown ir_datasets id" in capsys.readouterr().err
+
+
 @pytest.mark.slow
-def test_main_job_tiny_budget(tmp_path):
-    """The whole job on nfcorpus with 2 training steps; a second run with --reuse neither trains nor encodes."""
+def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
+    """The whole job on a small BEIR folder with 2 training steps; a second run with --reuse neither trains nor
+    encodes and gives the same table; --quiet prints no progress bar, only where the results are."""
     import pandas as pd
 
+    folder, info = small_beir
     out = tmp_path / "job"
-    argv = ["--steps", "2", "--batch-size", "4", "--max-seq-length", "32", "--ks", "5", "20"]
+    argv = ["--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32", "--ks", "5", "20"]
     argv += ["--table3-ps", "0.999", "0.9", "--output", str(out), "--quiet"]
     assert main(argv) == 0
+    printed = capfd.readouterr()
+    for bar in ("training", "encoding", "calibrating", "scoring", "indexing"):  # the stage bars are silenced
+        assert bar not in printed.err
+    assert "[info]" not in printed.out + printed.err  # PISA's own log goes to a file
+    assert printed.out.strip().splitlines()[-1].startswith(f"results written to {out}/results.md")
     results = pd.read_csv(out / "results.csv")
     assert sorted(set(results["k"])) == [5, 20]
     assert list(results[results["k"] == 5]["name"]) == [
@@ -75,7 +98,7 @@ def test_main_job_tiny_budget(tmp_path):
         "pEBR CDF cutoff",
     ]
     topk = results[results["name"].str.endswith("top-k")]
-    assert (topk["test_mean_k"] == topk["k"]).all()  # nfcorpus has far more than 20 documents per query
+    assert (topk["test_mean_k"] == topk["k"]).all()  # the folder has far more than 20 documents
     assert results[["SetR", "SetP"]].apply(lambda c: c.between(0, 1)).all().all()
     assert results[results["name"] == "pEBR top-k"]["SetR p-value"].isna().all()  # the significance baseline
     cal = pd.read_csv(out / "calibration.csv")
@@ -89,12 +112,53 @@ def test_main_job_tiny_budget(tmp_path):
     assert (table3.iloc[:, 0] >= table3.iloc[:, 1]).all()  # larger p keeps more
     summary = json.loads((out / "summary.json").read_text())
     assert summary["strata_basis"] == "terciles of the number of relevant documents per query"
+    assert summary["data"]["n_test_queries"] == info["queries"]["test"]
+    assert summary["data"]["calibration"].endswith("/dev") and summary["data"]["train"].endswith("/train")
     assert {"train_pebr", "train_baseline", "index_pebr", "index_baseline"} <= set(summary["timings_s"])
-    for name in ("figure2.png", "table3.png", "results.md"):
+    for name in ("figure2.png", "table3.png", "results.md", "results.csv", "summary.json"):
         assert (out / name).stat().st_size > 0
+        assert (out / name).stat().st_mode & 0o777 == 0o644
     assert (out / "models" / "pebr" / "modules.json").exists()
 
     assert main([*argv, "--reuse"]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert not {"train_pebr", "train_baseline", "index_pebr", "index_baseline"} & set(again["timings_s"])
     pd.testing.assert_frame_equal(pd.read_csv(out / "results.csv"), results)
+
+
+@pytest.mark.slow
+def test_steps_0_on_a_test_only_collection(tmp_path, small_beir_no_train_no_dev):
+    """No train and no dev split: the base model is evaluated untrained, calibration on a seeded half of test,
+    results on the other half, and the report says so."""
+    import pandas as pd
+
+    folder, info = small_beir_no_train_no_dev
+    out = tmp_path / "zero"
+    argv = ["--dataset", str(folder), "--steps", "0", "--max-seq-length", "32", "--ks", "5", "--cap", "50"]
+    assert main([*argv, "--table3-ps", "0.9", "--output", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    d = summary["data"]
+    assert d["train"] is None and d["n_calibration_queries"] + d["n_test_queries"] == info["queries"]["test"]
+    assert d["n_calibration_queries"] == info["queries"]["test"] // 2
+    assert "no dev split" in " ".join(d["notes"]) and "seeded half" in d["calibration"]
+    assert "no dev split" in (out / "results.md").read_text()
+    assert not (out / "models").exists() and summary["training_loss_first_last"] == {}
+    results = pd.read_csv(out / "results.csv")
+    assert len(results) == 6 and results["SetR"].between(0, 1).all()
+
+
+@pytest.mark.slow
+def test_test_dataset_transfer(tmp_path, small_beir, small_beir_no_train_no_dev):
+    """Train on one collection, evaluate on another; calibration comes from the training collection's dev split."""
+    train_folder, _ = small_beir
+    test_folder, info = small_beir_no_train_no_dev
+    out = tmp_path / "transfer"
+    argv = ["--dataset", str(train_folder), "--test-dataset", str(test_folder), "--steps", "1", "--batch-size", "4"]
+    argv += ["--max-seq-length", "32", "--ks", "5", "--cap", "50", "--table3-ps", "0.9", "--output", str(out)]
+    assert main([*argv, "--quiet"]) == 0
+    d = json.loads((out / "summary.json").read_text())["data"]
+    assert d["train"] == f"{train_folder}/train" and d["calibration"] == f"{train_folder}/dev"
+    assert d["test"] == f"{test_folder}/test" and d["n_test_queries"] == info["queries"]["test"]
+    assert any("zero-shot transfer" in n for n in d["notes"])
+    indexes = sorted(p.name for p in (out / "indexes").iterdir() if p.is_dir())
+    assert all(test_folder.name.replace("_", "-") in name for name in indexes)  # indexed: the test collection only

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from pyterrier_prob.atomic import atomic_write, make_dirs, save_figure
-from pyterrier_prob.collections import Collection, choose_splits, load_collection, split_topics
+from pyterrier_prob.collections import Collection, choose_splits, load_collection, source_splits, split_topics
 
 __all__ = [
     "CommonConfig",
@@ -216,6 +216,7 @@ class Harness:
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
+        _silence_library_bars()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -247,9 +248,8 @@ class Harness:
             notes: list[str] = []
             if cfg.test_dataset:
                 test_coll = load_collection(cfg.test_dataset)
-                src = choose_splits(train_coll, cfg.train_split, cfg.dev_split, _test_or_none(train_coll))
-                tgt = choose_splits(test_coll, None, None, cfg.test_split)
-                train, dev, test = src.train, src.dev, tgt.test
+                train, dev = source_splits(train_coll, cfg.train_split, cfg.dev_split)
+                test = choose_splits(test_coll, None, None, cfg.test_split).test
                 notes.append(
                     f"zero-shot transfer: trained on {train_coll.name}"
                     + (f"/{train}" if train else " (no train split)")
@@ -407,14 +407,14 @@ class Harness:
         index = PisaIndex(path, text_field="text", threads=max(1, os.cpu_count() or 1), overwrite=True)
         if not (self.cfg.reuse and index.built()):
             with self.stage("index_bm25", f"indexing {collection.name} with PISA for BM25 (log: {path}.log)"):
-                with native_output_to(f"{path}.log"):
+                with native_output_to(f"{path}.log", fds=(1, 2)):
                     index.index(self.progress(collection.corpus_iter(), "indexing BM25", collection.num_docs, "doc"))
                     index.bm25(num_results=1)(pd.DataFrame({"qid": ["warm-up"], "query": ["warm up"]}))
         return index
 
     def bm25_run(self, index: Any, topics: pd.DataFrame, k: int) -> pd.DataFrame:
         """BM25's top ``k`` for ``topics`` (``qid, docno, score, rank`` + query columns)."""
-        with native_output_to(f"{index.path}.log"):
+        with native_output_to(f"{index.path}.log", fds=(1, 2)):
             return index.bm25(num_results=k)(topics)
 
     # ---- evaluation -------------------------------------------------------------------------------------------
@@ -503,12 +503,13 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def _test_or_none(coll: Collection) -> str | None:
-    """The source collection's test split name for choose_splits, or a harmless one when it has none."""
-    if "test" in coll.splits:
-        return "test"
-    others = [s for s in coll.splits if s not in ("train", "dev", "validation", "valid", "val")]
-    return others[0] if others else coll.splits[-1]
+def _silence_library_bars() -> None:
+    """transformers' and huggingface_hub's own bars (loading weights, writing shards) are not stages: hide them."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def _set_max_len(model: Any, n: int) -> None:
