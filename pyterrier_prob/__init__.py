@@ -1,7 +1,10 @@
 """pyterrier-prob: probabilistic and learned-similarity retrieval for PyTerrier.
 
-PyTerrier transformers, indexes, evaluation and the ``pyterrier-prob`` command; the models, modules and
-losses they use live in :mod:`st_extensions`.
+Each paper's PyTerrier side is one subpackage (:mod:`pyterrier_prob.pebr`, :mod:`~pyterrier_prob.mol`,
+:mod:`~pyterrier_prob.varce`, :mod:`~pyterrier_prob.unierf`) on shared pieces (:mod:`~pyterrier_prob.index`,
+:mod:`~pyterrier_prob.collections`, :mod:`~pyterrier_prob.training`, :mod:`~pyterrier_prob.evaluation`,
+:mod:`~pyterrier_prob.atomic`); :mod:`pyterrier_prob.experiments` holds what ``pyterrier-prob <paper>`` runs. The
+models, modules and losses they use live in :mod:`st_extensions`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "branch_quotas": "pyterrier_prob.unierf",
     "merge_branch_lists": "pyterrier_prob.unierf",
     "unierf_training_data": "pyterrier_prob.unierf",
+    "load_collection": "pyterrier_prob.collections",
+    "fine_tune": "pyterrier_prob.training",
 }
 
 __all__ = ["__version__", *_EXPORTS]

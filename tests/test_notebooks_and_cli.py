@@ -41,7 +41,8 @@ def test_cli_help(capsys):
         (["--steps", "-1"], "--steps must be >= 0"),
         (["--table3-ps", "1.0"], "table3_ps must lie strictly inside (0, 1)"),
         (["--test-split", "dev", "--dev-split", "dev"], "must differ from the train and dev splits"),
-        (["--lr", "-1"], "lr must be > 0"),
+        (["--lr", "-1"], "--lr must be a finite number > 0"),
+        (["--lr", "inf"], "--lr must be a finite number > 0"),
     ],
 )
 def test_cli_rejects_bad_settings(argv, message, capsys):
@@ -71,6 +72,20 @@ def test_unknown_collection_is_a_clear_error(capsys, tmp_path):
     assert "unknown ir_datasets id" in capsys.readouterr().err
 
 
+def test_unwritable_output_is_a_usage_error(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["--output", str(blocker / "out"), "--quiet"]) == 2
+    assert "--output" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_max_seq_length_beyond_the_model_is_a_usage_error(capsys, small_beir_no_train_no_dev, tmp_path):
+    folder, _ = small_beir_no_train_no_dev
+    assert main(["--dataset", str(folder), "--steps", "0", "--max-seq-length", "4096", "--output", str(tmp_path)]) == 2
+    assert "--max-seq-length 4096 exceeds the model's position limit of 512" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     """The whole job on a small BEIR folder with 2 training steps; a second run with --reuse neither trains nor
@@ -87,6 +102,7 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
         assert bar not in printed.err
     assert "[info]" not in printed.out + printed.err  # PISA's own log goes to a file
     assert printed.out.strip().splitlines()[-1].startswith(f"results written to {out}/results.md")
+    assert "| k | system | setting | test mean k | SetR | SetP |" in printed.out  # the table, even when quiet
     results = pd.read_csv(out / "results.csv")
     assert sorted(set(results["k"])) == [5, 20]
     assert list(results[results["k"] == 5]["name"]) == [

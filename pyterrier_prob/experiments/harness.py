@@ -64,7 +64,7 @@ class CommonConfig:
         batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system.
         output: folder for models, indexes, tables and plots.
         reuse: reuse models (when their saved settings match) and indexes already in ``output``.
-        quiet: no progress bars and no printed table.
+        quiet: no progress bars nor stage lines (the result table and its location are still printed).
     """
 
     dataset: str = "irds:beir/nfcorpus"
@@ -88,8 +88,8 @@ class CommonConfig:
             raise ValueError(f"--steps must be >= 0, got {self.steps}")
         if self.steps and self.batch_size < 2:
             raise ValueError(f"--batch-size must be >= 2, got {self.batch_size}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and np.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
 
@@ -123,7 +123,7 @@ def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) ->
     o = ap.add_argument_group("output")
     o.add_argument("--output", default=defaults.output, help="folder for models, indexes, tables and plots")
     o.add_argument("--reuse", action="store_true", help="reuse models (same settings) and indexes in --output")
-    o.add_argument("--quiet", action="store_true", help="no progress bars and no printed table")
+    o.add_argument("--quiet", action="store_true", help="no progress bars (the result table is still printed)")
 
 
 def common_from_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -211,7 +211,12 @@ class Harness:
     def __init__(self, name: str, cfg: CommonConfig) -> None:
         cfg.check()
         self.name, self.cfg = name, cfg
-        self.output = str(make_dirs(cfg.output))
+        try:
+            self.output = str(make_dirs(cfg.output))
+        except OSError as e:
+            raise ValueError(f"--output {cfg.output!r} cannot be created: {e.strerror or e}") from e
+        if not os.access(self.output, os.W_OK | os.X_OK):
+            raise ValueError(f"--output {cfg.output!r} is not writable")
         self.verbose = not cfg.quiet
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
@@ -458,7 +463,8 @@ class Harness:
         summary: Mapping[str, Any],
         data: Data | None = None,
     ) -> dict[str, Any]:
-        """Write ``results.md``, ``<table>.csv`` per table and ``summary.json``; print the report and its location.
+        """Write ``results.md``, ``<table>.csv`` per table and ``summary.json``; print the report and its location
+        (also with ``quiet``: it silences only the progress output).
 
         Returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs`` added).
         """
@@ -487,8 +493,7 @@ class Harness:
         }
         full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
         atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
-        if self.verbose:
-            print("\n" + text, flush=True)
+        print("\n" + text, flush=True)
         print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
         return full
 
@@ -504,15 +509,35 @@ def _json_default(o: Any) -> Any:
 
 
 def _silence_library_bars() -> None:
-    """transformers' and huggingface_hub's own bars (loading weights, writing shards) are not stages: hide them."""
+    """transformers' and huggingface_hub's own bars (loading weights, writing shards) are not stages: hide them; and
+    ir_datasets' INFO lines (which file it opens)."""
+    import logging
+
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     disable_progress_bars()
+    logging.getLogger("ir_datasets").setLevel(logging.WARNING)
+
+
+def _position_limit(model: Any) -> int | None:
+    """The most tokens the model's transformer can take (``max_position_embeddings``), if it says."""
+    import torch
+
+    for m in model.modules() if isinstance(model, torch.nn.Module) else []:
+        config = getattr(m, "config", None)
+        limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return None
 
 
 def _set_max_len(model: Any, n: int) -> None:
+    """Set the model's token budget; ``ValueError`` naming ``--max-seq-length`` beyond its position limit."""
+    limit = _position_limit(model)
+    if limit is not None and n > limit:
+        raise ValueError(f"--max-seq-length {n} exceeds the model's position limit of {limit} tokens")
     if hasattr(model, "max_seq_length"):
         model.max_seq_length = n
     elif hasattr(model, "max_length"):
