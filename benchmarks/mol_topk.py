@@ -15,8 +15,9 @@ Table 5. For every method of :class:`~pyterrier_prob.MoLRetriever` -- ``BruteFor
 
 Models (each gets (a) and (b)):
 
-* ``outputs/mol-bench/nfcorpus-mol`` (or ``--model``): the MoL model ``benchmarks/mol_effectiveness.py`` fine-tunes
-  on nfcorpus/train and saves (aggregation tokens, P_q = P_x = 4, d_P = 384), when it is there;
+* ``outputs/mol/models/mol`` (or ``--model``): the MoL model ``pyterrier-prob mol`` (its defaults) fine-tunes on
+  nfcorpus/train and saves (aggregation tokens, P_q = P_x = 4, d_P = 384), when it is there and was trained on
+  nfcorpus;
 * ``outputs/mol-bench/nfcorpus-mol-heads-d128`` (unless ``--no-own-model``), fine-tuned here if missing
   (:func:`train_model`, :func:`train_gate`): P_q = P_x = 4 linear heads of d_P = 128 on the pooled MiniLM
   embedding (query heads initialised to the document heads), ``--train-steps`` steps of MoLLoss on 16
@@ -69,7 +70,7 @@ from _machine import describe  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "outputs", "mol-bench")
-REAL_MODEL = os.path.join(BENCH_DIR, "nfcorpus-mol")  # benchmarks/mol_effectiveness.py's model
+REAL_MODEL = os.path.join(ROOT, "outputs", "mol", "models", "mol")  # the MoL model of `pyterrier-prob mol`
 DATASET = "irds:beir/nfcorpus"
 K = 100
 HR_AT = (1, 5, 10, 50, 100)
@@ -138,23 +139,22 @@ def rss_gb() -> float:
 # ------------------------------------------------------------------------------------------------------------
 
 
-HEAD_PARAMS = r"(^|\.)(query_pool|doc_pool|query_proj|doc_proj|query_heads|doc_heads|gate_net)\."
-
-
 def train_model(path: str, dim: int, steps: int, batch_size: int = 16, head_lr: float = 1e-3, seed: int = 0) -> dict:
     """Fine-tune ``build_mol_model`` (P_q = P_x = 4, d_P = dim) with MoLLoss on nfcorpus/train; save to path.
 
-    The recipe of ``benchmarks/mol_effectiveness.py`` -- the sentence-transformers trainer, NO_DUPLICATES batches
-    of (query, relevant document) pairs at 128 tokens, 10% warm-up, encoder at 5e-5 and the new MixtureOfLogits
-    parameters at ``head_lr`` -- but with ``component_source="heads"`` (linear heads on the pooled MiniLM
-    embedding) and the query heads initialised to the document heads: the 4 "diagonal" pairs then start as
-    cosines of random orthogonal 128-dim projections of the MiniLM embeddings (12 pairs start unrelated), so the
-    gate has something to learn. (With the default aggregation tokens, 60 steps left every document's components
-    at cosine ~0.99 to every other's and in-batch accuracy at chance: no ranking to approximate.)
+    The recipe of ``pyterrier-prob mol`` (:mod:`pyterrier_prob.experiments.mol`) -- the sentence-transformers
+    trainer, NO_DUPLICATES batches of (query, relevant document) pairs at 128 tokens, 10% warm-up, encoder at 5e-5
+    and the new MixtureOfLogits parameters (``HEAD_PARAMS``) at ``head_lr`` -- but with
+    ``component_source="heads"`` (linear heads on the pooled MiniLM embedding) and the query heads initialised to
+    the document heads: the 4 "diagonal" pairs then start as cosines of random orthogonal 128-dim projections of
+    the MiniLM embeddings (12 pairs start unrelated), so the gate has something to learn. (With the default
+    aggregation tokens, 60 steps left every document's components at cosine ~0.99 to every other's and in-batch
+    accuracy at chance: no ranking to approximate.)
     """
     import torch
 
     from pyterrier_prob.data import training_pairs
+    from pyterrier_prob.experiments.mol import HEAD_PARAMS
     from pyterrier_prob.training import fine_tune
     from st_extensions import build_mol_model, find_mol
     from st_extensions.losses import MoLLoss
@@ -206,6 +206,18 @@ def train_model(path: str, dim: int, steps: int, batch_size: int = 16, head_lr: 
     return info
 
 
+def trained_on_nfcorpus(path: str) -> bool:
+    """Whether ``path`` holds a model that ``pyterrier-prob mol`` fine-tuned on nfcorpus (its train_settings.json)."""
+    settings = os.path.join(path, "train_settings.json")
+    if not os.path.exists(os.path.join(path, "modules.json")) or not os.path.exists(settings):
+        return False
+    with open(settings) as f:
+        dataset = json.load(f).get("settings", {}).get("dataset")
+    if dataset != DATASET:
+        print(f"skipping {path}: fine-tuned on {dataset}, not {DATASET}")
+    return dataset == DATASET
+
+
 def load_mol_model(path: str):
     from st_extensions import find_mol, load_model
 
@@ -230,7 +242,7 @@ def model_info(path: str, mol) -> dict:
 def encode_real(model, path: str, cache_dir: str) -> dict:
     """nfcorpus documents and nfcorpus/test queries encoded by the model (cached next to the benchmark data)."""
     from pyterrier_prob import MoLEncoder
-    from pyterrier_prob.experiments.pebr import corpus_iter, load_topics
+    from pyterrier_prob.collections import load_collection
 
     cache = encoded_cache(path, cache_dir)
     if os.path.exists(cache):
@@ -240,8 +252,9 @@ def encode_real(model, path: str, cache_dir: str) -> dict:
     if enc.gate_features:
         raise SystemExit("this benchmark scales MoL gates over the dot products only (gate_features=False)")
     t0 = time.perf_counter()
-    docs = list(corpus_iter(DATASET))
-    topics = load_topics(f"{DATASET}/test")
+    coll = load_collection(DATASET)
+    docs = list(coll.corpus_iter())
+    topics = coll.topics("test")
     X = enc.encode_docs([d["text"] for d in docs])
     Q = enc.encode_queries(topics["query"].tolist())
     print(f"encoded {len(docs)} documents and {len(Q)} queries in {time.perf_counter() - t0:.0f}s")
@@ -279,15 +292,15 @@ def train_gate(path: str, cache_dir: str, steps: int, batch_size: int = 128, see
     import torch.nn.functional as F
 
     from pyterrier_prob import MoLEncoder
-    from pyterrier_prob.experiments.pebr import load_qrels, load_topics
+    from pyterrier_prob.collections import load_collection
     from st_extensions.modules.mol import mutual_information_loss
 
     t0 = time.perf_counter()
     model, mol = load_mol_model(path)
     real = encode_real(model, path, cache_dir)
     row = {d: i for i, d in enumerate(real["docno"])}
-    topics = load_topics(f"{DATASET}/train")
-    qrels = load_qrels(f"{DATASET}/train")
+    coll = load_collection(DATASET)
+    topics, qrels = coll.topics("train"), coll.qrels("train")
     qrels = qrels[(qrels["label"] >= 1) & qrels["docno"].isin(row) & qrels["qid"].isin(set(topics["qid"]))]
     qids = np.array(sorted(set(qrels["qid"])))
     topics = topics.set_index("qid").loc[qids]
@@ -587,7 +600,7 @@ def main() -> None:
                 train_gate(own, a.workdir, a.gate_steps, seed=a.seed)
         return own
 
-    paths = [a.model] if a.model else [p for p in [REAL_MODEL] if os.path.exists(os.path.join(p, "modules.json"))]
+    paths = [a.model] if a.model else [p for p in [REAL_MODEL] if trained_on_nfcorpus(p)]
     if not a.no_own_model:
         paths.append(own_model())
     if not paths:

@@ -221,6 +221,7 @@ class Harness:
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
+        self._model_settings: dict[str, dict[str, Any]] = {}  # name -> what made the model (for index reuse)
         _silence_library_bars()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
@@ -245,8 +246,14 @@ class Harness:
         return os.path.join(self.output, *parts)
 
     # ---- collections ------------------------------------------------------------------------------------------
-    def load_data(self, require_test_qrels: bool = True) -> Data:
-        """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries."""
+    def load_data(self, calibrate: bool = True) -> Data:
+        """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries.
+
+        Args:
+            calibrate: whether the experiment needs calibration queries. With no dev split they are a seeded half
+                of the test queries, and the results are reported on the other half; an experiment that calibrates
+                nothing passes False and is reported on every test query (``cal_topics`` is then empty).
+        """
         cfg = self.cfg
         with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
             train_coll = load_collection(cfg.dataset)
@@ -265,8 +272,10 @@ class Harness:
                 ch = choose_splits(train_coll, cfg.train_split, cfg.dev_split, cfg.test_split)
                 train, dev, test = ch.train, ch.dev, ch.test
             if cfg.steps == 0:
-                if train:
-                    notes.append(f"--steps 0: {cfg.model or 'the base model'} evaluated without fine-tuning")
+                notes = [n for n in notes if not n.startswith("zero-shot transfer")]
+                if cfg.test_dataset:
+                    notes.append(f"zero-shot: evaluated on {test_coll.name}/{test}")
+                notes.append(f"--steps 0: {cfg.model or 'the base model'} evaluated without fine-tuning")
                 train = None
             elif train is None:
                 notes.append(f"{train_coll.name} has no train split: {cfg.model or 'the base model'} is evaluated "
@@ -275,6 +284,9 @@ class Harness:
             if dev is not None:
                 cal_topics, cal_qrels = train_coll.topics(dev), train_coll.qrels(dev)
                 cal_source = f"{train_coll.name}/{dev}"
+            elif not calibrate:
+                cal_topics, cal_qrels = test_topics.iloc[:0], test_qrels.iloc[:0]
+                cal_source = "none (nothing calibrated)"
             else:
                 cal_topics, test_topics = split_topics(test_topics, seed=cfg.seed)
                 cal_qrels = test_qrels[test_qrels["qid"].isin(set(cal_topics["qid"]))]
@@ -338,6 +350,9 @@ class Harness:
         }
         wanted = json.loads(json.dumps(wanted, default=str))
         if data is None or steps == 0:
+            wanted = {k: wanted[k] for k in ("model", "max_seq_length")} | {"trained": False, **dict(settings or {})}
+        self._model_settings[name] = json.loads(json.dumps(wanted, default=str))
+        if data is None or steps == 0:
             model = build()
             _set_max_len(model, cfg.max_seq_length)
             return model, []
@@ -377,31 +392,50 @@ class Harness:
     def _index_path(self, name: str, collection: Collection, ext: str) -> str:
         return self.path("indexes", f"{name}-{_slug(collection.name)}.{ext}")
 
+    def _reusable(self, name: str, index: Any, path: str) -> bool:
+        """With ``--reuse``: the index exists and was built by a model made with the same settings."""
+        if not self.cfg.reuse or name in self._fresh or not os.path.isfile(os.path.join(path, "pt_meta.json")):
+            return False
+        try:
+            with open(f"{path}.settings.json", encoding="utf8") as f:
+                return json.load(f) == self._index_settings(name)
+        except (OSError, ValueError):
+            return False
+
+    def _index_settings(self, name: str) -> dict[str, Any]:
+        made = self._model_settings.get(name, {"model": self.cfg.model, "max_seq_length": self.cfg.max_seq_length})
+        return {"model": made, "max_seq_length": self.cfg.max_seq_length}
+
+    def _built(self, name: str, path: str) -> None:
+        atomic_write(f"{path}.settings.json", json.dumps(self._index_settings(name), indent=1))
+
     def dense_index(self, name: str, encoder: Any, collection: Collection) -> Any:
         """Encode ``collection`` with a :class:`~pyterrier_prob.ProbBiEncoder` (or any pyterrier-dr BiEncoder) into a
-        :class:`~pyterrier_prob.DenseIndex` (one bar over the documents)."""
+        :class:`~pyterrier_prob.DenseIndex` (one bar over the documents). ``name`` is the model's name in
+        :meth:`train`; with ``--reuse`` an index built by a model made with the same settings is reused."""
         from pyterrier_prob.index import DenseIndex
 
         path = self._index_path(name, collection, "flex")
         index = DenseIndex(path, verbose=self.verbose)
-        if self.cfg.reuse and name not in self._fresh and index.built():
+        if self._reusable(name, index, path):
             return index
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
             (encoder.doc_encoder(verbose=False) >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
+        self._built(name, path)
         return index
 
     def mol_index(self, name: str, encoder: Any, collection: Collection) -> Any:
-        """Encode ``collection`` with a :class:`~pyterrier_prob.MoLEncoder` into a :class:`~pyterrier_prob.MoLIndex`."""
+        """Encode ``collection`` with a :class:`~pyterrier_prob.MoLEncoder` into a :class:`~pyterrier_prob.MoLIndex`
+        (one bar over the documents; reuse as for :meth:`dense_index`)."""
         from pyterrier_prob.index import MoLIndex
 
         path = self._index_path(name, collection, "mol")
         index = MoLIndex(path, verbose=self.verbose)
-        if self.cfg.reuse and name not in self._fresh and index.built():
+        if self._reusable(name, index, path):
             return index
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
-            (encoder.doc_encoder() >> index.indexer(mode="overwrite")).index(
-                self.progress(collection.corpus_iter(), f"encoding {name}", collection.num_docs, "doc")
-            )
+            (encoder.doc_encoder() >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
+        self._built(name, path)
         return index
 
     def bm25(self, collection: Collection) -> Any:
@@ -476,9 +510,10 @@ class Harness:
                 f"Trained on {d['train'] or 'nothing (no fine-tuning)'}; calibration/dev: {d['calibration']}; "
                 f"test: {d['test']} ({d['n_test_queries']} queries)."
             )
-            head += [f"- {n}" for n in d["notes"]]
+            if d["notes"]:
+                head += ["", *[f"- {n}" for n in d["notes"]]]
             head.append("")
-        text = "\n".join(head) + markdown.rstrip() + f"\n\nWall time: {total:.0f} s.\n"
+        text = "\n".join(head) + "\n" + markdown.strip() + f"\n\nWall time: {total:.0f} s.\n"
         outputs = {}
         for name, frame in tables.items():
             outputs[name] = atomic_write(self.path(f"{name}.csv"), frame.to_csv(index=False))

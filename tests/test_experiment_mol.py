@@ -1,0 +1,172 @@
+"""``pyterrier-prob mol``: options, bad settings, and tiny end-to-end runs on small BEIR folders."""
+
+import json
+import stat
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pyterrier_prob.cli import main
+
+
+def test_mol_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["mol", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "pyterrier-prob mol" in out
+    for option in (
+        "--dataset",
+        "--test-dataset",
+        "--model",
+        "--steps",
+        "--batch-size",
+        "--max-seq-length",
+        "--output",
+        "--reuse",
+        "--quiet",
+        "--alpha",
+        "--scale",
+        "--head-lr",
+        "--pq",
+        "--px",
+        "--component-dim",
+        "--component-source",
+        "--k",
+        "--mi-ablation",
+    ):
+        assert option in out
+
+
+def test_mol_defaults():
+    from pyterrier_prob.cli import build_parser
+    from pyterrier_prob.experiments.mol import config_from_args
+
+    cfg = config_from_args(build_parser("mol").parse_args([]))
+    cfg.check()
+    assert (cfg.dataset, cfg.steps, cfg.batch_size, cfg.max_seq_length) == ("irds:beir/nfcorpus", 100, 16, 128)
+    assert (cfg.alpha, cfg.scale, cfg.head_lr, cfg.pq, cfg.px, cfg.k) == (0.001, 20.0, 1e-3, 4, 4, 100)
+    assert cfg.component_source == "tokens" and not cfg.mi_ablation and cfg.output == "outputs/mol"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--alpha", "-1"], "--alpha must be finite and >= 0"),
+        (["--scale", "0"], "--scale must be > 0"),
+        (["--head-lr", "0"], "--head-lr must be > 0"),
+        (["--pq", "0"], "--pq and --px must be >= 1"),
+        (["--k", "5"], "--k must be >= 10"),
+        (["--pq", "20", "--px", "20", "--max-seq-length", "32"], "do not fit in --max-seq-length 32"),
+        (["--steps", "-1"], "--steps must be >= 0"),
+    ],
+)
+def test_mol_rejects_bad_settings(argv, message, capsys):
+    assert main(["mol", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_mol_rejects_unknown_component_source():
+    with pytest.raises(SystemExit) as e:
+        main(["mol", "--component-source", "columns"])
+    assert e.value.code == 2
+
+
+def test_gate_statistics_uniform_and_peaked():
+    """A uniform gate has H(pi|q,x) = H(p) = log P and MI = 0; a gate that picks one pair per (q, x), spread over
+    all pairs, has H(pi|q,x) = 0 and MI = H(p) (Eq. 3: L_MI = -MI)."""
+    import torch
+
+    from pyterrier_prob.experiments.mol import gate_statistics
+
+    class Gate:
+        num_query_components, num_doc_components, gate_features = 2, 2, False
+
+        def __init__(self, peaked: bool) -> None:
+            self.peaked = peaked
+
+        def gate(self, q, x, qf=None, xf=None):  # peaked: document j puts all weight on pair j % 4
+            if not self.peaked:
+                return torch.full((len(q), 1, 4), 0.25)
+            return torch.nn.functional.one_hot(x[:, 0, 0, 0].long() % 4, 4).float()[:, None]
+
+    q = np.zeros((4, 2, 3), np.float32)
+    x = np.zeros((8, 2, 3), np.float32)
+    x[:, 0, 0] = np.arange(8)
+    qi, docids = np.repeat(np.arange(4), 2), np.arange(8)
+    u = gate_statistics(Gate(False), q, x, qi, docids)
+    assert u["pairs"] == 8 and u["P"] == 4
+    assert u["H_pi_given_qx"] == pytest.approx(np.log(4), abs=1e-4) and u["MI"] == 0.0
+    p = gate_statistics(Gate(True), q, x, qi, docids, chunk=3)
+    assert p["H_pi_given_qx"] == pytest.approx(0, abs=1e-4)
+    assert p["MI"] == pytest.approx(np.log(4), abs=1e-4) and p["mean_max_pi"] == pytest.approx(1)
+    assert np.allclose(p["usage_mean_pi"], 0.25)
+
+
+def _assert_0644(folder):
+    files = [p for p in folder.iterdir() if p.is_file()]
+    assert files
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
+
+
+@pytest.mark.slow
+def test_mol_tiny_run(tmp_path, small_beir, small_beir_no_train_no_dev):
+    """Train the bi-encoder and MoL for 2 steps on a small BEIR folder; then evaluate the saved MoL model without
+    fine-tuning (--steps 0) on a folder with a test split only (every test query reported, no calibration half)."""
+    folder, info = small_beir
+    out = tmp_path / "mol"
+    argv = ["mol", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    assert main([*argv, "--output", str(out), "--quiet"]) == 0
+
+    results = pd.read_csv(out / "results.csv")
+    assert list(results["name"]) == ["base model (no fine-tuning)", "bi-encoder", "MoL"]
+    assert list(results["fine-tuned"]) == [False, True, True]
+    assert results[["nDCG@10", "R@100"]].apply(lambda c: c.between(0, 1)).all().all()
+    assert {"nDCG@10 p-value", "R@100 p-value"} <= set(results.columns)
+    assert results.loc[results["name"] == "bi-encoder", "nDCG@10 p-value"].isna().all()  # the baseline
+    mol_p = results.loc[results["name"] == "MoL", "nDCG@10 p-value"].iloc[0]
+    assert np.isnan(mol_p) or 0 <= mol_p <= 1
+
+    gate = pd.read_csv(out / "gate.csv")
+    assert list(gate["pairs_of"]) == ["top-100", "relevant"] and set(gate["system"]) == {"MoL"}
+    n_test = info["queries"]["test"]
+    assert gate["pairs"].iloc[0] == n_test * min(100, info["docs"])
+    assert gate["pairs"].iloc[1] == info["qrels"]["test"]
+    assert (gate["log_P"] == round(np.log(16), 4)).all()
+    assert (gate["H_pi_given_qx"] <= gate["H_p"] + 1e-4).all() and (gate["H_p"] <= gate["log_P"] + 1e-4).all()
+    assert (gate["MI"] >= 0).all()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["systems"] == ["base model (no fine-tuning)", "bi-encoder", "MoL"]
+    assert "against 'bi-encoder'" in summary["significance"]
+    assert summary["measures"] == ["nDCG@10", "R@100"]
+    assert summary["data"]["n_test_queries"] == n_test
+    assert summary["per_system"]["MoL"]["alpha"] == 0.001
+    assert summary["per_system"]["MoL"]["learning_rate"] == {"encoder": 5e-5, "mol_head": 1e-3}
+    assert summary["per_system"]["bi-encoder"]["train_loss"]["steps_logged"] == 2
+    assert {"train_bi-encoder", "train_mol", "index_mol", "gate_mol"} <= set(summary["timings_s"])
+    training = pd.read_csv(out / "training.csv")
+    assert list(training["system"]) == ["bi-encoder", "MoL"]
+    md = (out / "results.md").read_text()
+    assert "| MoL | MoL (Eq. 1-2) | yes |" in md and "H_pi_given_qx" in md
+    _assert_0644(out)
+    assert (out / "models" / "mol" / "modules.json").exists()
+
+    # --steps 0 with the saved MoL model, on a collection with a test split only
+    folder2, info2 = small_beir_no_train_no_dev
+    out2 = tmp_path / "mol-steps0"
+    argv2 = ["mol", "--dataset", str(folder2), "--steps", "0", "--model", str(out / "models" / "mol")]
+    assert main([*argv2, "--max-seq-length", "32", "--output", str(out2), "--quiet"]) == 0
+    results2 = pd.read_csv(out2 / "results.csv")
+    assert list(results2["name"]) == ["base model (no fine-tuning)", "MoL (no fine-tuning)"]
+    assert not results2["fine-tuned"].any()
+    assert results2[["nDCG@10", "R@100"]].apply(lambda c: c.between(0, 1)).all().all()
+    summary2 = json.loads((out2 / "summary.json").read_text())
+    assert summary2["given_model_is_mol"] is True
+    assert summary2["data"]["train"] is None
+    assert summary2["data"]["n_test_queries"] == info2["queries"]["test"]  # no calibration half set aside
+    assert "against 'base model (no fine-tuning)'" in summary2["significance"]
+    assert not (out2 / "models").exists()
+    _assert_0644(out2)
