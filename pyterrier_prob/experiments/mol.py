@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -293,10 +292,6 @@ def _has_mol(model: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-")[-48:] or "model"
 
 
 def _loss_summary(losses: list[float]) -> dict[str, Any]:
