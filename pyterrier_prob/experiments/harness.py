@@ -278,8 +278,10 @@ class Harness:
                 notes.append(f"--steps 0: {cfg.model or 'the base model'} evaluated without fine-tuning")
                 train = None
             elif train is None:
-                notes.append(f"{train_coll.name} has no train split: {cfg.model or 'the base model'} is evaluated "
-                             "without fine-tuning")
+                notes.append(
+                    f"{train_coll.name} has no train split: {cfg.model or 'the base model'} is evaluated "
+                    "without fine-tuning"
+                )
             test_topics, test_qrels = test_coll.topics(test), test_coll.qrels(test)
             if dev is not None:
                 cal_topics, cal_qrels = train_coll.topics(dev), train_coll.qrels(dev)
@@ -291,9 +293,7 @@ class Harness:
                 cal_topics, test_topics = split_topics(test_topics, seed=cfg.seed)
                 cal_qrels = test_qrels[test_qrels["qid"].isin(set(cal_topics["qid"]))]
                 test_qrels = test_qrels[test_qrels["qid"].isin(set(test_topics["qid"]))]
-                cal_source = (
-                    f"a seeded half (seed {cfg.seed}) of {test_coll.name}/{test}: {len(cal_topics)} queries"
-                )
+                cal_source = f"a seeded half (seed {cfg.seed}) of {test_coll.name}/{test}: {len(cal_topics)} queries"
                 notes.append(
                     f"no dev split: calibration on a seeded half of {test_coll.name}/{test} ({len(cal_topics)} "
                     f"queries), results reported on the other, disjoint half ({len(test_topics)} queries)"
