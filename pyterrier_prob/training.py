@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import tempfile
 
@@ -103,7 +105,10 @@ def fine_tune(
             dataloader_drop_last=True,
             dataloader_pin_memory=torch.cuda.is_available(),
         )
-        trainer = Trainer(model=model, args=args, train_dataset=train, loss=loss)
+        # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
+        quiet = contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(io.StringIO())
+        with quiet:
+            trainer = Trainer(model=model, args=args, train_dataset=train, loss=loss)
         for cb in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(cb)
         trainer.add_callback(_LossBar(show_progress, desc))

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyterrier as pt
 
 from pyterrier_prob.atomic import atomic_write, make_dirs, save_figure
 from pyterrier_prob.collections import Collection, choose_splits, load_collection, source_splits, split_topics
@@ -451,10 +452,13 @@ class Harness:
                     index.bm25(num_results=1)(pd.DataFrame({"qid": ["warm-up"], "query": ["warm up"]}))
         return index
 
+    def bm25_retriever(self, index: Any, k: int) -> Any:
+        """PISA's BM25 top ``k`` as a PyTerrier transformer, its native log going to the index's log file."""
+        return _NativeLogged(index.bm25(num_results=k), f"{index.path}.log")
+
     def bm25_run(self, index: Any, topics: pd.DataFrame, k: int) -> pd.DataFrame:
         """BM25's top ``k`` for ``topics`` (``qid, docno, score, rank`` + query columns)."""
-        with native_output_to(f"{index.path}.log", fds=(1, 2)):
-            return index.bm25(num_results=k)(topics)
+        return self.bm25_retriever(index, k)(topics)
 
     # ---- evaluation -------------------------------------------------------------------------------------------
     def experiment(
@@ -472,7 +476,6 @@ class Harness:
         baseline is given); with ``perquery`` the per-query frame instead.
         """
         import ir_measures
-        import pyterrier as pt
 
         names = list(runs)
         ms = [ir_measures.parse_measure(m) if isinstance(m, str) else m for m in measures]
@@ -531,6 +534,20 @@ class Harness:
         print("\n" + text, flush=True)
         print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
         return full
+
+
+class _NativeLogged(pt.Transformer):
+    """A transformer whose native (C++) output goes to a log file while it runs (PISA prints on fds 1 and 2)."""
+
+    def __init__(self, inner: Any, log: str) -> None:
+        self.inner, self.log = inner, log
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        with native_output_to(self.log, fds=(1, 2)):
+            return self.inner.transform(inp)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
 
 
 def _json_default(o: Any) -> Any:

@@ -265,12 +265,13 @@ class UniERFEncoder:
         """Transformer adding ``query_vec_<branch>`` per branch to a query frame."""
         return UniERFQueryEncoder(self, batch_size=batch_size)
 
-    def doc_encoder(self, batch_size: int | None = None) -> pt.Transformer:
-        """Transformer adding ``doc_vec`` (the shared document tower, normalised) to a document frame."""
+    def doc_encoder(self, batch_size: int | None = None, verbose: bool | None = None) -> pt.Transformer:
+        """Transformer adding ``doc_vec`` (the shared document tower, normalised) to a document frame
+        (``verbose``: progress bars; default the encoder's)."""
         from pyterrier_prob.pebr.encoders import ProbBiEncoder
 
         bi = ProbBiEncoder(self.model, batch_size=self.batch_size, text_field=self.text_field, verbose=self.verbose)
-        return bi.doc_encoder(batch_size=batch_size)
+        return bi.doc_encoder(batch_size=batch_size, verbose=verbose)
 
     def __repr__(self) -> str:
         name = getattr(getattr(self.model, "model_card_data", None), "base_model", None) or type(self.model).__name__

@@ -2,14 +2,19 @@
 
 L = L_pos + L_trip + L_Info + L_diversity (Eq. 32), the first three per branch (each branch is a retrieval
 objective of its own, with its own hard negatives, Sec. 4.3) and the fourth across the branches of a query.
+
+:class:`FrozenDocumentTower` keeps the shared item tower (Sec. 4.2) fixed while the query tower trains, inside the
+sentence-transformers trainer: ``UniERFLoss(model, document_tower=FrozenDocumentTower(start_model))``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
@@ -30,6 +35,8 @@ UNIERF_CITATION = """
 """
 
 TERMS: tuple[str, ...] = ("positive", "triplet", "infonce", "diversity")
+
+__all__ = ["TERMS", "FrozenDocumentTower", "UniERFLoss", "diversity_loss"]
 
 
 def diversity_loss(branch_embeddings: Tensor, scale: float, margin: float, threshold: float) -> Tensor:
@@ -59,6 +66,144 @@ def diversity_loss(branch_embeddings: Tensor, scale: float, margin: float, thres
     logits = scale * eta * (s - margin)
     # log(1 + sum exp(x)) = logsumexp([0, x_1, ..., x_m])
     return torch.logsumexp(F.pad(logits, (1, 0)), dim=1).mean()
+
+
+def _row_keys(features: Mapping[str, Any]) -> list[bytes]:
+    """One key per row of a tokenised batch: its token ids where the attention mask is set (padding dropped)."""
+    ids = features["input_ids"]
+    mask = features.get("attention_mask")
+    ids = ids.detach().cpu().numpy().astype(np.int64, copy=False)
+    if mask is None:
+        return [row.tobytes() for row in ids]
+    mask = mask.detach().cpu().numpy().astype(bool, copy=False)
+    return [row[m].tobytes() for row, m in zip(ids, mask)]
+
+
+def _take_rows(features: Mapping[str, Any], rows: Sequence[int], batch: int) -> dict[str, Any]:
+    """The sub-batch of ``rows`` (tensors whose first axis is the batch are indexed, the rest copied)."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    out: dict[str, Any] = {}
+    for key, value in features.items():
+        if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch:
+            out[key] = value.index_select(0, index.to(value.device))
+        else:
+            out[key] = value
+    return out
+
+
+class FrozenDocumentTower:
+    """UniERF's shared item tower (Sec. 4.2, ``E_I`` of Eq. 28-30) held fixed while the query tower trains.
+
+    The documents keep the embeddings of the model the experiment started from -- the vectors already in its
+    index -- and only the query tower (the encoder as it reads query texts, and the branch heads) is fine-tuned:
+    ``T(e_{u-q}, E_I(i))`` of Eq. 28-30 with ``E_I`` constant. Passed as ``UniERFLoss(...,
+    document_tower=...)``, it embeds the loss's document columns (positives and negatives) in place of the
+    trained model, so this works inside the sentence-transformers trainer:
+
+    * a deep copy of ``model`` in eval mode (no dropout) with every parameter's ``requires_grad`` off, run under
+      ``torch.no_grad``: the document embeddings carry no gradient. It is not a submodule of the loss, so the
+      trainer neither optimises it nor swaps it for the trained model (``override_model_in_loss``);
+    * embeddings are cached per document by its token ids (padding dropped), so a document is embedded once
+      however often it recurs; :meth:`prime` fills the cache from precomputed vectors (e.g. the start model's
+      :class:`~pyterrier_prob.DenseIndex`), so training embeds no document at all -- the same as reading the
+      positives and negatives from that index.
+
+    Args:
+        model: the SentenceTransformer whose document path embeds the documents (the untrained start model).
+        cache: keep the embeddings (keyed by token ids); ``False``: embed every batch again.
+    """
+
+    def __init__(self, model: SentenceTransformer, cache: bool = True) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
+        self.encoder = copy.deepcopy(model)
+        self.encoder.eval()
+        self.encoder.requires_grad_(False)
+        self.use_cache = bool(cache)
+        self._cache: dict[bytes, Tensor] = {}
+        self.hits = 0
+        self.computed = 0
+        self.primed = 0
+
+    def __repr__(self) -> str:
+        return f"FrozenDocumentTower(cached={len(self._cache)}, hits={self.hits}, computed={self.computed})"
+
+    @staticmethod
+    def row_keys(features: Mapping[str, Any]) -> list[bytes]:
+        """The cache key of every row of a tokenised column: its token ids without the padding."""
+        return _row_keys(features)
+
+    def _device(self) -> torch.device:
+        return next(self.encoder.parameters()).device
+
+    @torch.no_grad()
+    def _forward(self, features: Mapping[str, Any]) -> Tensor:
+        device = features["input_ids"].device
+        if self._device() != device:
+            self.encoder.to(device)
+        self.encoder.eval()
+        out = self.encoder(dict(features))["sentence_embedding"]
+        return F.normalize(out.float(), dim=-1)
+
+    @torch.no_grad()
+    def embed(self, features: Mapping[str, Any]) -> Tensor:
+        """``(batch, dim)`` L2-normalised document embeddings of one tokenised column, without gradient."""
+        if not self.use_cache:
+            self.computed += int(features["input_ids"].shape[0])
+            return self._forward(features)
+        keys = _row_keys(features)
+        device = features["input_ids"].device
+        missing = [i for i, k in enumerate(keys) if k not in self._cache]
+        if missing:
+            new = self._forward(_take_rows(features, missing, len(keys))).cpu()
+            for i, vec in zip(missing, new):
+                self._cache[keys[i]] = vec
+            self.computed += len(missing)
+        self.hits += len(keys) - len(missing)
+        return torch.stack([self._cache[k] for k in keys]).to(device)
+
+    def embed_columns(self, features_list: Iterable[Mapping[str, Any]]) -> list[Tensor]:
+        """:meth:`embed` of every column."""
+        return [self.embed(f) for f in features_list]
+
+    @torch.no_grad()
+    def prime(self, texts: Sequence[str], vectors: Any, check: int = 4, atol: float = 1e-3, chunk: int = 256) -> int:
+        """Cache precomputed embeddings of ``texts`` (e.g. read from an index built with the same model).
+
+        The texts are tokenised as the trainer's collator tokenises a column (``encoder.preprocess``, same
+        ``max_seq_length``), so the cached vectors are found by the token ids of the training batches. The first
+        ``check`` texts are also embedded by the frozen encoder and must agree within ``atol`` (else
+        ``ValueError``: the vectors come from another model or another ``max_seq_length``).
+
+        Returns:
+            The number of texts cached.
+        """
+        texts = [str(t) for t in texts]
+        vecs = torch.as_tensor(np.asarray(vectors, dtype=np.float32))
+        if vecs.ndim != 2 or vecs.shape[0] != len(texts):
+            raise ValueError(f"need one vector per text ({len(texts)}), got an array of shape {tuple(vecs.shape)}")
+        vecs = F.normalize(vecs, dim=-1)
+        if check and texts:
+            n = min(check, len(texts))
+            features = self.encoder.preprocess(texts[:n])
+            mine = self._forward(features).cpu()
+            err = float((mine - vecs[:n]).abs().max())
+            if err > atol:
+                raise ValueError(
+                    f"the given vectors differ from the frozen encoder's embeddings of the same texts by up to "
+                    f"{err:.3g} (> atol {atol:g}): they come from another model or another max_seq_length"
+                )
+        for start in range(0, len(texts), chunk):
+            features = self.encoder.preprocess(texts[start : start + chunk])
+            for key, vec in zip(_row_keys(features), vecs[start : start + chunk]):
+                self._cache[key] = vec.clone()
+        self.primed += len(texts)
+        return len(texts)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """``cached`` embeddings, ``primed`` texts, cache ``hits`` and documents ``computed`` by the encoder."""
+        return {"cached": len(self._cache), "primed": self.primed, "hits": self.hits, "computed": self.computed}
 
 
 class UniERFLoss(nn.Module):
@@ -96,6 +241,14 @@ class UniERFLoss(nn.Module):
         diversity_margin: Delta of Eq. 31.
         diversity_threshold: alpha of Eq. 31.
         use_positive, use_triplet, use_infonce, use_diversity: switch the terms of Eq. 32.
+        ignore_columns: columns of ``columns`` the loss skips (their features are dropped before anything is
+            embedded), e.g. the per-branch hard negatives for the "w/o differentiated negatives" ablation, or the
+            other branch's columns for a single-branch model. Every system then trains on the very same rows, so
+            the ``NO_DUPLICATES`` batch sampler (which looks at every column) draws the very same batches for all.
+            Needs ``columns``.
+        document_tower: a :class:`FrozenDocumentTower`: the positives and negatives are embedded by it (fixed,
+            no gradient) instead of by ``model``, so only the query tower trains. ``None``: the shared document
+            tower is ``model`` itself and is fine-tuned with the queries.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.MultiBranchQueryEncoder`.
@@ -139,6 +292,8 @@ class UniERFLoss(nn.Module):
         use_triplet: bool = True,
         use_infonce: bool = True,
         use_diversity: bool = True,
+        ignore_columns: Sequence[str] = (),
+        document_tower: FrozenDocumentTower | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -172,10 +327,23 @@ class UniERFLoss(nn.Module):
         }
         if not any(self.use.values()):
             raise ValueError("every term of the UniERF loss is switched off")
+        if document_tower is not None and not isinstance(document_tower, FrozenDocumentTower):
+            raise TypeError(f"document_tower must be a FrozenDocumentTower, got {type(document_tower).__name__}")
+        self.document_tower = document_tower
         self.columns = None if columns is None else list(columns)
+        self.ignore_columns = [str(c) for c in ignore_columns]
+        self._keep: list[bool] | None = None
         self.layout: tuple[list[str], list[str | None]] | None = None
+        if self.ignore_columns:
+            if self.columns is None:
+                raise ValueError("ignore_columns needs columns= (the training dataset's column names)")
+            unknown = [c for c in self.ignore_columns if c not in self.columns]
+            if unknown:
+                raise ValueError(f"ignore_columns {unknown} are not among the columns {self.columns}")
+            self._keep = [c not in self.ignore_columns for c in self.columns]
         if self.columns is not None:
-            self.layout = parse_unierf_columns(self.columns, self.head.branches)
+            kept = [c for c in self.columns if c not in self.ignore_columns]
+            self.layout = parse_unierf_columns(kept, self.head.branches)
 
     # ---------------------------------------------------------------- layout
 
@@ -183,7 +351,7 @@ class UniERFLoss(nn.Module):
         """(anchor branches, negative tags) for a batch of ``n_columns`` columns."""
         if self.layout is not None:
             anchors, negatives = self.layout
-            if n_columns != len(anchors) + 1 + len(negatives):
+            if n_columns != len(anchors) + 1 + len(negatives) + len(self.ignore_columns):
                 raise ValueError(
                     f"UniERFLoss was given columns {self.columns} ({len(self.columns)}) but the batch has "
                     f"{n_columns} input columns: pass the training dataset's column names, without id/label columns"
@@ -211,12 +379,17 @@ class UniERFLoss(nn.Module):
         """``(H per anchor branch (B, dim), positives (B, dim), negatives [(B, dim)], negative tags)``, normalised."""
         features = list(sentence_features)
         anchors, tags = self._layout(len(features))
+        if self._keep is not None:
+            features = [f for f, keep in zip(features, self._keep) if keep]
         k = len(anchors)
         branch_emb = {
             branch: self.head.embed(self.model(f)["sentence_embedding"], branch)
             for branch, f in zip(anchors, features[:k])
         }
-        docs = [F.normalize(e, dim=-1) for e in embed_columns(self.model, features[k:], separate_first=False)]
+        if self.document_tower is not None:
+            docs = self.document_tower.embed_columns(features[k:])
+        else:
+            docs = [F.normalize(e, dim=-1) for e in embed_columns(self.model, features[k:], separate_first=False)]
         return branch_emb, docs[0], docs[1:], tags
 
     def terms_from_embeddings(
@@ -262,6 +435,8 @@ class UniERFLoss(nn.Module):
             "diversity_margin": self.diversity_margin,
             "diversity_threshold": self.diversity_threshold,
             **{f"use_{name}": value for name, value in self.use.items()},
+            "ignore_columns": list(self.ignore_columns),
+            "document_tower": "frozen" if self.document_tower is not None else "shared (trained)",
         }
 
     @property
