@@ -1,26 +1,62 @@
-"""The one atomic writer of pyterrier-prob: index directories, tables and plots.
+"""The one atomic writer of pyterrier-prob: index directories, model folders, tables and plots.
 
 Everything is first written beside its target (a hidden temporary file or directory in the same folder, so the
-final ``os.replace`` is a rename on one file system), flushed and fsynced, then renamed into place. On any error
-or interruption the temporary is removed and the target is left as it was. What we create is readable by others:
-files 0644 and folders 0755 (``tempfile`` would make them 0600 / 0700).
+final rename stays on one file system), flushed and fsynced, then renamed into place. On any error or interruption
+the temporary is removed and the target is left as it was. What we create is readable by others: files 0644 and
+folders 0755 (``tempfile`` would make them 0600 / 0700).
+
+Replacing a directory (:func:`atomic_directory` with ``overwrite=True``) never leaves the path without a complete
+version:
+
+* where the kernel can swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)`` on ext4, xfs, btrfs, tmpfs,
+  ...; macOS ``renamex_np(RENAME_SWAP)``) the new directory and the old one trade places in one step, so the path
+  holds the old version until the instant it holds the new one;
+* elsewhere the old version is first renamed to a hidden ``.<name>.old-<pid>-<tag>`` sibling and the new one
+  renamed into place; a writer killed between those two renames leaves the path missing for a moment, and
+  :func:`recover_directory` (which the index and model loaders call) moves the previous version back.
+
+Temporaries are named ``.<name>.tmp-<pid>-<tag>`` / ``.<name>.old-<pid>-<tag>``, and their writer holds an
+advisory lock (``flock``) on them while it lives. A temporary whose lock is free and whose writer is gone (its pid
+is dead, or it is older than a few seconds) is stale: the next writer of the same path, and every
+:func:`recover_directory`, removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import re
 import shutil
+import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["FILE_MODE", "DIR_MODE", "atomic_write", "atomic_directory", "make_dirs", "save_figure"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on POSIX
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "FILE_MODE",
+    "DIR_MODE",
+    "atomic_write",
+    "atomic_directory",
+    "clean_stale_temporaries",
+    "make_dirs",
+    "recover_directory",
+    "save_figure",
+]
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
+_GRACE_S = 10.0  # an unlocked temporary younger than this may belong to a writer that has not locked it yet
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<pid>\d+)-)?(?P<tag>[0-9a-z_]{8,12})$")
 
 
 def make_dirs(path: str | os.PathLike) -> Path:
@@ -39,6 +75,226 @@ def make_dirs(path: str | os.PathLike) -> Path:
     return path
 
 
+# ---- liveness of temporaries: an flock held by the writer, its pid ------------------------------------------------
+
+
+def _lock(fd: int) -> None:
+    """Take an exclusive advisory lock on ``fd`` (silently nothing where flock is not supported)."""
+    if fcntl is None:  # pragma: no cover
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def _open_locked(path: Path) -> int | None:
+    """Open ``path`` (file or directory) and lock it; the fd (None if it cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    _lock(fd)
+    return fd
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _is_locked(path: Path) -> bool | None:
+    """Whether a live process holds an flock on ``path``; None when this cannot be told."""
+    if fcntl is None:  # pragma: no cover
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) is no probe on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _temporaries(path: Path) -> list[tuple[Path, str, int | None]]:
+    """``(temporary, "tmp" | "old", writer pid or None)`` for every hidden temporary of ``path``."""
+    out = []
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return out
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if m and m["name"] == path.name:
+            out.append((Path(entry.path), m["kind"], int(m["pid"]) if m["pid"] else None))
+    return out
+
+
+def _is_stale(temp: Path, pid: int | None) -> bool:
+    """A temporary no live writer holds: its lock is free and its writer is dead (or it is past the grace time)."""
+    locked = _is_locked(temp)
+    if locked:
+        return False
+    if pid is not None and not _pid_alive(pid):
+        return True
+    if locked is None:  # no flock here: the pid is all we can go by
+        return False
+    try:
+        age = time.time() - temp.lstat().st_mtime
+    except OSError:
+        return False
+    return age > _GRACE_S
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+def recover_directory(path: str | os.PathLike) -> bool:
+    """Make ``path`` loadable again after a killed writer, and remove the stale temporaries of ``path``.
+
+    When ``path`` is missing and a writer died between moving the previous version aside and renaming the new one
+    into place (possible only where the file system cannot swap two paths atomically), the previous version is moved
+    back. A writer that is alive and between those renames is waited for (up to a second). Loaders call this before
+    opening; it is cheap (one listing of the parent folder) and never raises for lack of permission.
+
+    Returns:
+        Whether a previous version was moved back to ``path``.
+    """
+    path = Path(path)
+    recovered = False
+    deadline = time.monotonic() + 1.0
+    while not path.exists():
+        olds = [(t, pid) for t, kind, pid in _temporaries(path) if kind == "old"]
+        if not olds:
+            break
+        stale = [t for t, pid in olds if _is_stale(t, pid)]
+        if stale:
+            newest = max(stale, key=lambda t: t.lstat().st_ctime if t.exists() else 0.0)
+            try:
+                os.rename(newest, path)
+                recovered = True
+            except FileNotFoundError:  # another reader moved it back first
+                continue
+            except OSError:
+                break
+            _fsync_dir(path.parent)
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # a live writer is between its two renames
+    clean_stale_temporaries(path)
+    return recovered
+
+
+def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the hidden temporaries of ``path`` that their (killed) writers left; returns what was removed.
+
+    A previous version (``.old-*``) is kept while ``path`` itself is missing: :func:`recover_directory` moves it back.
+    """
+    path = Path(path)
+    removed = []
+    for temp, kind, pid in _temporaries(path):
+        if kind == "old" and not path.exists():
+            continue
+        if _is_stale(temp, pid):
+            _remove(temp)
+            removed.append(temp)
+    return removed
+
+
+# ---- renames -----------------------------------------------------------------------------------------------------
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_SWAP = 2  # macOS stdio.h
+_AT_FDCWD = -100
+_libc: Any = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` atomically; False when the platform or file system cannot."""
+    global _libc
+    if sys.platform not in ("linux", "darwin"):
+        return False
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:  # pragma: no cover
+            _libc = False
+    if _libc is False:
+        return False
+    fa, fb = os.fsencode(a), os.fsencode(b)
+    if sys.platform == "linux":
+        fn = getattr(_libc, "renameat2", None)
+        if fn is None:  # pragma: no cover - glibc < 2.28
+            return False
+        res = fn(_AT_FDCWD, fa, _AT_FDCWD, fb, ctypes.c_uint(_RENAME_EXCHANGE))
+    else:  # pragma: no cover - macOS
+        fn = getattr(_libc, "renamex_np", None)
+        if fn is None:
+            return False
+        res = fn(fa, fb, ctypes.c_uint(_RENAME_SWAP))
+    if res == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _exchange_supported(folder: str | os.PathLike) -> bool:
+    """Whether two paths in ``folder`` can be swapped atomically (probed with two empty directories)."""
+    folder = Path(folder)
+    a, b = folder / f".probe-{uuid.uuid4().hex[:12]}", folder / f".probe-{uuid.uuid4().hex[:12]}"
+    a.mkdir()
+    b.mkdir()
+    try:
+        return _exchange(a, b)
+    except OSError:
+        return False
+    finally:
+        _remove(a)
+        _remove(b)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames in ``path`` durable (best effort)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _temp_name(path: Path, kind: str) -> Path:
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+# ---- writers -----------------------------------------------------------------------------------------------------
+
+
 def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes]], Any]) -> str:
     """Write ``data`` to ``path`` atomically (mode 0644); returns the path.
 
@@ -49,9 +305,11 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes
     """
     path = Path(path)
     make_dirs(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    clean_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            _lock(f.fileno())  # held while we write: marks the temporary as alive
             if callable(data):
                 data(f)
             else:
@@ -71,16 +329,21 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes
 def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory in a hidden sibling and rename it to ``path`` when the ``with`` block succeeds.
 
-    With ``overwrite`` an existing ``path`` is swapped out first and restored if the final rename fails; without
-    it, ``FileExistsError`` is raised (checked before and after the block). Files written into the yielded folder
-    should be closed by the end of the block; the folder and everything in it are made 0755 / 0644.
+    With ``overwrite`` an existing ``path`` is replaced without a moment in which the path holds no complete
+    version (atomic swap, or -- where the file system cannot swap -- a previous version that
+    :func:`recover_directory` moves back after a kill); without it, ``FileExistsError`` is raised (checked before
+    and after the block). Stale temporaries of killed writers of ``path`` are removed first. Files written into the
+    yielded folder should be closed by the end of the block; the folder and everything in it are made 0755 / 0644.
     """
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{str(path)!r} already exists")
     make_dirs(path.parent)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    recover_directory(path)
+    tmp = _temp_name(path, "tmp")
     tmp.mkdir()
+    tmp_fd = _open_locked(tmp)  # held until we are done: marks the temporary (later the new version) as alive
+    old_fd = None
     try:
         yield tmp
         for root, dirs, files in os.walk(tmp):
@@ -91,20 +354,30 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
                 os.chmod(os.path.join(root, name), DIR_MODE)
         if path.exists() and not overwrite:
             raise FileExistsError(f"{str(path)!r} appeared while it was being written")
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(path, old)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                os.replace(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
+        if path.exists() or path.is_symlink():
+            if _exchange(tmp, path):  # path: the new version; tmp: the old one, garbage now
+                _fsync_dir(path.parent)
+                _remove(tmp)
+            else:
+                old = _temp_name(path, "old")
+                old_fd = _open_locked(path)  # so that recover_directory leaves it alone while we live
+                os.replace(path, old)
+                try:
+                    os.replace(tmp, path)
+                except BaseException:
+                    os.replace(old, path)
+                    raise
+                _fsync_dir(path.parent)
+                _remove(old)
         else:
             os.replace(tmp, path)
+            _fsync_dir(path.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)
         raise
+    finally:
+        _close(old_fd)
+        _close(tmp_fd)
 
 
 def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> str:

@@ -77,12 +77,11 @@ def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Se
     if isinstance(result, pd.DataFrame):
         _require_columns(result, ["qid"], "result frame")
         counts = result["qid"].astype(str).value_counts(sort=False)
-    elif isinstance(result, pd.Series):
-        counts = result.copy()
+    elif isinstance(result, pd.Series | Mapping):
+        counts = result.copy() if isinstance(result, pd.Series) else pd.Series(dict(result), dtype=object)
         counts.index = counts.index.astype(str)
-    elif isinstance(result, Mapping):
-        counts = pd.Series(dict(result), dtype=float)
-        counts.index = counts.index.astype(str)
+        _check_counts(pd.to_numeric(counts, errors="coerce").to_numpy(dtype=float), counts.index, counts.to_numpy())
+        counts = pd.to_numeric(counts)
     else:
         raise TypeError(
             "retrieved_counts needs a result frame, a qid-indexed Series or a {qid: count} mapping, "
@@ -97,6 +96,31 @@ def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Se
     counts.index.name = "qid"
     counts.name = "num_retrieved"
     return counts
+
+
+def _check_counts(values: np.ndarray, qids: Any = None, raw: Any = None) -> None:
+    """Counts must be finite numbers: a nan (a missing count) or inf is an error naming the query, not a 0."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        where = f"qid {qids[i]!r}" if qids is not None else f"position {i}"
+        shown = raw[i] if raw is not None else values[i]
+        shown = shown.item() if isinstance(shown, np.generic) else shown
+        more = f" (and {int(bad.sum()) - 1} more)" if bad.sum() > 1 else ""
+        raise ValueError(f"retrieved counts must be finite numbers, got {shown!r} for {where}{more}")
+
+
+def _positional_counts(out: Any, call: str) -> np.ndarray:
+    """Positional per-query counts (array, list, tuple) as float, checked: numbers, finite."""
+    try:
+        arr = np.asarray(out, dtype=float).ravel()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{call} returned counts that are not numbers: {e}") from e
+    try:
+        _check_counts(arr)
+    except ValueError as e:
+        raise ValueError(f"{call}: {e}") from e
+    return arr
 
 
 def _strata_series(strata: StrataLike) -> pd.Series:
@@ -183,7 +207,7 @@ class _CountingRun:
         self.calls += 1
         frame = out if isinstance(out, pd.DataFrame) else None
         if isinstance(out, np.ndarray | list | tuple):
-            arr = np.asarray(out, dtype=float).ravel()
+            arr = _positional_counts(out, f"run({x!r})")
             if self.fixed and len(arr) != len(self.universe):
                 raise ValueError(
                     f"run({x!r}) returned {len(arr)} positional counts but topics has {len(self.universe)} queries"
@@ -719,7 +743,7 @@ def table3_grid(
     for p in ps:
         out = run_for_p(p)
         if isinstance(out, np.ndarray | list | tuple):
-            arr = np.asarray(out, dtype=float).ravel()
+            arr = _positional_counts(out, f"run_for_p({p!r})")
             if qids is None or len(arr) != len(qids):
                 raise ValueError(
                     f"run_for_p({p!r}) returned {len(arr)} positional counts; positional counts need strata or "

@@ -5,12 +5,23 @@ sentence-transformers >= 6 imports a module class from outside ``sentence_transf
 :func:`load_model` reads the model's ``modules.json`` (and a Router's ``router_config.json``), checks every
 class reference, and resolves ours to the already-imported classes of this package, so
 ``trust_remote_code`` stays ``False`` for everything else.
+
+It also keeps the promise that weights are loaded from safetensors only and loaded whole: a model folder holding
+pickled weights (``pytorch_model.bin``, ...) without safetensors ones is refused, a truncated safetensors file is
+named before anything reads it, and an encoder whose config declares weights that the checkpoint lacks (more layers
+than saved, say) raises instead of running with randomly initialised layers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import json
 import os
+import re
+import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from sentence_transformers import CrossEncoder, SentenceTransformer
@@ -18,6 +29,7 @@ from torch import nn
 
 from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead
 from st_extensions.modules import MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
+from st_extensions.modules.safetensors_module import check_safetensors_file
 
 #: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
 #: ``trust_remote_code``. Later modules of this package register here.
@@ -77,6 +89,153 @@ def _check_no_remote_code(path: str) -> None:
                 )
 
 
+#: Pickled weight files (transformers' and torch's) that :func:`load_model` refuses to rely on.
+PICKLED_WEIGHTS = (
+    "pytorch_model.bin",
+    "pytorch_model-*.bin",
+    "pytorch_model.bin.index.json",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+)
+_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _check_weight_files(path: str) -> None:
+    """Every folder of the model with weights has safetensors ones, and every safetensors file is complete."""
+    for root, _dirs, files in os.walk(path):
+        for name in sorted(files):
+            if name.endswith(".safetensors"):
+                check_safetensors_file(os.path.join(root, name))
+        if any(f in files for f in _SAFETENSORS):
+            continue
+        pickled = sorted(f for f in files if any(fnmatch.fnmatch(f, pat) for pat in PICKLED_WEIGHTS))
+        if pickled:
+            raise ValueError(
+                f"refusing to load {os.path.join(root, pickled[0])!r}: its weights are pickled and "
+                f"{os.path.join(root, 'model.safetensors')!r} is missing; load_model reads safetensors weights only "
+                "(never pickle, which can run code). Convert the model to safetensors once you trust it (load it "
+                "with sentence-transformers and save it again)"
+            )
+
+
+# ---- weights the config declares but the checkpoint lacks ----------------------------------------------------------
+
+_missing_records = threading.local()
+_hook_lock = threading.Lock()
+_hook_users = 0
+
+
+@contextlib.contextmanager
+def _record_missing_weights() -> Iterator[list[tuple[str, str, list[str]]]]:
+    """Collect ``(model class, checkpoint, missing keys)`` of every transformers model loaded in the block (in this
+    thread): transformers only logs the keys it initialised at random because the checkpoint lacks them."""
+    global _hook_users
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        yield []
+        return
+    records: list[tuple[str, str, list[str]]] = []
+    original = PreTrainedModel.__dict__.get("_finalize_model_loading")
+    if not isinstance(original, staticmethod):  # pragma: no cover - another transformers version: nothing to hook
+        yield records
+        return
+    with _hook_lock:
+        if _hook_users == 0:
+
+            def finalize(model: Any, load_config: Any, loading_info: Any) -> Any:
+                info = original.__func__(model, load_config, loading_info)
+                out = getattr(_missing_records, "records", None)
+                missing = sorted(getattr(info, "missing_keys", ()) or ())
+                if out is not None and missing:
+                    source = str(getattr(load_config, "pretrained_model_name_or_path", "?"))
+                    out.append((type(model).__name__, source, missing))
+                return info
+
+            PreTrainedModel._finalize_model_loading = staticmethod(finalize)
+        _hook_users += 1
+    previous = getattr(_missing_records, "records", None)
+    _missing_records.records = records
+    try:
+        yield records
+    finally:
+        _missing_records.records = previous
+        with _hook_lock:
+            _hook_users -= 1
+            if _hook_users == 0:
+                PreTrainedModel._finalize_model_loading = original
+
+
+def _compress_keys(keys: list[str], limit: int = 6) -> str:
+    """``encoder.layer.{6, 7}.output.dense.bias``-style summary of parameter names."""
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        m = re.match(r"^(.*?\.)(\d+)(\..*)$", k)
+        if m:
+            groups.setdefault(m[1] + "{}" + m[3], []).append(m[2])
+        else:
+            groups.setdefault(k, [])
+    parts = [pat.format("{" + ", ".join(sorted(set(n), key=int)) + "}") if n else pat for pat, n in groups.items()]
+    more = f" and {len(parts) - limit} more" if len(parts) > limit else ""
+    return ", ".join(parts[:limit]) + more
+
+
+# ---- a previous version left aside by a killed writer (pyterrier_prob.atomic's naming) -----------------------------
+
+_OLD_RE = re.compile(r"^\.(?P<name>.+)\.old-(?:(?P<pid>\d+)-)?[0-9a-z_]{8,12}$")
+
+
+def _recover_previous_version(path: str) -> None:
+    """If ``path`` is missing but a writer that replaced it died between moving the previous version aside (as
+    ``.<name>.old-<pid>-<tag>``) and renaming the new one in, move the previous version back. Mirrors
+    ``pyterrier_prob.atomic.recover_directory`` (st_extensions never imports pyterrier_prob)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        entries = [e for e in os.scandir(parent) if (m := _OLD_RE.match(e.name)) and m["name"] == name]
+    except OSError:
+        return
+    for entry in sorted(entries, key=lambda e: e.stat(follow_symlinks=False).st_ctime, reverse=True):
+        pid = _OLD_RE.match(entry.name)["pid"]
+        if _held(entry.path, int(pid) if pid else None):
+            continue
+        with contextlib.suppress(OSError):
+            os.rename(entry.path, path)
+            return
+
+
+def _held(path: str, pid: int | None) -> bool:
+    """Whether a live writer still holds ``path`` (its flock; without flock, its pid; else a short grace time)."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        fd = None
+    if fd is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = False
+        except BlockingIOError:
+            locked = True
+        except OSError:
+            locked = None
+        finally:
+            os.close(fd)
+        if locked:
+            return True
+    if pid is not None and os.name == "posix":
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+    with contextlib.suppress(OSError):
+        return time.time() - os.stat(path).st_mtime < 10.0
+    return True
+
+
 def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -> SentenceTransformer | CrossEncoder:
     """Load a saved model that may contain this package's Modules, refusing any other foreign class.
 
@@ -93,11 +252,16 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
 
     Raises:
         ValueError: the model references a module class that is neither ``sentence_transformers.*`` nor
-            one of ours (listed in :data:`ALLOWED_MODULES`), needs repository code, or is not a saved model.
+            one of ours (listed in :data:`ALLOWED_MODULES`), needs repository code, or is not a saved model; a
+            folder of it holds pickled weights (:data:`PICKLED_WEIGHTS`) without safetensors ones; a safetensors
+            file is truncated or corrupt (named); or the config declares weights that the checkpoint lacks
+            (named), which transformers would initialise at random and only log.
     """
     if "trust_remote_code" in kwargs:
         raise ValueError("load_model does not take trust_remote_code: it allows our own module classes only")
     path = os.fspath(path)
+    if not os.path.exists(path):
+        _recover_previous_version(path)
     if not os.path.isdir(path):
         raise ValueError(f"load_model expects a local model directory, got {path!r}")
     types = _module_types(path)
@@ -113,6 +277,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
             f"st_extensions: {listed}. Only these of ours are allowed: {sorted(ALLOWED_MODULES)}"
         )
     _check_no_remote_code(path)
+    _check_weight_files(path)
     if cross_encoder is None:
         config_path = os.path.join(path, "config_sentence_transformers.json")
         model_type = None
@@ -127,4 +292,15 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
     if special and issubclass(special[0][1], cls):
         cls = special[0][1]  # e.g. VarCrossEncoder for a CrossEncoder with a VariationalHead
     # The loader maps the checked class references to our imported classes; trust_remote_code stays False.
-    return cls._load_with_module_classes(path, module_classes=dict(ALLOWED_MODULES), **kwargs)
+    with _record_missing_weights() as missing:
+        model = cls._load_with_module_classes(path, module_classes=dict(ALLOWED_MODULES), **kwargs)
+    if missing:
+        cls_name, source, keys = missing[0]
+        weights = [os.path.join(source, f) for f in _SAFETENSORS if os.path.isfile(os.path.join(source, f))]
+        source = weights[0] if weights else source
+        raise ValueError(
+            f"refusing to load {path!r}: the checkpoint {source!r} lacks {len(keys)} weights that its config "
+            f"declares for {cls_name} ({_compress_keys(keys)}); they would be initialised at random. Does the "
+            "config (e.g. num_hidden_layers) match the saved weights?"
+        )
+    return model

@@ -108,7 +108,10 @@ def test_trec_folder_loads_with_the_right_counts(tmp_path):
     (folder / "docs.tsv").write_text("docno\ttext\n" + "".join(f"{d['_id']}\t{d['text']}\n" for d in DOCS))
     c = load_collection(folder)
     assert isinstance(c, TrecCollection) and c.splits == ("test", "train")
-    assert c.topics("test").to_dict("list") == {"qid": ["301", "302"], "query": ["statins cholesterol", "breast cancer"]}
+    assert c.topics("test").to_dict("list") == {
+        "qid": ["301", "302"],
+        "query": ["statins cholesterol", "breast cancer"],
+    }
     assert len(c.qrels("test")) == 3 and c.qrels("test")["label"].tolist() == [1, 0, 2]
     assert len(c.topics("train")) == 3 and len(c.qrels("train")) == 3
     assert c.num_docs == 5 and next(iter(c.corpus_iter())) == {"docno": "d1", "text": "Statins lower cholesterol."}
@@ -123,7 +126,9 @@ def test_trec_folder_single_split_and_jsonl_corpus(tmp_path):
         '<topics><topic number="7"><query>coffee</query></topic><topic number="8"><query>heart</query></topic></topics>'
     )
     (folder / "qrels").write_text("7 0 d4 1\n8 0 d5 1\n")
-    (folder / "corpus.jsonl").write_text("".join(json.dumps({"docno": d["_id"], "text": d["text"]}) + "\n" for d in DOCS))
+    (folder / "corpus.jsonl").write_text(
+        "".join(json.dumps({"docno": d["_id"], "text": d["text"]}) + "\n" for d in DOCS)
+    )
     c = load_collection(folder)
     assert c.splits == ("test",) and c.topics("test")["qid"].tolist() == ["7", "8"]
     assert c.topics("test")["query"].tolist() == ["coffee", "heart"]

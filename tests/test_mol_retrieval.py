@@ -402,13 +402,13 @@ def test_input_errors(small, tmp_path):
         MoLReranker(None, mol)(query_frame(Q).assign(docno="d1"))
     with pytest.raises(ValueError, match=r"4 component embeddings, the MoL expects 3 per query"):
         ret(query_frame(unit(np.ones((2, PQ + 1, D)))))
-    with pytest.raises(ValueError, match=r"dimension mismatch: query_comp of row 0 has 9-dim"):
+    with pytest.raises(ValueError, match=r"dimension mismatch: query_comp of row 0 \(qid='q0'\) has 9-dim"):
         ret(query_frame(unit(np.ones((2, PQ, D + 1)))))
     with pytest.raises(ValueError, match="2-D"):
         ret(pd.DataFrame({"qid": ["1"], "query_comp": [np.ones(D)]}))
     with pytest.raises(ValueError, match="non-finite"):
         ret(query_frame(np.full((1, PQ, D), np.nan, np.float32)))
-    with pytest.raises(ValueError, match="doc_comp of row 0 has 3 component"):
+    with pytest.raises(ValueError, match=r"doc_comp of row 0 \(qid='q0', docno='d1'\) has 3 component"):
         MoLReranker(None, mol)(query_frame(Q).assign(docno="d1", doc_comp=[np.ones((3, D))] * len(Q)))
     # MoL / index mismatches and wrong objects
     with pytest.raises(ValueError, match=r"P_x = 3 of dim 8"):

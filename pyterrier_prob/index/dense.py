@@ -14,13 +14,17 @@ What the subclass adds is what the pEBR cutoffs (``shared/papers/pebr.md``, Sec.
 of the store: vectors are L2-normalised at indexing (``normalize=True``, recorded as ``"normalized": true`` in
 ``pt_meta.json``) so the inner product is the cosine the cutoffs threshold; indexing is atomic (written into
 a hidden sibling directory and renamed into place at the end, so an interrupted run never leaves an index
-that loads); input is checked (missing ``doc_vec``/``docno``, inconsistent dimensions, non-finite or zero
-vectors, duplicate docnos); and loading an incomplete or corrupt directory raises a clear error.
+that loads, and an overwrite never leaves the path without one); input is checked (missing ``doc_vec``/``docno``,
+vectors stored as text, inconsistent dimensions, non-finite or zero vectors, duplicate docnos, docnos with a NUL
+character, which the docno store could not keep apart), each error naming the record and its docno; and loading an
+incomplete or corrupt directory raises a clear error naming the file: a ``pt_meta.json`` that is not a JSON object,
+files whose sizes differ from those recorded at indexing (a truncated ``docnos.npids``), a docno store that does not
+map its docnos back, and non-finite vectors (first and last row on opening, every row before the first search,
+:meth:`DenseIndex.check_finite`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -32,11 +36,23 @@ import pyterrier as pt
 from npids import Lookup
 from pyterrier_dr import FlexIndex, SimFn
 
-from pyterrier_prob.index.indexer import AtomicIndexer, IndexingMode, missing_message
+from pyterrier_prob.atomic import recover_directory
+from pyterrier_prob.index.indexer import (
+    AtomicIndexer,
+    IndexingMode,
+    check_docno_store,
+    check_docnos,
+    check_sizes,
+    missing_message,
+    read_meta,
+    record_sizes,
+)
+from pyterrier_prob.validation import stack_arrays
 
 __all__ = ["DenseIndex", "DenseIndexer", "IndexingMode", "as_dense_index"]
 
 _BATCH = 4096
+_CHECK_ROWS = 65536  # rows per chunk of check_finite
 
 
 class DenseIndex(FlexIndex):
@@ -73,6 +89,7 @@ class DenseIndex(FlexIndex):
     def _check_files(self) -> dict[str, Any]:
         """Read and check ``pt_meta.json`` and the sizes of the files; a clear error when anything is off."""
         path = self.index_path
+        recover_directory(path)  # a writer killed mid-swap: the previous version back; stale temporaries removed
         if not path.exists():
             raise FileNotFoundError(
                 f"no dense index at {str(path)!r}: build one with DenseIndex(path).indexer().index(records) "
@@ -86,18 +103,14 @@ class DenseIndex(FlexIndex):
                 f"{str(path)!r} is not a complete dense index (no pt_meta.json): an interrupted or foreign "
                 "indexing run? Rebuild it with DenseIndex(path).indexer(mode='overwrite')"
             )
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt") from e
+        meta = read_meta(meta_path)
         if meta.get("type") != self.ARTIFACT_TYPE or meta.get("format") != self.ARTIFACT_FORMAT:
             raise ValueError(
                 f"{str(path)!r} holds an artifact of type={meta.get('type')!r}, format={meta.get('format')!r}, "
                 f"not a dense index (type={self.ARTIFACT_TYPE!r}, format={self.ARTIFACT_FORMAT!r})"
             )
         count, dim = meta.get("doc_count"), meta.get("vec_size")
-        if not (isinstance(count, int) and isinstance(dim, int) and count > 0 and dim > 0):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (count, dim)):
             raise ValueError(f"{str(meta_path)!r} has invalid doc_count={count!r} / vec_size={dim!r}")
         vecs = path / "vecs.f4"
         if not vecs.exists() or vecs.stat().st_size != count * dim * 4:
@@ -106,20 +119,56 @@ class DenseIndex(FlexIndex):
                 f"{str(path)!r} is corrupt: vecs.f4 has {size} bytes, pt_meta.json says {count} x {dim} float32 "
                 f"({count * dim * 4} bytes)"
             )
+        check_sizes(path, meta)  # files whose sizes the indexer recorded (docnos.npids): truncated ones
         if not (path / "docnos.npids").exists():
             raise ValueError(f"{str(path)!r} is corrupt: docnos.npids is missing")
+        # a vectors file of the right size holding nan/inf (e.g. zero-filled by a crash, or overwritten): its first
+        # and last rows here, every row before the first search (check_finite)
+        mm = np.memmap(vecs, dtype=np.float32, mode="r", shape=(count, dim))
+        for i in sorted({0, count - 1}):
+            if not np.isfinite(mm[i]).all():
+                raise ValueError(
+                    f"{str(vecs)!r} is corrupt: the vector of row {i} has non-finite values (nan or inf); rebuild "
+                    "the index with DenseIndex(path).indexer(mode='overwrite')"
+                )
+        del mm
         return meta
 
     def payload(self, return_dvecs: bool = True, return_docnos: bool = True) -> list:
         """FlexIndex's ``(docnos, vectors, meta)`` accessor, with the checks of a complete index first."""
-        if self._meta is None:
-            self._check_files()
-        res = super().payload(return_dvecs=return_dvecs, return_docnos=return_docnos)
-        if return_docnos and len(self._docnos) != self._meta["doc_count"]:
-            n = len(self._docnos)
-            self._docnos = None
-            raise ValueError(f"{str(self.index_path)!r} is corrupt: {n} docnos for {self._meta['doc_count']} vectors")
-        return res
+        meta = self._check_files() if self._meta is None else self._meta
+        if return_docnos and self._docnos is None:
+            store = self.index_path / "docnos.npids"
+            try:
+                lookup = Lookup(store)
+            except Exception as e:  # a truncated store fails in many ways inside npids
+                raise ValueError(f"{str(store)!r} is corrupt (truncated?): {type(e).__name__}: {e}") from e
+            check_docno_store(lookup, meta["doc_count"], store)
+            self._docnos = lookup
+        return super().payload(return_dvecs=return_dvecs, return_docnos=return_docnos)
+
+    def check_finite(self) -> None:
+        """Raise ValueError naming ``vecs.f4`` and the first row if any vector holds nan/inf.
+
+        Reads every vector once per opened index (in chunks; the answer is cached), as the retrievers of
+        :mod:`pyterrier_prob.pebr.cutoff` do before their first search: a corrupt vectors file of the right size
+        would otherwise match nothing and return empty results.
+        """
+        key = "pyterrier_prob.finite"
+        if self._cache.get(key):
+            return
+        vecs = self.vectors()
+        for a in range(0, len(vecs), _CHECK_ROWS):
+            ok = np.isfinite(np.asarray(vecs[a : a + _CHECK_ROWS])).all(axis=1)
+            if not ok.all():
+                bad = np.flatnonzero(~ok)
+                i = a + int(bad[0])
+                raise ValueError(
+                    f"{str(self.index_path / 'vecs.f4')!r} is corrupt: the vector of row {i} (docno "
+                    f"{str(self.docnos().fwd[i])!r}) has non-finite values (nan or inf); rebuild the index with "
+                    "DenseIndex(path).indexer(mode='overwrite')"
+                )
+        self._cache[key] = True
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -196,6 +245,7 @@ class DenseIndexer(AtomicIndexer):
             "doc_count": count,
             "normalized": self.normalize,
             "package_hint": "pyterrier-dr",
+            "file_sizes": record_sizes(tmp),
         }
 
     def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list]]:
@@ -232,22 +282,18 @@ class DenseIndexer(AtomicIndexer):
         try:
             with open(tmp / "vecs.f4", "wb") as fvecs, Lookup.builder(tmp / "docnos.npids") as lookup:
                 for docnos, vecs in self._batches(inp):
-                    arr, dim = _stack_vectors(vecs, dim, count)
+                    check_docnos(docnos, count, seen)
+                    arr, dim = _stack_vectors(vecs, dim, count, docnos)
                     if self.normalize:
                         norms = np.linalg.norm(arr.astype(np.float64), axis=1)
                         zero = np.flatnonzero(norms == 0)
                         if zero.size:
                             raise ValueError(
-                                f"doc_vec of docno {docnos[zero[0]]!r} is all zeros: it has no direction and "
-                                "cannot be normalised for cosine retrieval"
+                                f"doc_vec of record #{count + zero[0]} (docno {docnos[zero[0]]!r}) is all zeros: it "
+                                "has no direction and cannot be normalised for cosine retrieval"
                             )
                         arr = (arr / norms[:, None]).astype(np.float32)
                     for docno in docnos:
-                        if not isinstance(docno, str):
-                            raise ValueError(f"docno must be a str, got {docno!r} ({type(docno).__name__})")
-                        if docno in seen:
-                            raise ValueError(f"duplicate docno {docno!r}: docnos must be unique in an index")
-                        seen.add(docno)
                         lookup.add(docno)
                     fvecs.write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
                     count += len(docnos)
@@ -272,28 +318,15 @@ def _missing_message(missing: list[str], have: Any) -> str:
     return missing_message(missing, have, "doc_vec", "encoder.doc_encoder() >> index.indexer()")
 
 
-def _stack_vectors(vecs: list, dim: int | None, offset: int) -> tuple[np.ndarray, int]:
-    """Stack a batch of vectors into a float32 (n, dim) array, checking shape, dimension and finiteness."""
-    rows = []
-    for i, v in enumerate(vecs):
-        a = np.asarray(v, dtype=np.float32)
-        if a.ndim != 1:
-            raise ValueError(f"doc_vec #{offset + i} must be a 1-D vector, got shape {a.shape}")
-        if dim is None:
-            if a.shape[0] == 0:
-                raise ValueError("doc_vec must not be empty")
-            dim = int(a.shape[0])
-        elif a.shape[0] != dim:
-            raise ValueError(
-                f"inconsistent vector dimensions: doc_vec #{offset + i} has {a.shape[0]} dims, earlier ones {dim}"
-            )
-        rows.append(a)
-    arr = np.stack(rows)
-    bad = ~np.isfinite(arr).all(axis=1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"doc_vec #{offset + i} has non-finite values (nan or inf)")
-    return arr, dim
+def _stack_vectors(vecs: list, dim: int | None, offset: int, docnos: list) -> tuple[np.ndarray, int]:
+    """Stack a batch of vectors into a float32 (n, dim) array, checking type, shape, dimension and finiteness."""
+
+    def name(i: int) -> str:
+        return f"record #{offset + i} (docno={docnos[i]!r})"
+
+    shape = None if dim is None else (dim,)
+    arr = stack_arrays(vecs, "doc_vec", name, "DenseIndexer", ndim=1, shape=shape, kind="vector dimensions")
+    return arr, int(arr.shape[1])
 
 
 def as_dense_index(index: Any) -> DenseIndex:

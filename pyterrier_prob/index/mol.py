@@ -30,7 +30,6 @@ its ``(N, d)`` slice (faiss' flat indexes own their vectors).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack
@@ -42,11 +41,23 @@ import pandas as pd
 import pyterrier as pt
 from npids import Lookup
 
-from pyterrier_prob.index.indexer import AtomicIndexer, IndexingMode, missing_message
+from pyterrier_prob.atomic import recover_directory
+from pyterrier_prob.index.indexer import (
+    AtomicIndexer,
+    IndexingMode,
+    check_docno_store,
+    check_docnos,
+    check_sizes,
+    missing_message,
+    read_meta,
+    record_sizes,
+)
+from pyterrier_prob.validation import stack_arrays
 
 __all__ = ["MoLIndex", "MoLIndexer", "as_mol_index"]
 
 _BATCH = 4096
+_CHECK_ROWS = 16384  # documents per chunk of check_finite
 
 
 class MoLIndex(pt.Artifact):
@@ -95,6 +106,7 @@ class MoLIndex(pt.Artifact):
         if self._meta is not None:
             return self._meta
         path = self.index_path
+        recover_directory(path)  # a writer killed mid-swap: the previous version back; stale temporaries removed
         if not path.exists():
             raise FileNotFoundError(
                 f"no MoL index at {str(path)!r}: build one with MoLIndex(path).indexer().index(records) "
@@ -108,13 +120,7 @@ class MoLIndex(pt.Artifact):
                 f"{str(path)!r} is not a complete MoL index (no pt_meta.json): an interrupted or foreign indexing "
                 "run? Rebuild it with MoLIndex(path).indexer(mode='overwrite')"
             )
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt") from e
-        if not isinstance(meta, dict):
-            raise ValueError(f"{str(meta_path)!r} does not hold a JSON object: the index is corrupt")
+        meta = read_meta(meta_path)
         if meta.get("type") != self.ARTIFACT_TYPE or meta.get("format") != self.ARTIFACT_FORMAT:
             raise ValueError(
                 f"{str(path)!r} holds an artifact of type={meta.get('type')!r}, format={meta.get('format')!r}, "
@@ -140,10 +146,45 @@ class MoLIndex(pt.Artifact):
                     f"{str(path)!r} is corrupt: {name} has {size} bytes, pt_meta.json says "
                     f"{' x '.join(map(str, shape))} float32 ({want} bytes)"
                 )
+        check_sizes(path, meta)  # files whose sizes the indexer recorded (docnos.npids): truncated ones
         if not (path / "docnos.npids").exists():
             raise ValueError(f"{str(path)!r} is corrupt: docnos.npids is missing")
+        for name, shape in files:  # right size but nan/inf (zero-filled by a crash, overwritten): first, last rows
+            mm = np.memmap(path / name, dtype=np.float32, mode="r", shape=shape)
+            for i in sorted({0, count - 1}):
+                if not np.isfinite(mm[i]).all():
+                    raise ValueError(
+                        f"{str(path / name)!r} is corrupt: row {i} has non-finite values (nan or inf); rebuild the "
+                        "index with MoLIndex(path).indexer(mode='overwrite')"
+                    )
+            del mm
         self._meta = meta
         return meta
+
+    def check_finite(self) -> None:
+        """Raise ValueError naming the file and row if a stored component, mean or feature holds nan/inf.
+
+        Reads the index once per opened index (in chunks; the answer is cached), as the retrievers and re-rankers
+        do before their first search: a corrupt file of the right size would otherwise give nan scores.
+        """
+        if self._cache.get("finite"):
+            return
+        arrays = [("comps.f4", self.components()), ("mean.f4", self.means())]
+        if self.features() is not None:
+            arrays.append(("feats.f4", self.features()))
+        for name, arr in arrays:
+            for a in range(0, len(arr), _CHECK_ROWS):
+                block = np.asarray(arr[a : a + _CHECK_ROWS])
+                ok = np.isfinite(block.reshape(len(block), -1)).all(axis=1)
+                if not ok.all():
+                    i = a + int(np.flatnonzero(~ok)[0])
+                    docno = str(self.docnos().fwd[i])
+                    raise ValueError(
+                        f"{str(self.index_path / name)!r} is corrupt: row {i} (docno {docno!r}) has "
+                        "non-finite values (nan or inf); rebuild the index with "
+                        "MoLIndex(path).indexer(mode='overwrite')"
+                    )
+        self._cache["finite"] = True
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -198,9 +239,12 @@ class MoLIndex(pt.Artifact):
         """The docno store (``npids.Lookup``, as pyterrier-dr's FlexIndex)."""
         if self._docnos is None:
             n = len(self)
-            lookup = Lookup(self.index_path / "docnos.npids")
-            if len(lookup) != n:
-                raise ValueError(f"{str(self.index_path)!r} is corrupt: {len(lookup)} docnos for {n} documents")
+            path = self.index_path / "docnos.npids"
+            try:
+                lookup = Lookup(path)
+            except Exception as e:  # a truncated store fails in many ways inside npids
+                raise ValueError(f"{str(path)!r} is corrupt (truncated?): {type(e).__name__}: {e}") from e
+            check_docno_store(lookup, n, path)
             self._docnos = lookup
         return self._docnos
 
@@ -302,6 +346,7 @@ class MoLIndexer(AtomicIndexer):
             "dtype": "float32",
             "files": {"comps.f4": "(doc_count, num_components, dim)", "mean.f4": "(doc_count, dim)"}
             | ({"feats.f4": "(doc_count, feature_dim)"} if fdim is not None else {}),
+            "file_sizes": record_sizes(tmp),
             "package_hint": "pyterrier-prob",
         }
 
@@ -356,20 +401,16 @@ class MoLIndexer(AtomicIndexer):
                 fmean = stack.enter_context(open(tmp / "mean.f4", "wb"))
                 lookup = stack.enter_context(Lookup.builder(tmp / "docnos.npids"))
                 for docnos, comps, feats in self._batches(inp):
-                    arr, shape = _stack_components(comps, shape, count)
+                    check_docnos(docnos, count, seen)
+                    arr, shape = _stack_components(comps, shape, count, docnos)
                     if (feats is not None) != (ffeats is not None) and count:
                         raise ValueError("give doc_feat (gate features) for all documents or none")
                     if feats is not None:
-                        farr, fdim = _stack_features(feats, fdim, count)
+                        farr, fdim = _stack_features(feats, fdim, count, docnos)
                         if ffeats is None:
                             ffeats = stack.enter_context(open(tmp / "feats.f4", "wb"))
                         ffeats.write(np.ascontiguousarray(farr).tobytes())
                     for docno in docnos:
-                        if not isinstance(docno, str):
-                            raise ValueError(f"docno must be a str, got {docno!r} ({type(docno).__name__})")
-                        if docno in seen:
-                            raise ValueError(f"duplicate docno {docno!r}: docnos must be unique in an index")
-                        seen.add(docno)
                         lookup.add(docno)
                     fcomps.write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
                     mean = arr.astype(np.float64).mean(axis=1).astype(np.float32)
@@ -399,53 +440,27 @@ def _missing_message(missing: list[str], have: Any) -> str:
     return missing_message(missing, have, "doc_comp", "MoLEncoder(model).doc_encoder() >> index.indexer()")
 
 
-def _stack_components(comps: list, shape: tuple[int, int] | None, offset: int) -> tuple[np.ndarray, tuple[int, int]]:
-    """Stack a batch of ``(P_x, d)`` arrays into float32 ``(n, P_x, d)``, checking shapes and finiteness."""
-    rows = []
-    for i, c in enumerate(comps):
-        try:
-            a = np.asarray(c, dtype=np.float32)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"doc_comp #{offset + i} is not a numeric (P_x, d) array: {e}") from e
-        if a.ndim != 2 or 0 in a.shape:
-            raise ValueError(
-                f"doc_comp #{offset + i} must be a non-empty 2-D (components, dim) array, got shape {a.shape}"
-            )
-        if shape is None:
-            shape = (int(a.shape[0]), int(a.shape[1]))
-        elif a.shape != shape:
-            raise ValueError(
-                f"inconsistent component shapes: doc_comp #{offset + i} has shape {a.shape}, earlier ones {shape} "
-                "(components x dim)"
-            )
-        rows.append(a)
-    arr = np.stack(rows)
-    bad = ~np.isfinite(arr).reshape(len(arr), -1).all(axis=1)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"doc_comp #{offset + i} has non-finite values (nan or inf)")
-    assert shape is not None
-    return arr, shape
+def _stack_components(
+    comps: list, shape: tuple[int, int] | None, offset: int, docnos: list
+) -> tuple[np.ndarray, tuple[int, int]]:
+    """Stack a batch of ``(P_x, d)`` arrays into float32 ``(n, P_x, d)``, checking type, shapes and finiteness."""
+
+    def name(i: int) -> str:
+        return f"record #{offset + i} (docno={docnos[i]!r})"
+
+    arr = stack_arrays(comps, "doc_comp", name, "MoLIndexer", ndim=2, shape=shape, kind="component shapes")
+    return arr, (int(arr.shape[1]), int(arr.shape[2]))
 
 
-def _stack_features(feats: list, fdim: int | None, offset: int) -> tuple[np.ndarray, int]:
-    """Stack a batch of 1-D gate feature vectors into float32 ``(n, F)``, checking shapes and finiteness."""
-    rows = []
-    for i, v in enumerate(feats):
-        a = np.asarray(v, dtype=np.float32)
-        if a.ndim != 1 or not a.size:
-            raise ValueError(f"doc_feat #{offset + i} must be a non-empty 1-D vector, got shape {a.shape}")
-        if fdim is None:
-            fdim = int(a.size)
-        elif a.size != fdim:
-            raise ValueError(f"inconsistent doc_feat dimensions: #{offset + i} has {a.size}, earlier ones {fdim}")
-        rows.append(a)
-    arr = np.stack(rows)
-    if not np.isfinite(arr).all():
-        i = int(np.flatnonzero(~np.isfinite(arr).all(axis=1))[0])
-        raise ValueError(f"doc_feat #{offset + i} has non-finite values (nan or inf)")
-    assert fdim is not None
-    return arr, fdim
+def _stack_features(feats: list, fdim: int | None, offset: int, docnos: list) -> tuple[np.ndarray, int]:
+    """Stack a batch of 1-D gate feature vectors into float32 ``(n, F)``, checking type, shapes and finiteness."""
+
+    def name(i: int) -> str:
+        return f"record #{offset + i} (docno={docnos[i]!r})"
+
+    shape = None if fdim is None else (fdim,)
+    arr = stack_arrays(feats, "doc_feat", name, "MoLIndexer", ndim=1, shape=shape, kind="doc_feat dimensions")
+    return arr, int(arr.shape[1])
 
 
 def as_mol_index(index: Any) -> MoLIndex:

@@ -69,6 +69,15 @@ import pyterrier as pt
 import torch
 
 from pyterrier_prob.index.mol import MoLIndex, as_mol_index
+from pyterrier_prob.validation import (
+    check_ids,
+    check_rows_match_query,
+    check_texts,
+    first_rows,
+    row_namer,
+    stack_arrays,
+    unique_texts,
+)
 
 __all__ = [
     "METHODS",
@@ -149,44 +158,46 @@ def _inference(mol: Any):
             mol.train(True)
 
 
-def _components_matrix(values: Sequence[Any], rows: int, dim: int, column: str, role: str) -> np.ndarray:
-    """Stack per-row component arrays into float32 ``(n, rows, dim)``, with clear errors for wrong shapes."""
-    out = np.empty((len(values), rows, dim), np.float32)
-    for i, v in enumerate(values):
-        try:
-            a = np.asarray(v, dtype=np.float32)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{column} of row {i} is not a numeric ({rows}, {dim}) array: {e}") from e
-        if a.ndim != 2:
-            raise ValueError(f"{column} must hold 2-D (components, dim) arrays, row {i} has shape {a.shape}")
-        if a.shape[0] != rows:
-            raise ValueError(
-                f"{column} of row {i} has {a.shape[0]} component embeddings, the MoL expects {rows} per {role} "
-                f"(P_{'q' if role == 'query' else 'x'}); were they encoded by the same model?"
-            )
-        if a.shape[1] != dim:
-            raise ValueError(
-                f"dimension mismatch: {column} of row {i} has {a.shape[1]}-dim components, the MoL (and index) "
-                f"use {dim}-dim ones; were they encoded by the same model?"
-            )
-        out[i] = a
-    if not np.isfinite(out).all():
-        i = int(np.flatnonzero(~np.isfinite(out).reshape(len(out), -1).all(axis=1))[0])
-        raise ValueError(f"{column} of row {i} has non-finite values (nan or inf)")
-    return out
+def _components_matrix(
+    values: Sequence[Any],
+    rows: int,
+    dim: int,
+    column: str,
+    role: str,
+    name: Callable[[int], str] | None = None,
+    owner: str = "MoL",
+) -> np.ndarray:
+    """Stack per-row component arrays into float32 ``(n, rows, dim)``, with clear errors (naming the row) for
+    missing, textual, non-numeric, misshapen or non-finite values."""
+    name = name or (lambda i: f"row {i}")
+    out = stack_arrays(values, column, name, owner, ndim=2, kind="component shapes")
+    if len(out) and out.shape[1] != rows:
+        raise ValueError(
+            f"{column} of {name(0)} has {out.shape[1]} component embeddings, the MoL expects {rows} per {role} "
+            f"(P_{'q' if role == 'query' else 'x'}); were they encoded by the same model?"
+        )
+    if len(out) and out.shape[2] != dim:
+        raise ValueError(
+            f"dimension mismatch: {column} of {name(0)} has {out.shape[2]}-dim components, the MoL (and index) "
+            f"use {dim}-dim ones; were they encoded by the same model?"
+        )
+    return out if len(out) else np.zeros((0, rows, dim), np.float32)
 
 
-def _features_matrix(values: Sequence[Any], fdim: int | None, column: str) -> np.ndarray:
+def _features_matrix(
+    values: Sequence[Any],
+    fdim: int | None,
+    column: str,
+    name: Callable[[int], str] | None = None,
+    owner: str = "MoL",
+) -> np.ndarray:
     """Stack per-row gate feature vectors into float32 ``(n, F)`` (F checked against the MoL when it tells)."""
-    rows = [np.asarray(v, dtype=np.float32) for v in values]
-    shapes = {r.shape for r in rows}
-    if len(shapes) > 1 or (rows and rows[0].ndim != 1):
-        raise ValueError(f"{column} must hold 1-D vectors of one length, got shapes {sorted(shapes)[:3]}")
-    out = np.stack(rows) if rows else np.zeros((0, fdim or 0), np.float32)
-    if fdim is not None and rows and out.shape[1] != fdim:
+    name = name or (lambda i: f"row {i}")
+    out = stack_arrays(values, column, name, owner, ndim=1, kind=f"{column} dimensions")
+    if not len(out):
+        return np.zeros((0, fdim or 0), np.float32)
+    if fdim is not None and out.shape[1] != fdim:
         raise ValueError(f"dimension mismatch: {column} has {out.shape[1]} dims, the MoL gate reads {fdim}")
-    if not np.isfinite(out).all():
-        raise ValueError(f"{column} has non-finite values (nan or inf)")
     return out
 
 
@@ -249,7 +260,19 @@ _DocSource = Callable[[int, int], "tuple[np.ndarray, np.ndarray | None]"]
 
 def _index_docs(index: MoLIndex, docids: np.ndarray) -> _DocSource:
     comps, feats = index.components(), index.features()
-    return lambda a, b: (_gather(comps, docids[a:b]), None if feats is None else _gather(feats, docids[a:b]))
+
+    def docs(a: int, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+        out = (_gather(comps, docids[a:b]), None if feats is None else _gather(feats, docids[a:b]))
+        for name, arr in zip(("comps.f4", "feats.f4"), out):
+            if arr is not None and not np.isfinite(arr).all():  # a corrupt index file: name it and the document
+                d = int(docids[a:b][np.flatnonzero(~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1))[0]])
+                raise ValueError(
+                    f"{str(index.index_path / name)!r} is corrupt: row {d} (docno {str(index.docno_array()[d])!r}) "
+                    "has non-finite values (nan or inf); rebuild the index"
+                )
+        return out
+
+    return docs
 
 
 def _tensor(a: np.ndarray | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
@@ -482,7 +505,12 @@ class MoLEncoder:
         self, texts: Sequence[str], task: str, batch_size: int | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(components (n, P, d), gate features (n, F) or None)`` of ``texts`` for ``task`` (query/document)."""
+        if isinstance(texts, str):
+            raise TypeError(f"expected a list of texts, got a single str {texts[:40]!r}")
         texts = list(texts)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise ValueError(f"texts[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
         bs = batch_size or self.batch_size
         encode = _mol_module().encode_components
         feats = None
@@ -542,10 +570,14 @@ class MoLQueryEncoder(pt.Transformer):
         if not len(inp):
             feat = {"query_feat": pd.Series(dtype=object)} if self.encoder.gate_features else {}
             return inp.assign(query_comp=pd.Series(dtype=object), **feat)
-        texts, inv = np.unique(inp["query"].astype(str).to_numpy(), return_inverse=True)
-        comps, feats = self.encoder.encode_with_features(texts.tolist(), "query", batch_size=self.batch_size)
-        inv = inv.reshape(-1)
-        feat = {} if feats is None else {"query_feat": [feats[i] for i in inv]}
+        check_ids(inp, ["qid"], "MoLQueryEncoder")
+        texts, inv = unique_texts(check_texts(inp, "query", "MoLQueryEncoder"))
+        comps, feats = self.encoder.encode_with_features(texts, "query", batch_size=self.batch_size)
+        comps = list(comps)  # rows of one text share one array object (compared by identity first downstream)
+        feat = {}
+        if feats is not None:
+            feats = list(feats)
+            feat = {"query_feat": [feats[i] for i in inv]}
         return inp.assign(query_comp=[comps[i] for i in inv], **feat)
 
     def __repr__(self) -> str:
@@ -571,9 +603,8 @@ class MoLDocEncoder(pt.Transformer):
         if not len(inp):
             feat = {"doc_feat": pd.Series(dtype=object)} if self.encoder.gate_features else {}
             return inp.assign(doc_comp=pd.Series(dtype=object), **feat)
-        texts, inv = np.unique(inp[self.text_field].astype(str).to_numpy(), return_inverse=True)
-        comps, feats = self.encoder.encode_with_features(texts.tolist(), "document", batch_size=self.batch_size)
-        inv = inv.reshape(-1)
+        texts, inv = unique_texts(check_texts(inp, self.text_field, "MoLDocEncoder"))
+        comps, feats = self.encoder.encode_with_features(texts, "document", batch_size=self.batch_size)
         feat = {} if feats is None else {"doc_feat": [feats[i] for i in inv]}
         return inp.assign(doc_comp=[comps[i] for i in inv], **feat)
 
@@ -648,15 +679,13 @@ class MoLReranker(pt.Transformer):
         inp = inp.reset_index(drop=True)
         base = inp.drop(columns=[c for c in ("score", "rank") if c in inp.columns])
         if len(inp):
-            codes, uniques = pd.factorize(inp["qid"])
-            first = np.zeros(len(uniques), np.int64)
-            first[codes[::-1]] = np.arange(len(inp) - 1, -1, -1)
-            Q = _components_matrix(
-                inp["query_comp"].to_numpy()[first], self.shapes.pq, self.shapes.dim, "query_comp", "query"
-            )
-            Qf = None
-            if self.shapes.gate_features:
-                Qf = _features_matrix(inp["query_feat"].to_numpy()[first], self.shapes.feature_dim, "query_feat")
+            owner = type(self).__name__
+            check_ids(inp, ["qid", "docno"], owner)
+            codes, first = first_rows(inp["qid"])
+            Q, Qf = _query_side(inp, first, self.shapes, owner)
+            check_rows_match_query(inp, codes, first, "query_comp", Q, owner, ndim=2)
+            if Qf is not None:
+                check_rows_match_query(inp, codes, first, "query_feat", Qf, owner)
             if self.index is not None:
                 docids = self.index.docids_of(inp["docno"].astype(str).to_numpy())
                 if (docids < 0).any():
@@ -668,10 +697,13 @@ class MoLReranker(pt.Transformer):
                     )
                 docs = _index_docs(self.index, docids)
             else:
-                X = _components_matrix(inp["doc_comp"].tolist(), self.shapes.px, self.shapes.dim, "doc_comp", "doc")
+                name = row_namer(inp)
+                X = _components_matrix(
+                    inp["doc_comp"].to_numpy(), self.shapes.px, self.shapes.dim, "doc_comp", "doc", name, owner
+                )
                 Xf = None
                 if self.shapes.gate_features:
-                    Xf = _features_matrix(inp["doc_feat"].tolist(), self.shapes.feature_dim, "doc_feat")
+                    Xf = _features_matrix(inp["doc_feat"].to_numpy(), self.shapes.feature_dim, "doc_feat", name, owner)
 
                 def docs(a: int, b: int) -> tuple[np.ndarray, np.ndarray | None]:
                     return X[a:b], None if Xf is None else Xf[a:b]
@@ -680,7 +712,7 @@ class MoLReranker(pt.Transformer):
                 scores = _score_pairs(self.mol, self.shapes, Q, Qf, codes.astype(np.int64), docs)
             order = np.lexsort((-scores, codes))  # stable: ties keep the input order
             c = codes[order]
-            counts = np.bincount(c, minlength=len(uniques))
+            counts = np.bincount(c, minlength=len(first))
             rank = np.arange(order.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
             if self.num_results is not None:
                 keep = rank < self.num_results
@@ -703,6 +735,24 @@ class MoLReranker(pt.Transformer):
 
     def subtransformers(self) -> dict:
         return {}
+
+
+def _query_side(
+    inp: pd.DataFrame, rows: np.ndarray, shapes: _Shapes, owner: str
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``query_comp`` (and ``query_feat`` for a gate with side features) of ``rows``, stacked and checked."""
+    namer = row_namer(inp)
+
+    def name(i: int) -> str:
+        return namer(int(rows[i]))
+
+    Q = _components_matrix(
+        inp["query_comp"].to_numpy()[rows], shapes.pq, shapes.dim, "query_comp", "query", name, owner
+    )
+    Qf = None
+    if shapes.gate_features:
+        Qf = _features_matrix(inp["query_feat"].to_numpy()[rows], shapes.feature_dim, "query_feat", name, owner)
+    return Q, Qf
 
 
 def _check_index_matches(index: MoLIndex, shapes: _Shapes) -> None:
@@ -750,7 +800,8 @@ class MoLRetriever(pt.Transformer):
     component means; on the GPU when faiss sees one) and re-scored with ``mol.score_candidates`` in torch.
 
     Input: a query frame with ``qid`` and ``query_comp`` (``(P_q, d)`` per row, :meth:`MoLEncoder.query_encoder`;
-    plus ``query_feat`` for a gate with side features).
+    plus ``query_feat`` for a gate with side features). A qid on several rows with the same ``query_comp`` is
+    retrieved once (the first row's columns kept); with different ones it is a ValueError naming the qid and column.
     Output: ``qid, docno, docid, score, rank`` (+ ``gap_bound``, ``num_candidates`` when asked) and the query
     columns; ``retriever % k`` folds the cutoff in. A frame with ``docno`` is re-ranked instead
     (:class:`MoLReranker` over this index).
@@ -875,6 +926,8 @@ class MoLRetriever(pt.Transformer):
             reranker = MoLReranker(self.index, self.mol, self.num_results, drop_query_comp=self.drop_query_comp)
             return reranker(inp)
         inp = inp.reset_index(drop=True)
+        if len(inp):
+            inp = self._one_row_per_query(inp)
         extra: dict[str, Any] = {}
         if not len(inp):
             out = inp.assign(
@@ -888,10 +941,8 @@ class MoLRetriever(pt.Transformer):
             if self.count_candidates:
                 out = out.assign(num_candidates=pd.Series(dtype=np.int64))
         else:
-            Q = _components_matrix(inp["query_comp"].tolist(), self.shapes.pq, self.shapes.dim, "query_comp", "query")
-            Qf = None
-            if self.shapes.gate_features:
-                Qf = _features_matrix(inp["query_feat"].tolist(), self.shapes.feature_dim, "query_feat")
+            Q, Qf = _query_side(inp, np.arange(len(inp)), self.shapes, type(self).__name__)
+            self.index.check_finite()
             rows, docids, scores, ranks, gaps, scored = [], [], [], [], [], []
             blocks = range(0, len(Q), self.batch_size)
             if self.verbose and len(blocks) > 1:
@@ -923,6 +974,19 @@ class MoLRetriever(pt.Transformer):
         if self.drop_query_comp and "query_comp" in out.columns:
             out = out.drop(columns="query_comp")
         return out
+
+    def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
+        """A query frame with each qid once (its first row); repeated qids must repeat their query exactly."""
+        owner = type(self).__name__
+        check_ids(inp, ["qid"], owner)
+        codes, first = first_rows(inp["qid"])
+        if len(first) == len(inp):
+            return inp
+        Q, Qf = _query_side(inp, first, self.shapes, owner)
+        check_rows_match_query(inp, codes, first, "query_comp", Q, owner, ndim=2)
+        if Qf is not None:
+            check_rows_match_query(inp, codes, first, "query_feat", Qf, owner)
+        return inp.iloc[first].reset_index(drop=True)
 
     # ---- search --------------------------------------------------------------------------------------------
     def _search_block(self, Q: np.ndarray, Qf: np.ndarray | None) -> _Block:

@@ -29,6 +29,12 @@ docno), supports ``retriever % k`` (:meth:`fuse_rank_cutoff`) and returns ``qid,
 from 0, as :func:`pyterrier.model.add_ranks` assigns it) plus the input columns; first-stage output also
 has ``docid`` (the row in the index), as pyterrier-dr's retrievers do.
 
+Repeated qids: a query frame that lists a qid on several rows with the same ``query_vec`` (and distribution
+parameters) is retrieved once per qid -- the first row's columns are kept, so no (qid, docno) appears twice and each
+qid has one rank 0; rows of one qid with different values (in a query frame or a candidate frame) raise a ValueError
+naming the qid, the two rows and the column. Missing qids / docnos and vectors that are missing, textual (after a CSV
+round trip) or non-finite raise a ValueError naming the column and the row.
+
 Relation to pyterrier-dr: ``FlexIndex.np_retriever(num_results=K)`` / ``faiss_flat_retriever`` on the same
 index return the same top-K as :class:`TopKRetriever` (up to float rounding and ties; they score by inner
 product, which is the cosine on a normalised :class:`~pyterrier_prob.DenseIndex`). :class:`TopKRetriever`
@@ -52,6 +58,15 @@ import pyterrier as pt
 
 from pyterrier_prob.index.dense import DenseIndex, as_dense_index
 from pyterrier_prob.pebr.encoders import PARAM_COLUMNS
+from pyterrier_prob.validation import (
+    check_ids,
+    check_rows_match_query,
+    check_same_per_query,
+    first_rows,
+    float_column,
+    row_namer,
+    stack_arrays,
+)
 from st_extensions.distributions import BetaCosine, ExpCosine
 
 __all__ = [
@@ -135,6 +150,11 @@ def _query_matrix(vecs: Sequence[Any] | np.ndarray, dim: int) -> np.ndarray:
         mat = np.stack(rows)
     if mat.ndim != 2:
         raise ValueError(f"query vectors must have shape (queries, dim), got {mat.shape}")
+    return _unit_rows(mat, dim, lambda i: f"row {i}")
+
+
+def _unit_rows(mat: np.ndarray, dim: int, name: Any) -> np.ndarray:
+    """``mat`` (queries, dim) checked against the index's dimension and L2-normalised (float32, C-contiguous)."""
     if mat.shape[1] != dim:
         raise ValueError(
             f"dimension mismatch: query_vec has {mat.shape[1]} dims but the index holds {dim}-dim vectors "
@@ -142,9 +162,11 @@ def _query_matrix(vecs: Sequence[Any] | np.ndarray, dim: int) -> np.ndarray:
         )
     norms = np.linalg.norm(mat.astype(np.float64), axis=1)
     if not np.all(np.isfinite(norms)):
-        raise ValueError("query_vec has non-finite values (nan or inf)")
+        i = int(np.flatnonzero(~np.isfinite(norms))[0])
+        raise ValueError(f"query_vec of {name(i)} has non-finite values (nan or inf)")
     if np.any(norms == 0):
-        raise ValueError("query_vec has an all-zero vector: its cosine with any document is undefined")
+        i = int(np.flatnonzero(norms == 0)[0])
+        raise ValueError(f"query_vec of {name(i)} is an all-zero vector: its cosine with any document is undefined")
     return np.ascontiguousarray(mat / norms[:, None], dtype=np.float32)
 
 
@@ -340,6 +362,7 @@ def _search_matrix(
     doc_batch_size: int,
     verbose: bool,
 ) -> CutoffHits:
+    index.check_finite()  # once per opened index: a corrupt vectors file raises, naming it, instead of matching nothing
     vecs, scale = index.vectors(), _doc_scale(index)
     t32 = _f32_ceil(thresholds)
     n = Q.shape[0]
@@ -409,6 +432,7 @@ def count_above(
     index = as_dense_index(index)
     Q = _query_matrix(query_vecs, index.dim)
     t32 = _f32_ceil(_check_thresholds(thresholds, Q.shape[0]))
+    index.check_finite()
     vecs, scale = index.vectors(), _doc_scale(index)
     counts = np.zeros(Q.shape[0], np.int64)
     with _Masker() as masker:
@@ -494,6 +518,7 @@ class _CutoffRetriever(pt.Transformer):
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         rerank = self._validate(inp)
         inp = inp.reset_index(drop=True)
+        check_ids(inp, ["qid", "docno"] if rerank else ["qid"], type(self).__name__)
         if rerank:
             out = self._rerank(inp)
         else:
@@ -510,7 +535,8 @@ class _CutoffRetriever(pt.Transformer):
                 score=pd.Series(dtype=np.float32),
                 rank=pd.Series(dtype=np.int64),
             )
-        Q = _query_matrix(inp["query_vec"].tolist(), self.index.dim)
+        inp = self._one_row_per_query(inp)
+        Q = self._query_vectors(inp)
         t = self._thresholds(inp)
         hits = _search_matrix(self.index, Q, t, self.num_results, self.batch_size, DOC_BATCH, self.verbose)
         counts = hits.counts
@@ -523,17 +549,51 @@ class _CutoffRetriever(pt.Transformer):
             rank=np.arange(total, dtype=np.int64) - np.repeat(hits.offsets[:-1], counts),
         )
 
+    # ---- the query side of the input frame -------------------------------------------------------------------
+    def _param_columns(self) -> list[str]:
+        """Columns besides ``query_vec`` that the thresholds are computed from."""
+        return [c for c in self._columns() if c != "query_vec"]
+
+    def _raw_query_vectors(self, inp: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
+        """``query_vec`` of ``rows`` (all by default) stacked as float32, with errors naming the row and qid."""
+        values = inp["query_vec"].to_numpy()
+        name = row_namer(inp)
+        if rows is not None:
+            values = values[rows]
+            name = (lambda n, r: lambda i: n(int(r[i])))(name, rows)
+        return stack_arrays(values, "query_vec", name, type(self).__name__, ndim=1)
+
+    def _query_vectors(self, inp: pd.DataFrame) -> np.ndarray:
+        """The unit query vectors of a frame with one row per query."""
+        return _unit_rows(self._raw_query_vectors(inp), self.index.dim, row_namer(inp))
+
+    def _check_query_rows(self, inp: pd.DataFrame, codes: np.ndarray, first: np.ndarray, raw: np.ndarray) -> None:
+        """Every row of a qid carries its first row's ``query_vec`` (``raw``, one per query) and parameters."""
+        owner = type(self).__name__
+        params = {col: float_column(inp, col, owner) for col in self._param_columns()}  # missing / non-numeric
+        check_rows_match_query(inp, codes, first, "query_vec", raw, owner)
+        rest = np.flatnonzero(first[codes] != np.arange(len(codes)))
+        for col, vals in params.items():
+            check_same_per_query(inp, codes, first, col, vals[rest], vals[first], owner, rows=rest)
+
+    def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
+        """A query frame with each qid once (its first row); repeated qids must repeat their query exactly."""
+        codes, first = first_rows(inp["qid"])
+        if len(first) == len(inp):
+            return inp
+        self._check_query_rows(inp, codes, first, self._raw_query_vectors(inp, first))
+        return inp.iloc[first].reset_index(drop=True)
+
     def _rerank(self, inp: pd.DataFrame) -> pd.DataFrame:
         base = inp.drop(columns=[c for c in ("score", "rank") if c in inp.columns])
         if not len(inp):
             return base.assign(score=pd.Series(dtype=np.float32), rank=pd.Series(dtype=np.int64))
-        codes, uniques = pd.factorize(inp["qid"])
-        n_q = len(uniques)
-        first = np.zeros(n_q, np.int64)
-        first[codes[::-1]] = np.arange(len(inp) - 1, -1, -1)
-        queries = inp.iloc[first].reset_index(drop=True)
-        Q = _query_matrix(queries["query_vec"].tolist(), self.index.dim)
-        t32 = _f32_ceil(self._thresholds(queries))
+        codes, first = first_rows(inp["qid"])
+        n_q = len(first)
+        raw = self._raw_query_vectors(inp, first)
+        self._check_query_rows(inp, codes, first, raw)
+        Q = _unit_rows(raw, self.index.dim, lambda i: row_namer(inp)(int(first[i])))
+        t32 = _f32_ceil(self._thresholds(inp.iloc[first].reset_index(drop=True)))
 
         docids = np.asarray(self.index.docnos().inv[inp["docno"].to_numpy(dtype=str)], dtype=np.int64)
         if (docids < 0).any():
@@ -549,6 +609,12 @@ class _CutoffRetriever(pt.Transformer):
             d = docids[r0:r1]
             s = np.einsum("ij,ij->i", Q[codes[r0:r1]], np.asarray(vecs[d]))
             scores[r0:r1] = s if scale is None else s * scale[d]
+        if not np.isfinite(scores).all():  # the query vectors are finite: a candidate's stored vector is not
+            d = int(docids[np.flatnonzero(~np.isfinite(scores))[0]])
+            raise ValueError(
+                f"{str(self.index.index_path / 'vecs.f4')!r} is corrupt: the vector of row {d} (docno "
+                f"{str(self.index.docnos().fwd[d])!r}) has non-finite values (nan or inf); rebuild the index"
+            )
 
         keep = np.flatnonzero(scores >= t32[codes])
         order = np.lexsort((-scores[keep], codes[keep]))  # stable: ties keep the input order
@@ -615,6 +681,16 @@ class CDFCutoffRetriever(_CutoffRetriever):
         self.p = float(p)
         self.family = family
         self.dim = None if dim is None else int(dim)
+        if self.index.index_path.exists():
+            self._check_dim()
+
+    def _check_dim(self) -> None:
+        """The sphere-corrected law's ``dim`` is the index's vector dimension."""
+        if self.dim is not None and self.dim != self.index.dim:
+            raise ValueError(
+                f"dim={self.dim} (the sphere-corrected law's embedding dimension, Appendix A) differs from the "
+                f"{self.index.dim}-dim vectors of {self.index!r}: pass dim={self.index.dim} (or None for the 1-D law)"
+            )
 
     def _columns(self) -> list[str]:
         params = PARAM_COLUMNS[self.family][:2] if self.family == "beta_mle" else PARAM_COLUMNS[self.family]
@@ -632,8 +708,9 @@ class CDFCutoffRetriever(_CutoffRetriever):
 
     def distribution(self, queries: pd.DataFrame) -> ExpCosine | BetaCosine:
         """The per-query relevant-item laws of the rows of ``queries``."""
+        self._check_dim()
         cols = self._columns()[1:]
-        values = [queries[c].to_numpy(dtype=np.float64) for c in cols]
+        values = [float_column(queries, c, type(self).__name__) for c in cols]
         try:
             if self.family == "exp":
                 return ExpCosine(values[0], dim=self.dim)

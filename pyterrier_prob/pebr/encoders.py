@@ -16,6 +16,7 @@ A SentenceTransformer without a :class:`~st_extensions.QueryDistributionHead` is
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -24,6 +25,7 @@ import torch
 from pyterrier_dr import BiEncoder
 from sentence_transformers import SentenceTransformer
 
+from pyterrier_prob.validation import check_ids, check_texts, unique_texts
 from st_extensions import encode_queries as _encode_queries_with_params
 from st_extensions.modules import QueryDistributionHead
 
@@ -107,7 +109,7 @@ class ProbBiEncoder(BiEncoder):
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(embeddings (Q, dim) float32, params (Q, k) float64 or None)`` for query texts."""
         batch_size = batch_size or self.batch_size
-        texts = list(texts)
+        texts = _text_list(texts, "query texts")
         if self._head is not None:
             return _encode_queries_with_params(
                 self.model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar
@@ -130,7 +132,7 @@ class ProbBiEncoder(BiEncoder):
         self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
     ) -> np.ndarray:
         """Document embeddings, ``(N, dim)`` float32, L2-normalised (the document path skips the head)."""
-        texts = list(texts)
+        texts = _text_list(texts, "document texts")
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         emb = self.model.encode_document(
@@ -172,13 +174,14 @@ class ProbQueryEncoder(pt.Transformer):
         cols = self.bi_encoder.param_columns
         if not len(inp):
             return inp.assign(query_vec=pd.Series(dtype=object), **{c: pd.Series(dtype=np.float64) for c in cols})
-        texts, inv = np.unique(inp["query"].astype(str).to_numpy(), return_inverse=True)
+        check_ids(inp, ["qid"], "ProbQueryEncoder")
+        texts, inv = unique_texts(check_texts(inp, "query", "ProbQueryEncoder"))
         emb, params = self.bi_encoder.encode_queries_with_params(
-            texts.tolist(), batch_size=self.batch_size, show_progress_bar=self.verbose
+            texts, batch_size=self.batch_size, show_progress_bar=self.verbose
         )
-        inv = inv.reshape(-1)
+        rows = list(emb)  # rows of one text share one array object (the retrievers compare them by identity first)
         extra = {c: params[inv, j] for j, c in enumerate(cols)} if params is not None else {}
-        return inp.assign(query_vec=[emb[i] for i in inv], **extra)
+        return inp.assign(query_vec=[rows[i] for i in inv], **extra)
 
     def __repr__(self) -> str:
         return f"{self.bi_encoder!r}.query_encoder()"
@@ -202,7 +205,7 @@ class ProbDocEncoder(pt.Transformer):
             v.columns(includes=[self.text_field])
         if not len(inp):
             return inp.assign(doc_vec=pd.Series(dtype=object))
-        texts = inp[self.text_field].astype(str).tolist()
+        texts = check_texts(inp, self.text_field, "ProbDocEncoder")
         show = bool(self.verbose) and len(texts) > self.batch_size
         vecs = self.bi_encoder.encode_docs(texts, batch_size=self.batch_size, show_progress_bar=show)
         return inp.assign(doc_vec=list(vecs))
@@ -215,3 +218,14 @@ class ProbDocEncoder(pt.Transformer):
 
     def subtransformers(self) -> dict:
         return {}
+
+
+def _text_list(texts: Any, what: str) -> list[str]:
+    """``texts`` as a list of str; a ValueError naming the position of a None / NaN / non-str entry."""
+    if isinstance(texts, str):
+        raise TypeError(f"expected a list of {what}, got a single str {texts[:40]!r}")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"{what}[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
+    return texts

@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
+from pyterrier_prob.validation import check_ids, check_texts
+
 __all__ = ["VarCrossEncoderReranker", "risk_adjusted"]
 
 
@@ -33,7 +35,9 @@ class VarCrossEncoderReranker(pt.Transformer):
     ``dataset.text_loader()`` or ``pt.text.get_text(dataset, "text")`` adds it).
     Output: the input rows, each query's best first (ties keep the input order), with ``score_mean`` = E[s]
     (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk * score_std and ``rank``
-    (from 0) by ``score``. Scores are logits (no sigmoid).
+    (from 0) by ``score``. Scores are logits (no sigmoid). A row whose ``query`` or document text is missing
+    (None / NaN) or not a str is a ValueError naming the column, the row and its qid / docno: it is never scored as
+    an empty text.
 
     Args:
         model: a :class:`~st_extensions.cross_encoder.VarCrossEncoder`, or the path of a saved one (loaded with
@@ -104,8 +108,10 @@ class VarCrossEncoderReranker(pt.Transformer):
                 score_std=pd.Series(dtype=np.float32),
                 rank=pd.Series(dtype=np.int64),
             )
-        queries = inp["query"].fillna("").astype(str).tolist()
-        texts = inp[self.text_field].fillna("").astype(str).tolist()
+        check_ids(inp, ["qid", "docno"], "VarCrossEncoderReranker")
+        # a candidate without text is an error, not an empty document (it would get a score and a rank)
+        queries = check_texts(inp, "query", "VarCrossEncoderReranker")
+        texts = check_texts(inp, self.text_field, "VarCrossEncoderReranker")
         pairs = list(zip(queries, texts))
         mean = np.empty(len(pairs), np.float32)
         std = np.empty(len(pairs), np.float32)

@@ -112,6 +112,7 @@ class VariationalBCELoss(nn.Module):
                 f"VariationalBCELoss expects a dataset with two non-label columns (query, document), "
                 f"got {len(inputs)} columns"
             )
+        labels = self._check_batch(inputs, labels)
         pairs = list(zip(inputs[0], inputs[1]))
         features = self.model.preprocess(pairs, prompt=prompt, task=task)
         features = batch_to_device(features, self.model.device)
@@ -129,6 +130,45 @@ class VariationalBCELoss(nn.Module):
         if self.beta == 0.0:
             return prediction
         return prediction + self.beta * gaussian_kl(mean, var).mean()  # Eq. 17
+
+    @staticmethod
+    def _check_batch(inputs: list[list[str]], labels: Any) -> Tensor:
+        """Clear errors for an empty batch, missing or non-numeric labels, and texts that are not str."""
+        n = len(inputs[0])
+        if n == 0:
+            raise ValueError("VariationalBCELoss got an empty batch (no (query, document) pairs): nothing to train on")
+        if len(inputs[1]) != n:
+            raise ValueError(f"VariationalBCELoss got {n} queries but {len(inputs[1])} documents")
+        for column, texts in zip(("query", "document"), inputs):
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise ValueError(
+                        f"VariationalBCELoss: the {column} of pair {i} is {t!r} ({type(t).__name__}), not a str"
+                    )
+        if labels is None:
+            raise ValueError(
+                "VariationalBCELoss needs labels (1 if the document is relevant, 0 if not; or a probability), got "
+                "None: give the dataset a 'label' column"
+            )
+        if not isinstance(labels, Tensor):
+            try:
+                labels = torch.as_tensor(labels, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"VariationalBCELoss labels must be numbers in [0, 1], got {labels!r}") from e
+        if not (
+            labels.is_floating_point()
+            or labels.dtype in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+        ):
+            raise ValueError(f"VariationalBCELoss labels must be numbers in [0, 1], got dtype {labels.dtype}")
+        values = labels.detach().float()
+        bad = ~torch.isfinite(values) | (values < 0) | (values > 1)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad.reshape(-1))[0])
+            raise ValueError(
+                f"VariationalBCELoss labels must be numbers in [0, 1] (1 relevant, 0 not), got "
+                f"{values.reshape(-1)[i].item()!r} for pair {i}"
+            )
+        return labels
 
     def get_config_dict(self) -> dict[str, Any]:
         return {

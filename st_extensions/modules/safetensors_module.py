@@ -2,14 +2,49 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 from safetensors.torch import load_file
 from sentence_transformers.base.modules import Module
 
-__all__ = ["WEIGHTS_NAME", "SafetensorsModule"]
+__all__ = ["WEIGHTS_NAME", "SafetensorsModule", "check_safetensors_file"]
 
 WEIGHTS_NAME = "model.safetensors"
+_MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def check_safetensors_file(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Read a safetensors file's header and check that the file holds every tensor it lists (a truncated or
+    corrupt file raises ValueError naming it); returns ``{tensor name: shape}``. Reads the header only."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise ValueError(f"it has {len(prefix)} bytes, not even the 8-byte header length")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > min(_MAX_HEADER, size - 8):
+                raise ValueError(f"its header claims {n} bytes but the file has {size}")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        end, shapes = 0, {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            _start, stop = info["data_offsets"]
+            end = max(end, int(stop))
+            shapes[name] = tuple(int(d) for d in info["shape"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path!r} is not a complete safetensors file (truncated or corrupt?): {e}") from e
+    if size < 8 + n + end:
+        raise ValueError(
+            f"{path!r} is truncated: its header lists tensors up to byte {8 + n + end} but the file has {size} bytes"
+        )
+    return shapes
 
 
 class SafetensorsModule(Module):
@@ -35,7 +70,11 @@ class SafetensorsModule(Module):
                 f"{cls.__name__} in {os.path.join(model_name_or_path, subfolder)!r} has no {WEIGHTS_NAME}; "
                 "only safetensors weights are loaded (never pickled .bin files)"
             )
-        state = load_file(path)
+        check_safetensors_file(path)
+        try:
+            state = load_file(path)
+        except Exception as e:  # safetensors' own errors do not name the file
+            raise ValueError(f"{path!r} could not be read as safetensors (corrupt?): {e}") from e
         expected = module.state_dict()
         bad = sorted(k for k in expected if k not in state or state[k].shape != expected[k].shape)
         extra = sorted(set(state) - set(expected))

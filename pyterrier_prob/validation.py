@@ -1,0 +1,262 @@
+"""Input checks shared by the indexers, encoders, retrievers and re-rankers.
+
+A bad input ends in one clear error naming the column and the row (with its qid / docno) instead of a deep numpy /
+sentence-transformers error or a silently wrong result: missing (None / NaN) ids and texts, vectors stored as text
+(after a CSV round trip), misshapen or non-finite vectors, rows of one qid carrying different query vectors. Fast
+paths are vectorised; the per-row diagnosis runs only once a check has failed.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from pandas.api.types import infer_dtype
+
+_KEY_COLUMNS = ("qid", "docno")
+
+
+def row_namer(frame: pd.DataFrame, keys: tuple[str, ...] = _KEY_COLUMNS) -> Callable[[int], str]:
+    """``i -> "row i (qid='q1', docno='d3')"`` for positional rows of ``frame`` (the key columns it has)."""
+    cols = [c for c in keys if c in frame.columns]
+
+    def name(i: int) -> str:
+        keys_ = ", ".join(f"{c}={frame[c].iat[i]!r}" for c in cols)
+        return f"row {i} ({keys_})" if keys_ else f"row {i}"
+
+    return name
+
+
+def _missing(v: Any) -> bool:
+    if v is None or v is pd.NA or v is pd.NaT:
+        return True
+    return isinstance(v, float | np.floating) and bool(np.isnan(v))
+
+
+def check_ids(frame: pd.DataFrame, columns: Iterable[str], owner: str) -> None:
+    """No missing (None / NaN) value in the id columns (``qid``, ``docno``) of ``frame``."""
+    for col in columns:
+        if col not in frame.columns or not len(frame):
+            continue
+        bad = frame[col].isna().to_numpy()
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"{owner}: {col!r} is missing ({frame[col].iat[i]!r}) in {row_namer(frame)(i)}"
+                f"{f' and {int(bad.sum()) - 1} more rows' if bad.sum() > 1 else ''}: every row needs a {col}"
+            )
+
+
+def check_texts(frame: pd.DataFrame, column: str, owner: str) -> list[str]:
+    """The ``column`` of ``frame`` as a list of str; a ValueError naming the row of a None / NaN / non-str value."""
+    s = frame[column]
+    if not len(s):
+        return []
+    if infer_dtype(s, skipna=False) == "string" and not s.isna().any():
+        return s.tolist()
+    ok = np.fromiter((isinstance(v, str) for v in s.tolist()), dtype=bool, count=len(s))
+    i = int(np.flatnonzero(~ok)[0])
+    v = s.iat[i]
+    what = f"missing ({v!r})" if _missing(v) else f"a {type(v).__name__} ({v!r}), not a str"
+    more = int((~ok).sum()) - 1
+    raise ValueError(
+        f"{owner}: {column!r} of {row_namer(frame)(i)} is {what}{f' (and {more} more rows)' if more else ''}: "
+        f"every row needs a text in {column!r}; fill or drop such rows first"
+    )
+
+
+def unique_texts(texts: list[str]) -> tuple[list[str], np.ndarray]:
+    """``(distinct texts, sorted; each row's position among them)``: what encoders encode once per text."""
+    uniq, inv = np.unique(np.asarray(texts, dtype=object), return_inverse=True)
+    return uniq.tolist(), inv.reshape(-1)
+
+
+def stack_arrays(
+    values: Sequence[Any],
+    column: str,
+    name: Callable[[int], str],
+    owner: str,
+    ndim: int = 1,
+    shape: tuple[int, ...] | None = None,
+    kind: str = "shapes",
+) -> np.ndarray:
+    """Stack one array per row into float32 ``(n, *shape)``; a ValueError naming the column and row of a missing,
+    textual (e.g. after a CSV round trip), non-numeric, misshapen or non-finite value.
+
+    Args:
+        values: the per-row values (a list, or an object array).
+        column: the column (or record field) they come from.
+        name: ``i -> description of row i`` (:func:`row_namer`).
+        owner: who checks (named first in the message).
+        ndim: dimensions of each row's array (1: vectors, 2: component matrices).
+        shape: each row's shape when known from earlier rows (else: that of the first row).
+        kind: what differs when shapes do, for the message ("inconsistent vector dimensions").
+    """
+    n = len(values)
+    if not n:
+        return np.zeros((0, *(shape or (0,) * ndim)), np.float32)
+    if isinstance(values, pd.Series) or (isinstance(values, np.ndarray) and values.dtype == object):
+        values = list(values)
+    arr = None
+    try:
+        arr = np.asarray(values, dtype=np.float32)
+    except (TypeError, ValueError):
+        pass
+    if arr is None or arr.ndim != ndim + 1 or (shape is not None and arr.shape[1:] != tuple(shape)):
+        _diagnose_arrays(values, column, name, owner, ndim, shape, kind)
+        raise ValueError(f"{owner}: {column!r} must hold one {ndim}-D numeric array per row")  # pragma: no cover
+    if 0 in arr.shape[1:]:
+        raise ValueError(f"{owner}: {column!r} of {name(0)} is empty (shape {arr.shape[1:]})")
+    finite = np.isfinite(arr.reshape(n, -1)).all(axis=1)
+    if not finite.all():
+        bad = np.flatnonzero(~finite)
+        more = f" (and {bad.size - 1} more rows)" if bad.size > 1 else ""
+        raise ValueError(f"{owner}: {column!r} of {name(int(bad[0]))} has non-finite values (nan or inf){more}")
+    return arr
+
+
+def _diagnose_arrays(
+    values: Sequence[Any],
+    column: str,
+    name: Callable[[int], str],
+    owner: str,
+    ndim: int,
+    shape: tuple | None,
+    kind: str,
+) -> None:
+    """Raise the error for the first row of ``values`` that is not a numeric array of the right shape."""
+    values = values.tolist() if isinstance(values, pd.Series | np.ndarray) else list(values)
+    for i, v in enumerate(values):
+        if _missing(v):
+            raise ValueError(f"{owner}: {column!r} of {name(i)} is missing ({v!r}): every row needs one")
+        if isinstance(v, str | bytes):
+            text = v if len(v) <= 40 else v[:37] + "..."
+            raise ValueError(
+                f"{owner}: {column!r} of {name(i)} is a {type(v).__name__} ({text!r}), not an array: vectors stored "
+                "as text (e.g. after a CSV round trip) must be parsed back into numeric arrays first"
+            )
+        try:
+            a = np.asarray(v, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{owner}: {column!r} of {name(i)} is not a numeric array ({type(v).__name__}): {e}"
+            ) from e
+        if a.ndim != ndim:
+            raise ValueError(f"{owner}: {column!r} of {name(i)} must be a {ndim}-D array, got shape {a.shape}")
+        if shape is None:
+            shape = a.shape
+        elif a.shape != tuple(shape):
+            raise ValueError(
+                f"{owner}: inconsistent {kind}: {column!r} of {name(i)} has shape {a.shape}, earlier rows "
+                f"{tuple(shape)}; were all rows encoded by the same model?"
+            )
+
+
+def float_column(frame: pd.DataFrame, column: str, owner: str) -> np.ndarray:
+    """``frame[column]`` as float64; a ValueError naming the row of a missing or non-numeric value."""
+    s = frame[column]
+    try:
+        out = s.to_numpy(dtype=np.float64)
+    except (TypeError, ValueError):
+        out = None
+    if out is None or np.isnan(out).any():
+        vals = s.tolist()
+        for i, v in enumerate(vals):
+            if _missing(v):
+                raise ValueError(f"{owner}: {column!r} of {row_namer(frame)(i)} is missing ({v!r})")
+            try:
+                float(v)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{owner}: {column!r} of {row_namer(frame)(i)} is not a number: {type(v).__name__} {v!r}"
+                ) from None
+    return out
+
+
+def first_rows(qids: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, first)``: each row's query number (in order of first appearance) and each query's first row."""
+    codes, uniques = pd.factorize(qids)
+    first = np.zeros(len(uniques), np.int64)
+    first[codes[::-1]] = np.arange(len(codes) - 1, -1, -1)
+    return codes, first
+
+
+def check_same_per_query(
+    frame: pd.DataFrame,
+    codes: np.ndarray,
+    first: np.ndarray,
+    column: str,
+    values: np.ndarray,
+    reference: np.ndarray,
+    owner: str,
+    rows: np.ndarray | None = None,
+) -> None:
+    """Every row of a qid carries its query's value of ``column``; a ValueError naming the qid, rows and column.
+
+    Args:
+        frame: the input frame (for the qid in the message).
+        codes, first: from :func:`first_rows`.
+        column: the column compared.
+        values: the values of ``rows`` (all rows by default), one per row, stacked.
+        reference: each query's value (that of its first row), stacked; compared exactly (nan equals nan).
+        rows: the rows ``values`` belong to.
+    """
+    rows = np.arange(len(codes)) if rows is None else rows
+    if not rows.size:
+        return
+    a = values.reshape(rows.size, -1)
+    b = reference[codes[rows]].reshape(rows.size, -1)
+    same = (a == b).all(axis=1)
+    if not same.all():
+        same |= ((a == b) | (np.isnan(a) & np.isnan(b))).all(axis=1)
+    if same.all():
+        return
+    j = int(np.flatnonzero(~same)[0])
+    r = int(rows[j])
+    r0 = int(first[codes[r]])
+    raise ValueError(
+        f"{owner}: qid {frame['qid'].iat[r]!r} has conflicting {column!r} values in rows {r0} and {r}: all rows of a "
+        "query must carry the same query representation (were rows of different queries given one qid?)"
+    )
+
+
+_CHECK_ROWS = 8192  # rows stacked at once by check_rows_match_query
+
+
+def check_rows_match_query(
+    frame: pd.DataFrame,
+    codes: np.ndarray,
+    first: np.ndarray,
+    column: str,
+    reference: np.ndarray,
+    owner: str,
+    ndim: int = 1,
+) -> None:
+    """Every row of a qid carries the same array in ``column`` as the qid's first row (``reference``: the first
+    rows' arrays, stacked, one per query); a ValueError naming the qid, the two rows and the column otherwise.
+
+    Rows holding the very object of their query's first row (as the encoders write them) are not compared; the
+    others are stacked in chunks, so that memory stays bounded on large candidate frames.
+    """
+    rest = np.flatnonzero(first[codes] != np.arange(len(codes)))
+    if not rest.size:
+        return
+    values = frame[column].to_numpy()
+    same_object = np.frompyfunc(operator.is_, 2, 1)(values[rest], values[first[codes[rest]]]).astype(bool)
+    rest = rest[~same_object]
+    namer = row_namer(frame)
+    for a in range(0, rest.size, _CHECK_ROWS):
+        rows = rest[a : a + _CHECK_ROWS]
+        vals = stack_arrays(
+            values[rows],
+            column,
+            lambda i, rows=rows: namer(int(rows[i])),
+            owner,
+            ndim=ndim,
+            shape=reference.shape[1:],
+            kind=f"{column} shapes within a query",
+        )
+        check_same_per_query(frame, codes, first, column, vals, reference, owner, rows=rows)
