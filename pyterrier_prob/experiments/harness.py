@@ -93,6 +93,9 @@ class CommonConfig:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
+        named = [s for s in (self.train_split, self.dev_split) if s]
+        if self.test_split and self.test_split in named:
+            raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
 
 
 def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) -> None:

@@ -92,9 +92,6 @@ class PebrJobConfig(CommonConfig):
             raise ValueError(f"cap ({self.cap}) must be at least the largest k ({max(self.ks)})")
         if not self.table3_ps or any(not 0 < p < 1 for p in self.table3_ps):
             raise ValueError(f"table3_ps must lie strictly inside (0, 1), got {list(self.table3_ps)}")
-        named = [s for s in (self.train_split, self.dev_split) if s]
-        if self.test_split and self.test_split in named:
-            raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -168,9 +168,6 @@ class UniERFJobConfig(CommonConfig):
             raise ValueError(f"--ablations must be one of {list(ABLATIONS)}, got {self.ablations!r}")
         if self.doc_tower not in ("frozen", "joint"):
             raise ValueError(f"--doc-tower must be 'frozen' or 'joint', got {self.doc_tower!r}")
-        named = [s for s in (self.train_split, self.dev_split) if s]
-        if self.test_split and self.test_split in named:
-            raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
