@@ -226,6 +226,7 @@ class Harness:
         self.t0 = time.perf_counter()
         self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
         self._model_settings: dict[str, dict[str, Any]] = {}  # name -> what made the model (for index reuse)
+        self._bm25: dict[str, Any] = {}  # collection name -> its PISA index, built once per run
         _silence_library_bars()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
@@ -443,16 +444,21 @@ class Harness:
         return index
 
     def bm25(self, collection: Collection) -> Any:
-        """A PISA index of ``collection`` for BM25 (built once per output folder; PISA's log goes to a file)."""
+        """A PISA index of ``collection`` for BM25: built once per run (and, with ``--reuse``, once per output
+        folder); PISA's own log goes to a file beside it."""
         from pyterrier_pisa import PisaIndex
 
+        if collection.name in self._bm25:
+            return self._bm25[collection.name]
         path = self._index_path("bm25", collection, "pisa")
+        make_dirs(os.path.dirname(path))
         index = PisaIndex(path, text_field="text", threads=max(1, os.cpu_count() or 1), overwrite=True)
         if not (self.cfg.reuse and index.built()):
             with self.stage("index_bm25", f"indexing {collection.name} with PISA for BM25 (log: {path}.log)"):
                 with native_output_to(f"{path}.log", fds=(1, 2)):
                     index.index(self.progress(collection.corpus_iter(), "indexing BM25", collection.num_docs, "doc"))
                     index.bm25(num_results=1)(pd.DataFrame({"qid": ["warm-up"], "query": ["warm up"]}))
+        self._bm25[collection.name] = index
         return index
 
     def bm25_retriever(self, index: Any, k: int) -> Any:

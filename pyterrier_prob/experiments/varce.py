@@ -1,0 +1,976 @@
+"""The VarCrossEncoder experiment (``pyterrier-prob varce``): CrossEncoder against VarCrossEncoder re-rankers.
+
+VarCrossEncoder (``shared/papers/var-cross-encoder.md``) replaces a cross-encoder's linear ranker by a Gaussian
+latent z ~ N(mu(t), Sigma(t)) of the [CLS] vector t (Eq. 3-7) and a linear decoder s = z^T W + b (Eq. 8), trained
+with binary cross-entropy on sampled scores plus beta * KL(N(mu, Sigma) || N(0, I)) (the variational information
+bottleneck, Eq. 10, 17-21). At inference a (query, document) pair's score is a Gaussian with mean
+E[s] = mu^T W + b (Eq. 22), by which the paper ranks, and variance W^T Sigma W (Eq. 23). Collections, training,
+BM25, ``pt.Experiment`` and the report come from :mod:`pyterrier_prob.experiments.harness`. The protocol:
+
+1. from the same backbone (``--model``, default the packaged all-MiniLM-L6-v2) fine-tune three re-rankers with the
+   same rows, steps, batch size, learning rate (10% warm-up), seed and ``max_seq_length``:
+
+   * ``CE``: sentence-transformers' ``CrossEncoder`` (num_labels=1) with ``BinaryCrossEntropyLoss``;
+   * ``VarCE-MEANVAR`` and ``VarCE-VAR``: :func:`~st_extensions.cross_encoder.build_var_cross_encoder` (the two
+     probabilistic modules of Sec. 3.2.1) with :class:`~st_extensions.losses.VariationalBCELoss` (``--beta``,
+     default 1e-7, one Monte Carlo sample);
+
+   the rows (:func:`pyterrier_prob.varce.data.cross_encoder_training_data`) are, per train query, one
+   judged-relevant document (label 1) and ``--negatives`` documents (label 0) from its BM25 top ``--pool-depth``
+   minus every document judged for it (the paper's 1 : 4 ratio of Sec. 4.3, scaled to 1 : 3 by default);
+2. re-rank the BM25 (PISA) top ``--depth`` of every test query (those with a judged-relevant document, at most
+   ``--max-queries`` of them, seeded) with each model -- the VarCEs through
+   :class:`~pyterrier_prob.varce.VarCrossEncoderReranker`, keeping E[s] and std[s] -- and compare BM25 and the
+   re-rankers in ``pt.Experiment`` with nDCG@10 and RR@10 (= MRR@10), paired t-tests against CE (Sec. 5, Table 2);
+   ``--ood`` adds further collections, evaluated zero-shot the same way on at most ``--ood-queries`` queries at
+   depth ``--ood-depth`` (as does ``--test-dataset``, for one collection, with the full protocol);
+3. is the uncertainty informative? per VarCE and collection: the spread of std[s] (5/50/95%, the median
+   within-query coefficient of variation), Spearman's rho between each query's mean std[s] over its top 10 and
+   its nDCG@10 (and, for reference, the same with the mean E[s]), and the risk-aware ranking
+   E[s] - lambda * std[s] for lambda in ``--risks`` (paired t-tests against lambda = 0);
+4. hard queries (Sec. 5, Table 8, :func:`~pyterrier_prob.varce.hard_query_table`): every system on the bottom
+   50% of the queries by nDCG@10 under CE (the paper's choice) and, for reference, under BM25, with %no (the
+   share of queries with no relevant document in the top 10);
+5. robustness (Sec. 4.5.2, Table 4): the six one-word perturbations of
+   :func:`~pyterrier_prob.varce.all_noise` (RD, RS, SE, SR, WEI, WES) applied to a seeded subset of
+   ``--robust-queries`` test queries; BM25 retrieves its top ``--robust-depth`` with the perturbed query and every
+   re-ranker re-ranks them, so the table measures the whole pipeline; nDCG@10 against the clean queries (same
+   queries, same depth) and paired t-tests against CE under the same perturbation.
+
+Every re-ranker scores each distinct (collection, query, document) once (a per-model cache, kept under
+``output/scores/`` for ``--reuse`` runs of the same models), so the clean robustness run and the risk sweep reuse
+the main run's scores. Nothing is calibrated, so every query of the test split is reported (also when the collection
+has no dev split). With no train split or ``--steps 0`` nothing is fine-tuned and ``--model`` is evaluated as it is:
+a saved VarCrossEncoder (:func:`st_extensions.load_model`) as ``VarCE-<variant>``, a CrossEncoder as ``CE`` (a
+backbone gets the three re-rankers with untrained heads, which the report flags). The VarCE/CE inference-time ratio
+is ``benchmarks/varce_inference.py``.
+
+The defaults are sized for about 12 minutes on 2 CPU cores (nfcorpus; scoring the pairs dominates): 60 training
+steps per model, every test query at depth 20, 20 robustness queries at depth 10, no ``--ood`` collection. The
+former benchmark (39 minutes) is ``pyterrier-prob varce --steps 150 --depth 100 --robust-queries 40
+--robust-depth 20 --ood irds:beir/scifact irds:cranfield irds:vaswani``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pyterrier_prob.experiments.harness import (
+    CommonConfig,
+    Data,
+    Harness,
+    add_common_arguments,
+    common_from_args,
+    markdown_table,
+    p_mark,
+)
+
+__all__ = [
+    "DESCRIPTION",
+    "MEASURES",
+    "NOISE_ORDER",
+    "PairScorer",
+    "VarceJobConfig",
+    "add_arguments",
+    "config_from_args",
+    "ranked",
+    "run",
+    "run_varce_job",
+    "uncertainty_stats",
+]
+
+DESCRIPTION = (
+    "VarCrossEncoder (uncertainty-aware cross-encoder re-ranking): fine-tune a CrossEncoder (BCE) and two "
+    "VarCrossEncoders (MEANVAR, VAR; variational BCE, Eq. 10) with the same budget on 1:N BM25-negative rows, "
+    "re-rank the BM25 candidates of the test collection, compare them with pt.Experiment (nDCG@10, RR@10, paired "
+    "t-tests against CE), and report the score uncertainty (spread, correlation with nDCG@10, risk-aware ranking), "
+    "the hard queries (Table 8) and the robustness to six query perturbations (Table 4)."
+)
+
+BASELINE = "CE"
+VARIANTS = ("MEANVAR", "VAR")
+SYSTEMS = ("BM25", BASELINE, *(f"VarCE-{v}" for v in VARIANTS))
+"""System names in the result tables, in order; significance is tested against ``BASELINE`` (BM25 when no CE is
+evaluated)."""
+
+MEASURES = ("nDCG@10", "RR@10")
+NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
+SCORE_CHUNK = 256  # pairs per progress-bar step
+
+
+@dataclass
+class VarceJobConfig(CommonConfig):
+    """Settings of :func:`run_varce_job` (the ``pyterrier-prob varce`` options); the shared ones are
+    :class:`~pyterrier_prob.experiments.harness.CommonConfig`'s.
+
+    Attributes:
+        negatives: BM25 negatives per judged-relevant document in the training rows.
+        pool_depth: the BM25 depth the negatives are drawn from.
+        beta: weight of the KL term of VariationalBCELoss (Eq. 10).
+        depth: BM25 candidates re-ranked per test query.
+        max_queries: a seeded sample of at most this many test queries (None: all).
+        risks: lambda values of the risk-aware ranking E[s] - lambda * std[s] (0 is always included).
+        robust_queries: test queries (seeded) of the robustness table (0: no robustness table).
+        robust_depth: BM25 candidates re-ranked per (perturbed) query in the robustness table.
+        noise: the perturbations of the robustness table (abbreviations of :data:`NOISE_ORDER`).
+        ood: further collections evaluated zero-shot (their test split).
+        ood_queries, ood_depth: seeded query cap and re-ranking depth on each ``ood`` collection.
+        inference_batch_size: pairs per forward pass when scoring.
+    """
+
+    output: str = "outputs/varce"
+    steps: int = 60
+    negatives: int = 3
+    pool_depth: int = 30
+    beta: float = 1e-7
+    depth: int = 20
+    max_queries: int | None = None
+    risks: Sequence[float] = (0.0, 0.5, 1.0, 2.0)
+    robust_queries: int = 20
+    robust_depth: int = 10
+    noise: Sequence[str] = NOISE_ORDER
+    ood: Sequence[str] = ()
+    ood_queries: int = 60
+    ood_depth: int = 20
+    inference_batch_size: int = 32
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the first setting out of range."""
+        super().check()
+        for name in ("negatives", "pool_depth", "depth", "robust_depth", "ood_queries", "ood_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.inference_batch_size < 1:
+            raise ValueError(f"--inference-batch-size must be >= 1, got {self.inference_batch_size}")
+        if self.pool_depth < self.negatives:
+            raise ValueError(f"--pool-depth ({self.pool_depth}) must be at least --negatives ({self.negatives})")
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ValueError(f"--beta must be finite and >= 0, got {self.beta}")
+        if self.max_queries is not None and self.max_queries < 1:
+            raise ValueError(f"--max-queries must be >= 1, got {self.max_queries}")
+        if self.robust_queries < 0:
+            raise ValueError(f"--robust-queries must be >= 0, got {self.robust_queries}")
+        if not self.risks or any(not math.isfinite(r) for r in self.risks):
+            raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
+        bad = [n for n in self.noise if n not in NOISE_ORDER]
+        if bad:
+            raise ValueError(f"--noise: unknown perturbations {bad}; choose from {list(NOISE_ORDER)}")
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``pyterrier-prob varce`` options."""
+    d = VarceJobConfig()
+    add_common_arguments(ap, d)
+    g = ap.add_argument_group("VarCrossEncoder")
+    g.add_argument("--negatives", type=int, default=d.negatives, help="BM25 negatives per relevant training doc")
+    g.add_argument("--pool-depth", type=int, default=d.pool_depth, help="BM25 depth the negatives come from")
+    g.add_argument("--beta", type=float, default=d.beta, help="KL weight of VariationalBCELoss (Eq. 10)")
+    g.add_argument("--depth", type=int, default=d.depth, help="BM25 candidates re-ranked per test query")
+    g.add_argument("--max-queries", type=int, default=d.max_queries, help="seeded cap on test queries (None: all)")
+    g.add_argument(
+        "--risks", type=float, nargs="+", default=list(d.risks), help="lambda of the risk-aware E[s] - lambda*std[s]"
+    )
+    r = ap.add_argument_group("robustness (Table 4)")
+    r.add_argument("--robust-queries", type=int, default=d.robust_queries, help="seeded test queries (0: skip)")
+    r.add_argument("--robust-depth", type=int, default=d.robust_depth, help="BM25 depth per perturbed query")
+    r.add_argument("--noise", nargs="+", choices=list(NOISE_ORDER), default=list(d.noise), help="perturbations")
+    o = ap.add_argument_group("zero-shot collections")
+    o.add_argument(
+        "--ood",
+        nargs="*",
+        default=list(d.ood),
+        help="further collections to evaluate zero-shot (test split), e.g. irds:beir/scifact irds:cranfield",
+    )
+    o.add_argument("--ood-queries", type=int, default=d.ood_queries, help="seeded query cap per --ood collection")
+    o.add_argument("--ood-depth", type=int, default=d.ood_depth, help="BM25 depth re-ranked per --ood collection")
+    g.add_argument("--inference-batch-size", type=int, default=d.inference_batch_size, help="pairs per forward pass")
+
+
+def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
+    return VarceJobConfig(
+        **common_from_args(a),
+        negatives=a.negatives,
+        pool_depth=a.pool_depth,
+        beta=a.beta,
+        depth=a.depth,
+        max_queries=a.max_queries,
+        risks=tuple(a.risks),
+        robust_queries=a.robust_queries,
+        robust_depth=a.robust_depth,
+        noise=tuple(a.noise),
+        ood=tuple(a.ood),
+        ood_queries=a.ood_queries,
+        ood_depth=a.ood_depth,
+        inference_batch_size=a.inference_batch_size,
+    )
+
+
+def run(cfg: VarceJobConfig) -> dict[str, Any]:
+    return run_varce_job(cfg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# scoring and ranking
+# --------------------------------------------------------------------------------------------------------------
+
+
+class PairScorer:
+    """Scores (query, document) pairs with one re-ranker, each distinct (collection, query, docno) once.
+
+    A VarCrossEncoder scores through :class:`~pyterrier_prob.varce.VarCrossEncoderReranker` (risk 0), which gives
+    ``score_mean`` = E[s] = mu^T W + b (Eq. 22) and ``score_std`` = sqrt(W^T Sigma W) (Eq. 23); any other
+    CrossEncoder through ``predict`` with the identity activation (logits), std NaN.
+
+    Args:
+        name: the system name (progress bars).
+        model: the re-ranker.
+        batch_size: pairs per forward pass.
+        cache_path: a TSV the scores are appended to as they come, and read back when its first line holds the
+            same ``fingerprint`` (None: memory only).
+        fingerprint: what identifies the model's scores (None: no file cache).
+        fresh: start the score file afresh instead of reading it (a run without ``--reuse``).
+        progress: ``(iterable, desc, total, unit) -> iterable`` for a progress bar (e.g. ``Harness.progress``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        model: Any,
+        batch_size: int = 32,
+        cache_path: str | None = None,
+        fingerprint: str | None = None,
+        fresh: bool = False,
+        progress: Callable[..., Any] | None = None,
+    ) -> None:
+        from st_extensions.cross_encoder import VarCrossEncoder
+
+        self.name, self.model, self.batch_size = name, model, int(batch_size)
+        self.var = isinstance(model, VarCrossEncoder)
+        self._reranker = None
+        if self.var:
+            from pyterrier_prob.varce import VarCrossEncoderReranker
+
+            self._reranker = VarCrossEncoderReranker(model, batch_size=self.batch_size, verbose=False)
+        self.cache: dict[tuple[str, str, str], tuple[float, float]] = {}
+        self.seconds, self.pairs = 0.0, 0
+        self.progress = progress or (lambda it, desc, total=None, unit="it": it)
+        self.cache_path = cache_path if fingerprint is not None else None
+        self.fingerprint = fingerprint
+        self.loaded = 0
+        if self.cache_path is not None:
+            self._open_cache(fresh)
+
+    def _open_cache(self, fresh: bool) -> None:
+        head = f"# {self.fingerprint}\n"
+        if not fresh and os.path.isfile(self.cache_path):
+            with open(self.cache_path, encoding="utf8") as f:
+                if f.readline() == head:
+                    for line in f:
+                        parts = line.rstrip("\n").split("\t")
+                        if len(parts) == 5:
+                            self.cache[(parts[0], parts[1], parts[2])] = (float(parts[3]), float(parts[4]))
+                    self.loaded = len(self.cache)
+                    return
+        os.makedirs(os.path.dirname(os.path.abspath(self.cache_path)), exist_ok=True)
+        with open(self.cache_path, "w", encoding="utf8") as f:
+            f.write(head)
+
+    def score(self, collection: str, cand: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        """``(E[s], std[s])`` of every row of ``cand`` (``qid, query, docno, text``), in its order."""
+        import torch
+
+        keys = [(collection, q, d) for q, d in zip(cand["query"], cand["docno"])]
+        todo = cand[[k not in self.cache for k in keys]].drop_duplicates(["query", "docno"])
+        starts = range(0, len(todo), SCORE_CHUNK)
+        bar = self.progress(starts, f"scoring {self.name}", len(starts), "chunk") if len(todo) else ()
+        for start in bar:
+            part = todo.iloc[start : start + SCORE_CHUNK]
+            t0 = time.perf_counter()
+            if self.var:
+                out = self._reranker(part[["qid", "query", "docno", "text"]])
+                new = zip(out["query"], out["docno"], out["score_mean"], out["score_std"])
+            else:
+                mean = self.model.predict(
+                    list(zip(part["query"], part["text"])),
+                    batch_size=self.batch_size,
+                    activation_fn=torch.nn.Identity(),
+                    show_progress_bar=False,
+                )
+                new = zip(part["query"], part["docno"], np.asarray(mean).reshape(-1), [math.nan] * len(part))
+            lines = []
+            for q, d, m, s in new:
+                self.cache[(collection, q, d)] = (float(m), float(s))
+                lines.append(f"{collection}\t{q}\t{d}\t{float(m)!r}\t{float(s)!r}\n")
+            self.seconds += time.perf_counter() - t0
+            self.pairs += len(part)
+            if self.cache_path is not None:
+                with open(self.cache_path, "a", encoding="utf8") as f:
+                    f.writelines(lines)
+        vals = np.array([self.cache[k] for k in keys], dtype=np.float64).reshape(-1, 2)
+        return vals[:, 0], vals[:, 1]
+
+
+def ranked(cand: pd.DataFrame, mean: np.ndarray, std: np.ndarray, risk: float = 0.0) -> pd.DataFrame:
+    """The candidates re-ranked by E[s] - risk * std[s] (risk 0: E[s], Eq. 22; ties keep the BM25 order).
+
+    Returns ``qid, docno, score, score_mean, score_std, bm25_rank, rank`` (rank from 0).
+    """
+    from pyterrier_prob.varce import risk_adjusted
+
+    score = np.asarray(mean, dtype=np.float64) if risk == 0 else risk_adjusted(mean, std, risk)
+    out = pd.DataFrame(
+        {
+            "qid": cand["qid"].to_numpy(),
+            "docno": cand["docno"].to_numpy(),
+            "score": score,
+            "score_mean": mean,
+            "score_std": std,
+            "bm25_rank": cand["rank"].to_numpy(),
+        }
+    )
+    out = out.sort_values(["qid", "score", "bm25_rank"], ascending=[True, False, True], kind="stable")
+    out["rank"] = out.groupby("qid").cumcount()
+    return out.reset_index(drop=True)
+
+
+def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
+    """Is std[s] (Eq. 23) informative? Its spread, and Spearman's rho of each query's mean std[s] over its top 10
+    with its nDCG@10 (``ndcg``, qid-indexed); the same with the mean E[s] (Eq. 22) as a score-based reference, and
+    the rank correlation of std[s] with E[s] over all pairs."""
+    from scipy.stats import spearmanr
+
+    def rho(a: pd.Series, b: pd.Series) -> tuple[float, float]:
+        if a.nunique() < 2 or b.nunique() < 2:
+            return math.nan, math.nan
+        r, p = spearmanr(a, b)
+        return float(r), float(p)
+
+    top = run[run["rank"] < 10]
+    u = top.groupby("qid")["score_std"].mean().reindex(ndcg.index)
+    m = top.groupby("qid")["score_mean"].mean().reindex(ndcg.index)
+    ok = u.notna()
+    r_std, p_std = rho(u[ok], ndcg[ok])
+    r_mean, p_mean = rho(m[ok], ndcg[ok])
+    within = run.groupby("qid")["score_std"].agg(lambda s: s.std(ddof=0) / s.mean() if s.mean() > 0 else math.nan)
+    r_pairs, _ = rho(run["score_std"], run["score_mean"])
+    q05, q50, q95 = (float(x) for x in np.quantile(run["score_std"], [0.05, 0.5, 0.95]))
+    return {
+        "n_queries": int(ok.sum()),
+        "rho_top10_std_vs_nDCG@10": r_std,
+        "p_top10_std": p_std,
+        "rho_top10_mean_vs_nDCG@10": r_mean,
+        "p_top10_mean": p_mean,
+        "std_q05": q05,
+        "std_q50": q50,
+        "std_q95": q95,
+        "std_within_query_cv_median": float(np.nanmedian(within)) if within.notna().any() else math.nan,
+        "rho_pairs_std_vs_mean": r_pairs,
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# collections, queries, models
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _eval_queries(
+    topics: pd.DataFrame, qrels: pd.DataFrame, cap: int | None, seed: int
+) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """The evaluated queries: those with a judged-relevant document (whitespace-normalised, at most ``cap``,
+    seeded, sorted by qid) and the qrels with negative labels (cranfield's -1) counted as 0.
+    Returns ``(topics, qrels, number of queries with a relevant document)``."""
+    from pyterrier_prob.varce.data import normalise_query
+
+    qrels = qrels.assign(qid=qrels["qid"].astype(str), label=qrels["label"].clip(lower=0))
+    relevant = set(qrels.loc[qrels["label"] >= 1, "qid"])
+    t = topics.assign(qid=topics["qid"].astype(str), query=topics["query"].map(normalise_query))
+    t = t[t["qid"].isin(relevant) & (t["query"] != "")]
+    available = len(t)
+    if cap is not None and cap < len(t):
+        t = t.sample(n=cap, random_state=seed)
+    t = t.sort_values("qid").reset_index(drop=True)[["qid", "query"]]
+    return t, qrels[qrels["qid"].isin(set(t["qid"]))].reset_index(drop=True), available
+
+
+def _given_model(spec: str | None) -> tuple[str, Any]:
+    """What ``--model`` is: ``("var", model)`` a saved VarCrossEncoder, ``("cross", model)`` a CrossEncoder,
+    ``("backbone", None)`` anything else (a base encoder the re-rankers are built on)."""
+    if spec is None or not os.path.isdir(spec):
+        return "backbone", None
+    from sentence_transformers import CrossEncoder
+
+    from st_extensions import load_model
+    from st_extensions.cross_encoder import VarCrossEncoder
+
+    if not os.path.isfile(os.path.join(spec, "modules.json")):
+        try:
+            with open(os.path.join(spec, "config.json"), encoding="utf8") as f:
+                archs = json.load(f).get("architectures") or []
+        except (OSError, ValueError):
+            archs = []
+        if any(a.endswith("ForSequenceClassification") for a in archs):
+            return "cross", CrossEncoder(spec, device="cpu")
+        return "backbone", None
+    model = load_model(spec, device="cpu")
+    if isinstance(model, VarCrossEncoder):
+        return "var", model
+    if isinstance(model, CrossEncoder):
+        return "cross", model
+    return "backbone", None
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' and sentence-transformers' warnings off for the duration (the load report of a new head)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    st_logger = logging.getLogger("sentence_transformers")
+    st_level = st_logger.level
+    hf_logging.set_verbosity_error()
+    st_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        st_logger.setLevel(st_level)
+
+
+def _fingerprint(h: Harness, name: str, trained: bool, cfg: VarceJobConfig) -> str | None:
+    """What identifies a model's scores across runs: its saved training settings, or the given model's files;
+    None (no score file) for an untrained head."""
+    if trained:
+        path = h.path("models", name, "train_settings.json")
+        if not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf8") as f:
+            settings = json.load(f).get("settings")
+        text = json.dumps(settings, sort_keys=True)
+    elif cfg.model and os.path.isdir(cfg.model):
+        files = sorted(os.listdir(cfg.model))
+        stamp = [(f, os.path.getmtime(os.path.join(cfg.model, f))) for f in files]
+        text = json.dumps([os.path.realpath(cfg.model), cfg.max_seq_length, stamp])
+    else:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _models(cfg: VarceJobConfig, h: Harness, data: Data) -> dict[str, Any]:
+    """The re-rankers (module docstring): fine-tuned with the same rows and budget, or ``--model`` as it is.
+    The training negatives come from the train collection's BM25 (``Harness.bm25``)."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
+
+    from pyterrier_prob.varce.data import cross_encoder_training_data, groups_for
+    from st_extensions import default_model_path
+    from st_extensions.cross_encoder import build_var_cross_encoder
+    from st_extensions.losses import VariationalBCELoss
+
+    kind, given = _given_model(cfg.model)
+    if data.train and kind == "var":
+        raise ValueError(
+            f"--model {cfg.model} is a saved VarCrossEncoder: evaluate it with --steps 0 (or on a collection without "
+            "a train split), or pass its backbone to fine-tune the three re-rankers"
+        )
+    notes: list[str] = []
+    info: dict[str, Any] = {"model_kind": kind}
+    if data.train is None and kind in ("var", "cross"):
+        name = f"VarCE-{given.head.variant}" if kind == "var" else BASELINE
+        model, _ = h.train(name, lambda: given, lambda m: None, None)
+        notes.append(f"{name}: {cfg.model} evaluated as given (no fine-tuning)")
+        return {"models": {name: model}, "losses": {}, "trained": False, "notes": notes, "info": info}
+
+    base = cfg.model or default_model_path()
+    rows_cache: dict[str, Any] = {}
+
+    def rows() -> Any:
+        if "rows" not in rows_cache:
+            index = h.bm25(data.train_collection)
+            with h.stage(
+                "training_rows",
+                f"building the training rows from {data.train_collection.name}/"
+                f"{data.train} (1 relevant : {cfg.negatives} BM25 negatives)",
+            ):
+                rows_cache["rows"], rows_cache["info"] = cross_encoder_training_data(
+                    data.train_collection,
+                    data.train,
+                    lambda t: h.bm25_run(index, t, cfg.pool_depth),
+                    n_groups=groups_for(cfg.steps, cfg.batch_size, cfg.negatives),
+                    negatives=cfg.negatives,
+                    pool_depth=cfg.pool_depth,
+                    seed=cfg.seed,
+                )
+        return rows_cache["rows"]
+
+    def build(variant: str | None) -> Callable[[], Any]:
+        def make() -> Any:
+            torch.manual_seed(cfg.seed)  # the same head initialisation with and without training
+            if variant is None:
+                with _quiet_transformers():  # "classifier.* MISSING": the new head, as intended
+                    return CrossEncoder(base, num_labels=1, max_length=cfg.max_seq_length, device="cpu")
+            return build_var_cross_encoder(base, variant=variant, max_seq_length=cfg.max_seq_length, device="cpu")
+
+        return make
+
+    train = rows if data.train else None
+    settings = {
+        "train": f"{data.train_collection.name}/{data.train}",
+        "negatives": cfg.negatives,
+        "pool_depth": cfg.pool_depth,
+    }
+    models, losses = {}, {}
+    models[BASELINE], losses[BASELINE] = h.train(
+        BASELINE, build(None), BinaryCrossEntropyLoss, train, settings=settings
+    )
+    for v in VARIANTS:
+        name = f"VarCE-{v}"
+        models[name], losses[name] = h.train(
+            name,
+            build(v),
+            lambda m: VariationalBCELoss(m, beta=cfg.beta, num_samples=1),
+            train,
+            settings={**settings, "variant": v, "beta": cfg.beta, "num_samples": 1},
+        )
+    if train is None:
+        notes.append(
+            f"nothing fine-tuned: the three re-rankers are {base} with untrained (seeded) heads, so their scores "
+            "carry no relevance signal; pass a trained CrossEncoder or VarCrossEncoder with --model"
+        )
+    if "info" in rows_cache:
+        info["training_rows"] = rows_cache["info"]
+    return {"models": models, "losses": losses, "trained": train is not None, "notes": notes, "info": info}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the job
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Target:
+    """One evaluated collection: its BM25 index, queries, qrels, depth and document texts."""
+
+    label: str
+    collection: Any
+    split: str
+    index: Any
+    topics: pd.DataFrame
+    qrels: pd.DataFrame
+    depth: int
+    available: int
+    texts: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
+    """Run the VarCrossEncoder experiment (module docstring) and write its outputs to ``cfg.output``.
+
+    Writes ``results.csv`` (pt.Experiment per collection), ``uncertainty.csv``, ``risk.csv``,
+    ``hard_queries.csv``, ``robustness.csv``, ``summary.json`` and ``results.md``; models under ``models/``,
+    BM25 indexes under ``indexes/``, the score caches under ``scores/``.
+
+    Returns:
+        ``{"results", "uncertainty", "risk", "hard_queries", "robustness": frames, "summary": dict}``.
+    """
+    from pyterrier_prob.collections import choose_splits, load_collection
+    from pyterrier_prob.varce import hard_query_table, per_query
+
+    cfg.check()
+    h = Harness("varce", cfg)
+    data = h.load_data(calibrate=False)  # nothing is calibrated: every test query is evaluated
+    if data.dev is not None:
+        data.notes.append(f"the dev split ({data.cal_source}) is not used: nothing is calibrated")
+    trained = _models(cfg, h, data)
+    data.notes.extend(trained["notes"])
+    models = trained["models"]
+    systems = ["BM25", *models]
+    baseline = BASELINE if BASELINE in models else "BM25"
+    var_systems = [n for n in models if n.startswith("VarCE")]
+
+    # ---- the evaluated collections -------------------------------------------------------------------------------
+    targets = []
+    topics, qrels, available = _eval_queries(data.test_topics, data.test_qrels, cfg.max_queries, cfg.seed)
+    if topics.empty:
+        raise ValueError(f"{data.test_collection.name}/{data.test} has no query with a judged-relevant document")
+    if len(topics) < available:
+        data.notes.append(f"a seeded sample of {len(topics)} of the {available} test queries (--max-queries)")
+    if len(topics) < len(data.test_topics):
+        dropped = len(data.test_topics) - available
+        if dropped:
+            data.notes.append(f"{dropped} test queries without a judged-relevant document are not evaluated")
+        data = dataclasses.replace(data, test_topics=topics, test_qrels=qrels)
+    coll = data.test_collection
+    targets.append(_Target(coll.name, coll, data.test, h.bm25(coll), topics, qrels, cfg.depth, available))
+    for spec in cfg.ood:
+        with h.stage("load_ood", f"loading {spec} (zero-shot)"):
+            c = load_collection(spec)
+            if any(tg.label == c.name for tg in targets):
+                data.notes.append(f"--ood {spec}: {c.name} is already evaluated; skipped")
+                continue
+            split = choose_splits(c).test
+            t, q, n = _eval_queries(c.topics(split), c.qrels(split), cfg.ood_queries, cfg.seed)
+        if t.empty:
+            raise ValueError(f"{c.name}/{split} has no query with a judged-relevant document")
+        targets.append(_Target(c.name, c, split, h.bm25(c), t, q, cfg.ood_depth, n))
+
+    def attach_text(target: _Target, cand: pd.DataFrame) -> pd.DataFrame:
+        missing = set(cand["docno"]) - set(target.texts)
+        if missing:
+            target.texts.update(target.collection.doc_texts(missing))
+        return cand.assign(text=cand["docno"].map(target.texts))  # a docno without text: the re-ranker says so
+
+    def candidates(target: _Target, topics: pd.DataFrame, depth: int) -> pd.DataFrame:
+        res = h.bm25_run(target.index, topics[["qid", "query"]], depth)
+        res = res[["qid", "docno", "score", "rank"]].merge(topics[["qid", "query"]], on="qid")
+        return attach_text(target, res.sort_values(["qid", "rank"]).reset_index(drop=True))
+
+    scorers = {
+        n: PairScorer(
+            n,
+            m,
+            cfg.inference_batch_size,
+            cache_path=h.path("scores", f"{n}.tsv"),
+            fingerprint=_fingerprint(h, n, trained["trained"], cfg),
+            fresh=not cfg.reuse,
+            progress=h.progress,
+        )
+        for n, m in models.items()
+    }
+
+    # ---- effectiveness -------------------------------------------------------------------------------------------
+    cands: dict[str, pd.DataFrame] = {}
+    runs: dict[str, dict[str, pd.DataFrame]] = {}
+    tables = []
+    for tg in targets:
+        with h.stage(
+            f"rerank_{_slug(tg.label)}",
+            f"re-ranking BM25's top {tg.depth} of {len(tg.topics)} "
+            f"{tg.label}/{tg.split} queries with {', '.join(models)}",
+        ):
+            cand = candidates(tg, tg.topics, tg.depth)
+            cands[tg.label] = cand
+            runs[tg.label] = {"BM25": cand[["qid", "docno", "score", "rank"]]}
+            for n, sc in scorers.items():
+                runs[tg.label][n] = ranked(cand, *sc.score(tg.label, cand))
+            exp = h.experiment(runs[tg.label], tg.topics, tg.qrels, MEASURES, baseline=baseline)
+        exp.insert(0, "collection", tg.label)
+        exp.insert(1, "queries", len(tg.topics))
+        exp.insert(2, "depth", tg.depth)
+        tables.append(exp)
+    results = pd.concat(tables, ignore_index=True)
+
+    # ---- uncertainty and risk-aware ranking ----------------------------------------------------------------------
+    risks = sorted({0.0, *map(float, cfg.risks)})
+    unc_rows, risk_tables = [], []
+    with h.stage("uncertainty", "uncertainty of the VarCE scores and risk-aware ranking"):
+        for tg in targets:
+            for n in var_systems:
+                run_ = runs[tg.label][n]
+                ndcg = per_query(run_, tg.qrels, MEASURES[0], topics=tg.topics)
+                unc_rows.append({"collection": tg.label, "name": n, **uncertainty_stats(run_, ndcg)})
+                mean, std = run_["score_mean"].to_numpy(), run_["score_std"].to_numpy()
+                base = run_[["qid", "docno"]].assign(rank=run_["bm25_rank"].to_numpy())
+                rr = {f"risk={r:g}": ranked(base, mean, std, r) for r in risks}
+                top0 = _top10(rr["risk=0"])
+                exp = h.experiment(rr, tg.topics, tg.qrels, MEASURES, baseline="risk=0")
+                exp.insert(0, "collection", tg.label)
+                exp.insert(1, "model", n)
+                exp.insert(2, "risk", risks)
+                exp["changed_top10"] = [float((_top10(v) != top0.reindex(_top10(v).index)).mean()) for v in rr.values()]
+                risk_tables.append(exp)
+    uncertainty = pd.DataFrame(unc_rows)
+    risk = pd.concat(risk_tables, ignore_index=True) if risk_tables else pd.DataFrame()
+
+    # ---- hard queries --------------------------------------------------------------------------------------------
+    hard_tables = []
+    with h.stage("hard_queries", "hard queries (bottom 50% by nDCG@10 under the baseline)"):
+        for tg in targets:
+            for under in dict.fromkeys([baseline, "BM25"]):
+                tab = hard_query_table(runs[tg.label], tg.qrels, under, list(MEASURES), 0.5, k=10, topics=tg.topics)
+                tab.insert(0, "collection", tg.label)
+                tab.insert(1, "hard_under", under)
+                hard_tables.append(tab)
+    hard = pd.concat(hard_tables, ignore_index=True)
+
+    # ---- robustness ----------------------------------------------------------------------------------------------
+    robustness, examples, robust_notes = _robustness(cfg, h, targets[0], scorers, candidates, baseline)
+    data.notes.extend(robust_notes)
+
+    # ---- report --------------------------------------------------------------------------------------------------
+    summary = {
+        "systems": systems,
+        "significance": f"paired t-test against {baseline!r} (pt.Experiment / scipy.stats.ttest_rel); risk rows "
+        "against risk=0; no multiple-test correction",
+        "model_kind": trained["info"]["model_kind"],
+        "fine_tuned": trained["trained"],
+        "training_rows": trained["info"].get("training_rows"),
+        "training_loss_first_last": {n: [float(v[0]), float(v[-1])] for n, v in trained["losses"].items() if v},
+        "evaluated": {
+            tg.label: {
+                "split": tg.split,
+                "queries": len(tg.topics),
+                "queries_available": tg.available,
+                "depth": tg.depth,
+            }
+            for tg in targets
+        },
+        "scoring": {
+            n: {
+                "pairs_scored": sc.pairs,
+                "pairs_from_earlier_runs": sc.loaded,
+                "seconds": round(sc.seconds, 1),
+                "pairs_per_s": round(sc.pairs / sc.seconds, 1) if sc.seconds else None,
+            }
+            for n, sc in scorers.items()
+        },
+        "robustness_examples": examples,
+    }
+    md = _markdown(results, uncertainty, risk, hard, robustness, summary, baseline)
+    tables_out = {
+        "results": results,
+        "uncertainty": uncertainty,
+        "risk": risk,
+        "hard_queries": hard,
+        "robustness": robustness,
+    }
+    summary = h.finish(
+        "VarCrossEncoder: CrossEncoder vs VarCrossEncoder re-ranking of BM25",
+        md,
+        {k: v for k, v in tables_out.items() if not v.empty},
+        summary,
+        data,
+    )
+    return {**tables_out, "summary": summary}
+
+
+def _top10(run: pd.DataFrame) -> pd.Series:
+    return run[run["rank"] < 10].groupby("qid")["docno"].apply(tuple)
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text.removeprefix("irds:")).strip("_")
+
+
+def _robustness(
+    cfg: VarceJobConfig,
+    h: Harness,
+    target: _Target,
+    scorers: dict[str, PairScorer],
+    candidates: Callable[[_Target, pd.DataFrame, int], pd.DataFrame],
+    baseline: str,
+) -> tuple[pd.DataFrame, dict[str, list[list[str]]], list[str]]:
+    """Table 4: the clean and perturbed runs of a seeded subset of the test queries (module docstring)."""
+    from pyterrier_prob.varce import QueryNoise, all_noise
+
+    notes: list[str] = []
+    if cfg.robust_queries == 0 or not cfg.noise:
+        return pd.DataFrame(), {}, notes
+    sub = target.topics
+    if cfg.robust_queries < len(sub):
+        sub = sub.sample(n=cfg.robust_queries, random_state=cfg.seed).sort_values("qid").reset_index(drop=True)
+    with h.stage(
+        "robustness",
+        f"robustness: {len(sub)} {target.label} queries, {len(cfg.noise)} perturbations, "
+        f"BM25 top {cfg.robust_depth} of the perturbed query",
+    ):
+        try:
+            noises = all_noise(cfg.seed)
+        except (OSError, ValueError) as e:  # a missing resource (WordNet): build the others one by one
+            noises = {}
+            for abbr in NOISE_ORDER:
+                try:
+                    noises[abbr] = QueryNoise(abbr, cfg.seed)
+                except (OSError, ValueError) as e1:
+                    notes.append(f"robustness: {abbr} skipped ({e1})")
+            notes.append(f"robustness: all_noise failed ({e}); the perturbations that could be built were run")
+        kinds = [k for k in NOISE_ORDER if k in cfg.noise and k in noises]
+        frames = {"clean": (sub, 0)}
+        examples: dict[str, list[list[str]]] = {}
+        for k in kinds:
+            noisy = noises[k](sub[["qid", "query"]])
+            changed = noisy["query"] != noisy["query_0"]
+            frames[k] = (noisy[["qid", "query"]], int(changed.sum()))
+            examples[k] = [[a, b] for a, b in zip(noisy.loc[changed, "query_0"], noisy.loc[changed, "query"])][:3]
+        cands = {k: candidates(target, t, cfg.robust_depth) for k, (t, _) in frames.items()}
+        union = pd.concat(cands.values(), ignore_index=True)
+        for sc in scorers.values():  # one pass (one bar) per model over every perturbation's new pairs
+            sc.score(target.label, union)
+        rows = []
+        clean_ndcg: dict[str, float] = {}
+        for k, cand in cands.items():
+            rr = {"BM25": cand[["qid", "docno", "score", "rank"]]}
+            for n, sc in scorers.items():
+                rr[n] = ranked(cand, *sc.score(target.label, cand))
+            exp = h.experiment(rr, sub, target.qrels, MEASURES, baseline=baseline)
+            if k == "clean":
+                clean_ndcg = dict(zip(exp["name"], exp[MEASURES[0]]))
+            exp.insert(0, "perturbation", k)
+            exp.insert(1, "changed_queries", frames[k][1])
+            exp.insert(2, "queries", len(sub))
+            exp[f"{MEASURES[0]} drop"] = [clean_ndcg[n] - v for n, v in zip(exp["name"], exp[MEASURES[0]])]
+            rows.append(exp)
+    return pd.concat(rows, ignore_index=True), examples, notes
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _cell(row: pd.Series, m: str) -> str:
+    return f"{row[m]:.4f}{p_mark(row.get(f'{m} p-value', np.nan))}"
+
+
+def _markdown(
+    results: pd.DataFrame,
+    uncertainty: pd.DataFrame,
+    risk: pd.DataFrame,
+    hard: pd.DataFrame,
+    robustness: pd.DataFrame,
+    summary: dict[str, Any],
+    baseline: str,
+) -> str:
+    """The job's tables as Markdown (what goes into the README)."""
+    lines = [f"`*`: p < 0.05, {summary['significance']}.", ""]
+    rows = summary.get("training_rows")
+    if rows:
+        lines += [
+            f"Training rows: {rows['rows']} from {rows['source']} ({rows['queries']} queries; 1 judged-relevant : "
+            f"{rows['negatives_per_group']} negatives, {rows['negatives']}; {rows['random_negatives_filled_in']} "
+            "random negatives filled in).",
+            "",
+        ]
+    losses = summary.get("training_loss_first_last") or {}
+    if losses:
+        lines += [
+            "Training loss (first -> last step): "
+            + ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, (a, b) in losses.items()),
+            "",
+        ]
+    lines += ["BM25 candidates re-ranked (nDCG@10, RR@10 = MRR@10):", ""]
+    lines += ["| collection | queries | depth | system | nDCG@10 | RR@10 |", "|---|---|---|---|---|---|"]
+    for _, r in results.iterrows():
+        lines.append(
+            f"| {r['collection']} | {r['queries']} | {r['depth']} | {r['name']} | {_cell(r, 'nDCG@10')} | "
+            f"{_cell(r, 'RR@10')} |"
+        )
+    if not uncertainty.empty:
+        lines += [
+            "",
+            "Is the uncertainty informative? std[s] (Eq. 23): its 5/50/95% quantiles over the re-ranked pairs and "
+            "median within-query coefficient of variation; Spearman rho of each query's mean std[s] over its top 10 "
+            "with its nDCG@10 (and of its mean E[s], for reference); rho of std[s] with E[s] over the pairs.",
+            "",
+        ]
+        u = uncertainty.assign(
+            **{
+                "std 5/50/95%": [
+                    f"{a:.5f} / {b:.5f} / {c:.5f}"
+                    for a, b, c in zip(uncertainty["std_q05"], uncertainty["std_q50"], uncertainty["std_q95"])
+                ],
+                "rho(std, nDCG@10)": [
+                    f"{r:.3f}{p_mark(p)}"
+                    for r, p in zip(uncertainty["rho_top10_std_vs_nDCG@10"], uncertainty["p_top10_std"])
+                ],
+                "rho(mean, nDCG@10)": [
+                    f"{r:.3f}{p_mark(p)}"
+                    for r, p in zip(uncertainty["rho_top10_mean_vs_nDCG@10"], uncertainty["p_top10_mean"])
+                ],
+            }
+        )
+        cols = [
+            "collection",
+            "name",
+            "n_queries",
+            "std 5/50/95%",
+            "std_within_query_cv_median",
+            "rho(std, nDCG@10)",
+            "rho(mean, nDCG@10)",
+            "rho_pairs_std_vs_mean",
+        ]
+        lines.append(
+            markdown_table(
+                u[cols].rename(
+                    columns={
+                        "std_within_query_cv_median": "CV in query",
+                        "rho_pairs_std_vs_mean": "rho(std, mean) pairs",
+                    }
+                ),
+                floatfmt=".3g",
+            )
+        )
+    if not risk.empty:
+        riskcols = list(dict.fromkeys(risk["name"]))
+        lines += [
+            "",
+            "Risk-aware ranking E[s] - lambda * std[s]: nDCG@10 (`*` vs lambda = 0; share of queries whose "
+            "top 10 changed)",
+            "",
+        ]
+        lines += ["| collection | model | " + " | ".join(riskcols) + " |", "|---|---|" + "---|" * len(riskcols)]
+        for (c, m), g in risk.groupby(["collection", "model"], sort=False):
+            g = g.set_index("name")
+            cells = [f"{_cell(g.loc[x], 'nDCG@10')} ({g.loc[x, 'changed_top10']:.2f})" for x in riskcols]
+            lines.append(f"| {c} | {m} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Hard queries (Table 8): the bottom 50% by nDCG@10 under the named system; %no = % of queries with "
+        "no relevant document in the top 10.",
+        "",
+    ]
+    cols = [
+        "collection",
+        "hard_under",
+        "name",
+        "n_hard",
+        "nDCG@10",
+        "nDCG@10 hard",
+        "RR@10",
+        "RR@10 hard",
+        "%no",
+        "%no hard",
+    ]
+    lines.append(markdown_table(hard[cols]))
+    if not robustness.empty:
+        kinds = list(dict.fromkeys(robustness["perturbation"]))
+        first = robustness.drop_duplicates("perturbation").set_index("perturbation")
+        n = int(first["queries"].iloc[0])
+        lines += [
+            "",
+            f"Robustness (Table 4): nDCG@10 on {n} seeded test queries, BM25 candidates of the (perturbed) "
+            f"query; `*` vs {baseline} under the same perturbation; the last row counts the changed queries.",
+            "",
+        ]
+        lines += ["| system | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
+        by = robustness.set_index(["perturbation", "name"])
+        for name in dict.fromkeys(robustness["name"]):
+            lines.append(f"| {name} | " + " | ".join(_cell(by.loc[(k, name)], "nDCG@10") for k in kinds) + " |")
+        lines.append(
+            "| changed queries | " + " | ".join(f"{first.loc[k, 'changed_queries']}/{n}" for k in kinds) + " |"
+        )
+    sc = summary["scoring"]
+    lines += [
+        "",
+        "Scoring (each distinct pair once): "
+        + ", ".join(
+            f"{k} {v['pairs_scored']} pairs" + (f" at {v['pairs_per_s']:.0f} pairs/s" if v["pairs_per_s"] else "")
+            for k, v in sc.items()
+        )
+        + ".",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,145 @@
+"""Training rows for a (Var)CrossEncoder re-ranker from any collection's train split (VarCrossEncoder Sec. 4.3).
+
+The paper fine-tunes its re-rankers on (query, document, label) triples, one judged-relevant document
+against hard negatives from a first stage (1 positive : 4 negatives on MS MARCO, Sec. 4.3). Both the
+CrossEncoder's ``BinaryCrossEntropyLoss`` and :class:`~st_extensions.losses.VariationalBCELoss` (Eq. 10, 17-21)
+train on such rows, so every re-ranker of an experiment can be given the very same data.
+:func:`cross_encoder_training_data` builds them from a :class:`~pyterrier_prob.collections.Collection` split and a
+first stage (BM25 in :mod:`pyterrier_prob.experiments.varce`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+from datasets import Dataset
+
+from pyterrier_prob.collections import Collection
+
+__all__ = ["cross_encoder_training_data", "groups_for", "normalise_query"]
+
+
+def normalise_query(text: str) -> str:
+    """A query with its whitespace collapsed (one line, single spaces): the form re-rankers and caches see."""
+    return " ".join(str(text).split())
+
+
+def cross_encoder_training_data(
+    collection: Collection,
+    split: str,
+    first_stage: Callable[[pd.DataFrame], pd.DataFrame],
+    n_groups: int,
+    negatives: int = 3,
+    pool_depth: int = 30,
+    seed: int = 0,
+    min_relevance: int = 1,
+) -> tuple[Dataset, dict[str, Any]]:
+    """``(query, document, label)`` rows: per group one judged-relevant document and ``negatives`` hard negatives.
+
+    Queries of ``split`` with at least one judged-relevant document (label >= ``min_relevance``) in the corpus
+    are shuffled (``seed``) and taken in turn, ``n_groups`` times (each query once while ``n_groups`` does not
+    exceed their number, then round again). A group is the query with one of its relevant documents (label 1.0,
+    drawn at random) and ``negatives`` documents (label 0.0) drawn from the query's ``first_stage`` top
+    ``pool_depth`` minus **every document judged for it** (relevant or not); when that pool runs short, random
+    unjudged documents of the corpus fill in (counted in the returned info).
+
+    Args:
+        collection: the collection (its documents and the split's topics and qrels).
+        split: the split to train on (e.g. ``"train"``).
+        first_stage: topics (``qid, query``) -> a ranked result frame (``qid, docno, rank``), e.g. a PISA
+            index's ``bm25(num_results=pool_depth)``; only its top ``pool_depth`` per query are used.
+        n_groups: number of (query, positive, negatives) groups; each gives ``1 + negatives`` rows.
+        negatives: negatives per positive (the paper's 1:4 ratio is ``negatives=4``).
+        pool_depth: depth of the first-stage ranking the negatives come from.
+        seed: seed of the query order, the positive and the negatives.
+        min_relevance: smallest label counted as relevant.
+
+    Returns:
+        ``(dataset, info)``: a :class:`datasets.Dataset` with columns ``query``, ``document``, ``label`` (float;
+        the rows of a group are consecutive, positive first) and a dict describing what was built.
+
+    Raises:
+        ValueError: bad sizes, or a split with no relevant (query, document) pair in the corpus.
+    """
+    for name, value, low in (("n_groups", n_groups, 1), ("negatives", negatives, 1), ("pool_depth", pool_depth, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    topics = collection.topics(split)
+    queries = {str(q): normalise_query(t) for q, t in zip(topics["qid"], topics["query"])}
+    qrels = collection.qrels(split)
+    judged: dict[str, set[str]] = {}
+    relevant: dict[str, set[str]] = {}
+    for q, d, label in qrels[["qid", "docno", "label"]].itertuples(index=False):
+        q, d = str(q), str(d)
+        judged.setdefault(q, set()).add(d)
+        if label >= min_relevance:
+            relevant.setdefault(q, set()).add(d)
+    candidates = sorted(q for q in relevant if queries.get(q))
+    # the relevant documents that exist in the corpus (a qrel may name a document the corpus lacks)
+    texts = collection.doc_texts({d for q in candidates for d in relevant[q]})
+    relevant = {q: sorted(d for d in relevant[q] if d in texts) for q in candidates}
+    qids = [q for q in candidates if relevant[q]]
+    if not qids:
+        raise ValueError(
+            f"{collection.name}/{split} has no query with a judged-relevant document (label >= {min_relevance}) "
+            "in the corpus: nothing to train a re-ranker on"
+        )
+    rng = random.Random(seed)
+    rng.shuffle(qids)
+    picked = [qids[i % len(qids)] for i in range(n_groups)]
+    unique = list(dict.fromkeys(picked))
+    ranked = first_stage(pd.DataFrame({"qid": unique, "query": [queries[q] for q in unique]}))
+    ranked = ranked.assign(qid=ranked["qid"].astype(str), docno=ranked["docno"].astype(str))
+    if "rank" in ranked.columns:
+        ranked = ranked.sort_values(["qid", "rank"], kind="stable")
+    pools = {q: list(g["docno"].head(pool_depth)) for q, g in ranked.groupby("qid", sort=False)}
+
+    all_docnos: list[str] | None = None
+    n_random = 0
+    groups: list[tuple[str, str, list[str]]] = []
+    for q in picked:
+        pos = rng.choice(relevant[q])
+        pool = [d for d in pools.get(q, []) if d not in judged[q]]
+        negs = rng.sample(pool, min(negatives, len(pool)))
+        if len(negs) < negatives:
+            if all_docnos is None:
+                all_docnos = sorted(d["docno"] for d in collection.corpus_iter())
+            free = len(all_docnos) - len(judged[q] | set(negs))
+            if free < negatives - len(negs):
+                raise ValueError(
+                    f"{collection.name} has too few unjudged documents for {negatives} negatives of query {q!r}"
+                )
+            while len(negs) < negatives:
+                d = rng.choice(all_docnos)
+                if d not in judged[q] and d not in negs:
+                    negs.append(d)
+                    n_random += 1
+        groups.append((q, pos, negs))
+    texts.update(collection.doc_texts({d for _, _, negs in groups for d in negs} - set(texts)))
+    rows: dict[str, list[Any]] = {"query": [], "document": [], "label": []}
+    for q, pos, negs in groups:
+        for d, y in [(pos, 1.0)] + [(d, 0.0) for d in negs]:
+            rows["query"].append(queries[q])
+            rows["document"].append(texts.get(d, ""))
+            rows["label"].append(y)
+    info = {
+        "source": f"{collection.name}/{split}",
+        "queries": len(unique),
+        "queries_available": len(qids),
+        "groups": n_groups,
+        "rows": len(rows["label"]),
+        "positives_per_group": 1,
+        "negatives_per_group": negatives,
+        "negatives": f"first-stage top {pool_depth} of the query minus its judged documents",
+        "random_negatives_filled_in": n_random,
+    }
+    return Dataset.from_dict(rows), info
+
+
+def groups_for(steps: int, batch_size: int, negatives: int) -> int:
+    """Groups of ``1 + negatives`` rows that fill ``steps`` batches of ``batch_size`` rows (rounded up)."""
+    return max(1, math.ceil(steps * batch_size / (1 + negatives)))

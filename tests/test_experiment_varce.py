@@ -1,0 +1,211 @@
+"""``pyterrier-prob varce``: options, bad settings, the training rows, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from pyterrier_prob.cli import main
+
+SYSTEMS = ["BM25", "CE", "VarCE-MEANVAR", "VarCE-VAR"]
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["varce", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for option in (
+        "--dataset",
+        "--test-dataset",
+        "--model",
+        "--steps",
+        "--negatives",
+        "--beta",
+        "--depth",
+        "--max-queries",
+        "--risks",
+        "--robust-queries",
+        "--robust-depth",
+        "--noise",
+        "--ood",
+        "--output",
+        "--reuse",
+    ):
+        assert option in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--negatives", "0"], "--negatives must be >= 1"),
+        (["--negatives", "5", "--pool-depth", "4"], "--pool-depth (4) must be at least --negatives (5)"),
+        (["--beta", "-1"], "--beta must be finite and >= 0"),
+        (["--depth", "0"], "--depth must be >= 1"),
+        (["--max-queries", "0"], "--max-queries must be >= 1"),
+        (["--robust-queries", "-1"], "--robust-queries must be >= 0"),
+        (["--risks", "nan"], "--risks must be finite numbers"),
+        (["--dev-split", "x", "--test-split", "x"], "must differ from the train and dev splits"),
+        (["--noise", "RD", "--robust-depth", "0"], "--robust-depth must be >= 1"),
+        (["--steps", "-1"], "--steps must be >= 0"),
+    ],
+)
+def test_bad_settings_exit_2_with_a_message(argv, message, capsys):
+    assert main(["varce", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---- the training rows -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_bm25(small_beir, tmp_path_factory):
+    """The small BEIR collection and a PISA BM25 index of it."""
+    from pyterrier_pisa import PisaIndex
+
+    from pyterrier_prob.collections import load_collection
+
+    coll = load_collection(small_beir[0])
+    index = PisaIndex(str(tmp_path_factory.mktemp("bm25") / "index.pisa"), text_field="text", threads=1)
+    index.index(coll.corpus_iter())
+    return coll, index
+
+
+def _check_rows(coll, split, rows, negatives):
+    """Labels 1, 0 x negatives per group; the positive is judged relevant; no negative is judged for its query."""
+    texts = {}
+    for d in coll.corpus_iter():
+        texts.setdefault(d["text"], set()).add(d["docno"])
+    qid_of = {" ".join(q.split()): qid for qid, q in zip(coll.topics(split)["qid"], coll.topics(split)["query"])}
+    qrels = coll.qrels(split)
+    judged = qrels.groupby("qid")["docno"].apply(set).to_dict()
+    relevant = qrels[qrels["label"] >= 1].groupby("qid")["docno"].apply(set).to_dict()
+    frame = rows.to_pandas()
+    assert list(frame.columns) == ["query", "document", "label"]
+    group = 1 + negatives
+    assert len(frame) % group == 0
+    assert frame["label"].tolist() == ([1.0] + [0.0] * negatives) * (len(frame) // group)
+    for start in range(0, len(frame), group):
+        g = frame.iloc[start : start + group]
+        assert g["query"].nunique() == 1
+        qid = qid_of[g["query"].iloc[0]]
+        assert texts[g["document"].iloc[0]] & relevant[qid]
+        for doc in g["document"].iloc[1:]:
+            assert not texts[doc] & judged[qid], "a judged document was used as a negative"
+        assert g["document"].iloc[1:].nunique() == negatives
+
+
+@pytest.mark.parametrize("negatives", [3, 2])
+def test_training_rows_from_bm25(small_bm25, negatives):
+    from pyterrier_prob.varce.data import cross_encoder_training_data
+
+    coll, index = small_bm25
+    rows, info = cross_encoder_training_data(
+        coll, "train", index.bm25(num_results=30), n_groups=10, negatives=negatives
+    )
+    assert len(rows) == 10 * (1 + negatives)
+    _check_rows(coll, "train", rows, negatives)
+    assert info["queries"] == 10 and info["groups"] == 10 and info["rows"] == len(rows)
+    assert info["negatives_per_group"] == negatives
+    again, _ = cross_encoder_training_data(coll, "train", index.bm25(num_results=30), n_groups=10, negatives=negatives)
+    assert again.to_dict() == rows.to_dict()  # seeded
+
+
+def test_training_rows_cycle_through_queries_and_fill_in_random_negatives(small_bm25):
+    from pyterrier_prob.varce.data import cross_encoder_training_data, groups_for
+
+    coll, _ = small_bm25
+    n = len(coll.topics("train"))
+
+    def nothing(topics):
+        return pd.DataFrame({"qid": pd.Series(dtype=str), "docno": pd.Series(dtype=str), "rank": []})
+
+    groups = n + 5  # more groups than queries: every query once, then round again
+    rows, info = cross_encoder_training_data(coll, "train", nothing, n_groups=groups, negatives=3, seed=1)
+    _check_rows(coll, "train", rows, 3)
+    assert info["queries"] == n and info["groups"] == groups
+    assert info["random_negatives_filled_in"] == 3 * groups
+    assert groups_for(steps=10, batch_size=16, negatives=3) == 40
+    assert groups_for(steps=3, batch_size=5, negatives=3) == 4  # rounded up
+
+
+def test_training_rows_need_relevant_documents(small_bm25):
+    from pyterrier_prob.varce.data import cross_encoder_training_data
+
+    coll, index = small_bm25
+    with pytest.raises(ValueError, match="no query with a judged-relevant document"):
+        cross_encoder_training_data(coll, "train", index.bm25(num_results=30), n_groups=4, min_relevance=5)
+    with pytest.raises(ValueError, match="negatives must be an int >= 1"):
+        cross_encoder_training_data(coll, "train", index.bm25(num_results=30), n_groups=4, negatives=0)
+
+
+# ---- end to end --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
+    """Three re-rankers trained for 2 steps on the small BEIR folder, every table written; --reuse neither trains
+    nor scores again; a saved VarCrossEncoder with --steps 0 is evaluated as given, also zero-shot (--ood)."""
+    folder, info = small_beir
+    out = tmp_path / "varce"
+    argv = ["varce", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    argv += ["--depth", "5", "--robust-queries", "3", "--robust-depth", "3", "--output", str(out), "--quiet"]
+    assert main(argv) == 0
+
+    results = pd.read_csv(out / "results.csv")
+    assert results["name"].tolist() == SYSTEMS
+    assert (results["queries"] == info["queries"]["test"]).all() and (results["depth"] == 5).all()
+    assert results[["nDCG@10", "RR@10"]].apply(lambda c: c.between(0, 1)).all().all()
+    assert {"nDCG@10 p-value", "RR@10 p-value"} <= set(results.columns)
+    assert results.loc[results["name"] == "CE", "nDCG@10 p-value"].isna().all()  # the significance baseline
+
+    unc = pd.read_csv(out / "uncertainty.csv")
+    assert unc["name"].tolist() == ["VarCE-MEANVAR", "VarCE-VAR"]
+    assert (unc["std_q05"] > 0).all() and (unc["std_q05"] <= unc["std_q95"]).all()
+    risk = pd.read_csv(out / "risk.csv")
+    assert risk["risk"].tolist() == [0.0, 0.5, 1.0, 2.0] * 2
+    assert risk["changed_top10"].between(0, 1).all()
+    hard = pd.read_csv(out / "hard_queries.csv")
+    assert set(hard["hard_under"]) == {"CE", "BM25"} and set(hard["name"]) == set(SYSTEMS)
+    assert hard["%no"].between(0, 100).all()
+    robust = pd.read_csv(out / "robustness.csv")
+    assert list(dict.fromkeys(robust["perturbation"])) == ["clean", "RD", "RS", "SE", "SR", "WEI", "WES"]
+    assert (robust["queries"] == 3).all() and robust["changed_queries"].between(0, 3).all()
+    assert robust[["nDCG@10", "RR@10"]].apply(lambda c: c.between(0, 1)).all().all()
+    clean = robust[robust["perturbation"] == "clean"]
+    assert (clean["nDCG@10 drop"] == 0).all()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["experiment"] == "varce" and summary["systems"] == SYSTEMS
+    assert summary["fine_tuned"] is True
+    assert summary["training_rows"]["rows"] == 8  # 2 steps x 4 rows: 2 groups of 1 relevant + 3 negatives
+    assert set(summary["training_loss_first_last"]) == {"CE", "VarCE-MEANVAR", "VarCE-VAR"}
+    assert {"train_CE", "train_VarCE-MEANVAR", "train_VarCE-VAR"} <= set(summary["timings_s"])
+    assert all(s["pairs_scored"] > 0 for s in summary["scoring"].values())
+    assert summary["data"]["test"].endswith("/test")
+    assert (out / "results.md").read_text().startswith("# VarCrossEncoder")
+    assert (out / "models" / "VarCE-VAR" / "modules.json").exists()
+
+    assert main([*argv, "--reuse"]) == 0  # same models, same scores: nothing trained or scored again
+    again = json.loads((out / "summary.json").read_text())
+    assert not {"train_CE", "train_VarCE-MEANVAR", "train_VarCE-VAR"} & set(again["timings_s"])
+    assert all(s["pairs_scored"] == 0 and s["pairs_from_earlier_runs"] > 0 for s in again["scoring"].values())
+    pd.testing.assert_frame_equal(pd.read_csv(out / "results.csv"), results)
+
+    given = tmp_path / "given"
+    argv = ["varce", "--dataset", str(folder), "--steps", "0", "--model", str(out / "models" / "VarCE-VAR")]
+    argv += ["--depth", "5", "--max-queries", "6", "--robust-queries", "0", "--max-seq-length", "32"]
+    argv += ["--ood", str(small_beir_no_train_no_dev[0]), "--ood-queries", "4", "--ood-depth", "3"]
+    assert main([*argv, "--output", str(given), "--quiet"]) == 0
+    summary = json.loads((given / "summary.json").read_text())
+    assert summary["systems"] == ["BM25", "VarCE-VAR"] and summary["fine_tuned"] is False
+    assert summary["model_kind"] == "var"
+    res = pd.read_csv(given / "results.csv")
+    assert res["name"].tolist() == ["BM25", "VarCE-VAR"] * 2
+    assert res["queries"].tolist() == [6, 6, 4, 4] and res["depth"].tolist() == [5, 5, 3, 3]
+    assert res["collection"].nunique() == 2
+    assert res.loc[res["name"] == "BM25", "nDCG@10 p-value"].isna().all()  # no CE: tested against BM25
+    assert pd.read_csv(given / "uncertainty.csv")["name"].tolist() == ["VarCE-VAR"] * 2
+    assert not (given / "robustness.csv").exists()
