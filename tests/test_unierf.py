@@ -534,6 +534,19 @@ def test_rank_cutoff_fixes_the_total_budget(dense):
     assert repr(cut) == f"MultiBranchRetriever({index!r}, branches=['semantic', 'trigger'], num_results=8)"
 
 
+def test_repeated_qids_are_retrieved_once(dense):
+    """A qid repeated with identical branch vectors gives the result of one row; different vectors under one qid
+    are an error naming the qid and the column (no duplicate (qid, docno) rows, no two rank-0 rows)."""
+    index, _, frame = dense
+    retriever = MultiBranchRetriever(index, BRANCHES, num_results=6)
+    expected = retriever(frame)
+    doubled = pd.concat([frame, frame.copy()], ignore_index=True)
+    pd.testing.assert_frame_equal(retriever(doubled), expected)
+    clash = pd.concat([frame, frame.iloc[[1]].assign(query_vec_trigger=[frame.loc[0, "query_vec_trigger"]])])
+    with pytest.raises(ValueError, match=r"q1.*query_vec_trigger|query_vec_trigger.*q1"):
+        retriever(clash.reset_index(drop=True))
+
+
 def test_retriever_empty_frames_and_errors(dense):
     index, _, frame = dense
     retriever = MultiBranchRetriever(index, BRANCHES, num_results=5, drop_query_vec=True)

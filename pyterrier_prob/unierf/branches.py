@@ -37,6 +37,7 @@ from datasets import Dataset
 
 from pyterrier_prob.index.dense import as_dense_index
 from pyterrier_prob.pebr.cutoff import QUERY_BATCH, _docnos_of, threshold_search
+from pyterrier_prob.validation import check_ids, check_rows_match_query, first_rows, row_namer, stack_arrays
 from st_extensions.modules.branches import check_branch_names
 from st_extensions.unierf import SEP, branch_text, build_unierf_dataset, encode_branches, find_branches
 
@@ -502,6 +503,21 @@ class MultiBranchRetriever(pt.Transformer):
     def subtransformers(self) -> dict:
         return {}
 
+    def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
+        """Each qid once (its first row): a repeated qid must repeat every branch vector exactly (a ValueError
+        naming the qid, the rows and the column otherwise), so no (qid, docno) is returned twice."""
+        if not len(inp):
+            return inp
+        check_ids(inp, ["qid"], "MultiBranchRetriever")
+        codes, first = first_rows(inp["qid"])
+        if len(first) == len(inp):
+            return inp
+        owner = "MultiBranchRetriever"
+        for col in self.vector_columns:
+            reference = stack_arrays(inp[col].to_numpy()[first], col, lambda i: row_namer(inp)(int(first[i])), owner)
+            check_rows_match_query(inp, codes, first, col, reference, owner)
+        return inp.iloc[first].reset_index(drop=True)
+
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         cols = self.vector_columns
         try:
@@ -514,7 +530,7 @@ class MultiBranchRetriever(pt.Transformer):
                 "add the branch vectors with UniERFEncoder(model).query_encoder()",
                 e.modes,
             ) from e
-        inp = inp.reset_index(drop=True)
+        inp = self._one_row_per_query(inp.reset_index(drop=True))
         base = inp.drop(columns=cols) if self.drop_query_vec else inp
         if not len(inp):
             return base.assign(
