@@ -7,8 +7,9 @@ import random
 from datasets import Dataset
 
 from pyterrier_prob.collections import Collection, load_collection
+from st_extensions.judged import JudgedPairs, pair_labels
 
-__all__ = ["training_pairs", "relevant_counts"]
+__all__ = ["training_pairs", "judged_pairs", "relevant_counts"]
 
 
 def _source(source: str | Collection, split: str | None) -> tuple[Collection, str]:
@@ -38,9 +39,12 @@ def training_pairs(
         min_relevance: smallest qrel grade counted as relevant.
 
     Returns:
-        A :class:`datasets.Dataset` with columns ``anchor`` (query text), ``positive`` (document text)
-        and ``qid`` (for analysis; drop it before training). Use ``BatchSamplers.NO_DUPLICATES`` so a query
-        with many relevant documents does not meet itself as an in-batch negative.
+        A :class:`datasets.Dataset` with columns ``anchor`` (query text), ``positive`` (document text), ``label``
+        (``[query key, document key]``, :func:`st_extensions.judged.pair_labels`: the losses mask judged-relevant
+        in-batch negatives with it, and :class:`~st_extensions.sampler.QueryBalancedBatchSampler` groups rows by
+        query with it) and ``qid`` (for analysis; :func:`~pyterrier_prob.training.fine_tune` drops it). Train with
+        ``QueryBalancedBatchSampler`` (``fine_tune`` does): each epoch is one pass over the queries, one row each,
+        every query's relevant documents cycled across epochs, the queries of a batch distinct.
     """
     coll, split = _source(source, split)
     queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
@@ -59,13 +63,27 @@ def training_pairs(
         qrels = qrels[:max_pairs]
     docs = coll.doc_texts({doc_id for _, doc_id in qrels})
     rows = [(qid, queries[qid], docs[doc_id]) for qid, doc_id in qrels if doc_id in docs]
+    anchors, positives = [r[1] for r in rows], [r[2] for r in rows]
     return Dataset.from_dict(
         {
-            "anchor": [r[1] for r in rows],
-            "positive": [r[2] for r in rows],
+            "anchor": anchors,
+            "positive": positives,
+            "label": pair_labels(anchors, positives),
             "qid": [r[0] for r in rows],
         }
     )
+
+
+def judged_pairs(source: str | Collection, split: str | None = None, min_relevance: int = 1) -> JudgedPairs:
+    """Every judged-relevant (query text, document text) pair of a split (label >= ``min_relevance``; by default
+    every positive grade, so a document judged relevant at any grade is never an in-batch negative), for the
+    ``judged=`` argument of the losses."""
+    coll, split = _source(source, split)
+    queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
+    q = coll.qrels(split)
+    q = q[(q["label"] >= min_relevance) & q["qid"].isin(queries)]
+    docs = coll.doc_texts(set(q["docno"]))
+    return JudgedPairs((queries[a], docs[b]) for a, b in zip(q["qid"], q["docno"]) if b in docs)
 
 
 def relevant_counts(source: str | Collection, split: str | None = None, min_relevance: int = 1) -> dict[str, int]:

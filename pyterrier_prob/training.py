@@ -5,18 +5,20 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import tempfile
 
 import torch
 from datasets import Dataset
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-from sentence_transformers.base.sampler import BatchSamplers
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-__all__ = ["fine_tune"]
+from st_extensions.frozen import CachedEmbeddings
+
+__all__ = ["fine_tune", "head_learning_rates", "text_columns"]
 
 
 class _LossBar(TrainerCallback):
@@ -44,6 +46,40 @@ class _LossBar(TrainerCallback):
             self.bar = None
 
 
+def head_learning_rates(model: nn.Module, loss: nn.Module) -> dict[str, float]:
+    """``learning_rate_mapping`` for the trainer: every parameter of a module that declares a ``learning_rate``
+    (the modules our builders add: :class:`~st_extensions.modules.LinearAdapter`, the pEBR
+    :class:`~st_extensions.modules.QueryDistributionHead`, :class:`~st_extensions.modules.MixtureOfLogits`,
+    :class:`~st_extensions.modules.MultiBranchQueryEncoder`, the VarCE ``VariationalHead``) trains at that rate;
+    the encoder keeps the trainer's rate. Keys are exact parameter names as the trainer sees them (through
+    ``loss``)."""
+    rates: dict[int, float] = {}
+    for m in model.modules():
+        lr = getattr(type(m), "learning_rate", None)
+        if isinstance(lr, float):
+            for p in m.parameters():
+                rates.setdefault(id(p), lr)
+    return {f"^{re.escape(n)}$": rates[id(p)] for n, p in loss.named_parameters() if id(p) in rates}
+
+
+def text_columns(train: Dataset) -> list[str]:
+    """The columns a SentenceTransformer trains on, in order: ``anchor*``, ``positive*``, ``negative*``."""
+    return [c for c in train.column_names if c.startswith(("anchor", "positive", "negative"))]
+
+
+@contextlib.contextmanager
+def _loss_on(loss: nn.Module, model: nn.Module, stand_in: nn.Module):
+    """Point every ``.model`` of ``loss`` (and of its submodules) that is ``model`` at ``stand_in`` for a while."""
+    swapped = [m for m in loss.modules() if getattr(m, "model", None) is model]
+    for m in swapped:
+        m.model = stand_in
+    try:
+        yield
+    finally:
+        for m in swapped:
+            m.model = model
+
+
 def fine_tune(
     model: SentenceTransformer,
     loss: nn.Module,
@@ -56,17 +92,30 @@ def fine_tune(
     show_progress: bool = True,
     learning_rate_mapping: dict[str, float] | None = None,
     desc: str = "training",
+    frozen: bool = False,
+    head_learning_rate: float | None = None,
+    encoder_cache: CachedEmbeddings | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` optimiser steps of ``batch_size`` training rows.
 
     A :class:`~sentence_transformers.CrossEncoder` (e.g. a VarCrossEncoder) trains with
     :class:`~sentence_transformers.cross_encoder.CrossEncoderTrainer` on its ``(query, document, label)`` rows as
     given (shuffled, every column kept). Any other model trains with
-    :class:`~sentence_transformers.SentenceTransformerTrainer` with ``BatchSamplers.NO_DUPLICATES``
-    (a query with many relevant documents never meets itself as an in-batch negative), 10% linear warm-up,
-    no checkpoints. Only columns named ``anchor*``, ``positive*`` and ``negative*`` are kept, in their order (so
-    UniERF's ``anchor_<branch>`` / ``positive_doc`` / ``negative_<branch>`` layout passes; ``qid`` is dropped).
-    ``learning_rate_mapping`` (regex on parameter names -> learning rate) trains new heads faster than the encoder.
+    :class:`~sentence_transformers.SentenceTransformerTrainer` on query-balanced batches
+    (:class:`~st_extensions.sampler.QueryBalancedBatchSampler`: distinct queries per batch, each query's relevant
+    documents cycled across epochs), 10% linear warm-up, no checkpoints. Only columns named ``anchor*``,
+    ``positive*`` and ``negative*`` are trained on, in their order (so UniERF's ``anchor_<branch>`` /
+    ``positive_doc`` / ``negative_<branch>`` layout passes), plus a ``label`` column (the
+    :func:`~st_extensions.judged.pair_labels` keys with which the losses mask judged-relevant in-batch negatives).
+
+    Learning rates: the encoder trains at ``learning_rate``; the parameters of every module a builder added train
+    at that module's declared ``learning_rate`` (:func:`head_learning_rates`), or at ``head_learning_rate`` when
+    given; ``learning_rate_mapping`` (regex on parameter names -> learning rate) overrides both.
+
+    ``frozen=True`` trains only the added modules, on the encoder outputs of every training text computed once
+    (:func:`st_extensions.frozen.cached_model`; ``encoder_cache`` reuses and extends a cache of the same encoder);
+    the model is then saved and used exactly as after full training.
+
     Progress is one bar over the steps (``desc``, the running loss as postfix; none when ``show_progress`` is
     false), never a printed line per step.
 
@@ -77,24 +126,39 @@ def fine_tune(
         raise ValueError(f"steps must be > 0 and batch_size > 1, got steps={steps}, batch_size={batch_size}")
     from sentence_transformers import CrossEncoder
 
+    from st_extensions.sampler import QueryBalancedBatchSampler
+
     cross = isinstance(model, CrossEncoder)
+    trained: nn.Module = model
     if cross:
+        if frozen:
+            raise ValueError("frozen=True is for SentenceTransformer models (the VarCE head: varce.frozen)")
         from sentence_transformers.cross_encoder import CrossEncoderTrainer as Trainer
         from sentence_transformers.cross_encoder import CrossEncoderTrainingArguments as Arguments
 
         sampler = {}
     else:
         Trainer, Arguments = SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-        sampler = {"batch_sampler": BatchSamplers.NO_DUPLICATES}
-        keep = [c for c in train.column_names if c.startswith(("anchor", "positive", "negative"))]
+        sampler = {"batch_sampler": QueryBalancedBatchSampler}
+        keep = text_columns(train) + (["label"] if "label" in train.column_names else [])
         train = train.select_columns(keep)
-    with tempfile.TemporaryDirectory() as tmp:
+        if frozen:
+            from st_extensions.frozen import cached_model
+
+            texts = [t for c in text_columns(train) for t in train[c]]
+            trained = cached_model(model, texts, show_progress_bar=show_progress, cache=encoder_cache)
+    swap = _loss_on(loss, model, trained) if trained is not model else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, swap:
+        mapping = head_learning_rates(model, loss)  # names as the trainer sees them, through the (swapped) loss
+        if head_learning_rate is not None:
+            mapping = dict.fromkeys(mapping, float(head_learning_rate))
+        mapping.update(learning_rate_mapping or {})
         args = Arguments(
             output_dir=output_dir or os.path.join(tmp, "run"),
             max_steps=steps,
             per_device_train_batch_size=batch_size,
             learning_rate=learning_rate,
-            learning_rate_mapping=learning_rate_mapping or {},
+            learning_rate_mapping=mapping,
             warmup_steps=0.1,  # a float below 1 is a ratio of the steps (transformers >= 5)
             seed=seed,
             report_to="none",
@@ -108,7 +172,7 @@ def fine_tune(
         # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
         quiet = contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(io.StringIO())
         with quiet:
-            trainer = Trainer(model=model, args=args, train_dataset=train, loss=loss)
+            trainer = Trainer(model=trained, args=args, train_dataset=train, loss=loss)
         for cb in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(cb)
         trainer.add_callback(_LossBar(show_progress, desc))

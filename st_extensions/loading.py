@@ -28,7 +28,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 
 from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead
-from st_extensions.modules import MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
+from st_extensions.modules import LinearAdapter, MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.modules.safetensors_module import check_safetensors_file
 
 #: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
@@ -48,6 +48,7 @@ register_module(QueryDistributionHead)
 register_module(MixtureOfLogits)
 register_module(VariationalHead)
 register_module(MultiBranchQueryEncoder)
+register_module(LinearAdapter)
 
 #: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
 #: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).

@@ -16,6 +16,7 @@ from sentence_transformers import SentenceTransformer
 
 from st_extensions.defaults import default_model_path
 from st_extensions.distributions import BetaCosine, ExpCosine
+from st_extensions.modules.adapter import LinearAdapter
 from st_extensions.modules.query_distribution import OUTPUT_KEY, Family, QueryDistributionHead
 
 
@@ -37,6 +38,7 @@ def build_pebr_model(
     family: Family = "beta",
     tau_init: float = 0.05,
     device: str | None = None,
+    projection: bool = False,
     **head_kwargs,
 ) -> SentenceTransformer:
     """A SentenceTransformer whose query path ends in a :class:`QueryDistributionHead`.
@@ -47,6 +49,9 @@ def build_pebr_model(
         family: ``"exp"`` (ExpNCE), ``"beta"`` (BetaNCE) or ``"beta_mle"`` (MLE, Sec. 3.1).
         tau_init: every query's temperature at initialisation.
         device: where to put the model.
+        projection: put a :class:`~st_extensions.modules.LinearAdapter` (residual, zero-initialised, shared by
+            queries and documents) before the head, so that with a frozen encoder the embedding space still
+            trains (:func:`st_extensions.frozen.cached_model`).
         **head_kwargs: further :class:`QueryDistributionHead` arguments (bounds, ``scale``).
 
     Returns:
@@ -66,6 +71,8 @@ def build_pebr_model(
         raise ValueError("cannot tell the base model's embedding dimension")
     head = QueryDistributionHead(dim, family=family, tau_init=tau_init, **head_kwargs)
     modules = [copy.deepcopy(m) for m in base_model]
+    if projection:
+        modules.append(LinearAdapter(dim))
     return SentenceTransformer(modules=[*modules, head], device=device or str(base_model.device))
 
 

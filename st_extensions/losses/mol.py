@@ -17,6 +17,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import merge_feature_batches
 from torch import Tensor, nn
 
+from st_extensions.judged import JudgedPairs, masked_logits
 from st_extensions.modules.mol import COMPONENTS_KEY, FEATURES_KEY, mutual_information_loss
 from st_extensions.mol import find_mol
 
@@ -54,6 +55,9 @@ class MoLLoss(nn.Module):
         alpha: weight of L_MI (the paper's alpha; default 0.001).
         scale: s, the inverse temperature of the sampled softmax.
         eps: probabilities are clamped to ``eps`` inside the logs of L_MI.
+        judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
+            (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
+            are left out of its softmax (they stay in L_MI, which only balances the gate).
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.MixtureOfLogits` head.
@@ -83,7 +87,14 @@ class MoLLoss(nn.Module):
             SentenceTransformerTrainer(model=model, train_dataset=train, loss=MoLLoss(model)).train()
     """
 
-    def __init__(self, model: SentenceTransformer, alpha: float = 0.001, scale: float = 20.0, eps: float = 1e-12):
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        alpha: float = 0.001,
+        scale: float = 20.0,
+        eps: float = 1e-12,
+        judged: JudgedPairs | None = None,
+    ):
         super().__init__()
         self.mol = find_mol(model)
         if not (math.isfinite(alpha) and alpha >= 0):
@@ -96,6 +107,7 @@ class MoLLoss(nn.Module):
         self.alpha = float(alpha)
         self.scale = float(scale)
         self.eps = float(eps)
+        self.judged = judged
 
     def _encode(self, features: list[dict[str, Any]], task: str) -> tuple[Tensor, Tensor | None]:
         """Components (and gate features) of one or more columns, in one merged forward where possible."""
@@ -118,7 +130,7 @@ class MoLLoss(nn.Module):
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         scores, gates = self.scores_and_gates(sentence_features)
         target = torch.arange(len(scores), device=scores.device)
-        loss = F.cross_entropy(self.scale * scores, target)
+        loss = F.cross_entropy(masked_logits(self.scale * scores, self.judged, labels), target)
         if self.alpha:
             loss = loss + self.alpha * mutual_information_loss(gates, eps=self.eps)
         return loss

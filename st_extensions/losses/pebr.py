@@ -16,6 +16,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
+from st_extensions.judged import JudgedPairs, masked_logits
 from st_extensions.pebr import find_head
 
 PEBR_CITATION = """
@@ -33,7 +34,7 @@ class _PEBRLoss(nn.Module):
 
     family: str = ""
 
-    def __init__(self, model: SentenceTransformer, eps: float = 1e-6) -> None:
+    def __init__(self, model: SentenceTransformer, eps: float = 1e-6, judged: JudgedPairs | None = None) -> None:
         super().__init__()
         head = find_head(model)
         if head.family != self.family:
@@ -46,6 +47,7 @@ class _PEBRLoss(nn.Module):
         self.model = model
         self.head = head
         self.eps = eps
+        self.judged = judged
 
     def cosines_and_params(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
         """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (column 0 of candidates is
@@ -88,6 +90,9 @@ class ExpNCELoss(_PEBRLoss):
 
     Args:
         model: a SentenceTransformer built with ``build_pebr_model(..., family="exp")``.
+        judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
+            (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
+            are left out of its softmax (:class:`st_extensions.judged.JudgedPairs`).
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"exp"``.
@@ -117,15 +122,15 @@ class ExpNCELoss(_PEBRLoss):
 
     family = "exp"
 
-    def __init__(self, model: SentenceTransformer) -> None:
-        super().__init__(model)
+    def __init__(self, model: SentenceTransformer, judged: JudgedPairs | None = None) -> None:
+        super().__init__(model, judged=judged)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"family": self.family}
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)
-        logits = cos / params[:, :1]
+        logits = masked_logits(cos / params[:, :1], self.judged, labels)
         return F.cross_entropy(logits, torch.arange(len(logits), device=logits.device))
 
 
@@ -144,6 +149,9 @@ class BetaNCELoss(_PEBRLoss):
     Args:
         model: a SentenceTransformer built with ``build_pebr_model(..., family="beta")``.
         eps: lower clamp of z.
+        judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
+            (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
+            are left out of its softmax (:class:`st_extensions.judged.JudgedPairs`).
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta"``.
@@ -172,7 +180,7 @@ class BetaNCELoss(_PEBRLoss):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)
-        logits = self.log_z(cos) / params[:, :1]
+        logits = masked_logits(self.log_z(cos) / params[:, :1], self.judged, labels)
         return F.cross_entropy(logits, torch.arange(len(logits), device=logits.device))
 
 
@@ -202,6 +210,9 @@ class BetaMLELoss(_PEBRLoss):
         model: a SentenceTransformer built with ``build_pebr_model(..., family="beta_mle")``.
         negative_weight: weight w of the irrelevant-item term.
         eps: z is clamped to ``[eps, 1 - eps]`` so the log-densities and gradients stay finite.
+        judged: judged-relevant pairs of the training qrels; in-batch candidates they judge relevant to the
+            anchor are left out of the irrelevant-item term (needs the ``label`` column of
+            :func:`st_extensions.judged.pair_labels`).
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta_mle"``.
@@ -229,8 +240,14 @@ class BetaMLELoss(_PEBRLoss):
 
     family = "beta_mle"
 
-    def __init__(self, model: SentenceTransformer, negative_weight: float = 1.0, eps: float = 1e-6) -> None:
-        super().__init__(model, eps=eps)
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        negative_weight: float = 1.0,
+        eps: float = 1e-6,
+        judged: JudgedPairs | None = None,
+    ) -> None:
+        super().__init__(model, eps=eps, judged=judged)
         if not (math.isfinite(negative_weight) and negative_weight >= 0):
             raise ValueError(f"negative_weight must be finite and >= 0, got {negative_weight}")
         self.negative_weight = negative_weight
@@ -244,7 +261,10 @@ class BetaMLELoss(_PEBRLoss):
         positive = torch.zeros_like(cos, dtype=torch.bool)
         positive[torch.arange(batch), torch.arange(batch)] = True
         log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
-        log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[~positive]
+        irrelevant = ~positive
+        if self.judged is not None and labels is not None:
+            irrelevant &= ~self.judged.mask(labels, cos.shape[1]).to(cos.device)
+        log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[irrelevant]
         return -(log_f.mean() + self.negative_weight * log_h.mean())
 
     def get_config_dict(self) -> dict[str, Any]:

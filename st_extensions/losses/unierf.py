@@ -21,6 +21,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
+from st_extensions.judged import JudgedPairs
 from st_extensions.unierf import find_branches, parse_unierf_columns, unierf_columns
 
 UNIERF_CITATION = """
@@ -249,6 +250,9 @@ class UniERFLoss(nn.Module):
         document_tower: a :class:`FrozenDocumentTower`: the positives and negatives are embedded by it (fixed,
             no gradient) instead of by ``model``, so only the query tower trains. ``None``: the shared document
             tower is ``model`` itself and is fine-tuned with the queries.
+        judged: judged-relevant pairs of the training qrels; with a ``label`` column of
+            :func:`st_extensions.judged.pair_labels` (query, positive document), in-batch negatives judged relevant
+            to the anchor's query leave its triplet and InfoNCE terms.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.MultiBranchQueryEncoder`.
@@ -294,9 +298,11 @@ class UniERFLoss(nn.Module):
         use_diversity: bool = True,
         ignore_columns: Sequence[str] = (),
         document_tower: FrozenDocumentTower | None = None,
+        judged: JudgedPairs | None = None,
     ) -> None:
         super().__init__()
         self.model = model
+        self.judged = judged
         self.head = find_branches(model)
         for name, value in (
             ("positive_threshold", positive_threshold),
@@ -393,9 +399,15 @@ class UniERFLoss(nn.Module):
         return branch_emb, docs[0], docs[1:], tags
 
     def terms_from_embeddings(
-        self, branch_emb: dict[str, Tensor], positives: Tensor, negatives: Sequence[Tensor], tags: Sequence[str | None]
+        self,
+        branch_emb: dict[str, Tensor],
+        positives: Tensor,
+        negatives: Sequence[Tensor],
+        tags: Sequence[str | None],
+        labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """The four terms of Eq. 32 from normalised embeddings (see the class docstring)."""
+        """The four terms of Eq. 32 from normalised embeddings (see the class docstring); with ``judged`` and
+        ``labels``, in-batch negatives judged relevant to the anchor's query leave the triplet and InfoNCE terms."""
         batch = positives.shape[0]
         target = torch.arange(batch, device=positives.device)
         zero = positives.new_zeros(())
@@ -405,24 +417,32 @@ class UniERFLoss(nn.Module):
             scores = h @ cands.T  # (B, B * (1 + m_b)); column i is row i's positive
             pos = scores[target, target]
             out["positive"] = out["positive"] + (self.positive_threshold - pos).clamp_min(0.0).mean()
+            judged = None if self.judged is None else self.judged.mask(labels, scores.shape[1])
             if scores.shape[1] > 1:
                 is_neg = torch.ones_like(scores, dtype=torch.bool)
                 is_neg[target, target] = False
+                if judged is not None:
+                    is_neg &= ~judged
                 hinge = (scores - pos[:, None] + self.triplet_margin).clamp_min(0.0)
                 out["triplet"] = out["triplet"] + hinge[is_neg].mean()
-            out["infonce"] = out["infonce"] + F.cross_entropy(scores / self.temperature, target)
+            logits = scores / self.temperature
+            if judged is not None:
+                logits = logits.masked_fill(judged, float("-inf"))
+            out["infonce"] = out["infonce"] + F.cross_entropy(logits, target)
         stacked = torch.stack([branch_emb[b] for b in self.head.branches if b in branch_emb], dim=1)
         out["diversity"] = diversity_loss(
             stacked, self.diversity_scale, self.diversity_margin, self.diversity_threshold
         )
         return out
 
-    def loss_terms(self, sentence_features: Iterable[dict[str, Tensor]]) -> dict[str, Tensor]:
+    def loss_terms(
+        self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """Every term of Eq. 32 (``positive``, ``triplet``, ``infonce``, ``diversity``), switched on or not."""
-        return self.terms_from_embeddings(*self.embed(sentence_features))
+        return self.terms_from_embeddings(*self.embed(sentence_features), labels=labels)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
-        terms = self.loss_terms(sentence_features)
+        terms = self.loss_terms(sentence_features, labels)
         return torch.stack([terms[name] for name in TERMS if self.use[name]]).sum()
 
     def get_config_dict(self) -> dict[str, Any]:

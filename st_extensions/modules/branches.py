@@ -89,6 +89,9 @@ class MultiBranchQueryEncoder(SafetensorsModule):
 
     config_keys: list[str] = ["in_features", "branches", "init_std", "seed"]
     config_file_name = "config.json"
+    #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
+    #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
+    learning_rate: float = 1e-3
     forward_kwargs = {"task", "branch"}
 
     def __init__(self, in_features: int, branches: Sequence[str], init_std: float = 0.01, seed: int = 0) -> None:

@@ -1,0 +1,120 @@
+"""Choose the frozen-encoder recipes' learning rates and budgets on nfcorpus train/dev (never test).
+
+Encodes the corpus and the train/dev queries once with all-MiniLM-L6-v2 (cached under ``--output``), then for each
+method and learning rate trains the method's own modules on the cached embeddings (``fine_tune(frozen=True)``,
+query-balanced batches, judged negatives masked) and scores dev nDCG@10 by brute force on the cached embeddings,
+against the untrained model. Prints one line per setting and writes ``recipe_search.json``.
+
+    python benchmarks/recipe_search.py --methods mnrl mol pebr --steps 1000 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import ir_measures
+import numpy as np
+import pandas as pd
+import torch
+
+from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.collections import load_collection
+from pyterrier_prob.data import judged_pairs, training_pairs
+from pyterrier_prob.training import fine_tune
+from st_extensions import build_mol_model, build_pebr_model
+from st_extensions.defaults import default_model_path
+from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, encode_prefix
+from st_extensions.losses import BetaNCELoss, MaskedMultipleNegativesRankingLoss, MoLLoss
+from st_extensions.mol import find_mol
+
+
+def dev_ndcg(model, cache, mol: bool, queries: pd.DataFrame, docnos: list[str], doc_texts: list[str], qrels) -> float:
+    """dev nDCG@10 of ``model``'s added modules on cached embeddings (brute force over the whole corpus)."""
+    m = cached_model(model, cache=cache)
+    with torch.inference_mode():
+        if mol:
+            head = find_mol(model)
+            q = m.encode_query(list(queries["query"]), output_value=None, convert_to_tensor=False)
+            d = m.encode_document(doc_texts, output_value=None, convert_to_tensor=False)
+            qc = torch.stack([o["mol_components"] for o in q])
+            dc = torch.stack([o["mol_components"] for o in d])
+            scores = head.score_all(qc, dc).numpy()
+        else:
+            q = m.encode_query(list(queries["query"]), convert_to_numpy=True)
+            d = m.encode_document(doc_texts, convert_to_numpy=True)
+            scores = q @ d.T
+    top = np.argsort(-scores, axis=1)[:, :100]
+    run = [
+        ir_measures.ScoredDoc(str(qid), docnos[j], float(scores[i, j]))
+        for i, qid in enumerate(queries["qid"])
+        for j in top[i]
+    ]
+    return ir_measures.calc_aggregate([ir_measures.nDCG @ 10], qrels, run)[ir_measures.nDCG @ 10]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="irds:beir/nfcorpus")
+    ap.add_argument("--methods", nargs="+", default=["mnrl", "mol", "pebr"])
+    ap.add_argument("--lrs", nargs="+", type=float, default=[1e-4, 3e-4, 1e-3, 3e-3])
+    ap.add_argument("--steps", nargs="+", type=int, default=[1000])
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--output", default="outputs/recipe_search")
+    args = ap.parse_args()
+    os.makedirs(args.output, exist_ok=True)
+    coll = load_collection(args.dataset)
+    train = training_pairs(coll, "train")
+    judged = judged_pairs(coll, "train")
+    dev = coll.topics("dev")
+    dev_qrels = coll.qrels("dev").rename(columns={"qid": "query_id", "docno": "doc_id", "label": "relevance"})
+    dev_qrels = dev_qrels.assign(query_id=dev_qrels["query_id"].astype(str), doc_id=dev_qrels["doc_id"].astype(str))
+    corpus = list(coll.corpus_iter())
+    docnos, doc_texts = [d["docno"] for d in corpus], [d["text"] for d in corpus]
+
+    base = build_adapter_model(default_model_path())
+    texts = list(dict.fromkeys([*train["anchor"], *train["positive"], *dev["query"], *doc_texts]))
+    t0 = time.time()
+    cache_file = os.path.join(args.output, "encoder_cache.safetensors")
+    if os.path.exists(cache_file):
+        cache = CachedEmbeddings.load_cache(cache_file)
+    else:
+        cache = CachedEmbeddings(texts, encode_prefix(base, texts, batch_size=64, show_progress_bar=True))
+        cache.save_cache(cache_file)
+    encode_s = time.time() - t0
+    results = {"encode_seconds": encode_s, "texts": len(texts), "runs": []}
+    results["untrained"] = dev_ndcg(base, cache, False, dev, docnos, doc_texts, dev_qrels)
+    print(f"encoded {len(texts)} texts in {encode_s:.0f}s; untrained dev nDCG@10 {results['untrained']:.4f}")
+    for method in args.methods:
+        for steps in args.steps:
+            for lr in args.lrs:
+                torch.manual_seed(0)
+                if method == "mnrl":
+                    model = build_adapter_model(default_model_path())
+                    loss = MaskedMultipleNegativesRankingLoss(model, judged=judged)
+                elif method == "mol":
+                    model = build_mol_model(default_model_path(), component_source="heads", component_dim=64)
+                    loss = MoLLoss(model, judged=judged)
+                elif method == "pebr":
+                    model = build_pebr_model(default_model_path(), family="beta", projection=True)
+                    loss = BetaNCELoss(model, judged=judged)
+                t0 = time.time()
+                losses = fine_tune(
+                    model, loss, train, steps=steps, batch_size=args.batch_size, frozen=True,
+                    head_learning_rate=lr, encoder_cache=cache, show_progress=False,
+                )
+                secs = time.time() - t0
+                ndcg = dev_ndcg(model, cache, method == "mol", dev, docnos, doc_texts, dev_qrels)
+                row = {
+                    "method": method, "steps": steps, "lr": lr, "dev_ndcg10": ndcg, "seconds": secs,
+                    "loss_first10": float(np.mean(losses[:10])), "loss_last10": float(np.mean(losses[-10:])),
+                }
+                results["runs"].append(row)
+                print(json.dumps(row), flush=True)
+                atomic_write(os.path.join(args.output, "recipe_search.json"), json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Frozen-encoder training: a method's own modules trained on cached encoder outputs, each text encoded once.
+
+A model here is a frozen *prefix* of sentence-transformers modules (``Transformer``, ``Pooling``, ``Normalize``,
+...) followed by the modules a method adds (a :class:`~st_extensions.modules.LinearAdapter`, the pEBR
+:class:`~st_extensions.modules.QueryDistributionHead`, a ``"heads"`` :class:`~st_extensions.modules.MixtureOfLogits`,
+the UniERF :class:`~st_extensions.modules.MultiBranchQueryEncoder`). :func:`cached_model` encodes every training text
+once with the prefix and returns a model made of :class:`CachedEmbeddings` (a look-up of those outputs) and the very
+same added modules (shared, not copied): training it with the usual losses and trainer trains the full model's
+added modules in place, at a few milliseconds a step instead of a forward and backward pass of the encoder. The full
+model then saves, loads and encodes exactly as a fully fine-tuned one.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import InputModule
+from torch import Tensor
+
+from st_extensions.defaults import default_model_path
+from st_extensions.modules.adapter import LinearAdapter
+
+__all__ = ["CachedEmbeddings", "build_adapter_model", "cached_model", "frozen_prefix_length"]
+
+
+class CachedEmbeddings(InputModule):
+    """Input module standing in for a frozen encoder prefix: returns the cached pooled embedding of each text.
+
+    ``preprocess`` maps each text to its row in the table (an unknown text raises ``KeyError`` naming it);
+    ``forward`` writes ``features["sentence_embedding"]``. A training-time stand-in only: it cannot be saved.
+    """
+
+    save_in_root = False
+
+    def __init__(self, texts: Sequence[str], embeddings: Tensor) -> None:
+        super().__init__()
+        if len(texts) != len(embeddings):
+            raise ValueError(f"{len(texts)} texts but {len(embeddings)} embeddings")
+        self.index = {t: i for i, t in enumerate(texts)}
+        self.register_buffer("table", embeddings.detach().clone(), persistent=False)
+
+    @property
+    def modalities(self) -> list[str]:
+        return ["text"]
+
+    def preprocess(self, inputs: Sequence[Any], prompt: str | None = None, **kwargs) -> dict[str, Tensor]:
+        if prompt:
+            raise ValueError("CachedEmbeddings holds embeddings of texts without prompts; got a prompt")
+        try:
+            ids = [self.index[t] for t in inputs]
+        except KeyError as e:
+            text = repr(e.args[0])[:80]
+            raise KeyError(f"text not in the frozen-encoder cache (was it in the training data?): {text}") from None
+        ids_t = torch.tensor(ids, dtype=torch.long)[:, None]
+        return {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t)}
+
+    def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
+        features["sentence_embedding"] = self.table[features["input_ids"][:, 0].to(self.table.device)]
+        return features
+
+    def missing(self, texts: Sequence[str]) -> list[str]:
+        """The distinct texts of ``texts`` that are not cached yet."""
+        return [t for t in dict.fromkeys(texts) if t not in self.index]
+
+    def extend(self, texts: Sequence[str], embeddings: Tensor) -> None:
+        """Add ``texts`` (not yet cached, distinct) and their embeddings."""
+        if len(texts) != len(embeddings):
+            raise ValueError(f"{len(texts)} texts but {len(embeddings)} embeddings")
+        for t in texts:
+            self.index[t] = len(self.index)
+        self.table = torch.cat([self.table, embeddings.to(self.table)])
+
+    def save_cache(self, path: str) -> None:
+        """Write the cache to ``path`` (safetensors: the table, and the texts as JSON metadata), atomically."""
+        import json
+        import os
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        texts = sorted(self.index, key=self.index.get)
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".cache-", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"table": self.table.contiguous()}, tmp, metadata={"texts": json.dumps(texts)})
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load_cache(cls, path: str) -> CachedEmbeddings:
+        """Read a cache written by :meth:`save_cache` (safetensors, never pickle)."""
+        import json
+
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as f:
+            texts = json.loads(f.metadata()["texts"])
+            table = f.get_tensor("table")
+        return cls(texts, table)
+
+    def save(self, output_path: str, *args, **kwargs) -> None:
+        raise NotImplementedError("CachedEmbeddings is a training-time stand-in: save the full model instead")
+
+    def __repr__(self) -> str:
+        return f"CachedEmbeddings({len(self.index)} texts, dim={self.table.shape[-1]})"
+
+
+def frozen_prefix_length(model: SentenceTransformer) -> int:
+    """Number of leading sentence-transformers modules (the encoder) before the first module a method added.
+
+    Raises:
+        ValueError: nothing to train (no added module), no encoder prefix, or an added module that reads the
+            encoder's token outputs (a ``"tokens"`` MixtureOfLogits), which cached pooled embeddings cannot feed.
+    """
+    modules = list(model)
+    k = 0
+    while k < len(modules) and type(modules[k]).__module__.startswith("sentence_transformers"):
+        k += 1
+    if k == 0 or k == len(modules):
+        names = [type(m).__name__ for m in modules]
+        raise ValueError(
+            f"frozen-encoder training needs an encoder prefix followed by added modules, got modules {names}"
+        )
+    for m in modules[k:]:
+        if getattr(m, "component_source", None) == "tokens":
+            raise ValueError(
+                "a MixtureOfLogits with component_source='tokens' reads the encoder's token outputs: frozen-encoder "
+                "training needs component_source='heads'"
+            )
+    return k
+
+
+@torch.no_grad()
+def encode_prefix(
+    model: SentenceTransformer, texts: Sequence[str], batch_size: int = 64, show_progress_bar: bool = False
+) -> Tensor:
+    """The encoder prefix's pooled embeddings of ``texts`` (eval mode), ``(len(texts), dim)`` float32 on CPU."""
+    k = frozen_prefix_length(model)
+    prefix = SentenceTransformer(modules=list(model)[:k], device=str(model.device))
+    was_training = model.training
+    prefix.eval()
+    try:
+        out = prefix.encode(
+            list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show_progress_bar
+        )
+    finally:
+        model.train(was_training)
+    return out.float().cpu()
+
+
+def cached_model(
+    model: SentenceTransformer,
+    texts: Sequence[str] = (),
+    batch_size: int = 64,
+    show_progress_bar: bool = False,
+    cache: CachedEmbeddings | None = None,
+) -> SentenceTransformer:
+    """A model of :class:`CachedEmbeddings` for ``texts`` and ``model``'s added modules (shared, not copied).
+
+    Args:
+        model: the full model (encoder prefix + added modules, see :func:`frozen_prefix_length`).
+        texts: every text the training (or evaluation) will feed (duplicates are fine).
+        batch_size: encoding batch size.
+        show_progress_bar: show the encoding bar.
+        cache: a cache of the same encoder to reuse (and extend with the texts it lacks); it must come from this
+            model's encoder prefix (e.g. from another model built on the same base), or results are wrong.
+    """
+    k = frozen_prefix_length(model)
+    if cache is None:
+        texts = list(dict.fromkeys(texts))
+        embeddings = encode_prefix(model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
+        cache = CachedEmbeddings(texts, embeddings)
+    else:
+        new = cache.missing(texts)
+        if new:
+            cache.extend(new, encode_prefix(model, new, batch_size=batch_size, show_progress_bar=show_progress_bar))
+    return SentenceTransformer(modules=[cache, *list(model)[k:]], device=str(model.device))
+
+
+def build_adapter_model(base_model: str | SentenceTransformer | None = None, device: str | None = None):
+    """The dot-product baseline of the frozen-encoder recipe: ``base_model`` + :class:`LinearAdapter` (a residual,
+    zero-initialised linear map shared by queries and documents), which starts exactly as ``base_model``."""
+    if base_model is None:
+        base_model = default_model_path()
+    if isinstance(base_model, str):
+        from st_extensions.loading import load_model
+
+        base_model = load_model(base_model, device=device)
+    dim = base_model.get_embedding_dimension()
+    if dim is None:
+        raise ValueError("cannot tell the base model's embedding dimension")
+    modules = [copy.deepcopy(m) for m in base_model]
+    return SentenceTransformer(modules=[*modules, LinearAdapter(dim)], device=device or str(base_model.device))
