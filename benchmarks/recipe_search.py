@@ -31,12 +31,12 @@ from st_extensions.losses import BetaNCELoss, MaskedMultipleNegativesRankingLoss
 from st_extensions.mol import find_mol
 
 
-def dev_ndcg(model, cache, mol: bool, queries: pd.DataFrame, docnos: list[str], doc_texts: list[str], qrels) -> float:
-    """dev nDCG@10 of ``model``'s added modules on cached embeddings (brute force over the whole corpus)."""
-    m = cached_model(model, cache=cache)
+def dev_ndcg(m, mol: bool, queries: pd.DataFrame, docnos: list[str], doc_texts: list[str], qrels) -> float:
+    """dev nDCG@10 of the model ``m`` (brute force over the whole corpus); for a frozen-recipe model pass
+    ``cached_model(model, cache=cache)``, which gives the same outputs without running the encoder again."""
     with torch.inference_mode():
         if mol:
-            head = find_mol(model)
+            head = find_mol(m)
             q = m.encode_query(list(queries["query"]), output_value=None, convert_to_tensor=False)
             d = m.encode_document(doc_texts, output_value=None, convert_to_tensor=False)
             qc = torch.stack([o["mol_components"] for o in q])
@@ -55,6 +55,22 @@ def dev_ndcg(model, cache, mol: bool, queries: pd.DataFrame, docnos: list[str], 
     return ir_measures.calc_aggregate([ir_measures.nDCG @ 10], qrels, run)[ir_measures.nDCG @ 10]
 
 
+def dev_setup(dataset: str) -> dict:
+    """Train pairs, judged pairs, dev topics and qrels (ir_measures columns), the corpus' docnos and texts."""
+    coll = load_collection(dataset)
+    dev_qrels = coll.qrels("dev").rename(columns={"qid": "query_id", "docno": "doc_id", "label": "relevance"})
+    dev_qrels = dev_qrels.assign(query_id=dev_qrels["query_id"].astype(str), doc_id=dev_qrels["doc_id"].astype(str))
+    corpus = list(coll.corpus_iter())
+    return {
+        "train": training_pairs(coll, "train"),
+        "judged": judged_pairs(coll, "train"),
+        "dev": coll.topics("dev"),
+        "dev_qrels": dev_qrels,
+        "docnos": [d["docno"] for d in corpus],
+        "doc_texts": [d["text"] for d in corpus],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="irds:beir/nfcorpus")
@@ -65,14 +81,9 @@ def main() -> None:
     ap.add_argument("--output", default="outputs/recipe_search")
     args = ap.parse_args()
     os.makedirs(args.output, exist_ok=True)
-    coll = load_collection(args.dataset)
-    train = training_pairs(coll, "train")
-    judged = judged_pairs(coll, "train")
-    dev = coll.topics("dev")
-    dev_qrels = coll.qrels("dev").rename(columns={"qid": "query_id", "docno": "doc_id", "label": "relevance"})
-    dev_qrels = dev_qrels.assign(query_id=dev_qrels["query_id"].astype(str), doc_id=dev_qrels["doc_id"].astype(str))
-    corpus = list(coll.corpus_iter())
-    docnos, doc_texts = [d["docno"] for d in corpus], [d["text"] for d in corpus]
+    setup = dev_setup(args.dataset)
+    train, judged, dev, dev_qrels = setup["train"], setup["judged"], setup["dev"], setup["dev_qrels"]
+    docnos, doc_texts = setup["docnos"], setup["doc_texts"]
 
     base = build_adapter_model(default_model_path())
     texts = list(dict.fromkeys([*train["anchor"], *train["positive"], *dev["query"], *doc_texts]))
@@ -85,7 +96,7 @@ def main() -> None:
         cache.save_cache(cache_file)
     encode_s = time.time() - t0
     results = {"encode_seconds": encode_s, "texts": len(texts), "runs": []}
-    results["untrained"] = dev_ndcg(base, cache, False, dev, docnos, doc_texts, dev_qrels)
+    results["untrained"] = dev_ndcg(cached_model(base, cache=cache), False, dev, docnos, doc_texts, dev_qrels)
     print(f"encoded {len(texts)} texts in {encode_s:.0f}s; untrained dev nDCG@10 {results['untrained']:.4f}")
     for method in args.methods:
         for steps in args.steps:
@@ -102,14 +113,26 @@ def main() -> None:
                     loss = BetaNCELoss(model, judged=judged)
                 t0 = time.time()
                 losses = fine_tune(
-                    model, loss, train, steps=steps, batch_size=args.batch_size, frozen=True,
-                    head_learning_rate=lr, encoder_cache=cache, show_progress=False,
+                    model,
+                    loss,
+                    train,
+                    steps=steps,
+                    batch_size=args.batch_size,
+                    frozen=True,
+                    head_learning_rate=lr,
+                    encoder_cache=cache,
+                    show_progress=False,
                 )
                 secs = time.time() - t0
-                ndcg = dev_ndcg(model, cache, method == "mol", dev, docnos, doc_texts, dev_qrels)
+                ndcg = dev_ndcg(cached_model(model, cache=cache), method == "mol", dev, docnos, doc_texts, dev_qrels)
                 row = {
-                    "method": method, "steps": steps, "lr": lr, "dev_ndcg10": ndcg, "seconds": secs,
-                    "loss_first10": float(np.mean(losses[:10])), "loss_last10": float(np.mean(losses[-10:])),
+                    "method": method,
+                    "steps": steps,
+                    "lr": lr,
+                    "dev_ndcg10": ndcg,
+                    "seconds": secs,
+                    "loss_first10": float(np.mean(losses[:10])),
+                    "loss_last10": float(np.mean(losses[-10:])),
                 }
                 results["runs"].append(row)
                 print(json.dumps(row), flush=True)

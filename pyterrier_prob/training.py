@@ -7,6 +7,7 @@ import io
 import os
 import re
 import tempfile
+from collections.abc import Sequence
 
 import torch
 from datasets import Dataset
@@ -95,6 +96,7 @@ def fine_tune(
     frozen: bool = False,
     head_learning_rate: float | None = None,
     encoder_cache: CachedEmbeddings | None = None,
+    callbacks: Sequence[TrainerCallback] = (),
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` optimiser steps of ``batch_size`` training rows.
 
@@ -115,6 +117,8 @@ def fine_tune(
     ``frozen=True`` trains only the added modules, on the encoder outputs of every training text computed once
     (:func:`st_extensions.frozen.cached_model`; ``encoder_cache`` reuses and extends a cache of the same encoder);
     the model is then saved and used exactly as after full training.
+
+    ``callbacks`` are added to the trainer (e.g. to evaluate on dev every few steps).
 
     Progress is one bar over the steps (``desc``, the running loss as postfix; none when ``show_progress`` is
     false), never a printed line per step.
@@ -176,6 +180,8 @@ def fine_tune(
         for cb in (PrinterCallback, ProgressCallback):
             trainer.remove_callback(cb)
         trainer.add_callback(_LossBar(show_progress, desc))
+        for cb in callbacks:
+            trainer.add_callback(cb)
         trainer.train()
     model.eval()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -24,24 +24,33 @@ from torch import Tensor
 from st_extensions.defaults import default_model_path
 from st_extensions.modules.adapter import LinearAdapter
 
-__all__ = ["CachedEmbeddings", "build_adapter_model", "cached_model", "frozen_prefix_length"]
+__all__ = [
+    "CachedEmbeddings",
+    "build_adapter_model",
+    "cached_model",
+    "encode_prefix",
+    "frozen_prefix_length",
+    "prefix_model",
+]
 
 
 class CachedEmbeddings(InputModule):
     """Input module standing in for a frozen encoder prefix: returns the cached pooled embedding of each text.
 
-    ``preprocess`` maps each text to its row in the table (an unknown text raises ``KeyError`` naming it);
-    ``forward`` writes ``features["sentence_embedding"]``. A training-time stand-in only: it cannot be saved.
+    ``preprocess`` maps each text to its row in the table; an unknown text is encoded by ``encoder`` (the frozen
+    prefix, a SentenceTransformer) and added, or, without one, raises ``KeyError`` naming it. ``forward`` writes
+    ``features["sentence_embedding"]``. A stand-in for training and for encoding many texts once: it cannot be saved.
     """
 
     save_in_root = False
 
-    def __init__(self, texts: Sequence[str], embeddings: Tensor) -> None:
+    def __init__(self, texts: Sequence[str], embeddings: Tensor, encoder: SentenceTransformer | None = None) -> None:
         super().__init__()
         if len(texts) != len(embeddings):
             raise ValueError(f"{len(texts)} texts but {len(embeddings)} embeddings")
         self.index = {t: i for i, t in enumerate(texts)}
         self.register_buffer("table", embeddings.detach().clone(), persistent=False)
+        self.encoder = [encoder]  # in a list: not a registered submodule (its weights are not this module's)
 
     @property
     def modalities(self) -> list[str]:
@@ -50,6 +59,11 @@ class CachedEmbeddings(InputModule):
     def preprocess(self, inputs: Sequence[Any], prompt: str | None = None, **kwargs) -> dict[str, Tensor]:
         if prompt:
             raise ValueError("CachedEmbeddings holds embeddings of texts without prompts; got a prompt")
+        inputs = list(inputs)
+        if self.encoder[0] is not None:
+            new = self.missing(inputs)
+            if new:
+                self.extend(new, _encode(self.encoder[0], new))
         try:
             ids = [self.index[t] for t in inputs]
         except KeyError as e:
@@ -114,8 +128,9 @@ class CachedEmbeddings(InputModule):
         return f"CachedEmbeddings({len(self.index)} texts, dim={self.table.shape[-1]})"
 
 
-def frozen_prefix_length(model: SentenceTransformer) -> int:
-    """Number of leading sentence-transformers modules (the encoder) before the first module a method added.
+def frozen_prefix_length(model: SentenceTransformer, require_added: bool = True) -> int:
+    """Number of leading sentence-transformers modules (the encoder) before the first module a method added
+    (``require_added=False``: a model with no added module is all prefix).
 
     Raises:
         ValueError: nothing to train (no added module), no encoder prefix, or an added module that reads the
@@ -125,7 +140,7 @@ def frozen_prefix_length(model: SentenceTransformer) -> int:
     k = 0
     while k < len(modules) and type(modules[k]).__module__.startswith("sentence_transformers"):
         k += 1
-    if k == 0 or k == len(modules):
+    if k == 0 or (k == len(modules) and require_added):
         names = [type(m).__name__ for m in modules]
         raise ValueError(
             f"frozen-encoder training needs an encoder prefix followed by added modules, got modules {names}"
@@ -139,22 +154,29 @@ def frozen_prefix_length(model: SentenceTransformer) -> int:
     return k
 
 
+def _encode(prefix: SentenceTransformer, texts: Sequence[str], batch_size: int = 64, show: bool = False) -> Tensor:
+    was_training = prefix.training
+    prefix.eval()
+    try:
+        with torch.inference_mode():
+            out = prefix.encode(list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show)
+    finally:
+        prefix.train(was_training)
+    return out.float().cpu().clone()
+
+
+def prefix_model(model: SentenceTransformer, require_added: bool = True) -> SentenceTransformer:
+    """The encoder prefix of ``model`` as a SentenceTransformer sharing its modules."""
+    k = frozen_prefix_length(model, require_added=require_added)
+    return SentenceTransformer(modules=list(model)[:k], device=str(model.device))
+
+
 @torch.no_grad()
 def encode_prefix(
     model: SentenceTransformer, texts: Sequence[str], batch_size: int = 64, show_progress_bar: bool = False
 ) -> Tensor:
     """The encoder prefix's pooled embeddings of ``texts`` (eval mode), ``(len(texts), dim)`` float32 on CPU."""
-    k = frozen_prefix_length(model)
-    prefix = SentenceTransformer(modules=list(model)[:k], device=str(model.device))
-    was_training = model.training
-    prefix.eval()
-    try:
-        out = prefix.encode(
-            list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show_progress_bar
-        )
-    finally:
-        model.train(was_training)
-    return out.float().cpu()
+    return _encode(prefix_model(model, require_added=False), texts, batch_size, show_progress_bar)
 
 
 def cached_model(
@@ -173,16 +195,20 @@ def cached_model(
         show_progress_bar: show the encoding bar.
         cache: a cache of the same encoder to reuse (and extend with the texts it lacks); it must come from this
             model's encoder prefix (e.g. from another model built on the same base), or results are wrong.
+
+    The returned model encodes any text: texts not cached are encoded by ``model``'s prefix on first use.
     """
-    k = frozen_prefix_length(model)
+    k = frozen_prefix_length(model, require_added=False)
     if cache is None:
         texts = list(dict.fromkeys(texts))
         embeddings = encode_prefix(model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
-        cache = CachedEmbeddings(texts, embeddings)
+        cache = CachedEmbeddings(texts, embeddings, encoder=prefix_model(model, require_added=False))
     else:
         new = cache.missing(texts)
         if new:
             cache.extend(new, encode_prefix(model, new, batch_size=batch_size, show_progress_bar=show_progress_bar))
+        if cache.encoder[0] is None:
+            cache.encoder[0] = prefix_model(model, require_added=False)
     return SentenceTransformer(modules=[cache, *list(model)[k:]], device=str(model.device))
 
 

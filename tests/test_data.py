@@ -11,7 +11,7 @@ def test_training_pairs_nfcorpus_are_judged_relevant():
     import ir_datasets
 
     pairs = training_pairs("irds:beir/nfcorpus/train", max_pairs=50, seed=3)
-    assert len(pairs) == 50 and set(pairs.column_names) == {"anchor", "positive", "qid"}
+    assert len(pairs) == 50 and set(pairs.column_names) == {"anchor", "positive", "label", "qid"}
     ds = ir_datasets.load("beir/nfcorpus/train")
     qrels = {(r.query_id, r.doc_id) for r in ds.qrels_iter() if r.relevance > 0}
     docs = {d.doc_id: doc_text(d.title, d.text) for d in ds.docs_iter()}

@@ -45,9 +45,10 @@ def test_mol_defaults():
 
     cfg = config_from_args(build_parser("mol").parse_args([]))
     cfg.check()
-    assert (cfg.dataset, cfg.steps, cfg.batch_size, cfg.max_seq_length) == ("irds:beir/nfcorpus", 100, 16, 128)
-    assert (cfg.alpha, cfg.scale, cfg.head_lr, cfg.pq, cfg.px, cfg.k) == (0.001, 20.0, 1e-3, 4, 4, 100)
-    assert cfg.component_source == "tokens" and not cfg.mi_ablation and cfg.output == "outputs/mol"
+    assert (cfg.dataset, cfg.steps, cfg.batch_size, cfg.max_seq_length) == ("irds:beir/nfcorpus", 2000, 64, 128)
+    assert (cfg.alpha, cfg.scale, cfg.head_lr, cfg.pq, cfg.px, cfg.k) == (0.001, 20.0, None, 4, 4, 100)
+    assert cfg.component_source == "heads" and cfg.recipe == "frozen"
+    assert not cfg.mi_ablation and cfg.output == "outputs/mol"
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,11 @@ def test_mol_defaults():
         (["--head-lr", "0"], "--head-lr must be > 0"),
         (["--pq", "0"], "--pq and --px must be >= 1"),
         (["--k", "5"], "--k must be >= 10"),
-        (["--pq", "20", "--px", "20", "--max-seq-length", "32"], "do not fit in --max-seq-length 32"),
+        (
+            ["--pq", "20", "--px", "20", "--max-seq-length", "32", "--component-source", "tokens", "--recipe", "full"],
+            "do not fit",
+        ),
+        (["--component-source", "tokens"], "use --component-source heads or --recipe full"),
         (["--steps", "-1"], "--steps must be >= 0"),
     ],
 )

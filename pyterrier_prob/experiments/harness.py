@@ -52,6 +52,9 @@ __all__ = [
 ]
 
 
+RECIPES = ("frozen", "full")
+
+
 @dataclass
 class CommonConfig:
     """Options every experiment takes (the ``pyterrier-prob <paper>`` options shared by all four).
@@ -62,7 +65,10 @@ class CommonConfig:
         train_split, dev_split, test_split: explicit split names; None: discovered (:func:`choose_splits`).
         model: base model name or path, or one of our saved models (None: the packaged all-MiniLM-L6-v2).
         steps: training steps (0: evaluate ``model`` without fine-tuning).
-        batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system.
+        batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system (``lr`` is
+            the encoder's; the modules a method adds train at their own declared rate, see ``fine_tune``).
+        recipe: ``"frozen"``: train only each method's own modules on encoder outputs cached once per run (the
+            default on CPU: thousands of steps in minutes); ``"full"``: fine-tune the encoder too (the GPU path).
         output: folder for models, indexes, tables and plots.
         reuse: reuse models (when their saved settings match) and indexes already in ``output``.
         quiet: no progress bars nor stage lines (the result table and its location are still printed).
@@ -74,11 +80,12 @@ class CommonConfig:
     dev_split: str | None = None
     test_split: str | None = None
     model: str | None = None
-    steps: int = 120
-    batch_size: int = 16
+    steps: int = 2000
+    batch_size: int = 64
     lr: float = 5e-5
     seed: int = 0
     max_seq_length: int = 128
+    recipe: str = "frozen"
     output: str = "outputs/experiment"
     reuse: bool = False
     quiet: bool = False
@@ -91,6 +98,8 @@ class CommonConfig:
             raise ValueError(f"--batch-size must be >= 2, got {self.batch_size}")
         if not (self.lr > 0 and np.isfinite(self.lr)):
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"--recipe must be one of {RECIPES}, got {self.recipe!r}")
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
         named = [s for s in (self.train_split, self.dev_split) if s]
@@ -121,7 +130,14 @@ def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) ->
     t.add_argument("--model", default=defaults.model, help="base or saved model (default: packaged all-MiniLM-L6-v2)")
     t.add_argument("--steps", type=int, default=defaults.steps, help="training steps per model (0: no fine-tuning)")
     t.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate of the encoder")
+    t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate of the encoder (recipe full)")
+    t.add_argument(
+        "--recipe",
+        choices=list(RECIPES),
+        default=defaults.recipe,
+        help="frozen: train each method's own modules on encoder outputs cached once (fast, CPU); "
+        "full: fine-tune the encoder too (GPU)",
+    )
     t.add_argument("--max-seq-length", type=int, default=defaults.max_seq_length, help="token budget per text")
     t.add_argument("--seed", type=int, default=defaults.seed)
     o = ap.add_argument_group("output")
@@ -227,6 +243,7 @@ class Harness:
         self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
         self._model_settings: dict[str, dict[str, Any]] = {}  # name -> what made the model (for index reuse)
         self._bm25: dict[str, Any] = {}  # collection name -> its PISA index, built once per run
+        self._cache: Any = None  # the frozen recipe's encoder-output cache (st_extensions.frozen.CachedEmbeddings)
         _silence_library_bars()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
@@ -350,6 +367,7 @@ class Harness:
             "lr": cfg.lr,
             "seed": cfg.seed,
             "max_seq_length": cfg.max_seq_length,
+            "recipe": cfg.recipe,
             "learning_rate_mapping": dict(learning_rate_mapping or {}),
             **dict(settings or {}),
         }
@@ -387,11 +405,63 @@ class Harness:
                 show_progress=self.verbose,
                 learning_rate_mapping=dict(learning_rate_mapping or {}),
                 desc=f"training {name}",
+                frozen=cfg.recipe == "frozen",
+                encoder_cache=self.encoder_cache(model) if cfg.recipe == "frozen" else None,
             )
+            if cfg.recipe == "frozen":
+                self.save_encoder_cache()
             _save_model(model, path)
             atomic_write(info_path, json.dumps({"settings": wanted, "losses": losses}, indent=1))
         self._fresh.add(name)
         return model, losses
+
+    # ---- the frozen recipe's encoder cache ---------------------------------------------------------------------
+    def _cache_path(self) -> str:
+        return self.path("cache", "encoder.safetensors")
+
+    def _cache_settings(self) -> dict[str, Any]:
+        return {"model": self.cfg.model, "max_seq_length": self.cfg.max_seq_length}
+
+    def encoder_cache(self, model: Any) -> Any:
+        """The run's cache of base-encoder outputs (:class:`st_extensions.frozen.CachedEmbeddings`): every text is
+        encoded once per output folder by the base encoder (``model``'s frozen prefix) and then shared by every
+        system's training and indexing. Kept in ``output/cache/`` and reused when made with the same base model and
+        ``max_seq_length`` (an interrupted run resumes without encoding again)."""
+        from st_extensions.frozen import CachedEmbeddings, prefix_model
+
+        if self._cache is None:
+            path = self._cache_path()
+            try:
+                with open(f"{path}.settings.json", encoding="utf8") as f:
+                    same = json.load(f) == self._cache_settings()
+            except (OSError, ValueError):
+                same = False
+            if same and os.path.isfile(path):
+                self._cache = CachedEmbeddings.load_cache(path)
+            else:
+                import torch
+
+                self._cache = CachedEmbeddings([], torch.zeros(0, model.get_embedding_dimension()))
+        if self._cache.encoder[0] is None:
+            self._cache.encoder[0] = prefix_model(model, require_added=False)
+        return self._cache
+
+    def save_encoder_cache(self) -> None:
+        """Write the encoder cache (atomically) so a later or resumed run does not encode the texts again."""
+        if self._cache is None:
+            return
+        make_dirs(os.path.dirname(self._cache_path()))
+        self._cache.save_cache(self._cache_path())
+        atomic_write(f"{self._cache_path()}.settings.json", json.dumps(self._cache_settings()))
+
+    def encoding_model(self, model: Any) -> Any:
+        """What to encode queries and documents with: under the frozen recipe, ``model``'s added modules on the
+        run's encoder cache (identical outputs; each text through the encoder once per run), else ``model``."""
+        if self.cfg.recipe != "frozen":
+            return model
+        from st_extensions.frozen import cached_model
+
+        return cached_model(model, cache=self.encoder_cache(model))
 
     # ---- indexes ----------------------------------------------------------------------------------------------
     def _index_path(self, name: str, collection: Collection, ext: str) -> str:
@@ -427,6 +497,8 @@ class Harness:
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
             (encoder.doc_encoder(verbose=False) >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
         self._built(name, path)
+        if self.cfg.recipe == "frozen":
+            self.save_encoder_cache()
         return index
 
     def mol_index(self, name: str, encoder: Any, collection: Collection) -> Any:
@@ -441,6 +513,8 @@ class Harness:
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
             (encoder.doc_encoder() >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
         self._built(name, path)
+        if self.cfg.recipe == "frozen":
+            self.save_encoder_cache()
         return index
 
     def bm25(self, collection: Collection) -> Any:

@@ -15,18 +15,21 @@ from :mod:`pyterrier_prob.experiments.harness`. The protocol:
    (query, relevant document) pairs of the train split, optimiser steps, batch size, encoder learning rate, seed,
    batch order and ``max_seq_length``:
 
-   * ``bi-encoder``: the model itself (mean pooling, cosine) with ``MultipleNegativesRankingLoss(scale=20)``;
+   * ``bi-encoder``: the model itself (mean pooling, cosine; under the frozen recipe with a
+     :class:`~st_extensions.modules.LinearAdapter`) with
+     :class:`~st_extensions.losses.MaskedMultipleNegativesRankingLoss` (scale 20);
    * ``MoL``: :func:`st_extensions.build_mol_model` on the same weights, trained with
      :class:`~st_extensions.losses.MoLLoss` (Eq. 4, alpha = 0.001, scale 20);
    * ``MoL (no L_MI)`` (``--mi-ablation``): the same with alpha = 0, the paper's "abl. L_MI" rows (Table 4);
 
-   the base model as it is (``base model (no fine-tuning)``) is a reference row. MoL uses the paper's construction
-   for text (App. A.2): ``component_source="tokens"``, P_q = P_x = 4 aggregation tokens after ``[CLS]`` read by
-   parameterised pooling, d_P = the encoder's hidden size, and a SiLU gate over the P dot products. The new MoL
-   parameters (pooling, projections or heads, gate: :data:`HEAD_PARAMS`) train at ``--head-lr`` (1e-3), the
-   encoder at ``--lr``: the gate's output layer starts at zero, and at 5e-5 it would stay uniform. With
-   ``"tokens"`` the aggregation tokens take P_q + P_x of the ``max_seq_length`` positions, so MoL sees fewer text
-   tokens than the bi-encoder;
+   the base model as it is (``base model (no fine-tuning)``) is a reference row. By default (``--recipe frozen``)
+   the encoder is frozen and only the new modules train, on cached encoder outputs, on query-balanced batches with
+   judged-relevant in-batch negatives masked: MoL then makes its P_q = P_x = 4 components with linear heads on the
+   pooled embedding (``component_source="heads"``) and gates them with a SiLU MLP over the P dot products. With
+   ``--recipe full`` and ``--component-source tokens`` it uses the paper's construction for text (App. A.2): P_q +
+   P_x aggregation tokens after ``[CLS]`` read by parameterised pooling (they take P_q + P_x of the
+   ``max_seq_length`` positions, so MoL sees fewer text tokens than the bi-encoder). The new MoL parameters
+   (:data:`HEAD_PARAMS`) train at ``MixtureOfLogits.learning_rate`` (or ``--head-lr``), the encoder at ``--lr``;
 2. encode the test collection (``--test-dataset``: zero-shot transfer) with each model: a
    :class:`~pyterrier_prob.DenseIndex` for the dense ones, a :class:`~pyterrier_prob.MoLIndex` for MoL;
 3. retrieve the top ``--k`` documents of the whole collection for every test query: ``TopKRetriever`` (cosine)
@@ -105,24 +108,25 @@ class MolJobConfig(CommonConfig):
     Attributes:
         alpha: weight of L_MI in MoLLoss (Eq. 4) for the ``MoL`` row.
         scale: softmax scale (1 / temperature) of both losses.
-        head_lr: learning rate of the new MoL parameters (:data:`HEAD_PARAMS`).
+        head_lr: learning rate of the new MoL parameters (:data:`HEAD_PARAMS`); None: the rate the module declares,
+            ``MixtureOfLogits.learning_rate`` (chosen on nfcorpus dev, ``benchmarks/recipe_search.py``).
         pq, px: P_q and P_x, the query and document components.
         component_dim: d_P (None: the encoder's hidden size for ``"tokens"``, its embedding size for ``"heads"``).
-        component_source: ``"tokens"`` (aggregation tokens, App. A.2) or ``"heads"`` (linear heads on the pooled
+        component_source: ``"heads"`` (linear heads on the pooled embedding; the default, what the frozen recipe
+            trains) or ``"tokens"`` (aggregation tokens, App. A.2; needs ``--recipe full``) on the pooled
             embedding).
         k: documents retrieved per query (R@k is measured at this depth).
         mi_ablation: also train the alpha = 0 model (``MoL (no L_MI)``).
     """
 
     output: str = "outputs/mol"
-    steps: int = 100
     alpha: float = 0.001
     scale: float = 20.0
-    head_lr: float = 1e-3
+    head_lr: float | None = None
     pq: int = 4
     px: int = 4
     component_dim: int | None = None
-    component_source: str = "tokens"
+    component_source: str = "heads"
     k: int = 100
     mi_ablation: bool = False
 
@@ -133,7 +137,7 @@ class MolJobConfig(CommonConfig):
             raise ValueError(f"--alpha must be finite and >= 0, got {self.alpha}")
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"--scale must be > 0, got {self.scale}")
-        if not (math.isfinite(self.head_lr) and self.head_lr > 0):
+        if self.head_lr is not None and not (math.isfinite(self.head_lr) and self.head_lr > 0):
             raise ValueError(f"--head-lr must be > 0, got {self.head_lr}")
         if self.pq < 1 or self.px < 1:
             raise ValueError(f"--pq and --px must be >= 1, got {self.pq} and {self.px}")
@@ -141,6 +145,11 @@ class MolJobConfig(CommonConfig):
             raise ValueError(f"--component-dim must be >= 1, got {self.component_dim}")
         if self.component_source not in ("tokens", "heads"):
             raise ValueError(f"--component-source must be 'tokens' or 'heads', got {self.component_source!r}")
+        if self.component_source == "tokens" and self.recipe == "frozen" and self.steps:
+            raise ValueError(
+                "--component-source tokens reads the encoder's token outputs, which the frozen recipe does not "
+                "cache: use --component-source heads or --recipe full"
+            )
         if self.component_source == "tokens" and self.pq + self.px + 2 > self.max_seq_length:
             raise ValueError(
                 f"--pq {self.pq} + --px {self.px} aggregation tokens (plus [CLS] and [SEP]) do not fit in "
@@ -157,7 +166,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("Mixture-of-Logits")
     g.add_argument("--alpha", type=float, default=d.alpha, help="weight of L_MI (Eq. 3) in MoLLoss for the MoL row")
     g.add_argument("--scale", type=float, default=d.scale, help="softmax scale (1/temperature) of both losses")
-    g.add_argument("--head-lr", type=float, default=d.head_lr, help="learning rate of the new MoL parameters")
+    g.add_argument(
+        "--head-lr",
+        type=float,
+        default=d.head_lr,
+        help="learning rate of the new MoL parameters (default: the rate MixtureOfLogits declares)",
+    )
     g.add_argument("--pq", type=int, default=d.pq, help="P_q, query component embeddings")
     g.add_argument("--px", type=int, default=d.px, help="P_x, document component embeddings")
     g.add_argument("--component-dim", type=int, default=d.component_dim, help="d_P (None: the encoder's hidden size)")
@@ -306,13 +320,23 @@ def _loss_summary(losses: list[float]) -> dict[str, Any]:
 
 def _systems(cfg: MolJobConfig, data: Data, given_is_mol: bool) -> list[_System]:
     """The systems of this run, in table order (module docstring)."""
-    from sentence_transformers.losses import MultipleNegativesRankingLoss
-
+    from pyterrier_prob.data import judged_pairs
     from st_extensions import build_mol_model, default_model_path, load_model
-    from st_extensions.losses import MoLLoss
+    from st_extensions.frozen import build_adapter_model
+    from st_extensions.losses import MaskedMultipleNegativesRankingLoss, MoLLoss
+
+    judged_cache: list[Any] = []
+
+    def judged() -> Any:
+        if not judged_cache:
+            judged_cache.append(judged_pairs(data.train_collection, data.train))
+        return judged_cache[0]
 
     def base() -> Any:
         return load_model(cfg.model or default_model_path(), device="cpu")
+
+    def build_dense() -> Any:  # frozen recipe: the same LinearAdapter on the cached encoder as a dense baseline
+        return build_adapter_model(base()) if cfg.recipe == "frozen" else base()
 
     def build_mol() -> Any:
         model = base()
@@ -335,9 +359,15 @@ def _systems(cfg: MolJobConfig, data: Data, given_is_mol: bool) -> list[_System]
         if given_is_mol:
             systems.append(_System(MOL_UNTRAINED, ref + "-mol", "mol", base, None))
         return systems
-    mapping = {HEAD_PARAMS: cfg.head_lr}
+    mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
     systems.append(
-        _System(BASELINE, "bi-encoder", "dense", base, lambda m: MultipleNegativesRankingLoss(m, scale=cfg.scale))
+        _System(
+            BASELINE,
+            "bi-encoder",
+            "dense",
+            build_dense,
+            lambda m: MaskedMultipleNegativesRankingLoss(m, scale=cfg.scale, judged=judged()),
+        )
     )
     alphas = [(MOL, "mol", cfg.alpha)] + ([(MOL_NO_MI, "mol-no-lmi", 0.0)] if cfg.mi_ablation else [])
     for name, model_name, alpha in alphas:
@@ -347,7 +377,7 @@ def _systems(cfg: MolJobConfig, data: Data, given_is_mol: bool) -> list[_System]
                 model_name,
                 "mol",
                 build_mol,
-                lambda m, a=alpha: MoLLoss(m, alpha=a, scale=cfg.scale),
+                lambda m, a=alpha: MoLLoss(m, alpha=a, scale=cfg.scale, judged=judged()),
                 alpha=alpha,
                 mapping=mapping,
             )
@@ -395,11 +425,7 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
 
     def pairs() -> Any:  # the same pairs (and, through fine_tune's seed, the same batches) for every system
         if not pairs_cache:
-            pairs_cache.append(
-                training_pairs(
-                    data.train_collection, data.train, max_pairs=cfg.steps * cfg.batch_size * 2, seed=cfg.seed
-                )
-            )
+            pairs_cache.append(training_pairs(data.train_collection, data.train, seed=cfg.seed))
         return pairs_cache[0]
 
     runs: dict[str, pd.DataFrame] = {}
@@ -426,19 +452,22 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
             settings=settings,
         )
         if s.loss is not None:
-            entry["loss"] = "MoLLoss" if s.kind == "mol" else "MultipleNegativesRankingLoss"
+            entry["loss"] = "MoLLoss" if s.kind == "mol" else "MaskedMultipleNegativesRankingLoss"
+            entry["recipe"] = cfg.recipe
             entry.update(scale=cfg.scale, **({"alpha": s.alpha} if s.alpha is not None else {}))
             if s.mapping:
                 entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": cfg.head_lr}
+            elif s.kind == "mol":
+                entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": find_mol(model).learning_rate}
             if losses:
                 entry["train_loss"] = _loss_summary(losses)
         if s.kind == "dense":
-            encoder = ProbBiEncoder(model, batch_size=ENCODE_BATCH, verbose=False)
+            encoder = ProbBiEncoder(h.encoding_model(model), batch_size=ENCODE_BATCH, verbose=False)
             index = h.dense_index(s.model_name, encoder, coll)
             with h.stage(f"retrieve_{s.model_name}", f"{s.name}: top {cfg.k} of {coll.name} for {len(topics)} queries"):
                 run = TopKRetriever(index, num_results=cfg.k)(encoder.query_encoder()(topics))
         else:
-            encoder = MoLEncoder(model, batch_size=ENCODE_BATCH)
+            encoder = MoLEncoder(h.encoding_model(model), batch_size=ENCODE_BATCH)
             index = h.mol_index(s.model_name, encoder, coll)
             mol = find_mol(model)
             msg = f"{s.name}: brute-force top {cfg.k} of {coll.name} for {len(topics)} queries"

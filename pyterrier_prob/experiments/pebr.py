@@ -44,6 +44,7 @@ DESCRIPTION = (
 
 SYSTEMS = (
     "BM25",
+    "untrained top-k",
     "baseline top-k",
     "baseline score cutoff",
     "pEBR top-k",
@@ -54,6 +55,7 @@ SYSTEMS = (
 
 SIGNIFICANCE_BASELINE = "pEBR top-k"
 MEASURES = ("SetR", "SetP")
+RANKING_MEASURES = ("nDCG@10", "R@100")
 FAMILIES = ("beta", "exp", "beta_mle")
 
 
@@ -127,19 +129,22 @@ def run(cfg: PebrJobConfig) -> dict[str, Any]:
 
 
 def _models(cfg: PebrJobConfig, h: Harness, data: Any) -> dict[str, Any]:
-    """The pEBR and baseline models: fine-tuned with the same budget, or (no train split / ``--steps 0``) the
-    given model as it is, with an untrained head on the pEBR side unless it already has one."""
-    from sentence_transformers.losses import MultipleNegativesRankingLoss
-
-    from pyterrier_prob.data import training_pairs
+    """The pEBR and baseline models trained with the same recipe and budget (query-balanced batches, judged
+    negatives masked; under ``--recipe frozen`` a LinearAdapter + head on the cached encoder, the baseline the same
+    adapter with masked MNRL), or (no train split / ``--steps 0``) the given model as it is, with an untrained head
+    on the pEBR side unless it already has one; and the untrained starting point."""
+    from pyterrier_prob.data import judged_pairs, training_pairs
     from st_extensions import build_pebr_model, default_model_path, load_model
-    from st_extensions.losses import BetaMLELoss, BetaNCELoss, ExpNCELoss
+    from st_extensions.frozen import build_adapter_model
+    from st_extensions.losses import BetaMLELoss, BetaNCELoss, ExpNCELoss, MaskedMultipleNegativesRankingLoss
     from st_extensions.pebr import find_head
 
+    frozen = cfg.recipe == "frozen"
+    judged: list[Any] = []
+
     def pairs() -> Any:
-        return training_pairs(
-            data.train_collection, data.train, max_pairs=cfg.steps * cfg.batch_size * 2, seed=cfg.seed
-        )
+        judged[:] = [judged_pairs(data.train_collection, data.train)]
+        return training_pairs(data.train_collection, data.train, seed=cfg.seed)
 
     def build_pebr() -> Any:
         if cfg.model:
@@ -149,17 +154,30 @@ def _models(cfg: PebrJobConfig, h: Harness, data: Any) -> dict[str, Any]:
                 return model
             except ValueError:
                 pass
-        return build_pebr_model(cfg.model, family=cfg.family, device="cpu")
+        return build_pebr_model(cfg.model, family=cfg.family, device="cpu", projection=frozen)
 
-    def build_baseline() -> Any:  # a saved pEBR model as --model: its encoder (the head only adds query_temp)
+    def build_untrained() -> Any:  # a saved pEBR model as --model: its encoder (the head only adds query_temp)
         return load_model(cfg.model or default_model_path(), device="cpu")
+
+    def build_baseline() -> Any:
+        return build_adapter_model(build_untrained()) if frozen else build_untrained()
 
     loss_cls = {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[cfg.family]
     train = pairs if data.train else None
-    settings = {"family": cfg.family, "train": f"{data.train_collection.name}/{data.train}"}
-    pebr, l1 = h.train("pebr", build_pebr, loss_cls, train, settings=settings)
-    base, l2 = h.train("baseline", build_baseline, MultipleNegativesRankingLoss, train, settings=settings)
-    return {"models": {"pebr": pebr, "baseline": base}, "losses": {"pebr": l1, "baseline": l2}}
+    settings = {"family": cfg.family, "train": f"{data.train_collection.name}/{data.train}", "judged_masked": True}
+    pebr, l1 = h.train("pebr", build_pebr, lambda m: loss_cls(m, judged=judged[0]), train, settings=settings)
+    base, l2 = h.train(
+        "baseline",
+        build_baseline,
+        lambda m: MaskedMultipleNegativesRankingLoss(m, judged=judged[0]),
+        train,
+        settings=settings,
+    )
+    untrained, _ = h.train("untrained", build_untrained, None, None)
+    return {
+        "models": {"pebr": pebr, "baseline": base, "untrained": untrained},
+        "losses": {"pebr": l1, "baseline": l2},
+    }
 
 
 def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
@@ -182,7 +200,9 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
     h = Harness("pebr", cfg)
     data = h.load_data()
     trained = _models(cfg, h, data)
-    encoders = {n: ProbBiEncoder(m, batch_size=64, verbose=False) for n, m in trained["models"].items()}
+    encoders = {
+        n: ProbBiEncoder(h.encoding_model(m), batch_size=64, verbose=False) for n, m in trained["models"].items()
+    }
     if encoders["pebr"].family != cfg.family:
         raise ValueError(
             f"the pEBR model has family {encoders['pebr'].family!r}, not {cfg.family!r}: pass --family "
@@ -243,6 +263,7 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
             s = settings[k]
             runs = {
                 "BM25": h.bm25_run(bm25_index, topics["test"], k),
+                "untrained top-k": TopKRetriever(indexes["untrained"], num_results=k)(enc[("untrained", "test")]),
                 "baseline top-k": TopKRetriever(indexes["baseline"], num_results=k)(enc[("baseline", "test")]),
                 "baseline score cutoff": score_cut("baseline", s["baseline score cutoff"], "test"),
                 "pEBR top-k": TopKRetriever(indexes["pebr"], num_results=k)(enc[("pebr", "test")]),
@@ -264,6 +285,14 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
                 histogram_p = s["pEBR CDF cutoff"]
     experiment = pd.concat(experiments, ignore_index=True)
     per_stratum = pd.concat(strata_tables, ignore_index=True)
+
+    # ---- ranking quality against the untrained start ----------------------------------------------------------
+    with h.stage("ranking", "ranking quality (nDCG@10, R@100) against the untrained model"):
+        ranked = {
+            label: TopKRetriever(indexes[n], num_results=100)(enc[(n, "test")])[["qid", "docno", "score", "rank"]]
+            for label, n in (("untrained", "untrained"), ("baseline (MNRL)", "baseline"), ("pEBR", "pebr"))
+        }
+        ranking = h.experiment(ranked, topics["test"], test_qrels, RANKING_MEASURES, baseline="untrained")
 
     # ---- Table 3, Figure 2 --------------------------------------------------------------------------------------
     with h.stage("table3", "Table 3 grid and Figure 2 histogram"):
@@ -293,11 +322,20 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
         f"spearman_{spread_col}_vs_num_relevant": {"rho": float(rho), "p": float(pval)},
         "figures": {"figure2": fig2, "table3": fig3},
     }
-    md = _markdown(experiment, per_stratum, table3, calibration, summary)
+    summary["ranking_vs_untrained"] = {
+        str(r["name"]): {m: float(r[m]) for m in RANKING_MEASURES} for _, r in ranking.iterrows()
+    }
+    md = _ranking_markdown(ranking) + "\n" + _markdown(experiment, per_stratum, table3, calibration, summary)
     summary = h.finish(
         "pEBR: CDF cutoff vs top-k and score cutoff at matched mean depth",
         md,
-        {"results": experiment, "strata": per_stratum, "table3": table3, "calibration": calibration},
+        {
+            "results": experiment,
+            "ranking": ranking,
+            "strata": per_stratum,
+            "table3": table3,
+            "calibration": calibration,
+        },
         summary,
         data,
     )
@@ -317,6 +355,20 @@ def _setting(name: str, s: dict[str, float]) -> str:
     if name.endswith("score cutoff"):
         return f"cos>={s[name]:.6g}"
     return "top-k"
+
+
+def _ranking_markdown(ranking: pd.DataFrame) -> str:
+    """The ranking table (top 100 of each model; paired t-test against the untrained model)."""
+    lines = [
+        "Ranking (top 100 of each model; `*`: p < 0.05, paired t-test against the untrained model):",
+        "",
+        "| model | " + " | ".join(RANKING_MEASURES) + " |",
+        "|---|" + "---|" * len(RANKING_MEASURES),
+    ]
+    for _, r in ranking.iterrows():
+        cells = [f"{r[m]:.4f}{p_mark(r.get(f'{m} p-value', np.nan))}" for m in RANKING_MEASURES]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _markdown(

@@ -346,8 +346,8 @@ def _recording_loss(tower: Any, columns: Sequence[str], ignore: Sequence[str], *
                     self.digest.update(key + b"|")
             return super().forward(features, labels)
 
-        def terms_from_embeddings(self, branch_emb, positives, negatives, tags):
-            terms = super().terms_from_embeddings(branch_emb, positives, negatives, tags)
+        def terms_from_embeddings(self, branch_emb, positives, negatives, tags, labels=None):
+            terms = super().terms_from_embeddings(branch_emb, positives, negatives, tags, labels=labels)
             if len(branch_emb) == 2:
                 h1, h2 = (e.detach() for e in branch_emb.values())
                 cos = (h1 * h2).sum(-1)
@@ -447,8 +447,10 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
     Returns:
         ``{"results": frame, "overlap": frame, "training": frame, "summary": dict}``.
     """
+    from pyterrier_prob.training import text_columns
     from pyterrier_prob.unierf.branches import UniERFEncoder
-    from st_extensions.unierf import anchor_column, negative_column
+    from st_extensions.judged import JudgedPairs, pair_labels
+    from st_extensions.unierf import POSITIVE_COLUMN, anchor_column, negative_column
 
     cfg.check()
     h = Harness("unierf", cfg)
@@ -464,7 +466,7 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
     # ---- the start model, its index, BM25, the test queries' triggers --------------------------------------------
     start, _ = h.train("untrained", lambda: _start_model(cfg), None, None)
     start_name = "given model" if start.given_heads else "untrained"
-    encoder = UniERFEncoder(start, batch_size=64)
+    encoder = UniERFEncoder(h.encoding_model(start), batch_size=64)
     test_index = h.dense_index("untrained", encoder, test_coll)
     test_bm25 = h.bm25(test_coll)
     with h.stage("triggers", f"finding the trigger documents (top BM25) of the {len(data.test_topics)} test queries"):
@@ -483,7 +485,7 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
         cosines[name] = float(np.mean(np.sum(sem * trig, axis=1))) if same_space else None
 
     def query_vectors(model: Any) -> pd.DataFrame:
-        return UniERFEncoder(model, batch_size=64).query_encoder()(topics)
+        return UniERFEncoder(h.encoding_model(model), batch_size=64).query_encoder()(topics)
 
     with h.stage("retrieve_untrained", f"retrieving with the {start_name} model's branches"):
         q = query_vectors(start)
@@ -491,18 +493,22 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
 
     # ---- training ------------------------------------------------------------------------------------------------
     info: dict[str, dict[str, Any]] = {}
-    rows = tower = None
+    rows = tower = judged = None
     if wanted:
         train_bm25 = test_bm25 if same else h.bm25(train_coll)
         train_index = test_index if same else h.dense_index("untrained", encoder, train_coll)
         rows, doc_texts = _training_rows(cfg, h, data, train_bm25, train_index)
-        if cfg.doc_tower == "frozen":
+        # judged negatives: rows hold every judged-relevant pair unless max_examples cut them
+        anchors, positives = rows[anchor_column(BRANCHES[0])], rows[POSITIVE_COLUMN]
+        judged = JudgedPairs(zip(anchors, positives))
+        rows = rows.add_column("label", pair_labels(anchors, positives))
+        if cfg.doc_tower == "frozen" and cfg.recipe != "frozen":  # the frozen recipe freezes the whole encoder
             with h.stage("frozen_tower", "priming the frozen document tower with the start model's index"):
                 tower = _frozen_tower(start, rows, doc_texts, train_index)
         del doc_texts
     del start, encoder
     gc.collect()
-    columns = list(rows.column_names) if rows is not None else []
+    columns = text_columns(rows) if rows is not None else []
     train_desc = f"{train_coll.name}/{data.train}"
 
     def train(
@@ -514,7 +520,9 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
         diversity: bool,
         alpha: float,
     ) -> Any:
-        loss = _recording_loss(tower, columns, ignore, use_diversity=diversity, diversity_threshold=alpha)
+        loss = _recording_loss(
+            tower, columns, ignore, use_diversity=diversity, diversity_threshold=alpha, judged=judged
+        )
         settings = {
             "train": train_desc,
             "branches": list(branches),
@@ -551,9 +559,9 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
         return model
 
     def index_of(slug: str, model: Any) -> Any:
-        if cfg.doc_tower == "frozen":
+        if cfg.doc_tower == "frozen" or cfg.recipe == "frozen":
             return test_index
-        return h.dense_index(slug, UniERFEncoder(model, batch_size=64), test_coll)
+        return h.dense_index(slug, UniERFEncoder(h.encoding_model(model), batch_size=64), test_coll)
 
     hard_cols = [negative_column(b) for b in BRANCHES]
     for s in (s for s in JOINT if s.key in wanted):
