@@ -167,11 +167,14 @@ def test_ignore_columns_skips_them(unierf_model, base_model):
 
 
 @pytest.mark.slow
-def test_tiny_run_trains_ablations_on_identical_batches(tmp_path, small_beir, capfd):
+@pytest.mark.parametrize("recipe", ["frozen", "full"])
+def test_tiny_run_trains_ablations_on_identical_batches(recipe, tmp_path, small_beir, capfd):
     folder, info = small_beir
     out = tmp_path / "unierf"
     argv = [
         "unierf",
+        "--recipe",
+        recipe,
         "--dataset",
         str(folder),
         "--steps",
@@ -213,7 +216,10 @@ def test_tiny_run_trains_ablations_on_identical_batches(tmp_path, small_beir, ca
     summary = json.loads((out / "summary.json").read_text())
     assert summary["experiment"] == "unierf" and summary["trained"] == trained
     assert summary["identical_batches"] is True and len(set(summary["batch_fingerprints"].values())) == 1
-    assert summary["frozen_tower"]["computed"] == 0 and summary["frozen_tower"]["hits"] > 0
+    if recipe == "full":  # the default --doc-tower frozen: a FrozenDocumentTower serves the documents
+        assert summary["frozen_tower"]["computed"] == 0 and summary["frozen_tower"]["hits"] > 0
+    else:  # the frozen recipe freezes the whole encoder: documents come from the run's encoder cache
+        assert summary["frozen_tower"] is None
     assert summary["training_rows"] == 2 * 2 * 4
     assert summary["training"]["w/o diff. negatives"]["columns"] == unierf_columns(BRANCHES)[:4]
     assert summary["data"]["n_test_queries"] == info["queries"]["test"]

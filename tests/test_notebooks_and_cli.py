@@ -107,6 +107,7 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     assert sorted(set(results["k"])) == [5, 20]
     assert list(results[results["k"] == 5]["name"]) == [
         "BM25",
+        "untrained top-k",
         "baseline top-k",
         "baseline score cutoff",
         "pEBR top-k",
@@ -160,7 +161,7 @@ def test_steps_0_on_a_test_only_collection(tmp_path, small_beir_no_train_no_dev)
     assert "no dev split" in (out / "results.md").read_text()
     assert not (out / "models").exists() and summary["training_loss_first_last"] == {}
     results = pd.read_csv(out / "results.csv")
-    assert len(results) == 6 and results["SetR"].between(0, 1).all()
+    assert len(results) == 7 and results["SetR"].between(0, 1).all()
 
 
 @pytest.mark.slow
