@@ -106,7 +106,7 @@ def main() -> None:
                     model = build_adapter_model(default_model_path())
                     loss = MaskedMultipleNegativesRankingLoss(model, judged=judged)
                 elif method == "mol":
-                    model = build_mol_model(default_model_path(), component_source="heads", component_dim=64)
+                    model = build_mol_model(default_model_path(), component_source="heads", head_init="identity")
                     loss = MoLLoss(model, judged=judged)
                 elif method == "pebr":
                     model = build_pebr_model(default_model_path(), family="beta", projection=True)

@@ -267,9 +267,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
         raise ValueError(f"load_model expects a local model directory, got {path!r}")
     types = _module_types(path)
     foreign = [
-        (t, where)
-        for t, where in types
-        if not t.startswith("sentence_transformers.") and t not in ALLOWED_MODULES
+        (t, where) for t, where in types if not t.startswith("sentence_transformers.") and t not in ALLOWED_MODULES
     ]
     if foreign:
         listed = "; ".join(f"{t!r} (in {where})" for t, where in foreign)

@@ -89,6 +89,7 @@ def build_mol_model(
     component_source: ComponentSource = "tokens",
     gate_hidden_dim: int | None = None,
     gate_features: bool = False,
+    head_init: str = "orthogonal",
     pooling_init_logit: float = 8.0,
     max_positions: int | None = None,
     seed: int = 0,
@@ -109,6 +110,9 @@ def build_mol_model(
         gate_hidden_dim: hidden width of the gating MLP (default ``max(16, 2 P)``).
         gate_features: also feed the query's and document's pooled embeddings to the gate (App. A.3); the
             retriever then needs them too (``encode_components(..., return_features=True)``).
+        head_init: ``"heads"`` only: ``"orthogonal"`` or ``"identity"`` (every component starts as the pooled
+            embedding plus a little noise, so the untrained MoL scores as the base model; needs d_P = embedding
+            dimension, the default), see :class:`MixtureOfLogits`.
         pooling_init_logit: initial logit of each component's own aggregation token in the position pooling.
         max_positions: longest input the position pooling covers (default: the model's ``max_seq_length``).
         seed: seeds the initialisation of the new token embeddings and of the head.
@@ -173,6 +177,7 @@ def build_mol_model(
         component_source=component_source,
         gate_hidden_dim=gate_hidden_dim,
         gate_features=gate_features,
+        **({"head_init": head_init} if component_source == "heads" else {}),
         **head_kwargs,
     )
     return SentenceTransformer(modules=[*modules, head], device=device or str(base_model.device))

@@ -96,7 +96,7 @@ def build_unierf_model(
     dim = base_model.get_embedding_dimension()
     if dim is None:
         raise ValueError("cannot tell the base model's embedding dimension")
-    head = MultiBranchQueryEncoder(int(dim), names, init_std=init_std, seed=seed)
+    head = MultiBranchQueryEncoder(int(dim), names, init_std=init_std, seed=seed, residual=True)
     modules = [copy.deepcopy(m) for m in base_model]
     return SentenceTransformer(modules=[*modules, head], device=device or str(base_model.device))
 

@@ -115,6 +115,8 @@ class MolJobConfig(CommonConfig):
         component_source: ``"heads"`` (linear heads on the pooled embedding; the default, what the frozen recipe
             trains) or ``"tokens"`` (aggregation tokens, App. A.2; needs ``--recipe full``) on the pooled
             embedding).
+        head_init: ``"heads"`` only: ``"identity"`` (each component starts as the pooled embedding, so the untrained
+            MoL scores as the base model: it starts where the dot-product baseline starts) or ``"orthogonal"``.
         k: documents retrieved per query (R@k is measured at this depth).
         mi_ablation: also train the alpha = 0 model (``MoL (no L_MI)``).
     """
@@ -127,6 +129,7 @@ class MolJobConfig(CommonConfig):
     px: int = 4
     component_dim: int | None = None
     component_source: str = "heads"
+    head_init: str = "identity"
     k: int = 100
     mi_ablation: bool = False
 
@@ -145,6 +148,8 @@ class MolJobConfig(CommonConfig):
             raise ValueError(f"--component-dim must be >= 1, got {self.component_dim}")
         if self.component_source not in ("tokens", "heads"):
             raise ValueError(f"--component-source must be 'tokens' or 'heads', got {self.component_source!r}")
+        if self.head_init not in ("identity", "orthogonal"):
+            raise ValueError(f"--head-init must be 'identity' or 'orthogonal', got {self.head_init!r}")
         if self.component_source == "tokens" and self.recipe == "frozen" and self.steps:
             raise ValueError(
                 "--component-source tokens reads the encoder's token outputs, which the frozen recipe does not "
@@ -181,6 +186,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=d.component_source,
         help="aggregation tokens read by parameterised pooling (App. A.2) or linear heads on the pooled embedding",
     )
+    g.add_argument(
+        "--head-init",
+        choices=["identity", "orthogonal"],
+        default=d.head_init,
+        help="heads: start every component at the pooled embedding (identity + noise; needs the default d_P) or "
+        "at independent orthogonal maps",
+    )
     g.add_argument("--k", type=int, default=d.k, help="documents retrieved per query (R@k)")
     g.add_argument(
         "--mi-ablation", action="store_true", help="also train MoL with alpha = 0 (the paper's 'abl. L_MI' row)"
@@ -197,6 +209,7 @@ def config_from_args(a: argparse.Namespace) -> MolJobConfig:
         px=a.px,
         component_dim=a.component_dim,
         component_source=a.component_source,
+        head_init=a.head_init,
         k=a.k,
         mi_ablation=a.mi_ablation,
     )
@@ -349,6 +362,7 @@ def _systems(cfg: MolJobConfig, data: Data, given_is_mol: bool) -> list[_System]
             num_doc_components=cfg.px,
             component_dim=cfg.component_dim,
             component_source=cfg.component_source,
+            head_init=cfg.head_init,
             seed=cfg.seed,
             device="cpu",
         )

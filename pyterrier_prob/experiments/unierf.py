@@ -132,7 +132,8 @@ class UniERFJobConfig(CommonConfig):
     :class:`~pyterrier_prob.experiments.harness.CommonConfig`'s.
 
     Attributes:
-        head_lr: learning rate of the branch heads (new parameters; the encoder trains at ``lr``).
+        head_lr: learning rate of the branch heads (new parameters; the encoder trains at ``lr``); None: the rate
+            ``MultiBranchQueryEncoder.learning_rate`` declares.
         alpha: truncation alpha of the diversity loss (Eq. 31; the paper's 0.6, Sec. 5.3.2).
         low_alpha: alpha of the ``UniERF (all, low alpha)`` system.
         budgets: the total budgets B (each branch's quota is B/2).
@@ -144,7 +145,7 @@ class UniERFJobConfig(CommonConfig):
 
     output: str = "outputs/unierf"
     steps: int = 60
-    head_lr: float = 1e-3
+    head_lr: float | None = None
     alpha: float = 0.6
     low_alpha: float = 0.3
     budgets: Sequence[int] = (100, 300)
@@ -155,7 +156,7 @@ class UniERFJobConfig(CommonConfig):
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
         super().check()
-        if not self.head_lr > 0:
+        if self.head_lr is not None and not self.head_lr > 0:
             raise ValueError(f"--head-lr must be > 0, got {self.head_lr}")
         for name, value in (("alpha", self.alpha), ("low-alpha", self.low_alpha)):
             if not (math.isfinite(value) and -1.0 <= value < 1.0):
@@ -175,7 +176,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     d = UniERFJobConfig()
     add_common_arguments(ap, d)
     g = ap.add_argument_group("UniERF")
-    g.add_argument("--head-lr", type=float, default=d.head_lr, help="learning rate of the branch heads")
+    g.add_argument(
+        "--head-lr",
+        type=float,
+        default=d.head_lr,
+        help="learning rate of the branch heads (default: the rate MultiBranchQueryEncoder declares)",
+    )
     g.add_argument("--alpha", type=float, default=d.alpha, help="truncation alpha of the diversity loss (Eq. 31)")
     g.add_argument("--low-alpha", type=float, default=d.low_alpha, help="alpha of 'UniERF (all, low alpha)'")
     g.add_argument("--budgets", type=int, nargs="+", default=list(d.budgets), help="total budgets B (R@B)")
@@ -538,7 +544,7 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
             build,
             loss,
             lambda: rows,
-            learning_rate_mapping={HEAD_PARAMS: cfg.head_lr},
+            learning_rate_mapping={HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None,
             settings=settings,
         )
         rec = loss.loss

@@ -85,16 +85,21 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         branches: the branch names, in order (e.g. ``["semantic", "trigger"]``); see :func:`check_branch_names`.
         init_std: standard deviation of the noise added to the identity at initialisation.
         seed: seeds that noise.
+        residual: parameterise each head as ``W_b = I + V_b`` with ``V_b`` starting at the noise (zero plus
+            noise): the same map at initialisation, but the parameters measure the departure from the base
+            embedding (what the frozen recipe trains; saved models without this key load as before).
     """
 
-    config_keys: list[str] = ["in_features", "branches", "init_std", "seed"]
+    config_keys: list[str] = ["in_features", "branches", "init_std", "seed", "residual"]
     config_file_name = "config.json"
     #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
     #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
     learning_rate: float = 1e-3
     forward_kwargs = {"task", "branch"}
 
-    def __init__(self, in_features: int, branches: Sequence[str], init_std: float = 0.01, seed: int = 0) -> None:
+    def __init__(
+        self, in_features: int, branches: Sequence[str], init_std: float = 0.01, seed: int = 0, residual: bool = False
+    ) -> None:
         super().__init__()
         if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0:
             raise ValueError(f"in_features must be a positive int, got {in_features!r}")
@@ -106,12 +111,13 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         self.branches = check_branch_names(branches)
         self.init_std = float(init_std)
         self.seed = seed
+        self.residual = bool(residual)
         self.heads = nn.ModuleDict({name: nn.Linear(in_features, in_features) for name in self.branches})
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for head in self.heads.values():
                 noise = torch.randn(in_features, in_features, generator=generator) * self.init_std
-                head.weight.copy_(torch.eye(in_features) + noise)
+                head.weight.copy_(noise if self.residual else torch.eye(in_features) + noise)
                 head.bias.zero_()
 
     @property
@@ -146,8 +152,13 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         e = self._check(embeddings)
         if branch is not None:
             self.branch_index(branch)
-            return F.normalize(self.heads[branch](e), dim=-1)
-        return torch.stack([F.normalize(self.heads[name](e), dim=-1) for name in self.branches], dim=1)
+            return F.normalize(self._map(branch, e), dim=-1)
+        return torch.stack([F.normalize(self._map(name, e), dim=-1) for name in self.branches], dim=1)
+
+    def _map(self, branch: str, e: Tensor) -> Tensor:
+        """``W_b e + c_b``; residual: ``e + V_b e + c_b`` (the same map with ``W_b = I + V_b``)."""
+        out = self.heads[branch](e)
+        return e + out if self.residual else out
 
     def forward(
         self, features: dict[str, Tensor | Any], task: str | None = None, branch: str | None = None, **kwargs

@@ -239,6 +239,11 @@ class MixtureOfLogits(SafetensorsModule):
         pooling_init_logit: initial position logit of each component's own aggregation token.
         gate_hidden_dim: hidden width of the gating MLP (default ``max(16, 2 P)``).
         gate_features: feed the pooled query and document embeddings to the gate (App. A.3).
+        head_init: ``"heads"`` only: ``"orthogonal"`` (each head an independent orthogonal map) or ``"identity"``
+            (each head the identity plus Gaussian noise of std ``head_init_std``; needs d_P = embedding_dim): every
+            component then starts as the pooled embedding, so at initialisation phi(q, x) is the base model's
+            cosine (a MoL that starts where the dot-product model starts; the noise breaks the heads' symmetry).
+        head_init_std: that noise.
     """
 
     config_keys: list[str] = [
@@ -255,6 +260,8 @@ class MixtureOfLogits(SafetensorsModule):
         "pooling_init_logit",
         "gate_hidden_dim",
         "gate_features",
+        "head_init",
+        "head_init_std",
     ]
     config_file_name = "config.json"
     #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
@@ -277,6 +284,8 @@ class MixtureOfLogits(SafetensorsModule):
         pooling_init_logit: float = 8.0,
         gate_hidden_dim: int | None = None,
         gate_features: bool = False,
+        head_init: str = "orthogonal",
+        head_init_std: float = 0.01,
     ) -> None:
         super().__init__()
         self.num_query_components = _positive_int("num_query_components", num_query_components)
@@ -291,6 +300,11 @@ class MixtureOfLogits(SafetensorsModule):
             "gate_hidden_dim", max(16, 2 * num_logits) if gate_hidden_dim is None else gate_hidden_dim
         )
         self.gate_features = bool(gate_features)
+        if head_init not in ("orthogonal", "identity"):
+            raise ValueError(f"head_init must be 'orthogonal' or 'identity', got {head_init!r}")
+        if not (isinstance(head_init_std, (int, float)) and math.isfinite(head_init_std) and head_init_std >= 0):
+            raise ValueError(f"head_init_std must be finite and >= 0, got {head_init_std!r}")
+        self.head_init, self.head_init_std = head_init, float(head_init_std)
         if not (isinstance(pooling_init_logit, (int, float)) and math.isfinite(pooling_init_logit)):
             raise ValueError(f"pooling_init_logit must be a finite number, got {pooling_init_logit!r}")
         self.pooling_init_logit = float(pooling_init_logit)
@@ -336,8 +350,12 @@ class MixtureOfLogits(SafetensorsModule):
             self.token_dim = self.max_positions = None
             self.token_offset = 0
             self.query_tokens, self.doc_tokens = [], []
-            self.query_heads = self._heads(self.embedding_dim, pq, d)
-            self.doc_heads = self._heads(self.embedding_dim, px, d)
+            if head_init == "identity" and d != self.embedding_dim:
+                raise ValueError(
+                    f"head_init='identity' needs component_dim == embedding_dim ({self.embedding_dim}), got {d}"
+                )
+            self.query_heads = self._heads(self.embedding_dim, pq, d, head_init, self.head_init_std)
+            self.doc_heads = self._heads(self.embedding_dim, px, d, head_init, self.head_init_std)
         self.gate_net = MoLGate(num_logits, self.gate_hidden_dim, self.embedding_dim if self.gate_features else None)
         # ids of the aggregation tokens, resolved against the model's tokenizer in on_model_ready
         self.register_buffer("aggregation_token_ids", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -351,11 +369,15 @@ class MixtureOfLogits(SafetensorsModule):
         return proj
 
     @staticmethod
-    def _heads(in_dim: int, count: int, out_dim: int) -> nn.Linear:
+    def _heads(in_dim: int, count: int, out_dim: int, init: str = "orthogonal", std: float = 0.01) -> nn.Linear:
         heads = nn.Linear(in_dim, count * out_dim)
         with torch.no_grad():
             for p in range(count):
-                nn.init.orthogonal_(heads.weight[p * out_dim : (p + 1) * out_dim])
+                block = heads.weight[p * out_dim : (p + 1) * out_dim]
+                if init == "identity":
+                    block.copy_(torch.eye(out_dim, in_dim) + std * torch.randn(out_dim, in_dim))
+                else:
+                    nn.init.orthogonal_(block)
             heads.bias.zero_()
         return heads
 
