@@ -45,7 +45,7 @@ def test_mol_defaults():
 
     cfg = config_from_args(build_parser("mol").parse_args([]))
     cfg.check()
-    assert (cfg.dataset, cfg.steps, cfg.batch_size, cfg.max_seq_length) == ("irds:beir/nfcorpus", 2000, 64, 128)
+    assert (cfg.dataset, cfg.steps, cfg.batch_size, cfg.max_seq_length) == ("irds:beir/nfcorpus", 1000, 64, 128)
     assert (cfg.alpha, cfg.scale, cfg.head_lr, cfg.pq, cfg.px, cfg.k) == (0.001, 20.0, None, 4, 4, 100)
     assert cfg.component_source == "heads" and cfg.recipe == "frozen"
     assert not cfg.mi_ablation and cfg.output == "outputs/mol"

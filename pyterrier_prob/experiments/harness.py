@@ -80,7 +80,7 @@ class CommonConfig:
     dev_split: str | None = None
     test_split: str | None = None
     model: str | None = None
-    steps: int = 2000
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 5e-5
     seed: int = 0

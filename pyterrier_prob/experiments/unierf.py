@@ -144,7 +144,6 @@ class UniERFJobConfig(CommonConfig):
     """
 
     output: str = "outputs/unierf"
-    steps: int = 60
     head_lr: float | None = None
     alpha: float = 0.6
     low_alpha: float = 0.3

@@ -28,7 +28,7 @@ class LinearAdapter(SafetensorsModule):
     config_file_name = "config.json"
     #: learning rate of the new parameters under :func:`pyterrier_prob.training.fine_tune` (chosen on
     #: nfcorpus/dev, see the README's recipe section)
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-4
 
     def __init__(self, in_features: int) -> None:
         super().__init__()
