@@ -266,7 +266,7 @@ class MixtureOfLogits(SafetensorsModule):
     config_file_name = "config.json"
     #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
     #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
-    learning_rate: float = 1e-3
+    learning_rate: float = 3e-4
     forward_kwargs = {"task"}
 
     def __init__(
