@@ -42,10 +42,14 @@ def cross_encoder_training_data(
 
     Queries of ``split`` with at least one judged-relevant document (label >= ``min_relevance``) in the corpus
     are shuffled (``seed``) and taken in turn, ``n_groups`` times (each query once while ``n_groups`` does not
-    exceed their number, then round again). A group is the query with one of its relevant documents (label 1.0,
-    drawn at random) and ``negatives`` documents (label 0.0) drawn from the query's ``first_stage`` top
-    ``pool_depth`` minus **every document judged for it** (relevant or not); when that pool runs short, random
-    unjudged documents of the corpus fill in (counted in the returned info).
+    exceed their number, then round again). A group is the query with one of its relevant documents (label 1.0)
+    and ``negatives`` documents (label 0.0) drawn from the query's ``first_stage`` top ``pool_depth`` minus **every
+    document judged for it** (relevant or not); when that pool runs short, random unjudged documents of the corpus
+    fill in (counted in the returned info).
+
+    The relevant documents of a query are cycled across the rounds: shuffled once per query (``seed``), its r-th
+    group takes the (r mod n)-th of its n relevant documents, so every relevant document of a query is trained on
+    before any repeats (as the queries themselves are: each once per round).
 
     Args:
         collection: the collection (its documents and the split's topics and qrels).
@@ -55,7 +59,7 @@ def cross_encoder_training_data(
         n_groups: number of (query, positive, negatives) groups; each gives ``1 + negatives`` rows.
         negatives: negatives per positive (the paper's 1:4 ratio is ``negatives=4``).
         pool_depth: depth of the first-stage ranking the negatives come from.
-        seed: seed of the query order, the positive and the negatives.
+        seed: seed of the query order, the order each query's positives cycle in, and the negatives.
         min_relevance: smallest label counted as relevant.
 
     Returns:
@@ -98,11 +102,14 @@ def cross_encoder_training_data(
         ranked = ranked.sort_values(["qid", "rank"], kind="stable")
     pools = {q: list(g["docno"].head(pool_depth)) for q, g in ranked.groupby("qid", sort=False)}
 
+    positives = {q: rng.sample(relevant[q], len(relevant[q])) for q in unique}  # each query's cycle, shuffled once
+    rounds = dict.fromkeys(unique, 0)
     all_docnos: list[str] | None = None
     n_random = 0
     groups: list[tuple[str, str, list[str]]] = []
     for q in picked:
-        pos = rng.choice(relevant[q])
+        pos = positives[q][rounds[q] % len(positives[q])]
+        rounds[q] += 1
         pool = [d for d in pools.get(q, []) if d not in judged[q]]
         negs = rng.sample(pool, min(negatives, len(pool)))
         if len(negs) < negatives:
