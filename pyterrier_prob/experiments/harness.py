@@ -345,12 +345,15 @@ class Harness:
         steps: int | None = None,
         learning_rate_mapping: Mapping[str, float] | None = None,
         settings: Mapping[str, Any] | None = None,
+        fit: Callable[[Any, Any], list[float]] | None = None,
     ) -> tuple[Any, list[float]]:
         """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
 
         ``data`` builds the training rows (None, or ``steps`` 0: the built model is returned untrained and not
         saved). With ``--reuse``, a saved model whose ``train_settings.json`` matches these settings is loaded
-        instead of trained again.
+        instead of trained again. ``fit(model, rows) -> losses`` replaces the default training
+        (:func:`~pyterrier_prob.training.fine_tune` of ``loss(model)`` under the recipe), e.g. to train a head on
+        cached features; everything else (settings, saving, reuse) is the same.
         """
         from pyterrier_prob.training import fine_tune
         from st_extensions import load_model
@@ -394,21 +397,25 @@ class Harness:
             model = build()
             _set_max_len(model, cfg.max_seq_length)
             rows = data()
-            losses = fine_tune(
-                model,
-                loss(model),
-                rows,
-                steps=steps,
-                batch_size=cfg.batch_size,
-                learning_rate=cfg.lr,
-                seed=cfg.seed,
-                show_progress=self.verbose,
-                learning_rate_mapping=dict(learning_rate_mapping or {}),
-                desc=f"training {name}",
-                frozen=cfg.recipe == "frozen",
-                encoder_cache=self.encoder_cache(model) if cfg.recipe == "frozen" else None,
+            losses = (
+                fit(model, rows)
+                if fit is not None
+                else fine_tune(
+                    model,
+                    loss(model),
+                    rows,
+                    steps=steps,
+                    batch_size=cfg.batch_size,
+                    learning_rate=cfg.lr,
+                    seed=cfg.seed,
+                    show_progress=self.verbose,
+                    learning_rate_mapping=dict(learning_rate_mapping or {}),
+                    desc=f"training {name}",
+                    frozen=cfg.recipe == "frozen",
+                    encoder_cache=self.encoder_cache(model) if cfg.recipe == "frozen" else None,
+                )
             )
-            if cfg.recipe == "frozen":
+            if cfg.recipe == "frozen" and fit is None:
                 self.save_encoder_cache()
             _save_model(model, path)
             atomic_write(info_path, json.dumps({"settings": wanted, "losses": losses}, indent=1))

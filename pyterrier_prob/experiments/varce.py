@@ -567,58 +567,19 @@ def _train_on_features(
     *,
     settings: Mapping[str, Any],
 ) -> tuple[Any, list[float]]:
-    """:meth:`Harness.train` for the frozen recipe (which ``Harness.train`` leaves to CrossEncoders themselves):
-    build the model, train its head through :func:`~st_extensions.cross_encoder.frozen.cached_cross_encoder` on the
-    run's feature cache, save the full model as ``output/models/<name>`` with the same ``train_settings.json`` (and
-    ``--reuse``) as ``Harness.train``. Untrained models (no rows, ``--steps 0``) go through ``Harness.train``."""
-    import torch
-
-    from pyterrier_prob.atomic import atomic_write
-    from pyterrier_prob.experiments.harness import _save_model, _set_max_len
+    """:meth:`Harness.train` for the frozen recipe: the head trains through
+    :func:`~st_extensions.cross_encoder.frozen.cached_cross_encoder` on the run's feature cache (at its declared
+    learning rate; the backbone does not move), and the full model is saved, reused and recorded as any other."""
     from pyterrier_prob.training import fine_tune
-    from st_extensions import load_model
     from st_extensions.cross_encoder.frozen import cached_cross_encoder
 
     cfg = h.cfg
-    if data is None or cfg.steps == 0:
-        return h.train(name, build, loss, None, settings=settings)
     rate = _head_learning_rate()
-    path = h.path("models", name)
-    info_path = os.path.join(path, "train_settings.json")
-    wanted = {
-        "model": cfg.model,
-        "dataset": cfg.dataset,
-        "steps": cfg.steps,
-        "batch_size": cfg.batch_size,
-        "lr": cfg.lr,
-        "seed": cfg.seed,
-        "max_seq_length": cfg.max_seq_length,
-        "recipe": cfg.recipe,
-        "learning_rate_mapping": {},
-        "head_learning_rate": rate,
-        **dict(settings),
-    }
-    wanted = json.loads(json.dumps(wanted, default=str))
-    h._model_settings[name] = wanted  # what made the model, as Harness.train records it
-    if cfg.reuse and os.path.isfile(info_path):
-        with open(info_path, encoding="utf8") as f:
-            saved = json.load(f)
-        if saved.get("settings") == wanted:
-            with h.stage(f"load_{name}", f"reusing the {name} model in {path}"):
-                model = load_model(path, device="cpu")
-            _set_max_len(model, cfg.max_seq_length)
-            return model, list(saved.get("losses", []))
-    torch.manual_seed(cfg.seed)
-    model = build()
-    _set_max_len(model, cfg.max_seq_length)
-    rows = data()
-    features.extend(model, list(zip(rows["query"], rows["document"])))
-    with h.stage(
-        f"train_{name}",
-        f"training the {name} head on the cached backbone features: {cfg.steps} steps of {cfg.batch_size}",
-    ):
+
+    def fit(model: Any, rows: Any) -> list[float]:
+        features.extend(model, list(zip(rows["query"], rows["document"])))
         cached = cached_cross_encoder(model, cache=features.cache)
-        losses = fine_tune(
+        return fine_tune(
             cached,
             loss(cached),
             rows,
@@ -627,12 +588,10 @@ def _train_on_features(
             learning_rate=rate,
             seed=cfg.seed,
             show_progress=h.verbose,
-            desc=f"training {name}",
+            desc=f"training {name} (head on cached backbone features)",
         )
-        _save_model(model, path)
-        atomic_write(info_path, json.dumps({"settings": wanted, "losses": losses}, indent=1))
-    h._fresh.add(name)
-    return model, losses
+
+    return h.train(name, build, loss, data, settings={**settings, "head_learning_rate": rate}, fit=fit)
 
 
 def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures | None = None) -> dict[str, Any]:
