@@ -1,4 +1,5 @@
-"""Plots of the pEBR dynamic-retrieval study (Sec. 4.4.2): Figure 2 histogram and Table 3 curves.
+"""Plots of the pEBR dynamic-retrieval study (Sec. 4.4.2): Figure 2 histogram and Table 3 curves; and the PIT /
+reliability plot of per-query cosine laws before and after calibration (issue #13).
 
 Figures are drawn on a bare :class:`matplotlib.figure.Figure` (Agg canvas, no pyplot state, no display
 needed) and written by the one atomic writer, :func:`pyterrier_prob.atomic.save_figure` (0644).
@@ -106,4 +107,67 @@ def table3_plot(
     ax.set_ylabel("mean retrieved documents per query")
     ax.set_title(title)
     ax.legend()
+    return save_figure(fig, path, dpi)
+
+
+def pit_plot(
+    pits: Mapping[str, np.ndarray],
+    path: str | os.PathLike,
+    title: str = "PIT of relevant cosines under the per-query law",
+    *,
+    bins: int = 20,
+    dpi: int = 120,
+) -> str:
+    """PIT histogram and reliability curve of per-query cosine laws, e.g. before and after calibration (issue #13).
+
+    For a law F_q that describes the cosines of q's relevant documents, the PIT values F_q(cos(q, d+)) are uniform
+    on [0, 1] (:func:`pyterrier_prob.pebr.calibration.pit_values`). Left: histogram of the PIT values (density; the
+    dotted line 1 is uniform). Right: reliability curve, the share of PIT values <= u against u (the empirical CDF;
+    the diagonal is calibrated): above the diagonal, relevant documents lie lower than the law says, so the pEBR
+    cutoff ``F_q^{-1}(1 - p)`` keeps fewer than a share p of them. Each legend entry gives n, the Kolmogorov-Smirnov
+    distance D to the uniform law and the share of values below 0.01.
+
+    Args:
+        pits: label -> PIT values, e.g. ``{"before (model law)": pit0, "after (calibrated)": pit1}``.
+        path: PNG file to write.
+        title: figure title.
+        bins: histogram bins on [0, 1].
+        dpi: resolution.
+
+    Returns:
+        ``path`` as a string.
+    """
+    if not isinstance(pits, Mapping) or not pits:
+        raise ValueError("pits must be a non-empty mapping label -> PIT values")
+    clean = {}
+    for label, values in pits.items():
+        u = np.asarray(values, dtype=float).reshape(-1)
+        if u.size == 0 or not np.all((u >= 0.0) & (u <= 1.0)):
+            raise ValueError(f"PIT values of {label!r} must be a non-empty array in [0, 1] (no nan)")
+        clean[str(label)] = np.sort(u)
+    fig = Figure(figsize=(10.0, 4.2), layout="constrained")
+    ax_hist, ax_rel = fig.subplots(1, 2)
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    grid = np.linspace(0.0, 1.0, 501)
+    for i, (label, u) in enumerate(clean.items()):
+        n = u.size
+        ranks = np.arange(1, n + 1) / n
+        ks = float(max(np.max(ranks - u), np.max(u - (ranks - 1.0 / n))))
+        legend = f"{label} (n={n}, D={ks:.3f}, <0.01: {np.mean(u < 0.01):.1%})"
+        colour = f"C{i}"
+        ax_hist.hist(u, bins=edges, density=True, histtype="step", linewidth=1.8, color=colour, label=legend)
+        ax_rel.plot(grid, np.searchsorted(u, grid, side="right") / n, color=colour, linewidth=1.8, label=legend)
+    ax_hist.axhline(1.0, color="black", linestyle=":", linewidth=1.0)
+    ax_hist.set_xlim(0.0, 1.0)
+    ax_hist.set_xlabel("PIT value F_q(cos(q, d+))")
+    ax_hist.set_ylabel("density")
+    ax_hist.set_title("PIT histogram (uniform = calibrated)")
+    ax_rel.plot([0.0, 1.0], [0.0, 1.0], color="black", linestyle="--", linewidth=1.0, label="calibrated")
+    ax_rel.set_xlim(0.0, 1.0)
+    ax_rel.set_ylim(0.0, 1.0)
+    ax_rel.set_xlabel("nominal level u")
+    ax_rel.set_ylabel("share of relevant pairs with PIT <= u")
+    ax_rel.set_title("reliability curve")
+    ax_rel.legend(fontsize="small", loc="lower right")
+    fig.suptitle(title)
     return save_figure(fig, path, dpi)
