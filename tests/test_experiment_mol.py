@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from pyterrier_prob.cli import main
+from st_extensions.modules.mol import MixtureOfLogits
 
 
 def test_mol_help(capsys):
@@ -149,7 +150,7 @@ def test_mol_tiny_run(tmp_path, small_beir, small_beir_no_train_no_dev):
     assert summary["measures"] == ["nDCG@10", "R@100"]
     assert summary["data"]["n_test_queries"] == n_test
     assert summary["per_system"]["MoL"]["alpha"] == 0.001
-    assert summary["per_system"]["MoL"]["learning_rate"] == {"encoder": 5e-5, "mol_head": 1e-3}
+    assert summary["per_system"]["MoL"]["learning_rate"] == {"encoder": 5e-5, "mol_head": MixtureOfLogits.learning_rate}
     assert summary["per_system"]["bi-encoder"]["train_loss"]["steps_logged"] == 2
     assert {"train_bi-encoder", "train_mol", "index_mol", "gate_mol"} <= set(summary["timings_s"])
     training = pd.read_csv(out / "training.csv")
