@@ -171,3 +171,28 @@ def pit_plot(
     ax_rel.legend(fontsize="small", loc="lower right")
     fig.suptitle(title)
     return save_figure(fig, path, dpi)
+
+
+def truncation_curves_plot(
+    curves: Mapping[str, pd.DataFrame],
+    path: str | os.PathLike,
+    title: str = "Ranked-list truncation rules: recall, precision and F1 against mean depth",
+    *,
+    dpi: int = 120,
+) -> str:
+    """Recall, precision and F1 against the mean number of documents kept per query, one line per truncation rule
+    (issue #13): ``curves[rule]`` has columns ``mean_depth``, ``recall``, ``precision``, ``f1``. Log depth axis."""
+    fig = Figure(figsize=(13, 4.2))
+    axes = fig.subplots(1, 3)
+    for ax, col, label in zip(axes, ("recall", "precision", "f1"), ("SetR", "SetP", "F1")):
+        for rule, frame in curves.items():
+            f = frame[frame["mean_depth"] > 0]
+            ax.plot(f["mean_depth"], f[col], marker="o", markersize=3, label=rule)
+        ax.set_xscale("log")
+        ax.set_xlabel("mean documents kept per query")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=dpi)

@@ -71,6 +71,8 @@ class PebrJobConfig(CommonConfig):
         geometry: ``"line"``: the 1-D cosine law the loss trains (Sec. 3.2, ``dim=None``); ``"sphere"``: the
             sphere-corrected law of Appendix A (``dim`` = embedding dimension).
         table3_ps: CDF values of the Table-3 grid.
+        recall_targets: recall targets of the conformal cutoff study (:mod:`~pyterrier_prob.experiments.pebr_cutoffs`).
+        study_cap: length of the study's ranked lists (at most the collection): high recall targets need deep lists.
     """
 
     output: str = "outputs/pebr"
@@ -79,6 +81,8 @@ class PebrJobConfig(CommonConfig):
     cap: int = 1000
     geometry: str = "line"
     table3_ps: Sequence[float] = (0.99, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+    recall_targets: Sequence[float] = (0.5, 0.8, 0.9)
+    study_cap: int = 10000
     timings: dict[str, float] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
@@ -92,6 +96,10 @@ class PebrJobConfig(CommonConfig):
             raise ValueError(f"ks must be positive integers, got {list(self.ks)}")
         if self.cap < max(self.ks):
             raise ValueError(f"cap ({self.cap}) must be at least the largest k ({max(self.ks)})")
+        if self.study_cap < max(self.ks):
+            raise ValueError(f"study_cap ({self.study_cap}) must be at least the largest k ({max(self.ks)})")
+        if not self.recall_targets or any(not 0 < r < 1 for r in self.recall_targets):
+            raise ValueError(f"recall_targets must lie strictly inside (0, 1), got {list(self.recall_targets)}")
         if not self.table3_ps or any(not 0 < p < 1 for p in self.table3_ps):
             raise ValueError(f"table3_ps must lie strictly inside (0, 1), got {list(self.table3_ps)}")
 
@@ -111,6 +119,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="cosine law of the CDF cutoff: 1-D (Sec. 3.2, what the loss trains) or sphere-corrected (App. A)",
     )
     g.add_argument("--table3-ps", type=float, nargs="+", default=list(d.table3_ps), help="CDF values of Table 3")
+    g.add_argument(
+        "--recall-targets",
+        type=float,
+        nargs="+",
+        default=list(d.recall_targets),
+        help="recall targets met by conformal risk control on the calibration queries (cutoff study)",
+    )
+    g.add_argument("--study-cap", type=int, default=d.study_cap, help="ranked-list length of the cutoff study")
 
 
 def config_from_args(a: argparse.Namespace) -> PebrJobConfig:
@@ -121,6 +137,8 @@ def config_from_args(a: argparse.Namespace) -> PebrJobConfig:
         cap=a.cap,
         geometry=a.geometry,
         table3_ps=tuple(a.table3_ps),
+        recall_targets=tuple(a.recall_targets),
+        study_cap=a.study_cap,
     )
 
 
@@ -322,10 +340,36 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
         f"spearman_{spread_col}_vs_num_relevant": {"rho": float(rho), "p": float(pval)},
         "figures": {"figure2": fig2, "table3": fig3},
     }
+    # ---- per-query cutoffs beyond the paper (issue #13): calibrated law, recall targets, RLT baselines ----------
+    from pyterrier_prob.experiments.pebr_cutoffs import cutoff_study
+
+    study = cutoff_study(
+        h,
+        data,
+        indexes["pebr"],
+        {"dev": enc[("pebr", "dev")], "test": enc[("pebr", "test")]},
+        cfg.family,
+        dim,
+        cfg.ks,
+        min(cfg.study_cap, coll.num_docs),
+        cfg.recall_targets,
+    )
+    summary["cutoff_study"] = {
+        "pit": study["pit"],
+        "calibrated_law": study["calibrated_law"],
+        "figures": study["figures"],
+        "calibration_queries": data.cal_source,
+    }
     summary["ranking_vs_untrained"] = {
         str(r["name"]): {m: float(r[m]) for m in RANKING_MEASURES} for _, r in ranking.iterrows()
     }
-    md = _ranking_markdown(ranking) + "\n" + _markdown(experiment, per_stratum, table3, calibration, summary)
+    md = (
+        _ranking_markdown(ranking)
+        + "\n"
+        + _markdown(experiment, per_stratum, table3, calibration, summary)
+        + "\n"
+        + _study_markdown(study, data.cal_source)
+    )
     summary = h.finish(
         "pEBR: CDF cutoff vs top-k and score cutoff at matched mean depth",
         md,
@@ -335,6 +379,8 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
             "strata": per_stratum,
             "table3": table3,
             "calibration": calibration,
+            "cutoffs_matched_depth": study["matched"],
+            "cutoffs_recall_targets": study["targets"],
         },
         summary,
         data,
@@ -355,6 +401,49 @@ def _setting(name: str, s: dict[str, float]) -> str:
     if name.endswith("score cutoff"):
         return f"cos>={s[name]:.6g}"
     return "top-k"
+
+
+def _study_markdown(study: dict[str, Any], cal_source: str) -> str:
+    """The cutoff study's tables (issue #13) as Markdown."""
+    lines = [
+        "## Per-query cutoffs: calibrated law, recall targets, ranked-list-truncation baselines",
+        "",
+        f"Levels chosen on {cal_source}; lists = the pEBR model's top documents per query.",
+        "",
+        "PIT of the test queries' relevant cosines (uniform if the law describes them; KS against U(0, 1)):",
+        "",
+        "| law | pairs | KS | mean | share < 0.01 | share > 0.99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, p in study["pit"].items():
+        lines.append(
+            f"| {name} | {p['n']:.0f} | {p['ks_statistic']:.3f} | {p['mean']:.3f} | {p['below_tail']:.3f} | "
+            f"{p['above_tail']:.3f} |"
+        )
+    lines += [
+        "",
+        "Recall targets (level by conformal risk control on the calibration queries; achieved on test):",
+        "",
+        "| target | rule | reachable | test mean recall | test mean depth | test SetP | top-k k for same recall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, r in study["targets"].iterrows():
+        k = "—" if pd.isna(r["topk_k_for_same_recall"]) else f"{int(r['topk_k_for_same_recall'])}"
+        lines.append(
+            f"| {r['target_recall']:g} | {r['rule']} | {'yes' if r['reachable_on_calibration'] else 'no'} | "
+            f"{r['test_mean_recall']:.3f} | {r['test_mean_depth']:.1f} | {r['test_SetP']:.3f} | {k} |"
+        )
+    lines += [
+        "",
+        "Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k):",
+        "",
+        "| k | rule | test mean depth | SetR | SetP | SetF |",
+        "|---|---|---|---|---|---|",
+    ]
+    for _, r in study["matched"].iterrows():
+        cells = [f"{r[m]:.4f}{p_mark(r.get(f'{m} p-value', np.nan))}" for m in ("SetR", "SetP", "SetF")]
+        lines.append(f"| {r['k']} | {r['name']} | {r['test_mean_depth']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _ranking_markdown(ranking: pd.DataFrame) -> str:
