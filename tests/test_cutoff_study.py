@@ -1,0 +1,132 @@
+"""The pEBR cutoff study (#13): truncation rules, matched depth, oracle and conformal recall, against brute force."""
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pyterrier_prob.experiments.pebr_cutoffs import (
+    _mean_measures,
+    conformal_recall_level,
+    law_stat,
+    level_for_depth,
+    mixture_stat,
+    oracle_runs,
+    zscore_stat,
+)
+
+
+def _ranked(scores_per_query):
+    rows = []
+    for q, scores in enumerate(scores_per_query):
+        for r, s in enumerate(sorted(scores, reverse=True)):
+            rows.append((f"q{q}", f"d{q}_{r}", float(s), r))
+    return pd.DataFrame(rows, columns=["qid", "docno", "score", "rank"])
+
+
+def test_level_for_depth_matches_the_mean_depth():
+    rng = np.random.default_rng(0)
+    stat = rng.normal(size=1000)
+    for k in (1, 7, 50, 100):
+        lam = level_for_depth(stat, n_queries=10, k=k)
+        assert (stat >= lam).sum() == 10 * k
+
+
+def test_zscore_statistic_against_a_loop():
+    rng = np.random.default_rng(1)
+    ranked = _ranked([rng.normal(size=30), rng.normal(2, 3, size=30), np.full(30, 0.5)])
+    z = zscore_stat(ranked, top=10)
+    for i, row in ranked.iterrows():
+        top = ranked[(ranked["qid"] == row["qid"]) & (ranked["rank"] < 10)]["score"].to_numpy()
+        sd = top.std() if top.std() > 0 else 1.0
+        assert z[i] == pytest.approx((row["score"] - top.mean()) / sd)
+
+
+def test_law_statistic_keeps_exactly_the_rows_above_the_cdf_cutoff():
+    from st_extensions.distributions import BetaCosine
+
+    rng = np.random.default_rng(2)
+    ranked = _ranked([rng.uniform(-0.2, 0.8, size=40) for _ in range(3)])
+    law = BetaCosine(np.array([3.0, 8.0, 20.0]), np.array([2.0, 3.0, 5.0]))
+    stat = law_stat(ranked, law)
+    for p in (0.1, 0.5, 0.9):
+        cut = law.cutoff(p)
+        brute = ranked["score"].to_numpy() >= cut[ranked["qid"].str[1:].astype(int).to_numpy()]
+        assert np.array_equal(stat >= -p, brute)
+
+
+def test_score_distribution_fit_separates_a_normal_cluster_from_an_exponential_tail():
+    rng = np.random.default_rng(3)
+    rel = rng.normal(0.5, 0.03, size=6)
+    non = rng.exponential(0.05, size=94)
+    ranked = _ranked([np.concatenate([rel, non])])
+    post = mixture_stat(ranked, top=100)
+    kept = ranked["score"].to_numpy()[post >= 0.5]
+    # the 6 cluster scores (around 0.5) are kept, the exponential bulk (mean 0.05) is not
+    assert len(kept) >= 5 and kept.min() > 0.3
+    assert np.all(np.diff(post) <= 1e-12)  # a truncation: non-increasing down the list
+
+
+def test_oracle_depth_is_feasible_and_close_to_the_brute_force_optimum():
+    rng = np.random.default_rng(4)
+    lists = [rng.uniform(size=8) for _ in range(3)]
+    ranked = _ranked(lists)
+    is_rel = rng.uniform(size=len(ranked)) < 0.35
+    qidx = ranked["qid"].str[1:].astype(int).to_numpy()
+    n_rel = np.bincount(qidx[is_rel], minlength=3) + 1  # one relevant document below every list
+    ranks = ranked["rank"].to_numpy()
+    for k in (1, 2, 4):
+        run = oracle_runs(ranked, is_rel, qidx, n_rel, k, 3)
+        depth = run.groupby("qid").size().reindex(["q0", "q1", "q2"], fill_value=0).to_numpy()
+        assert depth.sum() <= 3 * k
+        got = sum(((qidx == q) & is_rel & (ranks < depth[q])).sum() / n_rel[q] for q in range(3))
+        best = max(
+            sum(((qidx == q) & is_rel & (ranks < d[q])).sum() / n_rel[q] for q in range(3))
+            for d in itertools.product(range(9), repeat=3)
+            if sum(d) <= 3 * k
+        )
+        largest_step = max(1.0 / n for n in n_rel)
+        assert best - largest_step - 1e-12 <= got <= best + 1e-12
+
+
+def _synthetic_queries(rng, n_queries, length=200):
+    """Exchangeable queries: 1-10 relevant documents whose statistic is shifted up by a query-specific amount."""
+    qidx, stat, is_rel, n_rel = [], [], [], []
+    for q in range(n_queries):
+        n = int(rng.integers(1, 11))
+        shift = rng.uniform(0.5, 3.0)
+        s = np.concatenate([rng.normal(shift, 1.0, size=n), rng.normal(0.0, 1.0, size=length - n)])
+        qidx.append(np.full(length, q))
+        stat.append(s)
+        is_rel.append(np.r_[np.ones(n, bool), np.zeros(length - n, bool)])
+        n_rel.append(n + int(rng.integers(0, 2)))  # sometimes a relevant document outside the list
+    return np.concatenate(qidx), np.concatenate(stat), np.concatenate(is_rel), np.array(n_rel)
+
+
+@pytest.mark.parametrize("target", [0.5, 0.8, 0.9])
+def test_conformal_recall_level_covers_the_target_on_exchangeable_queries(target):
+    rng = np.random.default_rng(5)
+    achieved = []
+    for _ in range(200):
+        cq, cs, cr, cn = _synthetic_queries(rng, 100)
+        lam, ok = conformal_recall_level(cs, cq, cr, cn, target)
+        tq, ts, tr, tn = _synthetic_queries(rng, 100)
+        achieved.append(_mean_measures(tq, tr, tn, ts >= lam, 100)[1])
+    achieved = np.array(achieved)
+    # Conformal risk control guarantees E[recall] >= target for a new query; the mean over 200 x 100 test queries
+    # has a standard error of about achieved.std() / sqrt(200) ~ 0.002-0.003 here, so 0.01 is ~4 standard errors.
+    assert achieved.mean() >= target - 0.01
+    # and it is not wastefully conservative: the finite-sample correction costs about (1 - target) / n
+    assert achieved.mean() <= target + 0.05
+
+
+def test_conformal_recall_level_reports_unreachable_targets():
+    qidx = np.array([0, 0, 1, 1])
+    stat = np.array([2.0, 1.0, 2.0, 1.0])
+    is_rel = np.array([True, False, True, False])
+    n_rel = np.array([4, 4])  # most relevant documents are outside the lists: recall at most 0.25
+    lam, ok = conformal_recall_level(stat, qidx, is_rel, n_rel, 0.9)
+    assert lam == -np.inf and not ok
+    with pytest.raises(ValueError, match="no calibration query has a relevant document"):
+        conformal_recall_level(stat, qidx, is_rel, np.array([0, 0]), 0.5)
