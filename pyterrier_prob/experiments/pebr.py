@@ -343,15 +343,19 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
     # ---- per-query cutoffs beyond the paper (issue #13): calibrated law, recall targets, RLT baselines ----------
     from pyterrier_prob.experiments.pebr_cutoffs import cutoff_study
 
+    # calibration needs the calibration queries' own collection (under --test-dataset, the training collection's)
+    cal_index = indexes["pebr"]
+    if data.train_collection is not coll and data.dev is not None:
+        cal_index = h.dense_index("pebr", encoders["pebr"], data.train_collection)
     study = cutoff_study(
         h,
         data,
-        indexes["pebr"],
+        {"dev": cal_index, "test": indexes["pebr"]},
         {"dev": enc[("pebr", "dev")], "test": enc[("pebr", "test")]},
         cfg.family,
         dim,
         cfg.ks,
-        min(cfg.study_cap, coll.num_docs),
+        min(cfg.study_cap, coll.num_docs, data.train_collection.num_docs),
         cfg.recall_targets,
     )
     summary["cutoff_study"] = {

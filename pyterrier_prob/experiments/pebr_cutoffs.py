@@ -235,7 +235,7 @@ RULES = (
 def cutoff_study(
     h: Any,
     data: Any,
-    index: Any,
+    indexes: dict[str, Any],
     queries: dict[str, pd.DataFrame],
     family: str,
     dim: int | None,
@@ -243,8 +243,9 @@ def cutoff_study(
     cap: int,
     targets: Sequence[float] = (0.5, 0.8, 0.9),
 ) -> dict[str, Any]:
-    """Run the study of the module docstring on the pEBR model's index; ``queries`` are the encoded calibration
-    (``"dev"``) and ``"test"`` queries (``qid``, ``query_vec``, the head's parameters).
+    """Run the study of the module docstring on the pEBR model's indexes of the calibration (``"dev"``) and
+    ``"test"`` collections (the same index unless ``--test-dataset`` transfers); ``queries`` are the encoded
+    calibration and test queries (``qid``, ``query_vec``, the head's parameters).
 
     Returns ``{"matched": frame, "targets": frame, "pit": dict, "calibrated_law": dict, "figures": dict}``.
     """
@@ -254,9 +255,9 @@ def cutoff_study(
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
     out: dict[str, Any] = {"figures": {}}
     with h.stage("cutoff_lists", f"ranked lists (top {cap}) and relevant cosines of the calibration and test queries"):
-        ranked = {s: ranked_lists(index, queries[s], cap) for s in ("dev", "test")}
+        ranked = {s: ranked_lists(indexes[s], queries[s], cap) for s in ("dev", "test")}
         qids = {s: list(queries[s]["qid"].astype(str)) for s in ("dev", "test")}
-        rel = {s: relevant_cosines(index, queries[s], qrels[s]) for s in ("dev", "test")}
+        rel = {s: relevant_cosines(indexes[s], queries[s], qrels[s]) for s in ("dev", "test")}
         params = {s: _params(queries[s], family) for s in ("dev", "test")}
         relinfo = {s: _row_relevance(ranked[s], qrels[s], qids[s]) for s in ("dev", "test")}
     with h.stage("calibrate_law", "fitting the calibrated per-query law on the calibration queries' relevant cosines"):
