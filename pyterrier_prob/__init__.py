@@ -19,6 +19,8 @@ _EXPORTS: dict[str, str] = {
     "ProbBiEncoder": "pyterrier_prob.pebr",
     "DenseIndex": "pyterrier_prob.index",
     "CDFCutoffRetriever": "pyterrier_prob.pebr",
+    "RecallTargetCutoff": "pyterrier_prob.pebr",
+    "CalibratedLaw": "pyterrier_prob.pebr.calibration",
     "ScoreCutoffRetriever": "pyterrier_prob.pebr",
     "TopKRetriever": "pyterrier_prob.pebr",
     "threshold_search": "pyterrier_prob.pebr",

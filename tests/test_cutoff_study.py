@@ -6,11 +6,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pyterrier_prob.experiments.pebr_cutoffs import (
-    _mean_measures,
+from pyterrier_prob.pebr.rlt import (
+    RecallTargetCutoff,
     conformal_recall_level,
     law_stat,
     level_for_depth,
+    mean_measures,
     mixture_stat,
     oracle_runs,
     zscore_stat,
@@ -112,7 +113,7 @@ def test_conformal_recall_level_covers_the_target_on_exchangeable_queries(target
         cq, cs, cr, cn = _synthetic_queries(rng, 100)
         lam, ok = conformal_recall_level(cs, cq, cr, cn, target)
         tq, ts, tr, tn = _synthetic_queries(rng, 100)
-        achieved.append(_mean_measures(tq, tr, tn, ts >= lam, 100)[1])
+        achieved.append(mean_measures(tq, tr, tn, ts >= lam, 100)[1])
     achieved = np.array(achieved)
     # Conformal risk control guarantees E[recall] >= target for a new query; the mean over 200 x 100 test queries
     # has a standard error of about achieved.std() / sqrt(200) ~ 0.002-0.003 here, so 0.01 is ~4 standard errors.
@@ -130,3 +131,25 @@ def test_conformal_recall_level_reports_unreachable_targets():
     assert lam == -np.inf and not ok
     with pytest.raises(ValueError, match="no calibration query has a relevant document"):
         conformal_recall_level(stat, qidx, is_rel, np.array([0, 0]), 0.5)
+
+
+def test_recall_target_cutoff_is_a_fitted_pipeline_stage():
+    import pyterrier as pt
+
+    rng = np.random.default_rng(6)
+    cq, cs, cr, cn = _synthetic_queries(rng, 60, length=50)
+    run = pd.DataFrame({"qid": [f"c{q}" for q in cq], "docno": [f"d{i}" for i in range(len(cq))], "score": cs})
+    run["rank"] = run.groupby("qid")["score"].rank(ascending=False, method="first").astype(int) - 1
+    qrels = pd.DataFrame({"qid": run["qid"][cr], "docno": run["docno"][cr], "label": 1})
+    cut = RecallTargetCutoff(0.8).fit(run, qrels)
+    assert cut.reachable_ and np.isfinite(cut.level_)
+    out = (pt.Transformer.identity() >> cut)(run)
+    assert (out["score"] >= cut.level_).all() and len(out) == int((run["score"] >= cut.level_).sum())
+    # what it keeps is a prefix of every list
+    assert (out.groupby("qid")["rank"].max() + 1 == out.groupby("qid").size()).all()
+    with pytest.raises(ValueError, match="not fitted"):
+        RecallTargetCutoff(0.5)(run)
+    with pytest.raises(ValueError, match="target must be a recall"):
+        RecallTargetCutoff(1.5)
+    with pytest.raises(ValueError, match="missing"):
+        cut(run.drop(columns="rank"))

@@ -25,7 +25,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["relevant_cosines"]
+from pyterrier_prob.pebr.rlt import (
+    conformal_recall_level,
+    law_stat,
+    level_for_depth,
+    mean_measures,
+    mixture_stat,
+    oracle_runs,
+    ranked_lists,
+    row_relevance,
+    zscore_stat,
+)
+
+__all__ = ["RULES", "cutoff_study", "relevant_cosines"]
 
 
 def relevant_cosines(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame) -> list[np.ndarray]:
@@ -55,170 +67,6 @@ def _params(frame: pd.DataFrame, family: str) -> pd.DataFrame:
 
 def _fmt_targets(targets: Sequence[float]) -> str:
     return ", ".join(f"{t:g}" for t in targets)
-
-
-# ---- every truncation rule as a per-row statistic: a rule at level lam keeps the rows with stat >= lam --------------
-def _running_min(ranked: pd.DataFrame, stat: np.ndarray) -> np.ndarray:
-    """Make a statistic prefix-monotone within each query (rows sorted by qid, rank): the running minimum down the
-    ranking, so that the rows kept at any level are a prefix of the query's list (a truncation)."""
-    s = pd.Series(stat, index=ranked.index)
-    return s.groupby(ranked["qid"].to_numpy(), sort=False).cummin().to_numpy()
-
-
-def zscore_stat(ranked: pd.DataFrame, top: int = 100) -> np.ndarray:
-    """Per-query normalised score: (score - mean) / std over the query's own top ``top`` scores."""
-    g = ranked[ranked["rank"] < top].groupby("qid")["score"]
-    mu, sd = ranked["qid"].map(g.mean()), ranked["qid"].map(g.std(ddof=0))
-    return ((ranked["score"] - mu) / sd.where(sd > 0, 1.0)).to_numpy()
-
-
-def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.ndarray:
-    """Posterior probability of relevance under a per-query score-distribution fit (Manmatha, Rath & Feng, SIGIR
-    2001): on the query's top ``top`` scores, non-relevant scores exponential above the fitted list's minimum,
-    relevant scores normal (started on the top 5% and kept above the exponential's mean), fitted by EM; made
-    prefix-monotone (:func:`_running_min`)."""
-    from scipy import stats
-
-    out = np.zeros(len(ranked))
-    for _, idx in ranked.groupby("qid", sort=False).indices.items():
-        s = ranked["score"].to_numpy()[idx]
-        lo = s[: min(top, len(s))].min()
-        x = np.maximum(s - lo, 0.0)
-        fit = x[: min(top, len(x))]
-        if len(fit) < 5 or fit.std() == 0:
-            out[idx] = 0.0
-            continue
-        head = fit[: max(2, len(fit) // 20)]
-        w, mu, sd, lam = 0.05, float(head.mean()), float(head.std()) + 1e-3, 1.0 / (fit.mean() + 1e-9)
-        for _ in range(iters):
-            pr = w * stats.norm.pdf(fit, mu, sd)
-            pn = (1 - w) * stats.expon.pdf(fit, scale=1.0 / lam)
-            r = pr / np.maximum(pr + pn, 1e-300)
-            w = float(np.clip(r.mean(), 1e-4, 1 - 1e-4))
-            mu = max(float((r * fit).sum() / max(r.sum(), 1e-12)), 1.0 / lam)
-            sd = float(np.sqrt((r * (fit - mu) ** 2).sum() / max(r.sum(), 1e-12))) + 1e-6
-            lam = float((1 - r).sum() / max(((1 - r) * fit).sum(), 1e-12))
-        pr = w * stats.norm.pdf(x, mu, sd)
-        pn = (1 - w) * stats.expon.pdf(x, scale=1.0 / lam)
-        out[idx] = pr / np.maximum(pr + pn, 1e-300)
-    return _running_min(ranked, out)
-
-
-def law_stat(ranked: pd.DataFrame, law: Any) -> np.ndarray:
-    """The CDF cutoff as a statistic: ``F_q(score) - 1`` (minus the law's survival), so that the cutoff at CDF value
-    p (``law.cutoff(p)``: keep a share p of the relevant documents) keeps the rows with stat >= -p. ``ranked`` holds
-    the law's queries in its order, each query's rows together (:func:`ranked_lists`)."""
-    from pyterrier_prob.pebr.calibration import pit_values
-
-    lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
-    return pit_values(law, lists) - 1.0
-
-
-def ranked_lists(index: Any, queries: pd.DataFrame, cap: int) -> pd.DataFrame:
-    """Each query's top ``cap`` documents (``qid, docno, score, rank``; score = cosine), queries in the order of
-    ``queries``, each query's rows together in rank order."""
-    from pyterrier_prob.pebr import TopKRetriever
-
-    run = TopKRetriever(index, num_results=cap)(queries)[["qid", "docno", "score", "rank"]]
-    order = {q: i for i, q in enumerate(queries["qid"].astype(str))}
-    run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
-    run = run.assign(_o=run["qid"].map(order)).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
-    return run.reset_index(drop=True)
-
-
-def level_for_depth(stat: np.ndarray, n_queries: int, k: float) -> float:
-    """The level at which the rows with stat >= level number ``k`` per query on average (the k·Q-th largest stat):
-    matched mean depth (pEBR Sec. 4.1.3), exact up to ties."""
-    srt = np.sort(stat)[::-1]
-    m = int(np.clip(round(k * n_queries), 1, len(srt)))
-    return float(srt[m - 1])
-
-
-def conformal_recall_level(stat: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, target: float):
-    """Conformal risk control for a recall target (Angelopoulos et al., *Conformal Risk Control*, ICLR 2024, Thm. 1).
-
-    The loss of query i at level lam is L_i(lam) = 1 - recall_i(lam) in [0, 1] (B = 1), non-increasing as lam
-    falls (more rows kept). Over the n calibration queries with a relevant document, the shallowest lam with
-
-        n / (n + 1) * mean_i L_i(lam) + 1 / (n + 1) <= 1 - target
-
-    guarantees E[recall] >= target on a new exchangeable query. ``n_rel`` counts every judged-relevant document of a
-    query (also those below the ranked lists' cap, which no level reaches). Returns ``(lam, achievable)``;
-    ``lam = -inf`` (keep the whole list) when even that does not satisfy the bound.
-    """
-    has = n_rel > 0
-    n = int(has.sum())
-    if n == 0:
-        raise ValueError("no calibration query has a relevant document: cannot calibrate a recall target")
-    need = 1.0 - ((1.0 - target) * (n + 1) - 1.0) / n  # mean recall the calibration queries must reach
-    rel_rows = np.flatnonzero(is_rel & has[qidx])
-    order = rel_rows[np.argsort(-stat[rel_rows], kind="stable")]
-    gain = np.cumsum(1.0 / n_rel[qidx[order]]) / n
-    values = stat[order]
-    # at a tie the whole tied group is kept: the recall reached at a level is the last cumsum of its group
-    last_of_value = np.r_[values[1:] != values[:-1], True]
-    ok = np.flatnonzero(last_of_value & (gain >= need - 1e-12))
-    if len(ok) == 0:
-        return -np.inf, False
-    return float(values[ok[0]]), True
-
-
-def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_rel: np.ndarray, k: float, n_q: int):
-    """Per-query depths that maximise total recall under a mean-depth budget of ``k`` (qrels known: an upper bound).
-
-    Each query's (depth, recall) points at its relevant documents' ranks form a curve; its upper concave hull's
-    segments, taken across queries in decreasing gain per document until the budget k·Q is spent, solve the
-    budgeted problem (exactly for the LP relaxation; a segment that no longer fits is skipped)."""
-    budget = k * n_q
-    segs = []
-    ranks = ranked["rank"].to_numpy()
-    for q in range(n_q):
-        if n_rel[q] == 0:
-            continue
-        rel_ranks = np.sort(ranks[(qidx == q) & is_rel])
-        pts = [(0, 0.0)] + [(int(r) + 1, (j + 1) / n_rel[q]) for j, r in enumerate(rel_ranks)]
-        hull = [pts[0]]
-        for p in pts[1:]:
-            while len(hull) >= 2:
-                (x1, y1), (x2, y2) = hull[-2], hull[-1]
-                if (y2 - y1) * (p[0] - x1) <= (p[1] - y1) * (x2 - x1):
-                    hull.pop()
-                else:
-                    break
-            hull.append(p)
-        for (x1, y1), (x2, y2) in zip(hull[:-1], hull[1:]):
-            segs.append(((y2 - y1) / (x2 - x1), q, x2, x2 - x1))
-    depth = np.zeros(n_q, dtype=int)
-    spent = 0.0
-    for _slope, q, x2, cost in sorted(segs, key=lambda s: -s[0]):
-        if x2 <= depth[q]:
-            continue
-        if spent + cost <= budget:
-            depth[q], spent = x2, spent + cost
-    return ranked[ranks < depth[qidx]]
-
-
-def _row_relevance(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]):
-    """(query index per row, relevant flag per row, number of judged-relevant documents per query)."""
-    rel = qrels[qrels["label"] > 0]
-    pairs = set(zip(rel["qid"].astype(str), rel["docno"].astype(str)))
-    pos = {q: i for i, q in enumerate(qids)}
-    qidx = ranked["qid"].map(pos).to_numpy()
-    is_rel = np.fromiter((p in pairs for p in zip(ranked["qid"], ranked["docno"])), bool, len(ranked))
-    counts = rel.groupby(rel["qid"].astype(str)).size()
-    n_rel = np.array([int(counts.get(q, 0)) for q in qids])
-    return qidx, is_rel, n_rel
-
-
-def _mean_measures(qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, keep: np.ndarray, n_q: int):
-    """Mean depth, and SetR / SetP / F1 per query (recall over queries with a relevant document)."""
-    depth = np.bincount(qidx[keep], minlength=n_q)
-    hits = np.bincount(qidx[keep & is_rel], minlength=n_q)
-    has = n_rel > 0
-    rec = np.where(has, hits / np.maximum(n_rel, 1), 0.0)
-    prec = np.where(depth > 0, hits / np.maximum(depth, 1), 0.0)
-    f1 = np.where(rec + prec > 0, 2 * rec * prec / np.maximum(rec + prec, 1e-12), 0.0)
-    return depth.mean(), rec[has].mean(), prec[has].mean(), f1[has].mean()
 
 
 RULES = (
@@ -259,7 +107,7 @@ def cutoff_study(
         qids = {s: list(queries[s]["qid"].astype(str)) for s in ("dev", "test")}
         rel = {s: relevant_cosines(indexes[s], queries[s], qrels[s]) for s in ("dev", "test")}
         params = {s: _params(queries[s], family) for s in ("dev", "test")}
-        relinfo = {s: _row_relevance(ranked[s], qrels[s], qids[s]) for s in ("dev", "test")}
+        relinfo = {s: row_relevance(ranked[s], qrels[s], qids[s]) for s in ("dev", "test")}
     with h.stage("calibrate_law", "fitting the calibrated per-query law on the calibration queries' relevant cosines"):
         has_dev = [i for i, r in enumerate(rel["dev"]) if len(r)]
         cal = CalibratedLaw(family=family, dim=dim).fit(params["dev"].iloc[has_dev], [rel["dev"][i] for i in has_dev])
@@ -315,7 +163,7 @@ def cutoff_study(
                 dq, dr, dn = relinfo["dev"]
                 lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
                 keep = stats["test"][rule] >= lam
-                depth, recall, prec, f1 = _mean_measures(tq, tr, tn, keep, n_test)
+                depth, recall, prec, f1 = mean_measures(tq, tr, tn, keep, n_test)
                 need_k = int(np.searchsorted(topk_recall, recall - 1e-12) + 1) if recall <= topk_recall[-1] else None
                 trows.append(
                     {
@@ -342,7 +190,7 @@ def cutoff_study(
                 if k > cap:
                     continue
                 lam = float(-(k - 1)) if rule == "top-k" else level_for_depth(stats["test"][rule], n_test, k)
-                pts.append(_mean_measures(tq, tr, tn, stats["test"][rule] >= lam, n_test))
+                pts.append(mean_measures(tq, tr, tn, stats["test"][rule] >= lam, n_test))
             curves[rule] = pd.DataFrame(pts, columns=["mean_depth", "recall", "precision", "f1"])
         out["curves"] = curves
         out["figures"]["curves"] = truncation_curves_plot(curves, h.path("truncation_curves.png"))

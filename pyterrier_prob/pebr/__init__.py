@@ -1,5 +1,7 @@
 """pEBR's PyTerrier side (``shared/papers/pebr.md``): encoders that add ``query_vec`` and the per-query law's
-parameters, and the CDF / score / top-k cutoff retrievers. The experiment is :mod:`pyterrier_prob.experiments.pebr`."""
+parameters, and the CDF / score / top-k cutoff retrievers; calibrated per-query laws (:mod:`.calibration`) and
+ranked-list truncation with a conformal recall target (:mod:`.rlt`). The experiment is
+:mod:`pyterrier_prob.experiments.pebr`."""
 
 from pyterrier_prob.pebr.cutoff import (
     CDFCutoffRetriever,
@@ -10,6 +12,7 @@ from pyterrier_prob.pebr.cutoff import (
     threshold_search,
 )
 from pyterrier_prob.pebr.encoders import PARAM_COLUMNS, ProbBiEncoder, ProbDocEncoder, ProbQueryEncoder
+from pyterrier_prob.pebr.rlt import RecallTargetCutoff
 
 __all__ = [
     "CDFCutoffRetriever",
@@ -18,6 +21,7 @@ __all__ = [
     "ProbBiEncoder",
     "ProbDocEncoder",
     "ProbQueryEncoder",
+    "RecallTargetCutoff",
     "ScoreCutoffRetriever",
     "TopKRetriever",
     "count_above",

@@ -1,0 +1,260 @@
+"""Ranked-list truncation for per-query cutoffs (issue #13): every rule as a per-row statistic, matched mean depth,
+the oracle depth, and a recall target met by conformal risk control, usable in a PyTerrier pipeline.
+
+A *ranked run* is a result frame (``qid``, ``docno``, ``score``, ``rank``; rank 0-based, each query's rows together in
+rank order), e.g. a dense retriever's top documents. A rule at level ``lam`` keeps the rows whose statistic is
+``>= lam``; every statistic here is non-increasing down each query's list, so what is kept is a prefix (a
+truncation):
+
+* top-k: ``-rank``; global score threshold: ``score``;
+* per-query normalised score: :func:`zscore_stat` (z-score over the query's own top list);
+* per-query score-distribution fit: :func:`mixture_stat` (exponential non-relevant + normal relevant scores, EM;
+  Manmatha, Rath & Feng, SIGIR 2001);
+* a CDF cutoff under per-query cosine laws: :func:`law_stat` (pEBR Appendix A; e.g. the calibrated laws of
+  :mod:`pyterrier_prob.pebr.calibration`).
+
+:class:`RecallTargetCutoff` is the fitted transformer: ``TopKRetriever(index, num_results=cap) >>
+RecallTargetCutoff(0.9).fit(calibration_run, calibration_qrels)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+
+__all__ = [
+    "RecallTargetCutoff",
+    "conformal_recall_level",
+    "law_stat",
+    "level_for_depth",
+    "mean_measures",
+    "mixture_stat",
+    "oracle_runs",
+    "ranked_lists",
+    "row_relevance",
+    "zscore_stat",
+]
+
+
+def _running_min(ranked: pd.DataFrame, stat: np.ndarray) -> np.ndarray:
+    """Make a statistic prefix-monotone within each query (rows sorted by qid, rank): the running minimum down the
+    ranking, so that the rows kept at any level are a prefix of the query's list (a truncation)."""
+    s = pd.Series(stat, index=ranked.index)
+    return s.groupby(ranked["qid"].to_numpy(), sort=False).cummin().to_numpy()
+
+
+def zscore_stat(ranked: pd.DataFrame, top: int = 100) -> np.ndarray:
+    """Per-query normalised score: (score - mean) / std over the query's own top ``top`` scores."""
+    g = ranked[ranked["rank"] < top].groupby("qid")["score"]
+    mu, sd = ranked["qid"].map(g.mean()), ranked["qid"].map(g.std(ddof=0))
+    return ((ranked["score"] - mu) / sd.where(sd > 0, 1.0)).to_numpy()
+
+
+def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.ndarray:
+    """Posterior probability of relevance under a per-query score-distribution fit (Manmatha, Rath & Feng, SIGIR
+    2001): on the query's top ``top`` scores, non-relevant scores exponential above the fitted list's minimum,
+    relevant scores normal (started on the top 5% and kept above the exponential's mean), fitted by EM; made
+    prefix-monotone (:func:`_running_min`)."""
+    from scipy import stats
+
+    out = np.zeros(len(ranked))
+    for _, idx in ranked.groupby("qid", sort=False).indices.items():
+        s = ranked["score"].to_numpy()[idx]
+        lo = s[: min(top, len(s))].min()
+        x = np.maximum(s - lo, 0.0)
+        fit = x[: min(top, len(x))]
+        if len(fit) < 5 or fit.std() == 0:
+            out[idx] = 0.0
+            continue
+        head = fit[: max(2, len(fit) // 20)]
+        w, mu, sd, lam = 0.05, float(head.mean()), float(head.std()) + 1e-3, 1.0 / (fit.mean() + 1e-9)
+        for _ in range(iters):
+            pr = w * stats.norm.pdf(fit, mu, sd)
+            pn = (1 - w) * stats.expon.pdf(fit, scale=1.0 / lam)
+            r = pr / np.maximum(pr + pn, 1e-300)
+            w = float(np.clip(r.mean(), 1e-4, 1 - 1e-4))
+            mu = max(float((r * fit).sum() / max(r.sum(), 1e-12)), 1.0 / lam)
+            sd = float(np.sqrt((r * (fit - mu) ** 2).sum() / max(r.sum(), 1e-12))) + 1e-6
+            lam = float((1 - r).sum() / max(((1 - r) * fit).sum(), 1e-12))
+        pr = w * stats.norm.pdf(x, mu, sd)
+        pn = (1 - w) * stats.expon.pdf(x, scale=1.0 / lam)
+        out[idx] = pr / np.maximum(pr + pn, 1e-300)
+    return _running_min(ranked, out)
+
+
+def law_stat(ranked: pd.DataFrame, law: Any) -> np.ndarray:
+    """The CDF cutoff as a statistic: ``F_q(score) - 1`` (minus the law's survival), so that the cutoff at CDF value
+    p (``law.cutoff(p)``: keep a share p of the relevant documents) keeps the rows with stat >= -p. ``ranked`` holds
+    the law's queries in its order, each query's rows together (:func:`ranked_lists`)."""
+    from pyterrier_prob.pebr.calibration import pit_values
+
+    lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
+    return pit_values(law, lists) - 1.0
+
+
+def ranked_lists(index: Any, queries: pd.DataFrame, cap: int) -> pd.DataFrame:
+    """Each query's top ``cap`` documents (``qid, docno, score, rank``; score = cosine), queries in the order of
+    ``queries``, each query's rows together in rank order."""
+    from pyterrier_prob.pebr.cutoff import TopKRetriever
+
+    run = TopKRetriever(index, num_results=cap)(queries)[["qid", "docno", "score", "rank"]]
+    order = {q: i for i, q in enumerate(queries["qid"].astype(str))}
+    run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
+    run = run.assign(_o=run["qid"].map(order)).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
+    return run.reset_index(drop=True)
+
+
+def level_for_depth(stat: np.ndarray, n_queries: int, k: float) -> float:
+    """The level at which the rows with stat >= level number ``k`` per query on average (the k·Q-th largest stat):
+    matched mean depth (pEBR Sec. 4.1.3), exact up to ties."""
+    srt = np.sort(stat)[::-1]
+    m = int(np.clip(round(k * n_queries), 1, len(srt)))
+    return float(srt[m - 1])
+
+
+def conformal_recall_level(stat: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, target: float):
+    """Conformal risk control for a recall target (Angelopoulos et al., *Conformal Risk Control*, ICLR 2024, Thm. 1).
+
+    The loss of query i at level lam is L_i(lam) = 1 - recall_i(lam) in [0, 1] (B = 1), non-increasing as lam
+    falls (more rows kept). Over the n calibration queries with a relevant document, the shallowest lam with
+
+        n / (n + 1) * mean_i L_i(lam) + 1 / (n + 1) <= 1 - target
+
+    guarantees E[recall] >= target on a new exchangeable query. ``n_rel`` counts every judged-relevant document of a
+    query (also those below the ranked lists' cap, which no level reaches). Returns ``(lam, achievable)``;
+    ``lam = -inf`` (keep the whole list) when even that does not satisfy the bound.
+    """
+    has = n_rel > 0
+    n = int(has.sum())
+    if n == 0:
+        raise ValueError("no calibration query has a relevant document: cannot calibrate a recall target")
+    need = 1.0 - ((1.0 - target) * (n + 1) - 1.0) / n  # mean recall the calibration queries must reach
+    rel_rows = np.flatnonzero(is_rel & has[qidx])
+    order = rel_rows[np.argsort(-stat[rel_rows], kind="stable")]
+    gain = np.cumsum(1.0 / n_rel[qidx[order]]) / n
+    values = stat[order]
+    # at a tie the whole tied group is kept: the recall reached at a level is the last cumsum of its group
+    last_of_value = np.r_[values[1:] != values[:-1], True]
+    ok = np.flatnonzero(last_of_value & (gain >= need - 1e-12))
+    if len(ok) == 0:
+        return -np.inf, False
+    return float(values[ok[0]]), True
+
+
+def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_rel: np.ndarray, k: float, n_q: int):
+    """Per-query depths that maximise total recall under a mean-depth budget of ``k`` (qrels known: an upper bound).
+
+    Each query's (depth, recall) points at its relevant documents' ranks form a curve; its upper concave hull's
+    segments, taken across queries in decreasing gain per document until the budget k·Q is spent, solve the
+    budgeted problem (exactly for the LP relaxation; a segment that no longer fits is skipped)."""
+    budget = k * n_q
+    segs = []
+    ranks = ranked["rank"].to_numpy()
+    for q in range(n_q):
+        if n_rel[q] == 0:
+            continue
+        rel_ranks = np.sort(ranks[(qidx == q) & is_rel])
+        pts = [(0, 0.0)] + [(int(r) + 1, (j + 1) / n_rel[q]) for j, r in enumerate(rel_ranks)]
+        hull = [pts[0]]
+        for p in pts[1:]:
+            while len(hull) >= 2:
+                (x1, y1), (x2, y2) = hull[-2], hull[-1]
+                if (y2 - y1) * (p[0] - x1) <= (p[1] - y1) * (x2 - x1):
+                    hull.pop()
+                else:
+                    break
+            hull.append(p)
+        for (x1, y1), (x2, y2) in zip(hull[:-1], hull[1:]):
+            segs.append(((y2 - y1) / (x2 - x1), q, x2, x2 - x1))
+    depth = np.zeros(n_q, dtype=int)
+    spent = 0.0
+    for _slope, q, x2, cost in sorted(segs, key=lambda s: -s[0]):
+        if x2 <= depth[q]:
+            continue
+        if spent + cost <= budget:
+            depth[q], spent = x2, spent + cost
+    return ranked[ranks < depth[qidx]]
+
+
+def row_relevance(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]):
+    """(query index per row, relevant flag per row, number of judged-relevant documents per query)."""
+    rel = qrels[qrels["label"] > 0]
+    pairs = set(zip(rel["qid"].astype(str), rel["docno"].astype(str)))
+    pos = {q: i for i, q in enumerate(qids)}
+    qidx = ranked["qid"].map(pos).to_numpy()
+    is_rel = np.fromiter((p in pairs for p in zip(ranked["qid"], ranked["docno"])), bool, len(ranked))
+    counts = rel.groupby(rel["qid"].astype(str)).size()
+    n_rel = np.array([int(counts.get(q, 0)) for q in qids])
+    return qidx, is_rel, n_rel
+
+
+def mean_measures(qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, keep: np.ndarray, n_q: int):
+    """Mean depth, and SetR / SetP / F1 per query (recall over queries with a relevant document)."""
+    depth = np.bincount(qidx[keep], minlength=n_q)
+    hits = np.bincount(qidx[keep & is_rel], minlength=n_q)
+    has = n_rel > 0
+    rec = np.where(has, hits / np.maximum(n_rel, 1), 0.0)
+    prec = np.where(depth > 0, hits / np.maximum(depth, 1), 0.0)
+    f1 = np.where(rec + prec > 0, 2 * rec * prec / np.maximum(rec + prec, 1e-12), 0.0)
+    return depth.mean(), rec[has].mean(), prec[has].mean(), f1[has].mean()
+
+
+Statistic = Callable[[pd.DataFrame], np.ndarray]
+
+
+def _sorted_run(run: pd.DataFrame) -> pd.DataFrame:
+    missing = [c for c in ("qid", "docno", "score", "rank") if c not in run.columns]
+    if missing:
+        raise ValueError(f"a ranked run needs the columns qid, docno, score, rank; missing {missing}")
+    run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
+    order = {q: i for i, q in enumerate(dict.fromkeys(run["qid"]))}
+    return run.assign(_o=run["qid"].map(order)).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
+
+
+class RecallTargetCutoff(pt.Transformer):
+    """Truncate each query's ranked list at the level that conformal risk control picks on calibration queries, so
+    that the expected recall on a new, exchangeable query is at least ``target``
+    (:func:`conformal_recall_level`, with its finite-sample correction).
+
+    Args:
+        target: the recall target r in (0, 1).
+        statistic: the rule's per-row statistic: ``"score"`` (a global score cutoff), ``"rank"`` (top-k),
+            ``"zscore"`` (:func:`zscore_stat`) or a callable ``ranked run -> array`` (e.g.
+            ``lambda run: law_stat(run, law)`` for a CDF cutoff).
+
+    Use: ``RecallTargetCutoff(0.9).fit(calibration_run, calibration_qrels)``, then as a pipeline stage after a
+    retriever that returns enough documents per query. ``level_`` and ``reachable_`` are set by :meth:`fit`.
+    """
+
+    def __init__(self, target: float, statistic: str | Statistic = "score") -> None:
+        if not (isinstance(target, (int, float)) and 0.0 < target < 1.0):
+            raise ValueError(f"target must be a recall in (0, 1), got {target!r}")
+        named = {"score": lambda r: r["score"].to_numpy(dtype=np.float64), "zscore": zscore_stat}
+        named["rank"] = lambda r: -r["rank"].to_numpy(dtype=np.float64)
+        if isinstance(statistic, str) and statistic not in named:
+            raise ValueError(f"statistic must be one of {sorted(named)} or a callable, got {statistic!r}")
+        self.target = float(target)
+        self.statistic = named[statistic] if isinstance(statistic, str) else statistic
+        self.level_: float | None = None
+        self.reachable_: bool | None = None
+
+    def fit(self, run: pd.DataFrame, qrels: pd.DataFrame) -> RecallTargetCutoff:
+        """Choose the level on a ranked run of calibration queries and their qrels (``qid, docno, label``)."""
+        run = _sorted_run(run)
+        qids = list(dict.fromkeys(run["qid"]))
+        qidx, is_rel, n_rel = row_relevance(run, qrels, qids)
+        self.level_, self.reachable_ = conformal_recall_level(self.statistic(run), qidx, is_rel, n_rel, self.target)
+        return self
+
+    def transform(self, run: pd.DataFrame) -> pd.DataFrame:
+        if self.level_ is None:
+            raise ValueError("RecallTargetCutoff is not fitted: call .fit(calibration_run, calibration_qrels) first")
+        run = _sorted_run(run)
+        return run[self.statistic(run) >= self.level_].reset_index(drop=True)
+
+    def __repr__(self) -> str:
+        return f"RecallTargetCutoff(target={self.target}, level={self.level_})"
