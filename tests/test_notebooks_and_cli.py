@@ -178,4 +178,8 @@ def test_test_dataset_transfer(tmp_path, small_beir, small_beir_no_train_no_dev)
     assert d["test"] == f"{test_folder}/test" and d["n_test_queries"] == info["queries"]["test"]
     assert any("zero-shot transfer" in n for n in d["notes"])
     indexes = sorted(p.name for p in (out / "indexes").iterdir() if p.is_dir())
-    assert all(test_folder.name.replace("_", "-") in name for name in indexes)  # indexed: the test collection only
+    # indexed: the test collection, plus the pEBR model on the calibration collection (the cutoff study fits the
+    # calibrated law on the calibration queries' own relevant documents)
+    on_train = [n for n in indexes if test_folder.name.replace("_", "-") not in n]
+    assert on_train == [n for n in indexes if n.startswith("pebr-") and train_folder.name.replace("_", "-") in n]
+    assert len(on_train) == 1
