@@ -210,7 +210,13 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
     """
     from scipy.stats import spearmanr
 
-    from pyterrier_prob.evaluation import assign_strata, calibrate_mean_k, evaluate_set_measures, table3_grid
+    from pyterrier_prob.evaluation import (
+        Calibration,
+        assign_strata,
+        calibrate_mean_k,
+        evaluate_set_measures,
+        table3_grid,
+    )
     from pyterrier_prob.pebr import CDFCutoffRetriever, ProbBiEncoder, ScoreCutoffRetriever, TopKRetriever
     from pyterrier_prob.plots import retrieved_count_histogram, table3_plot
 
@@ -256,7 +262,17 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
             )
         ]
         for k, system, run, lo, hi, increasing in h.progress(jobs, "calibrating", unit="cutoff"):
-            c = calibrate_mean_k(run, k, lo, hi, increasing=increasing, topics=topics["dev"], max_iter=80)
+            try:
+                c = calibrate_mean_k(run, k, lo, hi, increasing=increasing, topics=topics["dev"], max_iter=80)
+            except ValueError as e:  # e.g. the head's law keeps fewer than k documents even at p -> 1
+                if "unreachable" not in str(e):
+                    raise
+                edge = hi if increasing else lo  # the deepest setting the rule has
+                mean_k = float(run(edge).groupby("qid").size().reindex(topics["dev"]["qid"], fill_value=0).mean())
+                c = Calibration(value=edge, mean_k=mean_k, target_k=k, iterations=1, achieved=False)
+                data.notes.append(
+                    f"{system}: mean depth {k} is unreachable on the calibration queries (at most {mean_k:.2f})"
+                )
             settings.setdefault(k, {})[system] = float(c.value)
             cal_rows.append(
                 {
