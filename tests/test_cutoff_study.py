@@ -153,3 +153,20 @@ def test_recall_target_cutoff_is_a_fitted_pipeline_stage():
         RecallTargetCutoff(1.5)
     with pytest.raises(ValueError, match="missing"):
         cut(run.drop(columns="rank"))
+
+
+def test_likelihood_ratio_statistic_is_the_running_minimum_of_the_log_ratio():
+    from pyterrier_prob.experiments.pebr_cutoffs import lr_stat
+    from st_extensions.distributions import BetaCosine
+
+    rng = np.random.default_rng(7)
+    ranked = _ranked([rng.uniform(-0.5, 0.9, size=25) for _ in range(3)])
+    rel = BetaCosine(np.array([8.0, 5.0, 12.0]), np.array([2.0, 3.0, 4.0]))
+    irr = BetaCosine(np.array([2.0, 3.0, 2.5]), np.array([2.0, 2.0, 3.0]))
+    stat = lr_stat(ranked, rel, irr)
+    for q in range(3):
+        rows = ranked["qid"] == f"q{q}"
+        x = ranked.loc[rows, "score"].to_numpy()
+        one_rel, one_irr = BetaCosine(rel.alpha[q], rel.beta[q]), BetaCosine(irr.alpha[q], irr.beta[q])
+        llr = np.asarray(one_rel.logpdf(x)) - np.asarray(one_irr.logpdf(x))
+        np.testing.assert_allclose(stat[rows.to_numpy()], np.minimum.accumulate(llr), rtol=1e-9, atol=1e-9)

@@ -79,6 +79,24 @@ RULES = (
 )
 """The truncation rules of the study, in table order (plus ``oracle depth``); significance against ``top-k``."""
 
+LR_RULE = "likelihood-ratio cutoff (beta_mle)"
+"""The extra rule of a ``beta_mle`` head: log f+(cos) - log f-(cos) of its relevant and irrelevant laws (Sec. 3.1)."""
+
+
+def lr_stat(ranked: pd.DataFrame, relevant: Any, irrelevant: Any) -> np.ndarray:
+    """Per-row log likelihood ratio of the query's relevant and irrelevant cosine laws (pEBR Sec. 3.1), made
+    prefix-monotone (the running minimum down the list), so that a level keeps a truncation."""
+    from pyterrier_prob.pebr.calibration import log_likelihood_ratio
+    from pyterrier_prob.pebr.rlt import running_min
+
+    width = ranked.groupby("qid", sort=False).size().max()
+    lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
+    padded = np.array(
+        [np.pad(np.clip(v, -1 + 1e-6, 1 - 1e-6), (0, width - len(v)), constant_values=0.0) for v in lists]
+    )
+    llr = np.asarray(log_likelihood_ratio(relevant, irrelevant, padded))
+    return running_min(ranked, np.concatenate([llr[i, : len(v)] for i, v in enumerate(lists)]))
+
 
 def cutoff_study(
     h: Any,
@@ -97,7 +115,7 @@ def cutoff_study(
 
     Returns ``{"matched": frame, "targets": frame, "pit": dict, "calibrated_law": dict, "figures": dict}``.
     """
-    from pyterrier_prob.pebr.calibration import CalibratedLaw, model_law, pit_summary, pit_values
+    from pyterrier_prob.pebr.calibration import CalibratedLaw, beta_mle_laws, model_law, pit_summary, pit_values
     from pyterrier_prob.plots import pit_plot, truncation_curves_plot
 
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
@@ -116,9 +134,14 @@ def cutoff_study(
         test_rel = [rel["test"][i] for i in has_test]
         before = model_law(params["test"].iloc[has_test], family, dim)
         after = cal.law(params["test"].iloc[has_test])
+        dev_pit = np.sort(pit_values(cal.law(params["dev"].iloc[has_dev]), [rel["dev"][i] for i in has_dev]))
+        after_pit = pit_values(after, test_rel)
         pits = {
             "head's law (before)": pit_values(before, test_rel),
-            "calibrated law (after)": pit_values(after, test_rel),
+            "calibrated law (after)": after_pit,
+            # the calibrated law composed with the empirical CDF of the calibration queries' PIT values: a monotone
+            # remap of F_q, so it ranks and truncates exactly as the calibrated law, only its p is recalibrated
+            "calibrated law + dev PIT remap": np.searchsorted(dev_pit, after_pit, side="right") / len(dev_pit),
         }
         out["pit"] = {name: pit_summary(v) for name, v in pits.items()}
         out["figures"]["pit"] = pit_plot(pits, h.path("pit.png"), title="PIT of the test queries' relevant cosines")
@@ -133,6 +156,8 @@ def cutoff_study(
             stats[s]["score-distribution fit"] = mixture_stat(r)
             stats[s]["CDF cutoff (head's law)"] = law_stat(r, model_law(params[s], family, dim))
             stats[s]["CDF cutoff (calibrated law)"] = law_stat(r, cal.law(params[s]))
+            if family == "beta_mle":  # Sec. 3.1's two laws: keep while log f+(cos) - log f-(cos) >= level
+                stats[s][LR_RULE] = lr_stat(r, *beta_mle_laws(params[s], dim))
 
     # ---- matched mean depth -------------------------------------------------------------------------------------
     rows = []
@@ -140,7 +165,7 @@ def cutoff_study(
     with h.stage("matched_depth", f"every rule at matched mean depth {list(ks)} (levels from {data.cal_source})"):
         for k in ks:
             runs = {}
-            for rule in RULES:
+            for rule in [r for r in (*RULES, LR_RULE) if r in stats["dev"]]:
                 lam = float(-(k - 1)) if rule == "top-k" else level_for_depth(stats["dev"][rule], n_dev, k)
                 runs[rule] = ranked["test"][stats["test"][rule] >= lam]
             qidx, is_rel, n_rel = relinfo["test"]
@@ -184,7 +209,7 @@ def cutoff_study(
     with h.stage("curves", "recall, precision and F1 against mean depth for every rule"):
         tq, tr, tn = relinfo["test"]
         curves = {}
-        for rule in RULES:
+        for rule in [r for r in (*RULES, LR_RULE) if r in stats["test"]]:
             pts = []
             for k in (1, 2, 5, 10, 20, 50, 100, 200, 500, cap):
                 if k > cap:

@@ -36,11 +36,12 @@ __all__ = [
     "oracle_runs",
     "ranked_lists",
     "row_relevance",
+    "running_min",
     "zscore_stat",
 ]
 
 
-def _running_min(ranked: pd.DataFrame, stat: np.ndarray) -> np.ndarray:
+def running_min(ranked: pd.DataFrame, stat: np.ndarray) -> np.ndarray:
     """Make a statistic prefix-monotone within each query (rows sorted by qid, rank): the running minimum down the
     ranking, so that the rows kept at any level are a prefix of the query's list (a truncation)."""
     s = pd.Series(stat, index=ranked.index)
@@ -58,7 +59,7 @@ def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.n
     """Posterior probability of relevance under a per-query score-distribution fit (Manmatha, Rath & Feng, SIGIR
     2001): on the query's top ``top`` scores, non-relevant scores exponential above the fitted list's minimum,
     relevant scores normal (started on the top 5% and kept above the exponential's mean), fitted by EM; made
-    prefix-monotone (:func:`_running_min`)."""
+    prefix-monotone (:func:`running_min`)."""
     from scipy import stats
 
     out = np.zeros(len(ranked))
@@ -83,7 +84,7 @@ def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.n
         pr = w * stats.norm.pdf(x, mu, sd)
         pn = (1 - w) * stats.expon.pdf(x, scale=1.0 / lam)
         out[idx] = pr / np.maximum(pr + pn, 1e-300)
-    return _running_min(ranked, out)
+    return running_min(ranked, out)
 
 
 def law_stat(ranked: pd.DataFrame, law: Any) -> np.ndarray:
