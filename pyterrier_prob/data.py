@@ -21,6 +21,14 @@ def _source(source: str | Collection, split: str | None) -> tuple[Collection, st
     return coll, split
 
 
+def _relevant_pairs(coll: Collection, split: str, min_relevance: int) -> tuple[dict, list[tuple[str, str]]]:
+    """The split's query texts by qid, and its (qid, docno) pairs with label >= ``min_relevance`` whose query is a
+    topic of the split, in qrels order."""
+    queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
+    qrels = coll.qrels(split)[["qid", "docno", "label"]]
+    return queries, [(q, d) for q, d, lab in qrels.itertuples(index=False) if lab >= min_relevance and q in queries]
+
+
 def training_pairs(
     source: str | Collection,
     split: str | None = None,
@@ -47,13 +55,7 @@ def training_pairs(
         every query's relevant documents cycled across epochs, the queries of a batch distinct.
     """
     coll, split = _source(source, split)
-    queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
-    qrels = coll.qrels(split)
-    qrels = [
-        (q, d)
-        for q, d, lab in qrels[["qid", "docno", "label"]].itertuples(index=False)
-        if lab >= min_relevance and q in queries
-    ]
+    queries, qrels = _relevant_pairs(coll, split, min_relevance)
     if not qrels:
         raise ValueError(
             f"{coll.name}/{split} has no relevant (query, document) pairs with relevance >= {min_relevance}"
@@ -79,11 +81,9 @@ def judged_pairs(source: str | Collection, split: str | None = None, min_relevan
     every positive grade, so a document judged relevant at any grade is never an in-batch negative), for the
     ``judged=`` argument of the losses."""
     coll, split = _source(source, split)
-    queries = dict(zip(*coll.topics(split)[["qid", "query"]].T.values))
-    q = coll.qrels(split)
-    q = q[(q["label"] >= min_relevance) & q["qid"].isin(queries)]
-    docs = coll.doc_texts(set(q["docno"]))
-    return JudgedPairs((queries[a], docs[b]) for a, b in zip(q["qid"], q["docno"]) if b in docs)
+    queries, pairs = _relevant_pairs(coll, split, min_relevance)
+    docs = coll.doc_texts({d for _, d in pairs})
+    return JudgedPairs((queries[q], docs[d]) for q, d in pairs if d in docs)
 
 
 def relevant_counts(source: str | Collection, split: str | None = None, min_relevance: int = 1) -> dict[str, int]:

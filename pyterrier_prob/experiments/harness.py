@@ -490,6 +490,8 @@ class Harness:
 
     def _built(self, name: str, path: str) -> None:
         atomic_write(f"{path}.settings.json", json.dumps(self._index_settings(name), indent=1))
+        if self.cfg.recipe == "frozen":  # the documents just encoded join the run's encoder cache on disk
+            self.save_encoder_cache()
 
     def dense_index(self, name: str, encoder: Any, collection: Collection) -> Any:
         """Encode ``collection`` with a :class:`~pyterrier_prob.ProbBiEncoder` (or any pyterrier-dr BiEncoder) into a
@@ -504,8 +506,6 @@ class Harness:
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
             (encoder.doc_encoder(verbose=False) >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
         self._built(name, path)
-        if self.cfg.recipe == "frozen":
-            self.save_encoder_cache()
         return index
 
     def mol_index(self, name: str, encoder: Any, collection: Collection) -> Any:
@@ -520,8 +520,6 @@ class Harness:
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
             (encoder.doc_encoder() >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
         self._built(name, path)
-        if self.cfg.recipe == "frozen":
-            self.save_encoder_cache()
         return index
 
     def bm25(self, collection: Collection) -> Any:
