@@ -376,7 +376,9 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
     )
     summary["cutoff_study"] = {
         "pit": study["pit"],
+        "pit_per_query": study["pit_per_query"],
         "calibrated_law": study["calibrated_law"],
+        "calibrated_law_list_features": study["calibrated_law_list_features"],
         "figures": study["figures"],
         "calibration_queries": data.cal_source,
     }
@@ -430,28 +432,45 @@ def _study_markdown(study: dict[str, Any], cal_source: str) -> str:
         "",
         f"Levels chosen on {cal_source}; lists = the pEBR model's top documents per query.",
         "",
-        "PIT of the test queries' relevant cosines (uniform if the law describes them; KS against U(0, 1)):",
+        "PIT of the test queries' relevant cosines (uniform if the law describes them; KS against U(0, 1)), over "
+        "all relevant pairs and per query (each query weighted once, as mean recall weighs it):",
         "",
-        "| law | pairs | KS | mean | share < 0.01 | share > 0.99 |",
-        "|---|---|---|---|---|---|",
+        "| law | pairs | KS | mean | share < 0.01 | share > 0.99 | KS per query | mean per query |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, p in study["pit"].items():
+        q = study["pit_per_query"][name]
         lines.append(
             f"| {name} | {p['n']:.0f} | {p['ks_statistic']:.3f} | {p['mean']:.3f} | {p['below_tail']:.3f} | "
-            f"{p['above_tail']:.3f} |"
+            f"{p['above_tail']:.3f} | {q['ks_statistic']:.3f} | {q['mean']:.3f} |"
         )
+    targets = study["targets"]
+    resplit = "resplit_mean_recall" in targets
     lines += [
         "",
-        "Recall targets (level by conformal risk control on the calibration queries; achieved on test):",
+        "Recall targets (level by conformal risk control on the calibration queries; achieved on test"
+        + (
+            "; re-splits: the calibration and test queries pooled and split again at random, 200 times"
+            if resplit
+            else ""
+        )
+        + "):",
         "",
-        "| target | rule | reachable | test mean recall | test mean depth | test SetP | top-k k for same recall |",
-        "|---|---|---|---|---|---|---|",
+        "| target | rule | reachable | test mean recall | test mean depth | test SetP | top-k k for same recall |"
+        + (" re-splits: mean recall (5-95%) | share in [r-0.02, r+0.05] |" if resplit else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if resplit else ""),
     ]
-    for _, r in study["targets"].iterrows():
+    for _, r in targets.iterrows():
         k = "—" if pd.isna(r["topk_k_for_same_recall"]) else f"{int(r['topk_k_for_same_recall'])}"
+        extra = (
+            f" {r['resplit_mean_recall']:.3f} ({r['resplit_recall_5']:.3f}-{r['resplit_recall_95']:.3f}) | "
+            f"{r['resplit_share_in_range']:.2f} |"
+            if resplit
+            else ""
+        )
         lines.append(
             f"| {r['target_recall']:g} | {r['rule']} | {'yes' if r['reachable_on_calibration'] else 'no'} | "
-            f"{r['test_mean_recall']:.3f} | {r['test_mean_depth']:.1f} | {r['test_SetP']:.3f} | {k} |"
+            f"{r['test_mean_recall']:.3f} | {r['test_mean_depth']:.1f} | {r['test_SetP']:.3f} | {k} |" + extra
         )
     lines += [
         "",

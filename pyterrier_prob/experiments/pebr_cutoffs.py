@@ -4,17 +4,21 @@ guarantee, and ranked-list-truncation baselines at matched mean depth.
 Everything works on the pEBR model's ranked lists (its top ``cap`` documents per query, scores = cosines) of the
 calibration (dev) and test queries:
 
-* **calibrated law** (:class:`~pyterrier_prob.pebr.calibration.CalibratedLaw`): fitted by maximum likelihood on the
-  calibration queries' relevant cosines (all of them, not only those in the top ``cap``) from the head's per-query
-  parameters; its CDF cutoff keeps, per query, the documents above ``law.cutoff(p)``. The PIT of the test queries'
-  relevant cosines before (the head's own law) and after calibration is summarised and plotted;
-* **recall targets**: conformal risk control (:mod:`pyterrier_prob.pebr.conformal`) picks the level of the calibrated
-  CDF cutoff and of a global score cutoff on the calibration queries so that expected recall on new exchangeable
-  queries is at least r; on test: the achieved mean recall, the mean depth, and the fixed k top-k needs for the same
-  recall;
-* **matched depth**: every rule (:mod:`pyterrier_prob.pebr.truncation`) calibrated on the calibration queries to a
-  mean depth k and applied to test: SetR / SetP / SetF with paired t-tests against top-k, and the oracle depth
-  (qrels known) as an upper bound; recall / precision / F1 against mean depth for each rule (PNG).
+* **calibrated laws** (:class:`~pyterrier_prob.pebr.calibration.CalibratedLaw`): fitted by maximum likelihood on
+  the calibration queries' relevant cosines (all of them, not only those in the top ``cap``), from the head's
+  per-query parameters alone and from those plus the query's list features
+  (:func:`~pyterrier_prob.pebr.rlt.list_features`); each gives a CDF cutoff (every query keeps a share p of its
+  relevant documents) and the second a recall-gain cutoff (:func:`~pyterrier_prob.pebr.rlt.gain_stat`). The PIT
+  of the test queries' relevant cosines before (the head's own law) and after calibration is summarised, per pair
+  and per query, and plotted;
+* **recall targets**: conformal risk control (:func:`~pyterrier_prob.pebr.rlt.conformal_recall_level`) picks each
+  rule's level on the calibration queries so that expected recall on new exchangeable queries is at least r; on
+  test: the achieved mean recall, the mean depth, and the fixed k top-k needs for the same recall; when calibration
+  and test queries share a collection, the same over 200 random re-splits of their pool
+  (:func:`~pyterrier_prob.pebr.rlt.conformal_resplits`);
+* **matched depth**: every rule (:mod:`pyterrier_prob.pebr.rlt`) calibrated on the calibration queries to a mean
+  depth k and applied to test: SetR / SetP / SetF with paired t-tests against top-k, and the oracle depth (qrels
+  known) as an upper bound; recall / precision / F1 against mean depth for each rule (PNG).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import pandas as pd
 
 from pyterrier_prob.pebr.rlt import (
     conformal_recall_level,
+    conformal_resplits,
+    gain_stat,
     law_stat,
     level_for_depth,
+    list_features,
     mean_measures,
     mixture_stat,
     oracle_runs,
@@ -69,15 +76,28 @@ def _fmt_targets(targets: Sequence[float]) -> str:
     return ", ".join(f"{t:g}" for t in targets)
 
 
+CAL = "calibrated law"
+CAL_F = "calibrated law + list features"
 RULES = (
     "top-k",
     "score cutoff",
     "z-score cutoff",
     "score-distribution fit",
     "CDF cutoff (head's law)",
-    "CDF cutoff (calibrated law)",
+    f"CDF cutoff ({CAL})",
+    f"CDF cutoff ({CAL_F})",
+    f"recall-gain cutoff ({CAL_F})",
 )
 """The truncation rules of the study, in table order (plus ``oracle depth``); significance against ``top-k``."""
+
+TARGET_RULES = (
+    f"CDF cutoff ({CAL})",
+    f"CDF cutoff ({CAL_F})",
+    "score cutoff",
+    "z-score cutoff",
+    "CDF cutoff (head's law)",
+)
+"""The rules given a recall target by conformal risk control."""
 
 LR_RULE = "likelihood-ratio cutoff (beta_mle)"
 """The extra rule of a ``beta_mle`` head: log f+(cos) - log f-(cos) of its relevant and irrelevant laws (Sec. 3.1)."""
@@ -115,7 +135,15 @@ def cutoff_study(
 
     Returns ``{"matched": frame, "targets": frame, "pit": dict, "calibrated_law": dict, "figures": dict}``.
     """
-    from pyterrier_prob.pebr.calibration import CalibratedLaw, beta_mle_laws, model_law, pit_summary, pit_values
+    from pyterrier_prob.pebr.calibration import (
+        CalibratedLaw,
+        beta_mle_laws,
+        model_law,
+        pit_summary,
+        pit_values,
+        query_weights,
+        take_queries,
+    )
     from pyterrier_prob.plots import pit_plot, truncation_curves_plot
 
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
@@ -126,24 +154,39 @@ def cutoff_study(
         rel = {s: relevant_cosines(indexes[s], queries[s], qrels[s]) for s in ("dev", "test")}
         params = {s: _params(queries[s], family) for s in ("dev", "test")}
         relinfo = {s: row_relevance(ranked[s], qrels[s], qids[s]) for s in ("dev", "test")}
-    with h.stage("calibrate_law", "fitting the calibrated per-query law on the calibration queries' relevant cosines"):
-        has_dev = [i for i, r in enumerate(rel["dev"]) if len(r)]
-        cal = CalibratedLaw(family=family, dim=dim).fit(params["dev"].iloc[has_dev], [rel["dev"][i] for i in has_dev])
+    with h.stage("calibrate_law", "fitting the calibrated per-query laws on the calibration queries' relevant cosines"):
+        feats = {sp: list_features(ranked[sp]) for sp in ("dev", "test")}
+        has = {sp: [i for i, r in enumerate(rel[sp]) if len(r)] for sp in ("dev", "test")}
+        dev_rel = [rel["dev"][i] for i in has["dev"]]
+        cal = CalibratedLaw(family=family, dim=dim).fit(params["dev"].iloc[has["dev"]], dev_rel)
+        cal_f = CalibratedLaw(family=family, dim=dim).fit(
+            params["dev"].iloc[has["dev"]], dev_rel, features=feats["dev"].iloc[has["dev"]]
+        )
         out["calibrated_law"] = cal.to_dict()
-        has_test = [i for i, r in enumerate(rel["test"]) if len(r)]
-        test_rel = [rel["test"][i] for i in has_test]
-        before = model_law(params["test"].iloc[has_test], family, dim)
-        after = cal.law(params["test"].iloc[has_test])
-        dev_pit = np.sort(pit_values(cal.law(params["dev"].iloc[has_dev]), [rel["dev"][i] for i in has_dev]))
-        after_pit = pit_values(after, test_rel)
+        out["calibrated_law_list_features"] = cal_f.to_dict()
+        laws = {
+            sp: {
+                "head": model_law(params[sp], family, dim),
+                CAL: cal.law(params[sp]),
+                CAL_F: cal_f.law(params[sp], features=feats[sp]),
+            }
+            for sp in ("dev", "test")
+        }
+        test_rel = [rel["test"][i] for i in has["test"]]
+        ht, hd = (np.array(has[sp], dtype=np.intp) for sp in ("test", "dev"))
+        dev_pit = np.sort(pit_values(take_queries(laws["dev"][CAL_F], hd), dev_rel))
+        after_pit = pit_values(take_queries(laws["test"][CAL_F], ht), test_rel)
         pits = {
-            "head's law (before)": pit_values(before, test_rel),
-            "calibrated law (after)": after_pit,
+            "head's law (before)": pit_values(take_queries(laws["test"]["head"], ht), test_rel),
+            f"{CAL} (after)": pit_values(take_queries(laws["test"][CAL], ht), test_rel),
+            f"{CAL_F} (after)": after_pit,
             # the calibrated law composed with the empirical CDF of the calibration queries' PIT values: a monotone
             # remap of F_q, so it ranks and truncates exactly as the calibrated law, only its p is recalibrated
-            "calibrated law + dev PIT remap": np.searchsorted(dev_pit, after_pit, side="right") / len(dev_pit),
+            f"{CAL_F} + dev PIT remap": np.searchsorted(dev_pit, after_pit, side="right") / len(dev_pit),
         }
+        weights = query_weights(test_rel)
         out["pit"] = {name: pit_summary(v) for name, v in pits.items()}
+        out["pit_per_query"] = {name: pit_summary(v, weights=weights) for name, v in pits.items()}
         out["figures"]["pit"] = pit_plot(pits, h.path("pit.png"), title="PIT of the test queries' relevant cosines")
 
     stats: dict[str, dict[str, np.ndarray]] = {s: {} for s in ("dev", "test")}
@@ -154,8 +197,10 @@ def cutoff_study(
             stats[s]["score cutoff"] = r["score"].to_numpy(dtype=np.float64)
             stats[s]["z-score cutoff"] = zscore_stat(r)
             stats[s]["score-distribution fit"] = mixture_stat(r)
-            stats[s]["CDF cutoff (head's law)"] = law_stat(r, model_law(params[s], family, dim))
-            stats[s]["CDF cutoff (calibrated law)"] = law_stat(r, cal.law(params[s]))
+            stats[s]["CDF cutoff (head's law)"] = law_stat(r, laws[s]["head"])
+            stats[s][f"CDF cutoff ({CAL})"] = law_stat(r, laws[s][CAL])
+            stats[s][f"CDF cutoff ({CAL_F})"] = law_stat(r, laws[s][CAL_F])
+            stats[s][f"recall-gain cutoff ({CAL_F})"] = gain_stat(r, laws[s][CAL_F])
             if family == "beta_mle":  # Sec. 3.1's two laws: keep while log f+(cos) - log f-(cos) >= level
                 stats[s][LR_RULE] = lr_stat(r, *beta_mle_laws(params[s], dim))
 
@@ -179,30 +224,46 @@ def cutoff_study(
 
     # ---- recall targets (conformal risk control on the calibration queries) -------------------------------------
     trows = []
+    same_collection = indexes["dev"] is indexes["test"]
     with h.stage("recall_targets", f"recall targets {_fmt_targets(targets)} by conformal risk control"):
         tq, tr, tn = relinfo["test"]
-        has = tn > 0
+        dq, dr, dn = relinfo["dev"]
         topk_recall = _topk_recall_curve(ranked["test"]["rank"].to_numpy(), tq, tr, tn, cap)
         for target in targets:
-            for rule in ("CDF cutoff (calibrated law)", "score cutoff", "CDF cutoff (head's law)"):
-                dq, dr, dn = relinfo["dev"]
+            for rule in TARGET_RULES:
                 lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
                 keep = stats["test"][rule] >= lam
                 depth, recall, prec, f1 = mean_measures(tq, tr, tn, keep, n_test)
                 need_k = int(np.searchsorted(topk_recall, recall - 1e-12) + 1) if recall <= topk_recall[-1] else None
-                trows.append(
-                    {
-                        "target_recall": target,
-                        "rule": rule,
-                        "level": lam,
-                        "reachable_on_calibration": ok,
-                        "test_mean_recall": recall,
-                        "test_mean_depth": depth,
-                        "test_SetP": prec,
-                        "topk_k_for_same_recall": need_k,
-                        "test_queries_with_relevant": int(has.sum()),
-                    }
-                )
+                row = {
+                    "target_recall": target,
+                    "rule": rule,
+                    "level": lam,
+                    "reachable_on_calibration": ok,
+                    "test_mean_recall": recall,
+                    "test_mean_depth": depth,
+                    "test_SetP": prec,
+                    "topk_k_for_same_recall": need_k,
+                    "test_queries_with_relevant": int((tn > 0).sum()),
+                }
+                if same_collection:  # the guarantee is in expectation over calibration draws: re-split the pool
+                    pooled = np.concatenate([stats["dev"][rule], stats["test"][rule]])
+                    rec = conformal_resplits(
+                        pooled,
+                        np.concatenate([dq, tq + n_dev]),
+                        np.concatenate([dr, tr]),
+                        np.concatenate([dn, tn]),
+                        target,
+                        n_cal=int((dn > 0).sum()),
+                    )
+                    row.update(
+                        resplit_mean_recall=float(rec.mean()),
+                        resplit_recall_5=float(np.quantile(rec, 0.05)),
+                        resplit_recall_95=float(np.quantile(rec, 0.95)),
+                        resplit_share_in_range=float(np.mean((rec >= target - 0.02) & (rec <= target + 0.05))),
+                        resplits=len(rec),
+                    )
+                trows.append(row)
     out["targets"] = pd.DataFrame(trows)
 
     # ---- recall / precision / F1 against mean depth (test) ------------------------------------------------------

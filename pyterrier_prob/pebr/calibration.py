@@ -48,6 +48,8 @@ __all__ = [
     "model_law",
     "pit_summary",
     "pit_values",
+    "query_weights",
+    "take_queries",
 ]
 
 Family = Literal["exp", "beta", "beta_mle"]
@@ -572,7 +574,8 @@ class CalibratedLaw:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _take(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosine | BetaCosine:
+def take_queries(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosine | BetaCosine:
+    """The per-query laws of the queries ``idx`` (positions), as a law of the same kind and geometry."""
     if isinstance(law, BetaCosine):
         q = law.n_queries
         return BetaCosine(
@@ -614,7 +617,7 @@ def _per_pair(law: Any, lists: list[NDArray[np.float64]], method: str) -> NDArra
         pad = np.zeros((idx.size, width))
         for r, q in enumerate(idx):
             pad[r, : counts[q]] = lists[q]
-        vals = np.asarray(getattr(_take(law, idx), method)(pad), dtype=np.float64).reshape(idx.size, width)
+        vals = np.asarray(getattr(take_queries(law, idx), method)(pad), dtype=np.float64).reshape(idx.size, width)
         for r, q in enumerate(idx):
             out[starts[q] : starts[q] + counts[q]] = vals[r, : counts[q]]
         i = j
@@ -648,13 +651,24 @@ def mean_log_density(
     return float(np.sum(w * logd) / np.sum(w))
 
 
-def pit_summary(pit: ArrayLike, tail: float = 0.01) -> dict[str, float]:
+def query_weights(relevant_cosines_per_query: Any) -> NDArray[np.float64]:
+    """Per-pair weights 1 / |R_q| (in :func:`pit_values` order), so that every query counts once: the weighting of
+    mean per-query recall (SetR, the conformal recall loss) and of ``CalibratedLaw(weighting="query")``."""
+    n = np.array([c.size for c in _relevant_lists(relevant_cosines_per_query)], dtype=np.float64)
+    return np.repeat(1.0 / n, n.astype(np.intp))
+
+
+def pit_summary(pit: ArrayLike, tail: float = 0.01, weights: ArrayLike | None = None) -> dict[str, float]:
     """Calibration summary of PIT values (ideal: uniform on [0, 1]).
 
     Returns ``n``; ``ks_statistic`` and ``ks_pvalue`` of ``scipy.stats.kstest`` against U(0, 1); ``mean`` (ideal
     0.5); ``below_tail`` / ``above_tail``: the share of values below ``tail`` / above ``1 - tail`` (ideal ``tail``
     each; the issue's "97% below the 1% quantile" is ``below_tail = 0.97``); ``central_50`` / ``central_90``: the
     share inside the central 50% / 90% interval (ideal 0.5 / 0.9).
+
+    With ``weights`` (one per value, e.g. :func:`query_weights`: every query once) every figure is the weighted
+    one: the KS statistic is ``sup_u |W(u) - u|`` of the weighted empirical CDF W, and ``ks_pvalue`` is nan (the
+    weighted statistic has no standard null law).
 
     The KS p-value treats the pairs as independent; relevant documents of one query share that query's law, so
     with many documents per query it is optimistic -- read the statistic, and the tail shares, first.
@@ -666,16 +680,29 @@ def pit_summary(pit: ArrayLike, tail: float = 0.01) -> dict[str, float]:
         raise ValueError("PIT values must lie in [0, 1] (and not be nan)")
     if not (isinstance(tail, numbers.Real) and 0.0 < tail < 0.5):
         raise ValueError(f"tail must be a number in (0, 0.5), got {tail!r}")
-    ks = stats.kstest(u, "uniform")
+    if weights is None:
+        ks = stats.kstest(u, "uniform")
+        d, pvalue, w = float(ks.statistic), float(ks.pvalue), np.full(u.size, 1.0 / u.size)
+    else:
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        if w.shape != u.shape or not np.all(np.isfinite(w) & (w >= 0)) or w.sum() <= 0:
+            raise ValueError(f"weights must be {u.size} finite values >= 0 with a positive sum (one per PIT value)")
+        w = w / w.sum()
+        order = np.argsort(u, kind="stable")
+        us, cw = u[order], np.cumsum(w[order])
+        last = np.r_[us[1:] != us[:-1], True]  # the weighted ECDF at each distinct value
+        us, cw = us[last], cw[last]
+        d = float(max(np.max(cw - us), np.max(us - np.r_[0.0, cw[:-1]])))
+        pvalue = math.nan
     return {
         "n": int(u.size),
-        "ks_statistic": float(ks.statistic),
-        "ks_pvalue": float(ks.pvalue),
-        "mean": float(u.mean()),
-        "below_tail": float(np.mean(u < tail)),
-        "above_tail": float(np.mean(u > 1.0 - tail)),
-        "central_50": float(np.mean((u >= 0.25) & (u <= 0.75))),
-        "central_90": float(np.mean((u >= 0.05) & (u <= 0.95))),
+        "ks_statistic": d,
+        "ks_pvalue": pvalue,
+        "mean": float(np.sum(w * u)),
+        "below_tail": float(np.sum(w * (u < tail))),
+        "above_tail": float(np.sum(w * (u > 1.0 - tail))),
+        "central_50": float(np.sum(w * ((u >= 0.25) & (u <= 0.75)))),
+        "central_90": float(np.sum(w * ((u >= 0.05) & (u <= 0.95)))),
         "tail": float(tail),
     }
 

@@ -11,7 +11,13 @@ truncation):
 * per-query score-distribution fit: :func:`mixture_stat` (exponential non-relevant + normal relevant scores, EM;
   Manmatha, Rath & Feng, SIGIR 2001);
 * a CDF cutoff under per-query cosine laws: :func:`law_stat` (pEBR Appendix A; e.g. the calibrated laws of
-  :mod:`pyterrier_prob.pebr.calibration`).
+  :mod:`pyterrier_prob.pebr.calibration`): every query keeps the same expected share p of its relevant documents;
+* a recall-gain cutoff under the same laws: :func:`gain_stat`, the expected share of the query's relevant documents
+  per document at each rank, so that one global level equalises the *marginal* recall per document across queries
+  (what maximises mean recall at a fixed mean depth, if the laws are right).
+
+:func:`list_features` gives per-query features of a ranked list (top-1 and top-100 mean cosines) for a calibrated
+law; :func:`conformal_resplits` checks the conformal guarantee over repeated random calibration / test splits.
 
 :class:`RecallTargetCutoff` is the fitted transformer: ``TopKRetriever(index, num_results=cap) >>
 RecallTargetCutoff(0.9).fit(calibration_run, calibration_qrels)``.
@@ -29,8 +35,11 @@ import pyterrier as pt
 __all__ = [
     "RecallTargetCutoff",
     "conformal_recall_level",
+    "conformal_resplits",
+    "gain_stat",
     "law_stat",
     "level_for_depth",
+    "list_features",
     "mean_measures",
     "mixture_stat",
     "oracle_runs",
@@ -97,6 +106,47 @@ def law_stat(ranked: pd.DataFrame, law: Any) -> np.ndarray:
     return pit_values(law, lists) - 1.0
 
 
+def _logit_z(cos: np.ndarray) -> np.ndarray:
+    z = np.clip((1.0 + np.asarray(cos, dtype=np.float64)) / 2.0, 1e-12, 1.0 - 1e-12)
+    return np.log(z) - np.log1p(-z)
+
+
+def list_features(ranked: pd.DataFrame, top: int = 100) -> pd.DataFrame:
+    """Per-query features of a ranked list for :class:`~pyterrier_prob.pebr.calibration.CalibratedLaw` (its
+    ``features``): ``logit_top1`` = logit((1 + s_1) / 2) of the query's top cosine and ``logit_mean_top`` = logit of
+    the mean of (1 + s) / 2 over its top ``top``, on the Beta law's logit scale. One row per query, in the order the
+    queries appear in ``ranked`` (each query's rows together in rank order, :func:`ranked_lists`)."""
+    if not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be an int >= 1, got {top!r}")
+    if len(ranked) == 0:
+        return pd.DataFrame({"logit_top1": [], "logit_mean_top": []})
+    g = ranked.groupby("qid", sort=False)["score"]
+    first = g.first().to_numpy(dtype=np.float64)
+    head = ranked[ranked["rank"] < top].groupby("qid", sort=False)["score"].mean().reindex(g.first().index)
+    return pd.DataFrame({"logit_top1": _logit_z(first), "logit_mean_top": _logit_z(head.to_numpy(dtype=np.float64))})
+
+
+def gain_stat(ranked: pd.DataFrame, law: Any, window: int = 5) -> np.ndarray:
+    """Expected marginal recall per document under per-query cosine laws: at rank j of query q,
+
+        g_qj = (F_q(s_{j - w}) - F_q(s_{j + w})) / (j_+ - j_-),   j_- = max(j - w, 0), j_+ = min(j + w, n_q - 1),
+
+    the law's mass of q's relevant documents between the scores w ranks above and below, per document (0 for a list
+    of one document). Under the law, keeping rank j adds about g_qj to q's expected recall, so keeping the rows
+    with g >= level spends a mean-depth budget where recall grows fastest (the oracle depth's greedy rule, with the
+    law in place of the qrels). Made prefix-monotone (:func:`running_min`)."""
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    cdf = law_stat(ranked, law) + 1.0
+    out = np.zeros(len(ranked))
+    for idx in ranked.groupby("qid", sort=False).indices.values():
+        c, n = cdf[idx], len(idx)
+        j = np.arange(n)
+        lo, hi = np.maximum(j - window, 0), np.minimum(j + window, n - 1)
+        out[idx] = np.where(hi > lo, (c[lo] - c[hi]) / np.maximum(hi - lo, 1), 0.0)
+    return running_min(ranked, out)
+
+
 def ranked_lists(index: Any, queries: pd.DataFrame, cap: int) -> pd.DataFrame:
     """Each query's top ``cap`` documents (``qid, docno, score, rank``; score = cosine), queries in the order of
     ``queries``, each query's rows together in rank order."""
@@ -144,6 +194,43 @@ def conformal_recall_level(stat: np.ndarray, qidx: np.ndarray, is_rel: np.ndarra
     if len(ok) == 0:
         return -np.inf, False
     return float(values[ok[0]]), True
+
+
+def conformal_resplits(
+    stat: np.ndarray,
+    qidx: np.ndarray,
+    is_rel: np.ndarray,
+    n_rel: np.ndarray,
+    target: float,
+    n_cal: int,
+    seeds: int = 200,
+) -> np.ndarray:
+    """The conformal recall guarantee checked over random calibration / test splits of one pool of queries.
+
+    Conformal risk control bounds the recall *expected over the draw of the calibration queries and the new query*;
+    one split of a few hundred queries scatters around it. For each seed the queries with a relevant document are
+    permuted, the first ``n_cal`` calibrate the level (:func:`conformal_recall_level`) and the rest are the test
+    queries; returns the test mean recall of every split (its mean estimates the expected recall). Only the
+    relevant rows are read (recall needs no others), so a split costs a sort of those rows.
+    """
+    has = np.flatnonzero(n_rel > 0)
+    if not 1 <= n_cal < len(has):
+        raise ValueError(f"n_cal must be in [1, {len(has) - 1}] (queries with a relevant document: {len(has)})")
+    rows = np.flatnonzero(is_rel & (n_rel[qidx] > 0))
+    r_stat, r_q = stat[rows], qidx[rows]
+    rng = np.random.default_rng(0)
+    out = np.empty(seeds)
+    for b in range(seeds):
+        cal = np.zeros(len(n_rel), dtype=bool)
+        cal[rng.permutation(has)[:n_cal]] = True
+        in_cal = cal[r_q]
+        n_cal_rel = np.where(cal, n_rel, 0)
+        ones = np.ones(in_cal.sum(), dtype=bool)
+        lam, _ = conformal_recall_level(r_stat[in_cal], r_q[in_cal], ones, n_cal_rel, target)
+        test = ~cal & (n_rel > 0)
+        hits = np.bincount(r_q[~in_cal & (r_stat >= lam)], minlength=len(n_rel))
+        out[b] = np.mean(hits[test] / n_rel[test])
+    return out
 
 
 def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_rel: np.ndarray, k: float, n_q: int):
