@@ -173,6 +173,26 @@ def test_pit_uniform_under_fitted_law_not_under_wrong_law():
     assert pit_summary(pit_values(fit.law(test_params), shifted))["ks_pvalue"] < 1e-10
 
 
+def test_weighted_pit_summary_is_the_summary_of_replicated_values():
+    """Integer weights w_i equal replicating value i w_i times (the unweighted summary, KS from scipy); equal weights
+    equal no weights; query_weights give every query the total weight 1 / Q."""
+    from pyterrier_prob.pebr.calibration import query_weights
+
+    rng = np.random.default_rng(11)
+    u = np.round(rng.uniform(size=60), 2)  # ties included
+    w = rng.integers(1, 5, size=60)
+    weighted = pit_summary(u, weights=w)
+    replicated = pit_summary(np.repeat(u, w))
+    for key in ("ks_statistic", "mean", "below_tail", "above_tail", "central_50", "central_90"):
+        assert weighted[key] == pytest.approx(replicated[key], abs=1e-12), key
+    assert np.isnan(weighted["ks_pvalue"])
+    assert pit_summary(u, weights=np.ones(60))["ks_statistic"] == pytest.approx(pit_summary(u)["ks_statistic"])
+    qw = query_weights([[0.1, 0.2, 0.3], [0.5], [0.0, 0.4]])
+    np.testing.assert_allclose(qw, [1 / 3, 1 / 3, 1 / 3, 1.0, 0.5, 0.5])
+    with pytest.raises(ValueError, match="weights must be 60 finite values"):
+        pit_summary(u, weights=np.ones(59))
+
+
 def _one(law, i):
     """Query i's law alone."""
     if isinstance(law, ExpCosine):

@@ -170,3 +170,75 @@ def test_likelihood_ratio_statistic_is_the_running_minimum_of_the_log_ratio():
         one_rel, one_irr = BetaCosine(rel.alpha[q], rel.beta[q]), BetaCosine(irr.alpha[q], irr.beta[q])
         llr = np.asarray(one_rel.logpdf(x)) - np.asarray(one_irr.logpdf(x))
         np.testing.assert_allclose(stat[rows.to_numpy()], np.minimum.accumulate(llr), rtol=1e-9, atol=1e-9)
+
+
+def test_list_features_against_a_loop():
+    from pyterrier_prob.pebr.rlt import list_features
+
+    rng = np.random.default_rng(8)
+    lists = [rng.uniform(-0.3, 0.9, size=n) for n in (3, 40, 12)]
+    ranked = _ranked(lists)
+    feats = list_features(ranked, top=10)
+    assert list(feats.columns) == ["logit_top1", "logit_mean_top"] and len(feats) == 3
+    for q, scores in enumerate(lists):
+        s = np.sort(scores)[::-1]
+        z1, zm = (1 + s[0]) / 2, np.mean((1 + s[:10]) / 2)
+        assert feats["logit_top1"][q] == pytest.approx(np.log(z1 / (1 - z1)))
+        assert feats["logit_mean_top"][q] == pytest.approx(np.log(zm / (1 - zm)))
+    assert len(list_features(ranked.iloc[:0])) == 0
+    with pytest.raises(ValueError, match="top must be an int"):
+        list_features(ranked, top=0)
+
+
+def test_recall_gain_statistic_against_a_loop():
+    from st_extensions.distributions import BetaCosine
+
+    from pyterrier_prob.pebr.rlt import gain_stat
+
+    rng = np.random.default_rng(9)
+    lists = [rng.uniform(-0.2, 0.8, size=n) for n in (1, 7, 30)]
+    ranked = _ranked(lists)
+    law = BetaCosine(np.array([6.0, 9.0, 14.0]), np.array([3.0, 2.0, 5.0]))
+    w = 3
+    stat = gain_stat(ranked, law, window=w)
+    for q, scores in enumerate(lists):
+        s = np.sort(scores)[::-1]
+        one = BetaCosine(law.alpha[q], law.beta[q])
+        raw = []
+        for j in range(len(s)):
+            lo, hi = max(j - w, 0), min(j + w, len(s) - 1)
+            # the relevant law's mass between the scores w ranks above and below, per document
+            raw.append(0.0 if hi == lo else (one.cdf(s[lo]) - one.cdf(s[hi])) / (hi - lo))
+        rows = (ranked["qid"] == f"q{q}").to_numpy()
+        np.testing.assert_allclose(stat[rows], np.minimum.accumulate(raw), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="window must be an int"):
+        gain_stat(ranked, law, window=0)
+
+
+def test_conformal_resplits_against_explicit_splits():
+    from pyterrier_prob.pebr.rlt import conformal_resplits
+
+    rng = np.random.default_rng(10)
+    qidx, stat, is_rel, n_rel = _synthetic_queries(rng, 40, length=30)
+    n_rel[3] = 0  # a query without a relevant document is in neither half
+    is_rel[qidx == 3] = False
+    got = conformal_resplits(stat, qidx, is_rel, n_rel, 0.8, n_cal=20, seeds=5, seed=3)
+    has = np.flatnonzero(n_rel > 0)
+    perm_rng = np.random.default_rng(3)  # the function's documented generator
+    for b in range(5):
+        cal_q = perm_rng.permutation(has)[:20]
+        test_q = np.setdiff1d(has, cal_q)
+        cal_rows, test_rows = np.isin(qidx, cal_q), np.isin(qidx, test_q)
+        cal_map = {q: i for i, q in enumerate(cal_q)}
+        lam, _ = conformal_recall_level(
+            stat[cal_rows], np.array([cal_map[q] for q in qidx[cal_rows]]), is_rel[cal_rows], n_rel[cal_q], 0.8
+        )
+        recall = [((qidx == q) & is_rel & (stat >= lam)).sum() / n_rel[q] for q in test_q]
+        assert got[b] == pytest.approx(np.mean(recall))
+    # given the pool, a random split makes calibration and test queries exchangeable, so conformal risk control
+    # bounds the recall expected over splits: the mean of 400 splits is >= 0.8 up to its Monte Carlo error
+    # (4 standard errors; 0.01 more for the discreteness of 20 test queries with 1-10 relevant documents)
+    many = conformal_resplits(stat, qidx, is_rel, n_rel, 0.8, n_cal=20, seeds=400)
+    assert many.mean() >= 0.8 - 4 * many.std() / np.sqrt(len(many)) - 0.01
+    with pytest.raises(ValueError, match="n_cal must be"):
+        conformal_resplits(stat, qidx, is_rel, n_rel, 0.8, n_cal=39)

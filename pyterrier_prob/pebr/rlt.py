@@ -204,6 +204,7 @@ def conformal_resplits(
     target: float,
     n_cal: int,
     seeds: int = 200,
+    seed: int = 0,
 ) -> np.ndarray:
     """The conformal recall guarantee checked over random calibration / test splits of one pool of queries.
 
@@ -211,14 +212,17 @@ def conformal_resplits(
     one split of a few hundred queries scatters around it. For each seed the queries with a relevant document are
     permuted, the first ``n_cal`` calibrate the level (:func:`conformal_recall_level`) and the rest are the test
     queries; returns the test mean recall of every split (its mean estimates the expected recall). Only the
-    relevant rows are read (recall needs no others), so a split costs a sort of those rows.
+    relevant rows are read (recall needs no others), so a split costs a sort of those rows. The permutations are
+    drawn from ``numpy.random.default_rng(seed)``. Given the pool, a random split makes the calibration queries and
+    each test query exchangeable, so the guarantee holds conditionally on the pool: the mean over many splits is at
+    least the target up to Monte Carlo error.
     """
     has = np.flatnonzero(n_rel > 0)
     if not 1 <= n_cal < len(has):
         raise ValueError(f"n_cal must be in [1, {len(has) - 1}] (queries with a relevant document: {len(has)})")
     rows = np.flatnonzero(is_rel & (n_rel[qidx] > 0))
     r_stat, r_q = stat[rows], qidx[rows]
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     out = np.empty(seeds)
     for b in range(seeds):
         cal = np.zeros(len(n_rel), dtype=bool)
