@@ -191,9 +191,8 @@ def test_list_features_against_a_loop():
 
 
 def test_recall_gain_statistic_against_a_loop():
-    from st_extensions.distributions import BetaCosine
-
     from pyterrier_prob.pebr.rlt import gain_stat
+    from st_extensions.distributions import BetaCosine
 
     rng = np.random.default_rng(9)
     lists = [rng.uniform(-0.2, 0.8, size=n) for n in (1, 7, 30)]
@@ -228,7 +227,7 @@ def test_conformal_resplits_against_explicit_splits():
     for b in range(5):
         cal_q = perm_rng.permutation(has)[:20]
         test_q = np.setdiff1d(has, cal_q)
-        cal_rows, test_rows = np.isin(qidx, cal_q), np.isin(qidx, test_q)
+        cal_rows = np.isin(qidx, cal_q)
         cal_map = {q: i for i, q in enumerate(cal_q)}
         lam, _ = conformal_recall_level(
             stat[cal_rows], np.array([cal_map[q] for q in qidx[cal_rows]]), is_rel[cal_rows], n_rel[cal_q], 0.8

@@ -127,7 +127,20 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     table3 = pd.read_csv(out / "table3.csv", index_col="stratum")
     assert list(table3.index) == ["head", "torso", "tail", "all"]
     assert (table3.iloc[:, 0] >= table3.iloc[:, 1]).all()  # larger p keeps more
+    # the cutoff study: every rule at matched depth, recall targets with the re-split check (same collection)
+    from pyterrier_prob.experiments.pebr_cutoffs import RULES, TARGET_RULES
+
+    matched = pd.read_csv(out / "cutoffs_matched_depth.csv")
+    assert set(matched["name"]) == {*RULES, "oracle depth (qrels known)"}
+    topk = matched[matched["name"] == "top-k"]  # at depth exactly k, top-k's interpolated recall is its SetR
+    assert (topk["topk_SetR_at_same_depth"] - topk["SetR"]).abs().max() < 1e-9
+    targets = pd.read_csv(out / "cutoffs_recall_targets.csv")
+    assert set(targets["rule"]) == set(TARGET_RULES) and (targets["resplits"] == 200).all()
+    assert targets["resplit_mean_recall"].between(0, 1).all()
+    assert (targets["resplit_recall_5"] <= targets["resplit_recall_95"]).all()
     summary = json.loads((out / "summary.json").read_text())
+    pit = summary["cutoff_study"]["pit_per_query"]
+    assert set(pit) == set(summary["cutoff_study"]["pit"]) and all(0 <= p["mean"] <= 1 for p in pit.values())
     assert summary["strata_basis"] == "terciles of the number of relevant documents per query"
     assert summary["data"]["n_test_queries"] == info["queries"]["test"]
     assert summary["data"]["calibration"].endswith("/dev") and summary["data"]["train"].endswith("/train")
@@ -167,6 +180,8 @@ def test_steps_0_on_a_test_only_collection(tmp_path, small_beir_no_train_no_dev)
 @pytest.mark.slow
 def test_test_dataset_transfer(tmp_path, small_beir, small_beir_no_train_no_dev):
     """Train on one collection, evaluate on another; calibration comes from the training collection's dev split."""
+    import pandas as pd
+
     train_folder, _ = small_beir
     test_folder, info = small_beir_no_train_no_dev
     out = tmp_path / "transfer"
@@ -177,6 +192,8 @@ def test_test_dataset_transfer(tmp_path, small_beir, small_beir_no_train_no_dev)
     assert d["train"] == f"{train_folder}/train" and d["calibration"] == f"{train_folder}/dev"
     assert d["test"] == f"{test_folder}/test" and d["n_test_queries"] == info["queries"]["test"]
     assert any("zero-shot transfer" in n for n in d["notes"])
+    # calibration and test queries come from different collections: no re-split of a pool
+    assert "resplit_mean_recall" not in pd.read_csv(out / "cutoffs_recall_targets.csv").columns
     indexes = sorted(p.name for p in (out / "indexes").iterdir() if p.is_dir())
     # indexed: the test collection, plus the pEBR model on the calibration collection (the cutoff study fits the
     # calibrated law on the calibration queries' own relevant documents)

@@ -474,13 +474,15 @@ def _study_markdown(study: dict[str, Any], cal_source: str) -> str:
         )
     lines += [
         "",
-        "Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k):",
+        "Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k at k; the "
+        "last column: top-k's SetR at the rule's own test mean depth, interpolated):",
         "",
-        "| k | rule | test mean depth | SetR | SetP | SetF |",
-        "|---|---|---|---|---|---|",
+        "| k | rule | test mean depth | SetR | SetP | SetF | top-k SetR at the same test depth |",
+        "|---|---|---|---|---|---|---|",
     ]
     for _, r in study["matched"].iterrows():
         cells = [f"{r[m]:.4f}{p_mark(r.get(f'{m} p-value', np.nan))}" for m in ("SetR", "SetP", "SetF")]
+        cells.append(f"{r['topk_SetR_at_same_depth']:.4f}")
         lines.append(f"| {r['k']} | {r['name']} | {r['test_mean_depth']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -207,6 +207,7 @@ def cutoff_study(
     # ---- matched mean depth -------------------------------------------------------------------------------------
     rows = []
     n_dev, n_test = len(qids["dev"]), len(qids["test"])
+    topk_recall = _topk_recall_curve(ranked["test"]["rank"].to_numpy(), *relinfo["test"], cap)
     with h.stage("matched_depth", f"every rule at matched mean depth {list(ks)} (levels from {data.cal_source})"):
         for k in ks:
             runs = {}
@@ -219,6 +220,9 @@ def cutoff_study(
             counts = {n: r.groupby("qid").size().reindex(qids["test"], fill_value=0) for n, r in runs.items()}
             exp.insert(1, "k", k)
             exp.insert(2, "test_mean_depth", [float(counts[n].mean()) for n in exp["name"]])
+            # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
+            # the rule's own test mean depth is the comparison that leaves no depth advantage
+            exp["topk_SetR_at_same_depth"] = [_interp(topk_recall, d) for d in exp["test_mean_depth"]]
             rows.append(exp)
     out["matched"] = pd.concat(rows, ignore_index=True)
 
@@ -228,7 +232,6 @@ def cutoff_study(
     with h.stage("recall_targets", f"recall targets {_fmt_targets(targets)} by conformal risk control"):
         tq, tr, tn = relinfo["test"]
         dq, dr, dn = relinfo["dev"]
-        topk_recall = _topk_recall_curve(ranked["test"]["rank"].to_numpy(), tq, tr, tn, cap)
         for target in targets:
             for rule in TARGET_RULES:
                 lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
@@ -281,6 +284,12 @@ def cutoff_study(
         out["curves"] = curves
         out["figures"]["curves"] = truncation_curves_plot(curves, h.path("truncation_curves.png"))
     return out
+
+
+def _interp(curve: np.ndarray, depth: float) -> float:
+    """Mean recall of top-k at a fractional mean depth: linear between the integer depths around it (recall 0 at 0;
+    beyond the curve's end, its last value)."""
+    return float(np.interp(depth, np.arange(len(curve) + 1), np.r_[0.0, curve]))
 
 
 def _topk_recall_curve(ranks: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, cap: int):
