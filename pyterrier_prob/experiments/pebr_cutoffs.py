@@ -133,7 +133,8 @@ def cutoff_study(
     ``"test"`` collections (the same index unless ``--test-dataset`` transfers); ``queries`` are the encoded
     calibration and test queries (``qid``, ``query_vec``, the head's parameters).
 
-    Returns ``{"matched": frame, "targets": frame, "pit": dict, "calibrated_law": dict, "figures": dict}``.
+    Returns ``{"matched": frame, "targets": frame, "pit": dict, "pit_per_query": dict, "calibrated_law": dict,
+    "calibrated_law_list_features": dict, "curves": dict, "figures": dict}``.
     """
     from pyterrier_prob.pebr.calibration import (
         CalibratedLaw,
