@@ -45,6 +45,7 @@ __all__ = [
     "choose_splits",
     "SplitChoice",
     "source_splits",
+    "HeldOutCollection",
 ]
 
 _DEV_NAMES = ("dev", "validation", "valid", "val")
@@ -405,6 +406,56 @@ def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> 
     chosen = set(random.Random(seed).sample(range(n), k))
     mask = [i in chosen for i in range(n)]
     return topics[mask].reset_index(drop=True), topics[[not m for m in mask]].reset_index(drop=True)
+
+
+class HeldOutCollection(Collection):
+    """``base`` with one split divided by a seeded draw of its queries into a fit part and a held-out dev part.
+
+    For a collection with a train split and no dev split (``irds:beir/scifact``): the experiment trains on
+    ``<source>-fit``, calibrates and makes its dev-side choices on ``<source>-dev`` (queries it never trained on),
+    and reports on the whole test split. The other splits and the corpus are ``base``'s; ``name`` is ``base``'s too,
+    so indexes of the corpus are shared with runs on ``base``.
+
+    Args:
+        base: the collection.
+        source: the split to divide (usually ``"train"``).
+        fraction: share of ``source``'s queries held out as dev (``round(fraction * n)``, at least 1, leaving 1).
+        seed: seed of the draw (:func:`split_topics`).
+    """
+
+    def __init__(self, base: Collection, source: str = "train", fraction: float = 0.25, seed: int = 0) -> None:
+        if not 0 < fraction < 1:
+            raise ValueError(f"the held-out share of {source!r} must be in (0, 1), got {fraction}")
+        dev, fit = split_topics(base.topics(source), seed=seed, fraction=fraction)
+        self.base, self.name, self.source = base, base.name, source
+        self.fit_split, self.dev_split = f"{source}-fit", f"{source}-dev"
+        taken = {self.fit_split, self.dev_split} & set(base.splits)
+        if taken:
+            raise ValueError(f"{base.name} already has a split named {sorted(taken)[0]!r}")
+        self._qids = {self.fit_split: set(fit["qid"]), self.dev_split: set(dev["qid"])}
+        self.splits = tuple(s for s in base.splits if s != source) + (self.fit_split, self.dev_split)
+
+    def _topics(self, split: str) -> pd.DataFrame:
+        if split not in self._qids:
+            return self.base.topics(split)
+        t = self.base.topics(self.source)
+        return t[t["qid"].isin(self._qids[split])]
+
+    def _qrels(self, split: str) -> pd.DataFrame:
+        if split not in self._qids:
+            return self.base.qrels(split)
+        q = self.base.qrels(self.source)
+        return q[q["qid"].isin(self._qids[split])]
+
+    def corpus_iter(self) -> Iterator[dict[str, str]]:
+        return self.base.corpus_iter()
+
+    def doc_texts(self, docnos: Iterable[str]) -> dict[str, str]:
+        return self.base.doc_texts(docnos)
+
+    @cached_property
+    def num_docs(self) -> int:
+        return self.base.num_docs
 
 
 @dataclass

@@ -9,6 +9,7 @@ import pytest
 
 from pyterrier_prob.collections import (
     BeirCollection,
+    HeldOutCollection,
     IrdsCollection,
     TrecCollection,
     choose_splits,
@@ -185,6 +186,30 @@ def test_no_dev_split_is_seeded_and_disjoint():
         split_topics(topics.head(1))
 
 
+def test_held_out_dev_divides_train_and_keeps_the_rest(beir, tmp_path):
+    """The held-out dev split and the fit split partition train's queries and qrels; test and corpus pass through."""
+    base = load_collection(beir)
+    held = HeldOutCollection(base, "train", fraction=0.5, seed=0)
+    assert held.splits == ("test", "train-fit", "train-dev") and held.name == base.name and held.num_docs == 5
+    fit, dev = held.topics("train-fit"), held.topics("train-dev")
+    assert len(fit) == len(dev) == 1 and {*fit["qid"], *dev["qid"]} == {"q1", "q2"}
+    for split, topics in (("train-fit", fit), ("train-dev", dev)):
+        want = base.qrels("train")[lambda q, t=topics: q["qid"].isin(t["qid"])].reset_index(drop=True)
+        pd.testing.assert_frame_equal(held.qrels(split), want)
+    pd.testing.assert_frame_equal(held.qrels("test"), base.qrels("test"))
+    assert list(held.corpus_iter()) == list(base.corpus_iter()) and held.doc_texts(["d3"]) == {
+        "d3": "Vitamin D and bones."
+    }
+    with pytest.raises(ValueError, match="no split 'train'"):
+        held.topics("train")
+    with pytest.raises(ValueError, match=r"in \(0, 1\)"):
+        HeldOutCollection(base, "train", fraction=1.0)
+    nf = HeldOutCollection(load_collection("irds:beir/scifact"), "train", fraction=0.25, seed=0)
+    n_fit, n_dev = len(nf.topics("train-fit")), len(nf.topics("train-dev"))
+    assert n_dev == round(0.25 * 809) and n_fit + n_dev == 809
+    assert not set(nf.qrels("train-fit")["qid"]) & set(nf.qrels("train-dev")["qid"])
+
+
 def test_choose_splits_explicit_and_errors(beir):
     c = load_collection(beir)
     assert choose_splits(c, test="train").test == "train"
@@ -193,3 +218,27 @@ def test_choose_splits_explicit_and_errors(beir):
     with pytest.raises(ValueError, match="must differ"):
         choose_splits(c, train="train", test="train")
     assert source_splits(c) == ("train", None)
+
+
+def test_harness_holds_out_train_queries_as_dev(beir, tmp_path):
+    """With train and no dev split, a calibrating experiment calibrates on held-out train queries, trains on the
+    rest and reports every test query; ``--dev-from-train 0`` and non-calibrating experiments keep the old splits."""
+    from pyterrier_prob.experiments.harness import CommonConfig, Harness
+
+    def data(calibrate: bool = True, **kw):
+        return Harness("t", CommonConfig(dataset=str(beir), output=str(tmp_path / "o"), quiet=True, **kw)).load_data(
+            calibrate
+        )
+
+    d = data(dev_from_train=0.5)
+    assert (d.train, d.dev, d.test) == ("train-fit", "train-dev", "test")
+    assert isinstance(d.train_collection, HeldOutCollection) and d.test_collection is d.train_collection
+    assert set(d.cal_topics["qid"]) | set(d.train_collection.topics("train-fit")["qid"]) == {"q1", "q2"}
+    assert set(d.test_topics["qid"]) == {"q3", "q4"} and d.cal_source.endswith("/train-dev")
+    assert any("held out as train-dev" in n for n in d.notes)
+    half = data(dev_from_train=0)
+    assert half.train == "train" and half.dev is None and len(half.cal_topics) == len(half.test_topics) == 1
+    plain = data(calibrate=False)
+    assert plain.train == "train" and plain.cal_topics.empty and len(plain.test_topics) == 2
+    with pytest.raises(ValueError, match="--dev-from-train"):
+        data(dev_from_train=1.0)

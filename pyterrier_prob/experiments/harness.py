@@ -5,9 +5,10 @@ and calls this for everything else:
 
 * **collections and splits** (:meth:`Harness.load_data`): ``--dataset`` is an ir_datasets id, a BEIR folder or a
   TREC folder (:mod:`pyterrier_prob.collections`); splits are discovered. With no train split (or ``--steps 0``)
-  nothing is fine-tuned; with no dev split, calibration uses a seeded half of the test queries and results are
-  reported on the other half; ``--test-dataset`` evaluates on another collection (zero-shot transfer), with
-  calibration from the training collection's dev split;
+  nothing is fine-tuned; with no dev split, calibration uses a seeded share of the train queries held out from
+  training (``--dev-from-train``), else (no train split, or ``--dev-from-train 0``) a seeded half of the test
+  queries, and results are then reported on the other half; ``--test-dataset`` evaluates on another collection
+  (zero-shot transfer), with calibration from the training collection's dev split (or held-out train queries);
 * **training** (:meth:`Harness.train`): :func:`pyterrier_prob.training.fine_tune`, the model saved under
   ``output/models/<name>`` with its settings, and reused by ``--reuse`` only when the settings match;
 * **encoding and indexing** (:meth:`Harness.dense_index`, :meth:`Harness.mol_index`) and **BM25 through PISA**
@@ -38,7 +39,14 @@ import pandas as pd
 import pyterrier as pt
 
 from pyterrier_prob.atomic import atomic_write, make_dirs, save_figure
-from pyterrier_prob.collections import Collection, choose_splits, load_collection, source_splits, split_topics
+from pyterrier_prob.collections import (
+    Collection,
+    HeldOutCollection,
+    choose_splits,
+    load_collection,
+    source_splits,
+    split_topics,
+)
 
 __all__ = [
     "CommonConfig",
@@ -63,6 +71,10 @@ class CommonConfig:
         dataset: ir_datasets id, BEIR folder or TREC folder to train on (and test on, unless ``test_dataset``).
         test_dataset: another collection to evaluate on (zero-shot transfer), or None.
         train_split, dev_split, test_split: explicit split names; None: discovered (:func:`choose_splits`).
+        dev_from_train: when an experiment calibrates and the training collection has a train split but no dev
+            split, this seeded share of the train queries is held out as the dev split (training uses the rest;
+            :class:`~pyterrier_prob.collections.HeldOutCollection`) and every test query is reported. 0: calibrate
+            on a seeded half of the test queries instead, reporting on the other half.
         model: base model name or path, or one of our saved models (None: the packaged all-MiniLM-L6-v2).
         steps: training steps (0: evaluate ``model`` without fine-tuning).
         batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system (``lr`` is
@@ -79,6 +91,7 @@ class CommonConfig:
     train_split: str | None = None
     dev_split: str | None = None
     test_split: str | None = None
+    dev_from_train: float = 0.25
     model: str | None = None
     steps: int = 1000
     batch_size: int = 64
@@ -102,6 +115,8 @@ class CommonConfig:
             raise ValueError(f"--recipe must be one of {RECIPES}, got {self.recipe!r}")
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
+        if not 0 <= self.dev_from_train < 1:
+            raise ValueError(f"--dev-from-train must be in [0, 1), got {self.dev_from_train}")
         named = [s for s in (self.train_split, self.dev_split) if s]
         if self.test_split and self.test_split in named:
             raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
@@ -126,6 +141,14 @@ def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) ->
         "--dev-split", default=defaults.dev_split, help="default: 'dev'/'validation' if present, else half of test"
     )
     g.add_argument("--test-split", default=defaults.test_split, help="default: 'test', or the only split")
+    g.add_argument(
+        "--dev-from-train",
+        type=float,
+        default=defaults.dev_from_train,
+        help="experiments that calibrate (pebr), on a collection with a train split and no dev split: hold out this "
+        "seeded share of the train queries for calibration (training uses the rest) and report every test query "
+        "(0: calibrate on a seeded half of the test queries instead)",
+    )
     t = ap.add_argument_group("model and training")
     t.add_argument("--model", default=defaults.model, help="base or saved model (default: packaged all-MiniLM-L6-v2)")
     t.add_argument("--steps", type=int, default=defaults.steps, help="training steps per model (0: no fine-tuning)")
@@ -156,8 +179,9 @@ class Data:
     """The collections and query sets of one experiment (from :meth:`Harness.load_data`).
 
     ``train`` is None when there is nothing to fine-tune on. ``cal_topics``/``cal_qrels`` are what calibration and
-    dev-side choices use: the dev split, else a seeded half of the test queries (then ``test_topics`` is the other
-    half). ``notes`` says which, for the report.
+    dev-side choices use: the dev split, else train queries held out from training (``train_collection`` is then
+    a :class:`~pyterrier_prob.collections.HeldOutCollection`), else a seeded half of the test queries (then
+    ``test_topics`` is the other half). ``notes`` says which, for the report.
     """
 
     train_collection: Collection
@@ -242,6 +266,7 @@ class Harness:
         self.t0 = time.perf_counter()
         self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
         self._model_settings: dict[str, dict[str, Any]] = {}  # name -> what made the model (for index reuse)
+        self._held_out: dict[str, Any] = {}  # the train queries held out as dev (load_data), part of a model's settings
         self._bm25: dict[str, Any] = {}  # collection name -> its PISA index, built once per run
         self._cache: Any = None  # the frozen recipe's encoder-output cache (st_extensions.frozen.CachedEmbeddings)
         _silence_library_bars()
@@ -272,9 +297,11 @@ class Harness:
         """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries.
 
         Args:
-            calibrate: whether the experiment needs calibration queries. With no dev split they are a seeded half
-                of the test queries, and the results are reported on the other half; an experiment that calibrates
-                nothing passes False and is reported on every test query (``cal_topics`` is then empty).
+            calibrate: whether the experiment needs calibration queries. With no dev split they are a seeded share
+                (``dev_from_train``) of the train queries, held out from training; with no train split either (or
+                ``dev_from_train`` 0) a seeded half of the test queries, and the results are reported on the other
+                half. An experiment that calibrates nothing passes False and is reported on every test query
+                (``cal_topics`` is then empty).
         """
         cfg = self.cfg
         with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
@@ -293,6 +320,17 @@ class Harness:
                 test_coll = train_coll
                 ch = choose_splits(train_coll, cfg.train_split, cfg.dev_split, cfg.test_split)
                 train, dev, test = ch.train, ch.dev, ch.test
+            if calibrate and dev is None and train is not None and cfg.dev_from_train > 0:
+                held = HeldOutCollection(train_coll, train, fraction=cfg.dev_from_train, seed=cfg.seed)
+                n_dev, n_fit = len(held.topics(held.dev_split)), len(held.topics(held.fit_split))
+                notes.append(
+                    f"{train_coll.name} has no dev split: {n_dev} of its {train} queries ({cfg.dev_from_train:.0%}, "
+                    f"seed {cfg.seed}) are held out as {held.dev_split} for calibration"
+                    + (f"; training uses the other {n_fit} ({held.fit_split})" if cfg.steps else "")
+                )
+                self._held_out = {"split": train, "fraction": cfg.dev_from_train, "seed": cfg.seed}
+                test_coll = held if test_coll is train_coll else test_coll
+                train_coll, train, dev = held, held.fit_split, held.dev_split
             if cfg.steps == 0:
                 notes = [n for n in notes if not n.startswith("zero-shot transfer")]
                 if cfg.test_dataset:
@@ -372,6 +410,7 @@ class Harness:
             "max_seq_length": cfg.max_seq_length,
             "recipe": cfg.recipe,
             "learning_rate_mapping": dict(learning_rate_mapping or {}),
+            **({"held_out_dev": self._held_out} if self._held_out else {}),
             **dict(settings or {}),
         }
         wanted = json.loads(json.dumps(wanted, default=str))
