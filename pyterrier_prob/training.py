@@ -7,7 +7,7 @@ import io
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from datasets import Dataset
@@ -47,19 +47,33 @@ class _LossBar(TrainerCallback):
             self.bar = None
 
 
-def head_learning_rates(model: nn.Module, loss: nn.Module) -> dict[str, float]:
+def head_learning_rates(
+    model: nn.Module,
+    loss: nn.Module,
+    by_class: Mapping[str, float] | None = None,
+    default: float | None = None,
+) -> dict[str, float]:
     """``learning_rate_mapping`` for the trainer: every parameter of a module that declares a ``learning_rate``
     (the modules our builders add: :class:`~st_extensions.modules.LinearAdapter`, the pEBR
     :class:`~st_extensions.modules.QueryDistributionHead`, :class:`~st_extensions.modules.MixtureOfLogits`,
-    :class:`~st_extensions.modules.MultiBranchQueryEncoder`, the VarCE ``VariationalHead``) trains at that rate;
-    the encoder keeps the trainer's rate. Keys are exact parameter names as the trainer sees them (through
-    ``loss``)."""
+    :class:`~st_extensions.modules.MultiBranchQueryEncoder`, the VarCE ``VariationalHead``) trains at that rate,
+    or at ``default`` when given, or at ``by_class[<its class name>]`` for the classes named there (e.g.
+    ``{"LinearAdapter": 3e-5}``; 0 keeps that module as built); the encoder keeps the trainer's rate. Keys are
+    exact parameter names as the trainer sees them (through ``loss``)."""
+    by_class = dict(by_class or {})
+    declared = {type(m).__name__ for m in model.modules() if isinstance(getattr(type(m), "learning_rate", None), float)}
+    unknown = sorted(set(by_class) - declared)
+    if unknown:
+        raise ValueError(
+            f"module_learning_rates names {unknown}, not among the model's trained modules {sorted(declared)}"
+        )
     rates: dict[int, float] = {}
     for m in model.modules():
         lr = getattr(type(m), "learning_rate", None)
         if isinstance(lr, float):
+            lr = by_class.get(type(m).__name__, lr if default is None else default)
             for p in m.parameters():
-                rates.setdefault(id(p), lr)
+                rates.setdefault(id(p), float(lr))
     return {f"^{re.escape(n)}$": rates[id(p)] for n, p in loss.named_parameters() if id(p) in rates}
 
 
@@ -97,6 +111,7 @@ def fine_tune(
     head_learning_rate: float | None = None,
     encoder_cache: CachedEmbeddings | None = None,
     callbacks: Sequence[TrainerCallback] = (),
+    module_learning_rates: Mapping[str, float] | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``steps`` optimiser steps of ``batch_size`` training rows.
 
@@ -112,7 +127,9 @@ def fine_tune(
 
     Learning rates: the encoder trains at ``learning_rate``; the parameters of every module a builder added train
     at that module's declared ``learning_rate`` (:func:`head_learning_rates`), or at ``head_learning_rate`` when
-    given; ``learning_rate_mapping`` (regex on parameter names -> learning rate) overrides both.
+    given, or at ``module_learning_rates[<module class name>]`` for the classes it names (a recipe's choice, e.g.
+    ``{"LinearAdapter": 0.0}``); ``learning_rate_mapping`` (regex on parameter names -> learning rate) overrides
+    all of them.
 
     ``frozen=True`` trains only the added modules, on the encoder outputs of every training text computed once
     (:func:`st_extensions.frozen.cached_model`; ``encoder_cache`` reuses and extends a cache of the same encoder);
@@ -153,9 +170,8 @@ def fine_tune(
             trained = cached_model(model, texts, show_progress_bar=show_progress, cache=encoder_cache)
     swap = _loss_on(loss, model, trained) if trained is not model else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as tmp, swap:
-        mapping = head_learning_rates(model, loss)  # names as the trainer sees them, through the (swapped) loss
-        if head_learning_rate is not None:
-            mapping = dict.fromkeys(mapping, float(head_learning_rate))
+        # names as the trainer sees them, through the (swapped) loss
+        mapping = head_learning_rates(model, loss, module_learning_rates, head_learning_rate)
         mapping.update(learning_rate_mapping or {})
         args = Arguments(
             output_dir=output_dir or os.path.join(tmp, "run"),

@@ -188,6 +188,38 @@ def test_frozen_mode_trains_heads_and_matches_the_full_forward_and_round_trips(b
     np.testing.assert_allclose(model.encode_document(docs), loaded.encode_document(docs), atol=1e-6)
 
 
+def test_module_learning_rates_by_class(base_model, small_beir):
+    """A recipe's per-class rate: 0 keeps the adapter exactly as built while the head trains; the mapping names
+    each class's parameters with its rate; an unknown class is an error naming it."""
+    from pyterrier_prob.collections import load_collection
+    from pyterrier_prob.data import judged_pairs, training_pairs
+    from pyterrier_prob.training import fine_tune, head_learning_rates
+    from st_extensions import build_pebr_model
+    from st_extensions.losses import BetaMLELoss
+
+    coll = load_collection(small_beir[0])
+    model = build_pebr_model(base_model, family="beta_mle", projection=True)
+    loss = BetaMLELoss(model, judged=judged_pairs(coll, "train"))
+    rates = head_learning_rates(model, loss, {"LinearAdapter": 0.0}, default=1e-3)
+    assert sorted(rates.values()) == [0.0, 0.0, 1e-3, 1e-3]
+    assert all(v == 0.0 for k, v in rates.items() if ".3.linear." in k)
+    with pytest.raises(ValueError, match="MixtureOfLogits"):
+        head_learning_rates(model, loss, {"MixtureOfLogits": 1e-3})
+    adapter, head = model[3].linear.weight.clone(), model[4].linear.weight.clone()
+    train = training_pairs(coll, "train")
+    fine_tune(
+        model,
+        loss,
+        train,
+        steps=10,
+        batch_size=8,
+        frozen=True,
+        show_progress=False,
+        module_learning_rates={"LinearAdapter": 0.0},
+    )
+    assert torch.equal(model[3].linear.weight, adapter) and not torch.equal(model[4].linear.weight, head)
+
+
 def test_cached_embeddings_errors_and_cache_round_trip(tmp_path):
     cache = CachedEmbeddings(["a", "b"], torch.eye(2))
     with pytest.raises(KeyError, match="not in the frozen-encoder cache"):

@@ -382,6 +382,7 @@ class Harness:
         *,
         steps: int | None = None,
         learning_rate_mapping: Mapping[str, float] | None = None,
+        module_learning_rates: Mapping[str, float] | None = None,
         settings: Mapping[str, Any] | None = None,
         fit: Callable[[Any, Any], list[float]] | None = None,
     ) -> tuple[Any, list[float]]:
@@ -391,7 +392,8 @@ class Harness:
         saved). With ``--reuse``, a saved model whose ``train_settings.json`` matches these settings is loaded
         instead of trained again. ``fit(model, rows) -> losses`` replaces the default training
         (:func:`~pyterrier_prob.training.fine_tune` of ``loss(model)`` under the recipe), e.g. to train a head on
-        cached features; everything else (settings, saving, reuse) is the same.
+        cached features; everything else (settings, saving, reuse) is the same. ``module_learning_rates`` (module
+        class name -> rate) is a recipe's choice of rate for the modules it names (see ``fine_tune``).
         """
         from pyterrier_prob.training import fine_tune
         from st_extensions import load_model
@@ -410,6 +412,7 @@ class Harness:
             "max_seq_length": cfg.max_seq_length,
             "recipe": cfg.recipe,
             "learning_rate_mapping": dict(learning_rate_mapping or {}),
+            **({"module_learning_rates": dict(module_learning_rates)} if module_learning_rates else {}),
             **({"held_out_dev": self._held_out} if self._held_out else {}),
             **dict(settings or {}),
         }
@@ -449,6 +452,7 @@ class Harness:
                     seed=cfg.seed,
                     show_progress=self.verbose,
                     learning_rate_mapping=dict(learning_rate_mapping or {}),
+                    module_learning_rates=module_learning_rates,
                     desc=f"training {name}",
                     frozen=cfg.recipe == "frozen",
                     encoder_cache=self.encoder_cache(model) if cfg.recipe == "frozen" else None,
