@@ -396,7 +396,8 @@ def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> 
     """Split a topics frame into two disjoint seeded parts: ``(calibration, evaluation)``.
 
     The first part has ``round(fraction * n)`` queries (at least 1, leaving at least 1); the order of each part
-    follows the input. Used when a collection has no dev split: calibrate on one half of the test queries and
+    follows the input. Used when a collection has no dev split: to hold out train queries as dev
+    (:class:`HeldOutCollection`), or, with no train split either, to calibrate on one half of the test queries and
     report on the other.
     """
     n = len(topics)
@@ -475,7 +476,7 @@ def choose_splits(
 
     ``test``: the split named ``test``, else the only split, else an error listing them. ``train``: ``train`` if
     present (else None: nothing to fine-tune on). ``dev``: the first of dev/validation/valid/val present (else
-    None: calibrate on a seeded half of the test queries).
+    None: the experiment harness then holds out train queries, :class:`HeldOutCollection`, or half of test).
     """
     s = collection.splits
     for name, value in (("train", train), ("dev", dev), ("test", test)):

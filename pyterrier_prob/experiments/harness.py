@@ -138,7 +138,9 @@ def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) ->
     )
     g.add_argument("--train-split", default=defaults.train_split, help="default: 'train' if the collection has it")
     g.add_argument(
-        "--dev-split", default=defaults.dev_split, help="default: 'dev'/'validation' if present, else half of test"
+        "--dev-split",
+        default=defaults.dev_split,
+        help="default: 'dev'/'validation' if present, else held-out train queries (--dev-from-train) or half of test",
     )
     g.add_argument("--test-split", default=defaults.test_split, help="default: 'test', or the only split")
     g.add_argument(

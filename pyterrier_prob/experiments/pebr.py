@@ -10,10 +10,11 @@ compare cutoffs on test at matched mean depth.
    baseline with sentence-transformers' ``MultipleNegativesRankingLoss`` (the DSSM-style in-batch softmax);
 2. encode the collection with each and write a :class:`~pyterrier_prob.DenseIndex`; index the same text with
    PISA for BM25;
-3. on the **dev** split only (a seeded half of the test queries when the collection has no dev split; the report
-   says so), calibrate each variable-depth retriever so that the mean number of documents
-   retrieved per query equals k (Sec. 4.1.3, :func:`~pyterrier_prob.evaluation.calibrate_mean_k`): the
-   cosine threshold of the score cutoff (DSSM-score) for each model, and the CDF value p of the pEBR cutoff;
+3. on the **dev** split only (with no dev split: a seeded 25% of the train queries held out from training, or a
+   seeded half of the test queries when there is no train split either; the report says so), calibrate each
+   variable-depth retriever so that the mean number of documents retrieved per query equals k (Sec. 4.1.3,
+   :func:`~pyterrier_prob.evaluation.calibrate_mean_k`): the cosine threshold of the score cutoff (DSSM-score)
+   for each model, and the CDF value p of the pEBR cutoff;
 4. on the **test** split, run BM25, baseline top-k, baseline score cutoff, pEBR top-k, pEBR score cutoff and
    pEBR CDF cutoff in ``pt.Experiment`` with set measures (SetR, SetP; the paper's R@k / P@k at matched
    average depth) and paired t-tests against pEBR top-k; the same per head/torso/tail stratum (Table 1);
