@@ -157,6 +157,29 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
 
 
 @pytest.mark.slow
+def test_beta_mle_family_keeps_the_base_geometry_and_adds_the_likelihood_ratio_rule(tmp_path, small_beir):
+    """``--family beta_mle`` under the frozen recipe trains only the head (the adapter's rate is 0, chosen on
+    nfcorpus/dev): the pEBR model ranks exactly as the untrained one, its settings say so, and the study has the
+    Sec. 3.1 likelihood-ratio cutoff."""
+    import pandas as pd
+
+    from pyterrier_prob.experiments.pebr import MLE_FROZEN_RATES
+    from pyterrier_prob.experiments.pebr_cutoffs import LR_RULE
+
+    folder, _ = small_beir
+    out = tmp_path / "mle"
+    argv = ["--dataset", str(folder), "--family", "beta_mle", "--steps", "3", "--batch-size", "4"]
+    argv += ["--max-seq-length", "32", "--ks", "5", "--cap", "50", "--table3-ps", "0.9", "--output", str(out)]
+    assert main([*argv, "--quiet"]) == 0
+    saved = json.loads((out / "models" / "pebr" / "train_settings.json").read_text())["settings"]
+    assert saved["module_learning_rates"] == MLE_FROZEN_RATES and saved["family"] == "beta_mle"
+    ranking = pd.read_csv(out / "ranking.csv").set_index("name")
+    for measure in ("nDCG@10", "R@100"):
+        assert ranking.loc["pEBR", measure] == pytest.approx(ranking.loc["untrained", measure], abs=1e-6)
+    assert LR_RULE in set(pd.read_csv(out / "cutoffs_matched_depth.csv")["name"])
+
+
+@pytest.mark.slow
 def test_steps_0_on_a_test_only_collection(tmp_path, small_beir_no_train_no_dev):
     """No train and no dev split: the base model is evaluated untrained, calibration on a seeded half of test,
     results on the other half, and the report says so."""
