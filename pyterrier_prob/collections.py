@@ -427,7 +427,10 @@ class HeldOutCollection(Collection):
     def __init__(self, base: Collection, source: str = "train", fraction: float = 0.25, seed: int = 0) -> None:
         if not 0 < fraction < 1:
             raise ValueError(f"the held-out share of {source!r} must be in (0, 1), got {fraction}")
-        dev, fit = split_topics(base.topics(source), seed=seed, fraction=fraction)
+        topics = base.topics(source)
+        if len(topics) < 2:
+            raise ValueError(f"{base.name}/{source} has {len(topics)} query: too few to hold out a dev part")
+        dev, fit = split_topics(topics, seed=seed, fraction=fraction)
         self.base, self.name, self.source = base, base.name, source
         self.fit_split, self.dev_split = f"{source}-fit", f"{source}-dev"
         taken = {self.fit_split, self.dev_split} & set(base.splits)

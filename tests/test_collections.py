@@ -202,6 +202,9 @@ def test_held_out_dev_divides_train_and_keeps_the_rest(beir, tmp_path):
     }
     with pytest.raises(ValueError, match="no split 'train'"):
         held.topics("train")
+    _write_beir(tmp_path / "one", {"train": [("q1", "d1", 1)], "test": [("q3", "d3", 1)]}, QUERIES)
+    with pytest.raises(ValueError, match="has 1 query: too few to hold out"):
+        HeldOutCollection(load_collection(tmp_path / "one"), "train")
     with pytest.raises(ValueError, match=r"in \(0, 1\)"):
         HeldOutCollection(base, "train", fraction=1.0)
     nf = HeldOutCollection(load_collection("irds:beir/scifact"), "train", fraction=0.25, seed=0)

@@ -323,7 +323,12 @@ class Harness:
                 ch = choose_splits(train_coll, cfg.train_split, cfg.dev_split, cfg.test_split)
                 train, dev, test = ch.train, ch.dev, ch.test
             if calibrate and dev is None and train is not None and cfg.dev_from_train > 0:
-                held = HeldOutCollection(train_coll, train, fraction=cfg.dev_from_train, seed=cfg.seed)
+                try:
+                    held = HeldOutCollection(train_coll, train, fraction=cfg.dev_from_train, seed=cfg.seed)
+                except ValueError as e:
+                    raise ValueError(
+                        f"--dev-from-train {cfg.dev_from_train}: {e} (0: calibrate on half of test)"
+                    ) from e
                 n_dev, n_fit = len(held.topics(held.dev_split)), len(held.topics(held.fit_split))
                 notes.append(
                     f"{train_coll.name} has no dev split: {n_dev} of its {train} queries ({cfg.dev_from_train:.0%}, "
