@@ -464,7 +464,8 @@ def _study_markdown(study: dict[str, Any], cal_source: str) -> str:
         "",
         "Recall targets (level by conformal risk control on the calibration queries; achieved on test"
         + (
-            "; re-splits: the calibration and test queries pooled and split again at random, 200 times"
+            f"; re-splits: the calibration and test queries pooled and split again at random, "
+            f"{int(targets['resplits'].iloc[0])} times"
             if resplit
             else ""
         )

@@ -233,6 +233,7 @@ def cutoff_study(
     with h.stage("recall_targets", f"recall targets {_fmt_targets(targets)} by conformal risk control"):
         tq, tr, tn = relinfo["test"]
         dq, dr, dn = relinfo["dev"]
+        pool_q, pool_r, pool_n = np.concatenate([dq, tq + n_dev]), np.concatenate([dr, tr]), np.concatenate([dn, tn])
         for target in targets:
             for rule in TARGET_RULES:
                 lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
@@ -252,14 +253,7 @@ def cutoff_study(
                 }
                 if same_collection:  # the guarantee is in expectation over calibration draws: re-split the pool
                     pooled = np.concatenate([stats["dev"][rule], stats["test"][rule]])
-                    rec = conformal_resplits(
-                        pooled,
-                        np.concatenate([dq, tq + n_dev]),
-                        np.concatenate([dr, tr]),
-                        np.concatenate([dn, tn]),
-                        target,
-                        n_cal=int((dn > 0).sum()),
-                    )
+                    rec = conformal_resplits(pooled, pool_q, pool_r, pool_n, target, n_cal=int((dn > 0).sum()))
                     row.update(
                         resplit_mean_recall=float(rec.mean()),
                         resplit_recall_5=float(np.quantile(rec, 0.05)),

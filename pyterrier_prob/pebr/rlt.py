@@ -120,10 +120,14 @@ def list_features(ranked: pd.DataFrame, top: int = 100) -> pd.DataFrame:
         raise ValueError(f"top must be an int >= 1, got {top!r}")
     if len(ranked) == 0:
         return pd.DataFrame({"logit_top1": [], "logit_mean_top": []})
-    g = ranked.groupby("qid", sort=False)["score"]
-    first = g.first().to_numpy(dtype=np.float64)
-    head = ranked[ranked["rank"] < top].groupby("qid", sort=False)["score"].mean().reindex(g.first().index)
-    return pd.DataFrame({"logit_top1": _logit_z(first), "logit_mean_top": _logit_z(head.to_numpy(dtype=np.float64))})
+    first = ranked.groupby("qid", sort=False)["score"].first()
+    head = ranked[ranked["rank"] < top].groupby("qid", sort=False)["score"].mean().reindex(first.index)
+    return pd.DataFrame(
+        {
+            "logit_top1": _logit_z(first.to_numpy(dtype=np.float64)),
+            "logit_mean_top": _logit_z(head.to_numpy(dtype=np.float64)),
+        }
+    )
 
 
 def gain_stat(ranked: pd.DataFrame, law: Any, window: int = 5) -> np.ndarray:
