@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from recipe_search import dev_ndcg, dev_setup  # noqa: E402
 
 from pyterrier_prob.atomic import atomic_write  # noqa: E402
-from pyterrier_prob.training import fine_tune  # noqa: E402
+from pyterrier_prob.training import Recipe, fine_tune  # noqa: E402
 from st_extensions.defaults import default_model_path  # noqa: E402
 from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, encode_prefix  # noqa: E402
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss  # noqa: E402
@@ -81,9 +81,7 @@ def main() -> None:
         full,
         MaskedMultipleNegativesRankingLoss(full, judged=judged),
         train,
-        steps=args.full_steps,
-        batch_size=args.batch_size,
-        learning_rate=args.encoder_lr,
+        Recipe(mode="full", steps=args.full_steps, batch_size=args.batch_size, learning_rate=args.encoder_lr),
         callbacks=[cb],
         show_progress=False,
     )
@@ -105,9 +103,7 @@ def main() -> None:
             frozen,
             MaskedMultipleNegativesRankingLoss(frozen, judged=judged),
             train,
-            steps=args.frozen_steps,
-            batch_size=batch,
-            frozen=True,
+            Recipe(mode="frozen", steps=args.frozen_steps, batch_size=batch),
             encoder_cache=cache,
             callbacks=[cb2],
             show_progress=False,

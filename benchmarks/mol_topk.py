@@ -155,7 +155,7 @@ def train_model(path: str, dim: int, steps: int, batch_size: int = 16, head_lr: 
 
     from pyterrier_prob.data import training_pairs
     from pyterrier_prob.experiments.mol import HEAD_PARAMS
-    from pyterrier_prob.training import fine_tune
+    from pyterrier_prob.training import Recipe, fine_tune
     from st_extensions import build_mol_model, find_mol
     from st_extensions.losses import MoLLoss
 
@@ -180,12 +180,15 @@ def train_model(path: str, dim: int, steps: int, batch_size: int = 16, head_lr: 
         model,
         loss,
         train,
-        steps,
-        batch_size,
-        5e-5,
-        seed,
+        Recipe(
+            mode="full",
+            steps=steps,
+            batch_size=batch_size,
+            learning_rate=5e-5,
+            seed=seed,
+            learning_rate_mapping={HEAD_PARAMS: head_lr},
+        ),
         show_progress=False,
-        learning_rate_mapping={HEAD_PARAMS: head_lr},
     )
     os.makedirs(os.path.dirname(path), exist_ok=True)
     model.save(path)

@@ -1,9 +1,9 @@
 """Choose the frozen-encoder recipes' learning rates and budgets on nfcorpus train/dev (never test).
 
 Encodes the corpus and the train/dev queries once with all-MiniLM-L6-v2 (cached under ``--output``), then for each
-method and learning rate trains the method's own modules on the cached embeddings (``fine_tune(frozen=True)``,
-query-balanced batches, judged negatives masked) and scores dev nDCG@10 by brute force on the cached embeddings,
-against the untrained model. Prints one line per setting and writes ``recipe_search.json``.
+method and learning rate trains the method's own modules on the cached embeddings (``fine_tune`` under
+``Recipe(mode="frozen")``, query-balanced batches, judged negatives masked) and scores dev nDCG@10 by brute force
+on the cached embeddings, against the untrained model. Prints one line per setting and writes ``recipe_search.json``.
 
     python benchmarks/recipe_search.py --methods mnrl mol pebr --steps 1000 2000
     python benchmarks/recipe_search.py --methods pebr_mle --lrs 3e-4 --adapter-lrs 0 1e-5 3e-5 1e-4 3e-4
@@ -27,7 +27,7 @@ import torch
 from pyterrier_prob.atomic import atomic_write
 from pyterrier_prob.collections import load_collection
 from pyterrier_prob.data import judged_pairs, training_pairs
-from pyterrier_prob.training import fine_tune
+from pyterrier_prob.training import Recipe, fine_tune
 from st_extensions import build_mol_model, build_pebr_model
 from st_extensions.defaults import default_model_path
 from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, encode_prefix
@@ -159,13 +159,15 @@ def main() -> None:
             model,
             loss,
             train,
-            steps=steps,
-            batch_size=args.batch_size,
-            frozen=True,
-            head_learning_rate=lr,
+            Recipe(
+                mode="frozen",
+                steps=steps,
+                batch_size=args.batch_size,
+                head_learning_rate=lr,
+                module_learning_rates={} if adapter_lr is None else {"LinearAdapter": adapter_lr},
+            ),
             encoder_cache=cache,
             show_progress=False,
-            module_learning_rates=None if adapter_lr is None else {"LinearAdapter": adapter_lr},
         )
         secs = time.time() - t0
         law = {}

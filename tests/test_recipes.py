@@ -152,7 +152,7 @@ def test_balanced_batches_have_distinct_queries_and_cycle_documents():
 def test_frozen_mode_trains_heads_and_matches_the_full_forward_and_round_trips(base_model, small_beir, tmp_path):
     from pyterrier_prob.collections import load_collection
     from pyterrier_prob.data import judged_pairs, training_pairs
-    from pyterrier_prob.training import fine_tune, head_learning_rates
+    from pyterrier_prob.training import Recipe, fine_tune, head_learning_rates
     from st_extensions import build_pebr_model, load_model
     from st_extensions.losses import BetaNCELoss
 
@@ -165,7 +165,7 @@ def test_frozen_mode_trains_heads_and_matches_the_full_forward_and_round_trips(b
     mapping = head_learning_rates(model, loss)
     assert mapping and all(".auto_model." not in k for k in mapping)
     assert sorted(mapping.values()) == sorted([model[3].learning_rate] * 2 + [model[4].learning_rate] * 2)
-    losses = fine_tune(model, loss, train, steps=30, batch_size=8, frozen=True, show_progress=False)
+    losses = fine_tune(model, loss, train, Recipe(mode="frozen", steps=30, batch_size=8), show_progress=False)
     assert len(losses) == 30 and all(np.isfinite(losses))
     assert loss.model is model  # the stand-in is gone after training
     for k, v in model[0].state_dict().items():
@@ -193,7 +193,7 @@ def test_module_learning_rates_by_class(base_model, small_beir):
     each class's parameters with its rate; an unknown class is an error naming it."""
     from pyterrier_prob.collections import load_collection
     from pyterrier_prob.data import judged_pairs, training_pairs
-    from pyterrier_prob.training import fine_tune, head_learning_rates
+    from pyterrier_prob.training import Recipe, fine_tune, head_learning_rates
     from st_extensions import build_pebr_model
     from st_extensions.losses import BetaMLELoss
 
@@ -211,11 +211,8 @@ def test_module_learning_rates_by_class(base_model, small_beir):
         model,
         loss,
         train,
-        steps=10,
-        batch_size=8,
-        frozen=True,
+        Recipe(mode="frozen", steps=10, batch_size=8, module_learning_rates={"LinearAdapter": 0.0}),
         show_progress=False,
-        module_learning_rates={"LinearAdapter": 0.0},
     )
     assert torch.equal(model[3].linear.weight, adapter) and not torch.equal(model[4].linear.weight, head)
 

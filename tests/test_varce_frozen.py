@@ -91,14 +91,18 @@ def test_cache_refuses_what_it_cannot_hold(base_model, minilm_path):
 @pytest.fixture(scope="module", params=KINDS)
 def trained(request, base_model):
     """A model whose head was trained for 3 steps through its cached model: (kind, model, cached, state before)."""
-    from pyterrier_prob.training import fine_tune
+    from pyterrier_prob.training import Recipe, fine_tune
 
     kind = request.param
     model = _build(base_model, kind)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cached = cached_cross_encoder(model, list(zip(ROWS["query"], ROWS["document"])))
     losses = fine_tune(
-        cached, _loss(kind, cached), ROWS, steps=3, batch_size=4, learning_rate=1e-3, show_progress=False
+        cached,
+        _loss(kind, cached),
+        ROWS,
+        Recipe(mode="full", steps=3, batch_size=4, learning_rate=1e-3),
+        show_progress=False,
     )
     assert len(losses) == 3 and all(np.isfinite(losses))
     return kind, model, cached, before

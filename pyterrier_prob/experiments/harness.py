@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-RECIPES = ("frozen", "full")
+RECIPES = ("frozen", "partial", "full")
 
 
 @dataclass
@@ -80,7 +80,15 @@ class CommonConfig:
         batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system (``lr`` is
             the encoder's; the modules a method adds train at their own declared rate, see ``fine_tune``).
         recipe: ``"frozen"``: train only each method's own modules on encoder outputs cached once per run (the
-            default on CPU: thousands of steps in minutes); ``"full"``: fine-tune the encoder too (the GPU path).
+            default on CPU: thousands of steps in minutes); ``"partial"``: also the top ``train_layers`` transformer
+            layers, on the lower layers' hidden states cached once (fp16 memmaps under ``output/cache/``);
+            ``"full"``: fine-tune the whole encoder (the GPU path). See :class:`~pyterrier_prob.training.Recipe`.
+        train_layers: the top layers that train under ``recipe="partial"``.
+        checkpoint_every: checkpoint every this many steps (None: a tenth of the steps under partial and full, none
+            under frozen, whose runs take minutes); at most ``checkpoint_limit`` are kept.
+        checkpoint_limit: checkpoints kept per model (the newest).
+        resume: continue an interrupted run: models and indexes already finished are reused (as ``reuse``) and a
+            training that was cut off continues from its newest complete checkpoint.
         output: folder for models, indexes, tables and plots.
         reuse: reuse models (when their saved settings match) and indexes already in ``output``.
         quiet: no progress bars nor stage lines (the result table and its location are still printed).
@@ -99,8 +107,12 @@ class CommonConfig:
     seed: int = 0
     max_seq_length: int = 128
     recipe: str = "frozen"
+    train_layers: int | None = None
+    checkpoint_every: int | None = None
+    checkpoint_limit: int = 2
     output: str = "outputs/experiment"
     reuse: bool = False
+    resume: bool = False
     quiet: bool = False
 
     def check(self) -> None:
@@ -113,6 +125,14 @@ class CommonConfig:
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.recipe not in RECIPES:
             raise ValueError(f"--recipe must be one of {RECIPES}, got {self.recipe!r}")
+        if self.recipe == "partial" and (self.train_layers is None or self.train_layers < 1):
+            raise ValueError(f"--recipe partial needs --train-layers N >= 1, got {self.train_layers}")
+        if self.recipe != "partial" and self.train_layers is not None:
+            raise ValueError(f"--train-layers is for --recipe partial, not {self.recipe!r}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_limit < 1:
+            raise ValueError(f"--checkpoint-limit must be >= 1, got {self.checkpoint_limit}")
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
         if not 0 <= self.dev_from_train < 1:
@@ -161,13 +181,32 @@ def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) ->
         choices=list(RECIPES),
         default=defaults.recipe,
         help="frozen: train each method's own modules on encoder outputs cached once (fast, CPU); "
-        "full: fine-tune the encoder too (GPU)",
+        "partial: also the top --train-layers layers, on the lower layers' hidden states cached once; "
+        "full: fine-tune the whole encoder (GPU)",
     )
+    t.add_argument(
+        "--train-layers",
+        type=int,
+        default=defaults.train_layers,
+        help="--recipe partial: how many of the top transformer layers train",
+    )
+    t.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=defaults.checkpoint_every,
+        help="checkpoint every N steps (default: a tenth of --steps under partial/full, none under frozen)",
+    )
+    t.add_argument("--checkpoint-limit", type=int, default=defaults.checkpoint_limit, help="checkpoints kept")
     t.add_argument("--max-seq-length", type=int, default=defaults.max_seq_length, help="token budget per text")
     t.add_argument("--seed", type=int, default=defaults.seed)
     o = ap.add_argument_group("output")
     o.add_argument("--output", default=defaults.output, help="folder for models, indexes, tables and plots")
     o.add_argument("--reuse", action="store_true", help="reuse models (same settings) and indexes in --output")
+    o.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run in --output: reuse what finished, resume trainings from their checkpoints",
+    )
     o.add_argument("--quiet", action="store_true", help="no progress bars (the result table is still printed)")
 
 
@@ -256,6 +295,8 @@ class Harness:
 
     def __init__(self, name: str, cfg: CommonConfig) -> None:
         cfg.check()
+        if cfg.resume:  # what finished is reused; what was cut off resumes from its checkpoints
+            cfg.reuse = True
         self.name, self.cfg = name, cfg
         try:
             self.output = str(make_dirs(cfg.output))
@@ -271,6 +312,7 @@ class Harness:
         self._held_out: dict[str, Any] = {}  # the train queries held out as dev (load_data), part of a model's settings
         self._bm25: dict[str, Any] = {}  # collection name -> its PISA index, built once per run
         self._cache: Any = None  # the frozen recipe's encoder-output cache (st_extensions.frozen.CachedEmbeddings)
+        self.recipes: dict[str, dict[str, Any]] = {}  # model name -> the recipe it trained under (summary.json)
         _silence_library_bars()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
@@ -380,6 +422,30 @@ class Harness:
         )
 
     # ---- models -----------------------------------------------------------------------------------------------
+    def recipe(self, steps: int | None = None, **overrides: Any) -> Any:
+        """The run's :class:`~pyterrier_prob.training.Recipe` from the common options (``--recipe``, ``--steps``,
+        ``--batch-size``, ``--lr``, ``--seed``, ``--train-layers``, ``--checkpoint-every``, ``--checkpoint-limit``),
+        with ``steps`` and any field given in ``overrides`` replaced."""
+        from pyterrier_prob.training import Recipe
+
+        cfg = self.cfg
+        steps = cfg.steps if steps is None else steps
+        every = cfg.checkpoint_every
+        if every is None:
+            every = 0 if cfg.recipe == "frozen" else max(1, steps // 10)
+        values: dict[str, Any] = {
+            "mode": cfg.recipe,
+            "steps": steps,
+            "batch_size": cfg.batch_size,
+            "learning_rate": cfg.lr,
+            "seed": cfg.seed,
+            "train_layers": cfg.train_layers if cfg.recipe == "partial" else None,
+            "checkpoint_every": every,
+            "checkpoint_limit": cfg.checkpoint_limit,
+        }
+        values.update(overrides)
+        return Recipe(**values)
+
     def train(
         self,
         name: str,
@@ -391,16 +457,19 @@ class Harness:
         learning_rate_mapping: Mapping[str, float] | None = None,
         module_learning_rates: Mapping[str, float] | None = None,
         settings: Mapping[str, Any] | None = None,
-        fit: Callable[[Any, Any], list[float]] | None = None,
+        fit: Callable[[Any, Any, Any], list[float]] | None = None,
     ) -> tuple[Any, list[float]]:
         """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
 
-        ``data`` builds the training rows (None, or ``steps`` 0: the built model is returned untrained and not
-        saved). With ``--reuse``, a saved model whose ``train_settings.json`` matches these settings is loaded
-        instead of trained again. ``fit(model, rows) -> losses`` replaces the default training
-        (:func:`~pyterrier_prob.training.fine_tune` of ``loss(model)`` under the recipe), e.g. to train a head on
-        cached features; everything else (settings, saving, reuse) is the same. ``module_learning_rates`` (module
-        class name -> rate) is a recipe's choice of rate for the modules it names (see ``fine_tune``).
+        The training runs under :meth:`recipe` (with ``steps``, ``learning_rate_mapping`` and
+        ``module_learning_rates``, a recipe's choice of rate for the module classes it names), written as
+        ``recipe.json`` beside the model; its checkpoints go to ``output/runs/<name>`` and are removed once the model
+        is saved. ``data`` builds the training rows (None, or ``steps`` 0: the built model is returned untrained and
+        not saved). With ``--reuse``, a saved model whose ``train_settings.json`` matches these settings is loaded
+        instead of trained again; with ``--resume`` a training that was cut off continues from its newest complete
+        checkpoint. ``fit(model, rows, recipe) -> losses`` replaces the default training
+        (:func:`~pyterrier_prob.training.fine_tune` of ``loss(model)``), e.g. to train a head on cached features;
+        everything else (settings, saving, reuse) is the same.
         """
         from pyterrier_prob.training import fine_tune
         from st_extensions import load_model
@@ -409,28 +478,31 @@ class Harness:
         steps = cfg.steps if steps is None else steps
         path = self.path("models", name)
         info_path = os.path.join(path, "train_settings.json")
+        recipe = None
+        if data is not None and steps:
+            recipe = self.recipe(
+                steps,
+                learning_rate_mapping=dict(learning_rate_mapping or {}),
+                module_learning_rates=dict(module_learning_rates or {}),
+            )
+        made = {k: v for k, v in (recipe.to_dict() if recipe else {}).items() if not k.startswith("checkpoint_")}
         wanted = {
             "model": cfg.model,
             "dataset": cfg.dataset,
-            "steps": steps,
-            "batch_size": cfg.batch_size,
-            "lr": cfg.lr,
-            "seed": cfg.seed,
             "max_seq_length": cfg.max_seq_length,
-            "recipe": cfg.recipe,
-            "learning_rate_mapping": dict(learning_rate_mapping or {}),
-            **({"module_learning_rates": dict(module_learning_rates)} if module_learning_rates else {}),
+            "recipe": made,
             **({"held_out_dev": self._held_out} if self._held_out else {}),
             **dict(settings or {}),
         }
         wanted = json.loads(json.dumps(wanted, default=str))
-        if data is None or steps == 0:
+        if recipe is None:
             wanted = {k: wanted[k] for k in ("model", "max_seq_length")} | {"trained": False, **dict(settings or {})}
         self._model_settings[name] = json.loads(json.dumps(wanted, default=str))
-        if data is None or steps == 0:
+        if recipe is None:
             model = build()
             _set_max_len(model, cfg.max_seq_length)
             return model, []
+        self.recipes[name] = recipe.to_dict()
         if cfg.reuse and os.path.isfile(info_path):
             with open(info_path, encoding="utf8") as f:
                 saved = json.load(f)
@@ -439,38 +511,44 @@ class Harness:
                     model = load_model(path, device="cpu")
                 _set_max_len(model, cfg.max_seq_length)
                 return model, list(saved.get("losses", []))
-        with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {cfg.batch_size}"):
+        run_dir = self.path("runs", name)
+        label = recipe.mode + (f", top {recipe.train_layers} layers" if recipe.mode == "partial" else "")
+        with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {cfg.batch_size} ({label})"):
             import torch
 
             torch.manual_seed(cfg.seed)
             model = build()
             _set_max_len(model, cfg.max_seq_length)
             rows = data()
-            losses = (
-                fit(model, rows)
-                if fit is not None
-                else fine_tune(
+            if fit is not None:
+                losses = fit(model, rows, recipe)
+            else:
+                losses = fine_tune(
                     model,
                     loss(model),
                     rows,
-                    steps=steps,
-                    batch_size=cfg.batch_size,
-                    learning_rate=cfg.lr,
-                    seed=cfg.seed,
+                    recipe,
+                    output_dir=run_dir,
+                    resume=cfg.resume,
                     show_progress=self.verbose,
-                    learning_rate_mapping=dict(learning_rate_mapping or {}),
-                    module_learning_rates=module_learning_rates,
                     desc=f"training {name}",
-                    frozen=cfg.recipe == "frozen",
-                    encoder_cache=self.encoder_cache(model) if cfg.recipe == "frozen" else None,
+                    encoder_cache=self.encoder_cache(model) if recipe.mode == "frozen" else None,
+                    state_cache=self.state_cache_path(recipe) if recipe.mode == "partial" else None,
                 )
-            )
-            if cfg.recipe == "frozen" and fit is None:
+            if recipe.mode == "frozen" and fit is None:
                 self.save_encoder_cache()
             _save_model(model, path)
+            recipe.save(os.path.join(path, "recipe.json"))
             atomic_write(info_path, json.dumps({"settings": wanted, "losses": losses}, indent=1))
+            _remove_checkpoints(run_dir)
         self._fresh.add(name)
         return model, losses
+
+    def state_cache_path(self, recipe: Any) -> str:
+        """Where the partial recipe caches the lower layers' hidden states: ``output/cache/states-<base>-<max len>-
+        top<N>`` (one folder per base model, token budget and split point, reused across runs)."""
+        base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
+        return self.path("cache", f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}")
 
     # ---- the frozen recipe's encoder cache ---------------------------------------------------------------------
     def _cache_path(self) -> str:
@@ -659,10 +737,13 @@ class Harness:
         for name, frame in tables.items():
             outputs[name] = atomic_write(self.path(f"{name}.csv"), frame.to_csv(index=False))
         outputs["results.md"] = atomic_write(self.path("results.md"), text)
+        if self.recipes:  # the recipe every model of this run trained under
+            outputs["recipes.json"] = atomic_write(self.path("recipes.json"), json.dumps(self.recipes, indent=1))
         full = {
             "experiment": self.name,
             "config": asdict(self.cfg) if hasattr(self.cfg, "__dataclass_fields__") else dict(vars(self.cfg)),
             "data": data.describe() if data is not None else None,
+            "recipes": dict(self.recipes),
             **dict(summary),
             "timings_s": dict(self.timings),
             "total_s": total,
@@ -732,6 +813,14 @@ def _set_max_len(model: Any, n: int) -> None:
         model.max_seq_length = n
     elif hasattr(model, "max_length"):
         model.max_length = n
+
+
+def _remove_checkpoints(folder: str) -> None:
+    """Drop a finished training's checkpoints (the saved model replaces them; disk stays bounded)."""
+    import shutil
+
+    if os.path.isdir(folder):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _save_model(model: Any, path: str) -> None:

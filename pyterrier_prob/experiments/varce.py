@@ -573,20 +573,18 @@ def _train_on_features(
     from pyterrier_prob.training import fine_tune
     from st_extensions.cross_encoder.frozen import cached_cross_encoder
 
-    cfg = h.cfg
     rate = _head_learning_rate()
 
-    def fit(model: Any, rows: Any) -> list[float]:
+    def fit(model: Any, rows: Any, recipe: Any) -> list[float]:
         features.extend(model, list(zip(rows["query"], rows["document"])))
         cached = cached_cross_encoder(model, cache=features.cache)
+        # the stand-in holds only the head: it trains in full, at the head's rate
+        head = dataclasses.replace(recipe, mode="full", learning_rate=rate, checkpoint_every=0)
         return fine_tune(
             cached,
             loss(cached),
             rows,
-            steps=cfg.steps,
-            batch_size=cfg.batch_size,
-            learning_rate=rate,
-            seed=cfg.seed,
+            head,
             show_progress=h.verbose,
             desc=f"training {name} (head on cached backbone features)",
         )
