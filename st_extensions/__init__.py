@@ -42,3 +42,7 @@ __all__ = [
     "query_distribution",
     "unierf_columns",
 ]
+
+from st_extensions.partial import LayerStateCache, PartialTransformer, partial_model  # noqa: E402
+
+__all__ += ["LayerStateCache", "PartialTransformer", "partial_model"]
