@@ -56,12 +56,17 @@ class JudgedPairs:
     def __repr__(self) -> str:
         return f"JudgedPairs({len(self)} pairs)"
 
-    def mask(self, labels: Tensor | None, n_candidates: int) -> Tensor | None:
-        """``(B, n_candidates)`` bool: True where candidate ``j < B`` (row ``j``'s positive) is judged relevant to
-        anchor ``i``'s query and ``j != i``; hard-negative columns (``j >= B``) are never masked.
+    def mask(
+        self, labels: Tensor | None, n_candidates: int, offset: int = 0, n_anchors: int | None = None
+    ) -> Tensor | None:
+        """``(n_anchors, n_candidates)`` bool: True where candidate ``j < B`` (row ``j``'s positive) is judged relevant
+        to the query of anchor ``i`` -- row ``offset + i`` of the batch -- and ``j != offset + i``; hard-negative
+        columns (``j >= B``) are never masked.
 
         ``labels`` is the batch's ``label`` tensor ``(B, 2)`` of :func:`pair_labels`; ``None`` (no label column)
-        gives ``None``: nothing is masked.
+        gives ``None``: nothing is masked. By default the anchors are all B rows (``offset=0``); a loss that gathers
+        the candidates across devices passes the global batch's labels, its anchors' first global row as
+        ``offset`` and its local batch size as ``n_anchors`` (:class:`st_extensions.distributed.GlobalBatch`).
         """
         if labels is None:
             return None
@@ -75,17 +80,25 @@ class JudgedPairs:
         batch = labels.shape[0]
         if n_candidates < batch:
             raise ValueError(f"{n_candidates} candidates for a batch of {batch} anchors: expected at least {batch}")
-        keys = _pair_key(labels[:, 0:1], labels[None, :, 1])
+        if n_anchors is None:
+            n_anchors = batch - offset
+        if offset < 0 or n_anchors < 0 or offset + n_anchors > batch:
+            raise ValueError(f"anchor rows {offset}..{offset + n_anchors - 1} are not rows of a batch of {batch}")
+        anchors = labels[offset : offset + n_anchors]
+        keys = _pair_key(anchors[:, 0:1], labels[None, :, 1])
         mask = torch.isin(keys, self.keys.to(keys.device))
-        mask.fill_diagonal_(False)
+        rows = torch.arange(n_anchors, device=mask.device)
+        mask[rows, rows + offset] = False
         if n_candidates > batch:
-            mask = torch.cat([mask, mask.new_zeros(batch, n_candidates - batch)], dim=1)
+            mask = torch.cat([mask, mask.new_zeros(n_anchors, n_candidates - batch)], dim=1)
         return mask
 
 
-def masked_logits(logits: Tensor, judged: JudgedPairs | None, labels: Tensor | None) -> Tensor:
-    """``logits`` (B, C) with the judged-relevant in-batch negatives set to -inf (unchanged without ``judged``)."""
+def masked_logits(logits: Tensor, judged: JudgedPairs | None, labels: Tensor | None, offset: int = 0) -> Tensor:
+    """``logits`` (n_anchors, C) with the judged-relevant in-batch negatives set to -inf (unchanged without
+    ``judged``). The anchors are rows ``offset .. offset + n_anchors - 1`` of the batch whose ``labels`` are given
+    (:meth:`JudgedPairs.mask`; default: all of them)."""
     if judged is None:
         return logits
-    mask = judged.mask(labels, logits.shape[1])
+    mask = judged.mask(labels, logits.shape[1], offset=offset, n_anchors=logits.shape[0])
     return logits if mask is None else logits.masked_fill(mask.to(logits.device), float("-inf"))

@@ -273,7 +273,7 @@ def test_loss_gradients_reach_encoder_gate_and_tokens(tokens_model):
 
 def test_loss_config_citation_and_errors(heads_model, base_model):
     loss = MoLLoss(heads_model)
-    assert loss.get_config_dict() == {"alpha": 0.001, "scale": 20.0}
+    assert loss.get_config_dict() == {"alpha": 0.001, "scale": 20.0, "gather_across_devices": False}
     assert "Retrieval with Learned Similarities" in loss.citation
     with pytest.raises(ValueError, match="no MixtureOfLogits"):
         MoLLoss(base_model)

@@ -159,6 +159,7 @@ def test_loss_needs_two_columns():
 
 def test_config_and_citation(exp_model):
     loss = ExpNCELoss(exp_model)
-    assert loss.get_config_dict() == {"family": "exp"}
+    assert loss.get_config_dict() == {"family": "exp", "gather_across_devices": False}
+    assert ExpNCELoss(exp_model, gather_across_devices=True).get_config_dict()["gather_across_devices"] is True
     assert "pEBR" in loss.citation
     assert BetaMLELoss(EmbeddingIdentity(4, "beta_mle"), negative_weight=2.0).get_config_dict()["negative_weight"] == 2

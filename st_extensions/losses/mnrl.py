@@ -14,6 +14,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.losses import MultipleNegativesRankingLoss
 from torch import Tensor
 
+from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
 
 __all__ = ["MaskedMultipleNegativesRankingLoss"]
@@ -32,18 +33,36 @@ class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
         scale: s, the inverse temperature.
         judged: judged-relevant pairs; rows carry ``label = [query key, document key]``
             (:func:`st_extensions.judged.pair_labels`).
+        gather_across_devices: under DDP, gather the candidates of every device (with gradients) and mask the judged
+            negatives over the global batch, as ``MultipleNegativesRankingLoss(..., gather_across_devices=True)``
+            (:mod:`st_extensions.distributed`); the mean over the devices' losses is then the single-process loss on
+            the global batch. Without ``torch.distributed`` (or with one process) nothing is gathered.
     """
 
-    def __init__(self, model: SentenceTransformer, scale: float = 20.0, judged: JudgedPairs | None = None) -> None:
-        super().__init__(model, scale=scale)
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        scale: float = 20.0,
+        judged: JudgedPairs | None = None,
+        gather_across_devices: bool = False,
+    ) -> None:
+        super().__init__(model, scale=scale, gather_across_devices=gather_across_devices)
         self.judged = judged
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
+        if len(embeddings) < 2:
+            raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
+        anchors = embeddings[0]
+        batch = global_batch(len(anchors), self.gather_across_devices)
+        candidates = batch.candidates(torch.cat(embeddings[1:]))
+        logits = self.similarity_fct(anchors, candidates) * self.scale
+        targets = batch.targets(logits.device)
         if self.judged is None or labels is None:
-            return super().compute_loss_from_embeddings(embeddings, labels)
-        anchors, candidates = embeddings[0], torch.cat(embeddings[1:])
-        logits = masked_logits(self.scale * self.similarity_fct(anchors, candidates), self.judged, labels)
-        return F.cross_entropy(logits, torch.arange(len(anchors), device=logits.device))
+            # MultipleNegativesRankingLoss's own formula ("query_to_doc", "joint"), term for term
+            positives = logits[torch.arange(len(anchors), device=logits.device), targets]
+            return -(positives - torch.logsumexp(logits, dim=1)).mean()
+        logits = masked_logits(logits, self.judged, batch.labels(labels), offset=batch.offset)
+        return F.cross_entropy(logits, targets)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), "judged_pairs": len(self.judged) if self.judged is not None else 0}

@@ -17,6 +17,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import merge_feature_batches
 from torch import Tensor, nn
 
+from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
 from st_extensions.modules.mol import COMPONENTS_KEY, FEATURES_KEY, mutual_information_loss
 from st_extensions.mol import find_mol
@@ -58,6 +59,12 @@ class MoLLoss(nn.Module):
         judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
             (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
             are left out of its softmax (they stay in L_MI, which only balances the gate).
+        gather_across_devices: under DDP, gather the candidates' components (and gate features) of every device
+            with gradients, so each anchor is scored against the whole global batch, as
+            ``MultipleNegativesRankingLoss(..., gather_across_devices=True)``; the judged negatives are masked and
+            L_MI's average gate is taken over the global batch (:mod:`st_extensions.distributed`), so the mean over
+            the devices' losses is the single-process loss on the global batch. Without ``torch.distributed`` (or
+            with one process) nothing is gathered.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.MixtureOfLogits` head.
@@ -94,7 +101,8 @@ class MoLLoss(nn.Module):
         scale: float = 20.0,
         eps: float = 1e-12,
         judged: JudgedPairs | None = None,
-    ):
+        gather_across_devices: bool = False,
+    ) -> None:
         super().__init__()
         self.mol = find_mol(model)
         if not (math.isfinite(alpha) and alpha >= 0):
@@ -108,6 +116,7 @@ class MoLLoss(nn.Module):
         self.scale = float(scale)
         self.eps = float(eps)
         self.judged = judged
+        self.gather_across_devices = bool(gather_across_devices)
 
     def _encode(self, features: list[dict[str, Any]], task: str) -> tuple[Tensor, Tensor | None]:
         """Components (and gate features) of one or more columns, in one merged forward where possible."""
@@ -119,24 +128,31 @@ class MoLLoss(nn.Module):
 
     def scores_and_gates(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
         """``phi (B, C)`` between each anchor and every candidate (anchor i's positive is candidate i) and
-        the gates ``pi (B, C, P)``."""
+        the gates ``pi (B, C, P)``. With ``gather_across_devices`` under DDP the candidates are those of the global
+        batch and anchor i's positive is candidate ``rank * B + i`` (:class:`st_extensions.distributed.GlobalBatch`).
+        """
         features = list(sentence_features)
         if len(features) < 2:
             raise ValueError(f"MoLLoss needs (anchor, positive[, negative_1, ...]) columns, got {len(features)}")
         q, qf = self._encode(features[:1], "query")
         x, xf = self._encode(features[1:], "document")
+        batch = global_batch(len(q), self.gather_across_devices)
+        x = batch.candidates(x)
+        xf = None if xf is None else batch.candidates(xf)
         return self.mol.mixture_all(q, x, qf, xf)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         scores, gates = self.scores_and_gates(sentence_features)
-        target = torch.arange(len(scores), device=scores.device)
-        loss = F.cross_entropy(masked_logits(self.scale * scores, self.judged, labels), target)
+        batch = global_batch(len(scores), self.gather_across_devices)
+        labels = batch.labels(labels) if self.judged is not None else labels
+        logits = masked_logits(self.scale * scores, self.judged, labels, offset=batch.offset)
+        loss = F.cross_entropy(logits, batch.targets(scores.device))
         if self.alpha:
-            loss = loss + self.alpha * mutual_information_loss(gates, eps=self.eps)
+            loss = loss + self.alpha * mutual_information_loss(gates, eps=self.eps, batch=batch)
         return loss
 
     def get_config_dict(self) -> dict[str, Any]:
-        return {"alpha": self.alpha, "scale": self.scale}
+        return {"alpha": self.alpha, "scale": self.scale, "gather_across_devices": self.gather_across_devices}
 
     @property
     def citation(self) -> str:

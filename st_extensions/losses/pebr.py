@@ -16,6 +16,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
+from st_extensions.distributed import GlobalBatch, global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
 from st_extensions.pebr import find_head
 
@@ -34,7 +35,13 @@ class _PEBRLoss(nn.Module):
 
     family: str = ""
 
-    def __init__(self, model: SentenceTransformer, eps: float = 1e-6, judged: JudgedPairs | None = None) -> None:
+    def __init__(
+        self,
+        model: SentenceTransformer,
+        eps: float = 1e-6,
+        judged: JudgedPairs | None = None,
+        gather_across_devices: bool = False,
+    ) -> None:
         super().__init__()
         head = find_head(model)
         if head.family != self.family:
@@ -48,10 +55,17 @@ class _PEBRLoss(nn.Module):
         self.head = head
         self.eps = eps
         self.judged = judged
+        self.gather_across_devices = bool(gather_across_devices)
+
+    def global_batch(self, size: int) -> GlobalBatch:
+        """The global batch of a local batch of ``size`` anchors (:func:`st_extensions.distributed.global_batch`)."""
+        return global_batch(size, self.gather_across_devices)
 
     def cosines_and_params(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
-        """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (column 0 of candidates is
-        anchor i's positive at index i), and the anchors' distribution parameters ``(B, k)``."""
+        """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (anchor i's positive is candidate i),
+        and the anchors' distribution parameters ``(B, k)``. With ``gather_across_devices`` under DDP the candidates
+        are those of the global batch, ``(B, W * B * (1 + n_neg))``, and anchor i's positive is candidate
+        ``rank * B + i`` (:class:`st_extensions.distributed.GlobalBatch`)."""
         embeddings = embed_columns(self.model, sentence_features)
         if len(embeddings) < 2:
             raise ValueError(
@@ -59,7 +73,7 @@ class _PEBRLoss(nn.Module):
             )
         anchors = embeddings[0]
         params = self.head.distribution_params(anchors)
-        candidates = torch.cat(embeddings[1:], dim=0)
+        candidates = self.global_batch(len(anchors)).candidates(torch.cat(embeddings[1:], dim=0))
         cos = F.normalize(anchors, dim=-1) @ F.normalize(candidates, dim=-1).T
         return cos, params
 
@@ -68,8 +82,15 @@ class _PEBRLoss(nn.Module):
         finite, with finite gradients, even at cos = -1."""
         return torch.log(((1.0 + cos) * 0.5).clamp(self.eps, 1.0))
 
+    def nce(self, logits: Tensor, labels: Tensor | None) -> Tensor:
+        """Cross-entropy of each anchor's positive among ``logits`` (judged negatives masked), global batch aware."""
+        batch = self.global_batch(len(logits))
+        labels = batch.labels(labels) if self.judged is not None else labels
+        logits = masked_logits(logits, self.judged, labels, offset=batch.offset)
+        return F.cross_entropy(logits, batch.targets(logits.device))
+
     def get_config_dict(self) -> dict[str, Any]:
-        return {"family": self.family, "eps": self.eps}
+        return {"family": self.family, "eps": self.eps, "gather_across_devices": self.gather_across_devices}
 
     @property
     def citation(self) -> str:
@@ -93,6 +114,11 @@ class ExpNCELoss(_PEBRLoss):
         judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
             (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
             are left out of its softmax (:class:`st_extensions.judged.JudgedPairs`).
+        gather_across_devices: under DDP, gather the candidates of every device (with gradients) so each anchor
+            is contrasted with the whole global batch, as ``MultipleNegativesRankingLoss(...,
+            gather_across_devices=True)`` (:mod:`st_extensions.distributed`); the mean over the devices' losses is
+            then the single-process loss on the global batch. Without ``torch.distributed`` (or with one process)
+            nothing is gathered.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"exp"``.
@@ -122,16 +148,17 @@ class ExpNCELoss(_PEBRLoss):
 
     family = "exp"
 
-    def __init__(self, model: SentenceTransformer, judged: JudgedPairs | None = None) -> None:
-        super().__init__(model, judged=judged)
+    def __init__(
+        self, model: SentenceTransformer, judged: JudgedPairs | None = None, gather_across_devices: bool = False
+    ) -> None:
+        super().__init__(model, judged=judged, gather_across_devices=gather_across_devices)
 
     def get_config_dict(self) -> dict[str, Any]:
-        return {"family": self.family}
+        return {"family": self.family, "gather_across_devices": self.gather_across_devices}
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)
-        logits = masked_logits(cos / params[:, :1], self.judged, labels)
-        return F.cross_entropy(logits, torch.arange(len(logits), device=logits.device))
+        return self.nce(cos / params[:, :1], labels)
 
 
 class BetaNCELoss(_PEBRLoss):
@@ -152,6 +179,11 @@ class BetaNCELoss(_PEBRLoss):
         judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
             (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
             are left out of its softmax (:class:`st_extensions.judged.JudgedPairs`).
+        gather_across_devices: under DDP, gather the candidates of every device (with gradients) so each anchor
+            is contrasted with the whole global batch, as ``MultipleNegativesRankingLoss(...,
+            gather_across_devices=True)`` (:mod:`st_extensions.distributed`); the mean over the devices' losses is
+            then the single-process loss on the global batch. Without ``torch.distributed`` (or with one process)
+            nothing is gathered.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta"``.
@@ -180,8 +212,7 @@ class BetaNCELoss(_PEBRLoss):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)
-        logits = masked_logits(self.log_z(cos) / params[:, :1], self.judged, labels)
-        return F.cross_entropy(logits, torch.arange(len(logits), device=logits.device))
+        return self.nce(self.log_z(cos) / params[:, :1], labels)
 
 
 def beta_log_density(cos: Tensor, alpha: Tensor, beta: Tensor, eps: float) -> Tensor:
@@ -213,6 +244,11 @@ class BetaMLELoss(_PEBRLoss):
         judged: judged-relevant pairs of the training qrels; in-batch candidates they judge relevant to the
             anchor are left out of the irrelevant-item term (needs the ``label`` column of
             :func:`st_extensions.judged.pair_labels`).
+        gather_across_devices: under DDP, gather the candidates of every device (with gradients) so each anchor
+            is contrasted with the whole global batch, as ``MultipleNegativesRankingLoss(...,
+            gather_across_devices=True)`` (:mod:`st_extensions.distributed`); the mean over the devices' losses is
+            then the single-process loss on the global batch. Without ``torch.distributed`` (or with one process)
+            nothing is gathered.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta_mle"``.
@@ -246,26 +282,30 @@ class BetaMLELoss(_PEBRLoss):
         negative_weight: float = 1.0,
         eps: float = 1e-6,
         judged: JudgedPairs | None = None,
+        gather_across_devices: bool = False,
     ) -> None:
-        super().__init__(model, eps=eps, judged=judged)
+        super().__init__(model, eps=eps, judged=judged, gather_across_devices=gather_across_devices)
         if not (math.isfinite(negative_weight) and negative_weight >= 0):
             raise ValueError(f"negative_weight must be finite and >= 0, got {negative_weight}")
         self.negative_weight = negative_weight
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)
-        batch = len(cos)
+        batch = self.global_batch(len(cos))
         if cos.shape[1] < 2:
             raise ValueError("BetaMLELoss needs at least one irrelevant candidate: use batch size > 1")
         a_pos, b_pos, a_neg, b_neg = (params[:, k : k + 1] for k in range(4))
         positive = torch.zeros_like(cos, dtype=torch.bool)
-        positive[torch.arange(batch), torch.arange(batch)] = True
+        positive[torch.arange(len(cos), device=cos.device), batch.targets(cos.device)] = True
         log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
         irrelevant = ~positive
         if self.judged is not None and labels is not None:
-            irrelevant &= ~self.judged.mask(labels, cos.shape[1]).to(cos.device)
+            judged = self.judged.mask(batch.labels(labels), cos.shape[1], offset=batch.offset, n_anchors=len(cos))
+            irrelevant &= ~judged.to(cos.device)
         log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[irrelevant]
-        return -(log_f.mean() + self.negative_weight * log_h.mean())
+        # every rank has B anchors (one positive each), but the judged mask leaves each a different number of
+        # irrelevant pairs: their mean is over the global count (GlobalBatch.mean)
+        return -(log_f.mean() + self.negative_weight * batch.mean(log_h))
 
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), "negative_weight": self.negative_weight}

@@ -21,6 +21,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
+from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs
 from st_extensions.unierf import find_branches, parse_unierf_columns, unierf_columns
 
@@ -253,6 +254,12 @@ class UniERFLoss(nn.Module):
         judged: judged-relevant pairs of the training qrels; with a ``label`` column of
             :func:`st_extensions.judged.pair_labels` (query, positive document), in-batch negatives judged relevant
             to the anchor's query leave its triplet and InfoNCE terms.
+        gather_across_devices: under DDP, gather the documents (positives and negatives) of every device, with
+            gradients (without, from a ``document_tower``), so each branch embedding is contrasted with the
+            candidates of the whole global batch, as ``MultipleNegativesRankingLoss(..., gather_across_devices=True)``;
+            the judged negatives are masked over the global batch and the triplet mean is over its negative pairs
+            (:mod:`st_extensions.distributed`), so the mean over the devices' losses is the single-process loss on the
+            global batch. Without ``torch.distributed`` (or with one process) nothing is gathered.
 
     Requirements:
         1. The model has a :class:`~st_extensions.modules.MultiBranchQueryEncoder`.
@@ -299,10 +306,12 @@ class UniERFLoss(nn.Module):
         ignore_columns: Sequence[str] = (),
         document_tower: FrozenDocumentTower | None = None,
         judged: JudgedPairs | None = None,
+        gather_across_devices: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
         self.judged = judged
+        self.gather_across_devices = bool(gather_across_devices)
         self.head = find_branches(model)
         for name, value in (
             ("positive_threshold", positive_threshold),
@@ -407,28 +416,43 @@ class UniERFLoss(nn.Module):
         labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """The four terms of Eq. 32 from normalised embeddings (see the class docstring); with ``judged`` and
-        ``labels``, in-batch negatives judged relevant to the anchor's query leave the triplet and InfoNCE terms."""
-        batch = positives.shape[0]
-        target = torch.arange(batch, device=positives.device)
+        ``labels``, in-batch negatives judged relevant to the anchor's query leave the triplet and InfoNCE terms.
+        With ``gather_across_devices`` under DDP, ``positives`` and ``negatives`` (this device's rows) are gathered
+        over the devices first (:class:`st_extensions.distributed.GlobalBatch`)."""
+        batch = global_batch(positives.shape[0], self.gather_across_devices)
+        rows = torch.arange(batch.size, device=positives.device)
+        target = batch.targets(positives.device)
+        positives = batch.candidates(positives)
+        negatives = [batch.candidates(n) for n in negatives]
+        if self.judged is not None:
+            labels = batch.labels(labels)
         zero = positives.new_zeros(())
         out = {"positive": zero, "triplet": zero, "infonce": zero}
         for branch, h in branch_emb.items():
             cands = torch.cat([positives, *(n for n, t in zip(negatives, tags) if t is None or t == branch)], dim=0)
-            scores = h @ cands.T  # (B, B * (1 + m_b)); column i is row i's positive
-            pos = scores[target, target]
+            scores = h @ cands.T  # (B, W * B * (1 + m_b)); column offset + i is row i's positive
+            pos = scores[rows, target]
             out["positive"] = out["positive"] + (self.positive_threshold - pos).clamp_min(0.0).mean()
-            judged = None if self.judged is None else self.judged.mask(labels, scores.shape[1])
+            judged = (
+                None
+                if self.judged is None
+                else self.judged.mask(labels, scores.shape[1], offset=batch.offset, n_anchors=batch.size)
+            )
+            if judged is not None:
+                judged = judged.to(scores.device)
             if scores.shape[1] > 1:
                 is_neg = torch.ones_like(scores, dtype=torch.bool)
-                is_neg[target, target] = False
+                is_neg[rows, target] = False
                 if judged is not None:
                     is_neg &= ~judged
                 hinge = (scores - pos[:, None] + self.triplet_margin).clamp_min(0.0)
-                out["triplet"] = out["triplet"] + hinge[is_neg].mean()
+                # each device keeps a different number of negative pairs: the mean is over the global count
+                out["triplet"] = out["triplet"] + batch.mean(hinge[is_neg])
             logits = scores / self.temperature
             if judged is not None:
                 logits = logits.masked_fill(judged, float("-inf"))
             out["infonce"] = out["infonce"] + F.cross_entropy(logits, target)
+        # the diversity term is per query (its branches only): the local mean is this device's share
         stacked = torch.stack([branch_emb[b] for b in self.head.branches if b in branch_emb], dim=1)
         out["diversity"] = diversity_loss(
             stacked, self.diversity_scale, self.diversity_margin, self.diversity_threshold
@@ -457,6 +481,7 @@ class UniERFLoss(nn.Module):
             **{f"use_{name}": value for name, value in self.use.items()},
             "ignore_columns": list(self.ignore_columns),
             "document_tower": "frozen" if self.document_tower is not None else "shared (trained)",
+            "gather_across_devices": self.gather_across_devices,
         }
 
     @property

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from st_extensions.distributed import GlobalBatch, all_reduce_sum
 from st_extensions.modules.safetensors_module import SafetensorsModule
 
 ComponentSource = Literal["tokens", "heads"]
@@ -81,7 +82,7 @@ def entropy(probs: Tensor, dim: int = -1, eps: float = 1e-12) -> Tensor:
     return -(probs * torch.log(probs.clamp_min(eps))).sum(dim)
 
 
-def mutual_information_loss(weights: Tensor, eps: float = 1e-12) -> Tensor:
+def mutual_information_loss(weights: Tensor, eps: float = 1e-12, batch: GlobalBatch | None = None) -> Tensor:
     """The load-balancing loss L_MI = -H(p) + H(p | (q, x)) of Eq. 3.
 
     Every leading index of ``weights`` (shape ``(..., P)``, rows summing to 1) is one (q, x) pair, all pairs
@@ -89,9 +90,18 @@ def mutual_information_loss(weights: Tensor, eps: float = 1e-12) -> Tensor:
     each component pair, to be spread evenly), H(p | (q, x)) the average entropy of the per-pair gates (to be
     kept low, i.e. sparse). L_MI = -I(p; (q, x)) <= 0; it is 0 when P = 1 or when every pair gets the same
     gate.
+
+    ``batch``: the global batch of a loss that gathers across devices (:class:`st_extensions.distributed.GlobalBatch`)
+    when ``weights`` are this rank's pairs (its anchors x the global candidates). H(p) is not linear in the pairs, so
+    the batch-average gate is summed over the ranks by a differentiable all-reduce, and the value is this rank's share
+    of L_MI over every pair of the global batch: the mean over the ranks is the single-process L_MI.
     """
     flat = weights.reshape(-1, weights.shape[-1])
-    return -entropy(flat.mean(0), eps=eps) + entropy(flat, eps=eps).mean()
+    if batch is None or not batch.gathers:
+        return -entropy(flat.mean(0), eps=eps) + entropy(flat, eps=eps).mean()
+    count = all_reduce_sum(torch.tensor(float(flat.shape[0]), device=flat.device, dtype=torch.float32))
+    marginal = (all_reduce_sum(flat.sum(0).float()) / count).to(flat.dtype)
+    return -entropy(marginal, eps=eps) + batch.mean(entropy(flat, eps=eps))
 
 
 # --------------------------------------------------------------------------------------------------
