@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "unierf_training_data": "pyterrier_prob.unierf",
     "load_collection": "pyterrier_prob.collections",
     "fine_tune": "pyterrier_prob.training",
+    "Recipe": "pyterrier_prob.training",
 }
 
 __all__ = ["__version__", *_EXPORTS]

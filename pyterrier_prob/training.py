@@ -212,6 +212,25 @@ def complete_checkpoints(folder: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
+class _SamplerEpoch(TrainerCallback):
+    """Sets the epoch of the :class:`~st_extensions.sampler.QueryBalancedBatchSampler` under the trainer's data
+    loader at every epoch's start, from the step count as the trainer computes the epochs it has trained. The trainer
+    sets it too, except in the epoch a multi-process run resumes in the middle of (there its ``set_epoch`` reaches
+    accelerate's ``BatchSamplerShard``, not the sampler), which would otherwise be drawn as epoch 0."""
+
+    def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        from st_extensions.sampler import QueryBalancedBatchSampler
+
+        steps = len(train_dataloader) // max(1, args.gradient_accumulation_steps) if train_dataloader else 0
+        inner = train_dataloader
+        for _ in range(6):  # DataLoaderShard -> (SkipBatchSampler ->) BatchSamplerShard -> the sampler
+            inner = getattr(inner, "batch_sampler", None)
+            if inner is None or isinstance(inner, QueryBalancedBatchSampler):
+                break
+        if isinstance(inner, QueryBalancedBatchSampler) and steps:
+            inner.set_epoch(state.global_step // steps)
+
+
 class _MarkComplete(TrainerCallback):
     """Marks a checkpoint complete once the trainer has written all of it (weights, optimizer, scheduler, RNG,
     trainer state with the sampler's position): an interrupted write leaves no marker, and resuming skips it."""
@@ -357,6 +376,8 @@ def fine_tune(
         elif recipe.mode == "partial":
             from st_extensions.partial import partial_model
 
+            trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
+
             folder = state_cache or os.path.join(output_dir or tmp, "states")
             texts = list(zip(train["query"], train["document"])) if cross else _texts_of(train)
             trained = partial_model(
@@ -408,9 +429,15 @@ def fine_tune(
                 trainer.remove_callback(cb)
             trainer.add_callback(_LossBar(show_progress, desc))
             trainer.add_callback(_MarkComplete())
+            trainer.add_callback(_SamplerEpoch())
             for cb in callbacks:
                 trainer.add_callback(cb)
-            trainer.train(resume_from_checkpoint=checkpoint)
+            try:
+                trainer.train(resume_from_checkpoint=checkpoint)
+            finally:
+                if recipe.mode == "partial":  # the lower layers were frozen for the run only
+                    for p in model.parameters():
+                        p.requires_grad_(trainable.get(id(p), p.requires_grad))
     model.eval()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

@@ -50,10 +50,11 @@ class QueryBalancedBatchSampler(DefaultBatchSampler):
     within the epoch.
 
     The epoch is the one the trainer sets (:meth:`set_epoch`, called before every epoch, also when a run resumes
-    from a checkpoint); without ``set_epoch`` every ``__iter__`` starts the next epoch (0, 1, 2, ...). One gap is
-    upstream: under several processes, the epoch a run resumes in the middle of is not set (transformers passes
-    ``set_epoch`` to ``dataloader.batch_sampler.batch_sampler``, which after ``skip_first_batches`` is accelerate's
-    ``BatchSamplerShard``, not this sampler), so that one epoch is drawn as epoch 0; the epochs after it are right.
+    from a checkpoint); without ``set_epoch`` every ``__iter__`` starts the next epoch (0, 1, 2, ...). Under several
+    processes transformers does not reach this sampler in the epoch a run resumes in the middle of (its ``set_epoch``
+    goes to accelerate's ``BatchSamplerShard`` after ``skip_first_batches``); :func:`pyterrier_prob.training.fine_tune`
+    adds a callback that sets the epoch through the wrappers at every epoch's start. A bare trainer that resumes a
+    multi-process run mid-epoch draws that one epoch as epoch 0.
 
     Args:
         dataset: the training rows; grouped by query (:func:`query_groups`).
