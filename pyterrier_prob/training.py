@@ -338,8 +338,7 @@ def fine_tune(
     steps (``desc``, the running loss as postfix; none when ``show_progress`` is false).
 
     Returns:
-        The logged training loss of every step (of this call: a resumed run returns the losses since the
-        checkpoint, after those the checkpoint recorded).
+        The logged training loss of every step (a resumed run: those its checkpoint recorded, then its own).
     """
     from sentence_transformers import CrossEncoder
 

@@ -172,7 +172,7 @@ def test_beta_mle_family_keeps_the_base_geometry_and_adds_the_likelihood_ratio_r
     argv += ["--max-seq-length", "32", "--ks", "5", "--cap", "50", "--table3-ps", "0.9", "--output", str(out)]
     assert main([*argv, "--quiet"]) == 0
     saved = json.loads((out / "models" / "pebr" / "train_settings.json").read_text())["settings"]
-    assert saved["module_learning_rates"] == MLE_FROZEN_RATES and saved["family"] == "beta_mle"
+    assert saved["recipe"]["module_learning_rates"] == MLE_FROZEN_RATES and saved["family"] == "beta_mle"
     ranking = pd.read_csv(out / "ranking.csv").set_index("name")
     for measure in ("nDCG@10", "R@100"):
         assert ranking.loc["pEBR", measure] == pytest.approx(ranking.loc["untrained", measure], abs=1e-6)
@@ -223,3 +223,54 @@ def test_test_dataset_transfer(tmp_path, small_beir, small_beir_no_train_no_dev)
     on_train = [n for n in indexes if test_folder.name.replace("_", "-") not in n]
     assert on_train == [n for n in indexes if n.startswith("pebr-") and train_folder.name.replace("_", "-") in n]
     assert len(on_train) == 1
+
+
+@pytest.mark.slow
+def test_partial_recipe_end_to_end_and_an_interrupted_run_resumes(tmp_path, small_beir, monkeypatch):
+    """``pyterrier-prob pebr --recipe partial --train-layers 2``: cut off right after pEBR's checkpoint of step 4,
+    then ``--resume``: the run finishes from that checkpoint (its pEBR model equals an uninterrupted run's, 1e-5),
+    the recipe is written beside each model and in the output folder, and the checkpoints are gone once saved."""
+    import torch
+
+    from pyterrier_prob import training
+    from st_extensions import default_model_path, load_model
+
+    folder, _ = small_beir
+    argv = ["--dataset", str(folder), "--recipe", "partial", "--train-layers", "2", "--steps", "6"]
+    argv += ["--checkpoint-every", "2", "--batch-size", "4", "--max-seq-length", "32", "--ks", "5"]
+    argv += ["--cap", "50", "--table3-ps", "0.9", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "whole")]) == 0
+
+    original = training._MarkComplete.on_save
+
+    def cut_off(self, args, state, control, **kwargs):
+        original(self, args, state, control, **kwargs)
+        if state.global_step == 4:
+            raise KeyboardInterrupt("cut off after the checkpoint of step 4")
+
+    out = tmp_path / "cut"
+    monkeypatch.setattr(training._MarkComplete, "on_save", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        main([*argv, "--output", str(out)])
+    monkeypatch.setattr(training._MarkComplete, "on_save", original)
+    run_dir = out / "runs" / "pebr"
+    assert [p.rsplit("/", 1)[1] for p in training.complete_checkpoints(str(run_dir))] == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+    assert not (out / "models" / "pebr" / "modules.json").exists()
+    assert main([*argv, "--output", str(out), "--resume"]) == 0
+    assert not run_dir.exists()  # the saved model replaces the checkpoints
+    recipe = training.Recipe.load(str(out / "models" / "pebr" / "recipe.json"))
+    assert (recipe.mode, recipe.train_layers, recipe.steps, recipe.checkpoint_every) == ("partial", 2, 6, 2)
+    recipes = json.loads((out / "recipes.json").read_text())
+    assert set(recipes) >= {"pebr", "baseline"} and recipes["pebr"]["mode"] == "partial"
+    losses = json.loads((out / "models" / "pebr" / "train_settings.json").read_text())["losses"]
+    assert len(losses) == 6  # the checkpoint's four, then the two steps after it
+    whole = load_model(str(tmp_path / "whole" / "models" / "pebr"))
+    resumed = load_model(str(out / "models" / "pebr"))
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0, msg=f"{name} differs after resuming")
+    lower = whole[0].auto_model.encoder.layer[0].attention.self.query.weight
+    start = load_model(default_model_path())[0].auto_model.encoder.layer[0].attention.self.query.weight
+    assert torch.equal(lower, start)  # the lower layers stayed as they were
