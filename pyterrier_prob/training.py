@@ -418,6 +418,7 @@ def fine_tune(
                 **sampler,
                 dataloader_drop_last=True,
                 dataloader_pin_memory=torch.cuda.is_available(),
+                **_ddp_arguments(),
             )
             # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
             quiet = contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(io.StringIO())
@@ -439,6 +440,20 @@ def fine_tune(
                         p.requires_grad_(trainable.get(id(p), p.requires_grad))
     model.eval()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _ddp_arguments() -> dict[str, Any]:
+    """Trainer arguments for several processes (torchrun / accelerate launch): DDP's static graph, and without a
+    GPU the CPU flag and gloo (accelerate runs DDP on CPU processes only when told they are CPU ones; otherwise each
+    would train alone on its shard)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    # our losses run the model more than once per step (queries, then documents, which skip the query-side heads) and
+    # read heads outside the DDP forward, and the encoder has parameters no loss uses (BERT's pooler): DDP's search
+    # for unused parameters marks a head left out of one forward ready there and again in backward. The graph is the
+    # same at every step, which DDP's static-graph mode is made for (unused and multiply used parameters alike).
+    ddp = {"ddp_static_graph": True}
+    return ddp if torch.cuda.is_available() else {**ddp, "use_cpu": True, "ddp_backend": "gloo"}
 
 
 def _clear_checkpoints(folder: str) -> None:
