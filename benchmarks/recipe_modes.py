@@ -250,6 +250,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         "stopped_by": "time budget" if a.max_minutes and wall > 60 * a.max_minutes else "patience or steps",
         "dev_curve": curve,
         "test": None,
+        "time_only": bool(a.time_only),
     }
     if not a.time_only:
         model.load_state_dict(best["state"])
@@ -303,11 +304,22 @@ def table(paths: list[str], out: str) -> dict[str, Any]:
     for p in paths:
         with open(p, encoding="utf8") as f:
             rows.append(json.load(f))
+    # s/step from the quiet timing pass (--time-only, every mode side by side in one run) where there is one
+    key = lambda r: (r["device"], r["system"], r["mode"], r["train_layers"])  # noqa: E731
+    timed = {key(r): r for r in rows if r.get("time_only")}
+    trained = {key(r) for r in rows if not r.get("time_only")}
+    for r in rows:
+        if not r.get("time_only") and key(r) in timed:
+            r["s_per_step_while_training"] = r["s_per_step"]
+            r["s_per_step"] = timed[key(r)]["s_per_step"]
+    rows = [r for r in rows if not r.get("time_only") or key(r) not in trained]
     frozen = {(r["system"], r["device"]): r for r in rows if r["mode"] == "frozen" and r.get("per_query")}
     out_rows = []
     order = {"frozen": 0, "partial": 1, "full": 2}
     for r in sorted(rows, key=lambda r: (r["device"], r["system"], order[r["mode"]], r["train_layers"] or 0)):
         ref = frozen.get((r["system"], r["device"]))
+        if ref is None:  # no frozen row on this device (the GPU ran full only): the same system's frozen row elsewhere
+            ref = next((v for (system, _), v in frozen.items() if system == r["system"]), None)
         p = None
         if r.get("per_query") and ref is not None and r is not ref:
             p = {}
@@ -318,6 +330,8 @@ def table(paths: list[str], out: str) -> dict[str, Any]:
                 )
         row = {k: v for k, v in r.items() if k != "per_query"}
         row["p_vs_frozen"] = p
+        if p is not None:
+            row["frozen_reference"] = ref["device"]
         out_rows.append(row)
     result = {
         "benchmark": "recipe_modes",

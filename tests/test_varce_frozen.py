@@ -3,6 +3,8 @@ and the cycling of relevant documents in the re-ranker training rows."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -165,3 +167,20 @@ def test_relevant_documents_cycle_before_repeating(small_beir):
     assert several >= 5  # the collection has queries with several relevant documents (up to 6)
     again, _ = cross_encoder_training_data(coll, "train", nothing, n_groups=7 * n, negatives=1, seed=3)
     assert again.to_dict() == rows.to_dict()  # seeded
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_partial_recipe_trains_the_top_layer_and_the_head_of_a_cross_encoder(kind, base_model, tmp_path):
+    """``fine_tune`` under ``Recipe(mode="partial", train_layers=1)`` on a cross-encoder: the pair states below the
+    top layer are cached, only the top layer and the head move, and the lower layers train again afterwards."""
+    from pyterrier_prob.training import Recipe, fine_tune
+
+    model = _build(base_model, kind)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    recipe = Recipe(mode="partial", train_layers=1, steps=2, batch_size=4, learning_rate=1e-3)
+    fine_tune(model, _loss(kind, model), ROWS, recipe, state_cache=str(tmp_path / "states"), show_progress=False)
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(".layer.5." in k or not k.startswith("0.") for k in changed), sorted(changed)
+    assert any(".layer.5." in k for k in changed) and any(not k.startswith("0.") for k in changed)
+    assert all(p.requires_grad for p in model.parameters())
+    assert os.listdir(tmp_path / "states")
