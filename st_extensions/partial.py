@@ -143,32 +143,25 @@ def _check_train_layers(train_layers: Any, num_layers: int) -> int:
 
 
 def layer_attention_mask(backbone: Any, hidden_states: Tensor, attention_mask: Tensor) -> Any:
-    """The attention mask ``backbone`` (a ``BertModel``) hands its layers for a padded batch: built by the model's
-    own ``_create_attention_masks`` (transformers' ``create_bidirectional_mask`` for the configured attention
-    implementation: a boolean or additive 4-D mask, or ``None`` for sdpa without padding), exactly as in
-    ``BertModel.forward``; ``hidden_states`` (B, T, H) gives the dtype, device and length, ``attention_mask`` is the
-    2-D (B, T) padding mask."""
-    create = getattr(backbone, "_create_attention_masks", None)
-    if create is not None:
-        mask, _ = create(
-            attention_mask=attention_mask,
-            encoder_attention_mask=None,
-            embedding_output=hidden_states,
-            encoder_hidden_states=None,
-            cache=None,
-        )
-        return mask
-    from transformers.masking_utils import create_bidirectional_mask  # pragma: no cover - other transformers
+    """The attention mask ``backbone`` (a ``BertModel`` encoder, never a decoder: :func:`check_partial_transformer`)
+    hands its layers for a padded batch: transformers' ``create_bidirectional_mask`` for the configured attention
+    implementation (a boolean or additive 4-D mask, or ``None`` for sdpa without padding), which is what
+    ``BertModel._create_attention_masks`` builds for an encoder; called directly because that private method's
+    signature differs between transformers 5 releases. ``hidden_states`` (B, T, H) gives the dtype, device and
+    length, ``attention_mask`` is the 2-D (B, T) padding mask."""
+    from transformers.masking_utils import create_bidirectional_mask
 
     return create_bidirectional_mask(config=backbone.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
 
 
 def run_top_layers(backbone: Any, hidden_states: Tensor, attention_mask: Tensor, start: int) -> Tensor:
     """``backbone``'s layers ``start..L-1`` on ``hidden_states`` (the states entering layer ``start``), as
-    ``BertEncoder.forward`` runs them: the last hidden state, (B, T, H)."""
+    ``BertEncoder.forward`` runs them for an encoder (no cross-attention, no cache): the last hidden state, (B, T, H).
+    Layers that return a tuple (older transformers 5 releases) give their first element."""
     mask = layer_attention_mask(backbone, hidden_states, attention_mask)
     for layer in backbone.encoder.layer[start:]:
-        hidden_states = layer(hidden_states, mask, None, encoder_attention_mask=None, cache=None, position_ids=None)
+        out = layer(hidden_states, attention_mask=mask)
+        hidden_states = out[0] if isinstance(out, tuple) else out
     return hidden_states
 
 
