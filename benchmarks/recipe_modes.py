@@ -174,7 +174,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.mode == "frozen":  # every text encoded once, training and evaluation texts alike
         from st_extensions.frozen import cached_model
 
-        cache = cached_model(model, [*train["anchor"], *train["positive"], *eval_texts], show_progress_bar=True)[0]
+        texts = [*train["anchor"], *train["positive"], *([] if a.time_only else eval_texts)]
+        cache = cached_model(model, texts, show_progress_bar=not a.quiet)[0]
 
     t0 = time.perf_counter()
     step_s: list[float] = []
