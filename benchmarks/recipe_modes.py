@@ -4,7 +4,7 @@ same system's frozen row.
 
 Three steps, so that the training step needs neither PyTerrier nor ir_datasets (it runs on a lent GPU machine too):
 
-    python benchmarks/recipe_modes.py prepare --out .bundle              # nfcorpus train/dev/test + corpus as JSON
+    python benchmarks/recipe_modes.py prepare --out .bundle --fp16-model # nfcorpus train/dev/test + corpus as JSON
     python benchmarks/recipe_modes.py run --bundle .bundle --system pebr --mode partial --train-layers 2 \\
         --steps 600 --eval-every 100 --batch-size 32 --out runs/pebr-partial2.json
     python benchmarks/recipe_modes.py table runs/*.json --out benchmarks/results/recipe_modes.json
@@ -393,6 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("prepare")
     p.add_argument("--out", default=".bundle")
     p.add_argument("--dataset", default="irds:beir/nfcorpus")
+    p.add_argument(
+        "--fp16-model",
+        action="store_true",
+        help="also write <out>/minilm-fp16: the packaged model in fp16 safetensors (45 MB, small enough to carry to a "
+        "GPU machine; run loads it as fp32)",
+    )
     r = sub.add_parser("run")
     r.add_argument("--bundle", default=".bundle")
     r.add_argument("--model", default=None, help="base model folder (default: the packaged all-MiniLM-L6-v2)")
@@ -418,6 +424,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.cmd == "prepare":
         print(prepare(a.out, a.dataset))
+        if a.fp16_model:
+            from st_extensions import default_model_path, load_model
+
+            load_model(default_model_path(), device="cpu").half().save(os.path.join(a.out, "minilm-fp16"))
     elif a.cmd == "run":
         if a.model is None:
             from st_extensions import default_model_path
