@@ -367,6 +367,8 @@ def fine_tune(
         sampler = {"batch_sampler": QueryBalancedBatchSampler}
         keep = text_columns(train) + (["label"] if "label" in train.column_names else [])
         train = train.select_columns(keep)
+    # which checkpoint to resume from (or a refusal, for another recipe) before any cache is built
+    checkpoint = _resume_point(output_dir, recipe) if resume else None
     with tempfile.TemporaryDirectory() as tmp:
         if recipe.mode == "frozen":
             from st_extensions.frozen import cached_model
@@ -376,14 +378,12 @@ def fine_tune(
             from st_extensions.partial import partial_model
 
             trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
-
             folder = state_cache or os.path.join(output_dir or tmp, "states")
             texts = list(zip(train["query"], train["document"])) if cross else _texts_of(train)
             trained = partial_model(
                 model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show_progress
             )
         run_dir = output_dir or os.path.join(tmp, "run")
-        checkpoint = _resume_point(run_dir, recipe) if resume else None
         if output_dir and not resume:
             _clear_checkpoints(run_dir)
         if output_dir:

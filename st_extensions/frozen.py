@@ -91,23 +91,14 @@ class CachedEmbeddings(InputModule):
     def save_cache(self, path: str) -> None:
         """Write the cache to ``path`` (safetensors: the table, and the texts as JSON metadata), atomically."""
         import json
-        import os
-        import tempfile
 
-        from safetensors.torch import save_file
+        from safetensors.torch import save
+
+        from st_extensions.atomic import atomic_write
 
         texts = sorted(self.index, key=self.index.get)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".cache-", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file({"table": self.table.contiguous()}, tmp, metadata={"texts": json.dumps(texts)})
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        data = save({"table": self.table.contiguous()}, metadata={"texts": json.dumps(texts)})
+        atomic_write(path, lambda f: f.write(data))
 
     @classmethod
     def load_cache(cls, path: str) -> CachedEmbeddings:

@@ -36,6 +36,8 @@ from sentence_transformers.base.model import BaseModel
 from sentence_transformers.base.modules import InputModule, Transformer
 from torch import Tensor
 
+from st_extensions.atomic import atomic_write
+
 __all__ = [
     "LayerStateCache",
     "PartialTransformer",
@@ -252,23 +254,6 @@ def _weights_token(transformer: Transformer, frozen_layers: int) -> tuple:
 # ------------------------------------------------------------------------------------------------------ the cache
 
 
-def _atomic_write(path: str, write: Any) -> None:
-    """``write(file)`` into a temporary file beside ``path``, fsync, then ``os.replace`` it onto ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 @contextlib.contextmanager
 def _locked(folder: str) -> Iterator[None]:
     """An exclusive lock on ``folder`` (flock on its lock file; a no-op where flock is missing)."""
@@ -446,13 +431,13 @@ class LayerStateCache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.folder, name))
         for name in DATA_FILES:
-            _atomic_write(os.path.join(self.folder, name), lambda f: None)
+            atomic_write(os.path.join(self.folder, name), lambda f: None)
         self._write_index(0, 0, 0)
-        _atomic_write(os.path.join(self.folder, META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        atomic_write(os.path.join(self.folder, META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
     def _write_index(self, keys: int, tokens: int, key_bytes: int) -> None:
         counts = {"keys": keys, "tokens": tokens, "key_bytes": key_bytes}
-        _atomic_write(os.path.join(self.folder, INDEX), lambda f: f.write(json.dumps(counts).encode()))
+        atomic_write(os.path.join(self.folder, INDEX), lambda f: f.write(json.dumps(counts).encode()))
 
     def _read_index(self) -> tuple[int, int, int]:
         with open(os.path.join(self.folder, INDEX), encoding="utf8") as f:
