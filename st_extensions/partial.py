@@ -44,6 +44,7 @@ __all__ = [
     "check_partial_transformer",
     "layer_attention_mask",
     "partial_model",
+    "predict_sharing_layers",
     "run_top_layers",
     "state_fingerprint",
 ]
@@ -916,3 +917,98 @@ def partial_model(
     if pairs:
         return type(model)(modules=stand_in_modules, device=str(model.device), activation_fn=model.activation_fn)
     return SentenceTransformer(modules=stand_in_modules, device=str(model.device))
+
+
+# ------------------------------------------------------------------------------------- scoring with shared layers
+
+
+def predict_sharing_layers(
+    models: Sequence[CrossEncoder],
+    pairs: Sequence[Any],
+    frozen_layers: int,
+    *,
+    batch_size: int = 32,
+    show_progress_bar: bool = False,
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Score ``pairs`` with several cross-encoders that share their embeddings and lower ``frozen_layers`` layers
+    (e.g. a CrossEncoder and VarCrossEncoders fine-tuned from one backbone under the partial recipe): each batch runs
+    the shared lower layers once and every model's own top layers and head on their output. The result is each
+    model's ``predict`` (its logits ``scores``, no activation) computed in fp32, up to float rounding; for a model
+    whose head writes a score variance (a VarCrossEncoder, Eq. 23) its standard deviation too.
+
+    Args:
+        models: cross-encoders whose first module is a BERT ``Transformer`` (:func:`check_partial_transformer`)
+            with the same :func:`state_fingerprint` at ``frozen_layers`` (same tokenizer, settings and lower
+            weights), each followed by its pooling and head.
+        pairs: (query, document) pairs.
+        frozen_layers: how many lower layers the models share (L - the partial recipe's ``train_layers``).
+        batch_size: pairs per forward pass.
+        show_progress_bar: a bar over the pairs.
+
+    Returns:
+        Per model, ``(scores, stds)``: float32 arrays in the order of ``pairs``; ``stds`` None for a model without a
+        score variance.
+
+    Raises:
+        ValueError: no model, a model that cannot be split, or models whose lower layers differ.
+    """
+    from tqdm.autonotebook import tqdm
+
+    from st_extensions.cross_encoder.head import SCORE_VAR_KEY
+
+    models = list(models)
+    if not models:
+        raise ValueError("predict_sharing_layers needs at least one model")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    transformers = [list(m)[0] for m in models]
+    for t in transformers:
+        check_partial_transformer(t)
+    num_layers = _num_layers(transformers[0].auto_model)
+    if isinstance(frozen_layers, bool) or not isinstance(frozen_layers, (int, np.integer)):
+        raise ValueError(f"frozen_layers must be an int in 0..{num_layers - 1}, got {frozen_layers!r}")
+    frozen = int(frozen_layers)
+    if not 0 <= frozen < num_layers:
+        raise ValueError(f"frozen_layers must be in 0..{num_layers - 1} (the models have {num_layers} layers)")
+    prints = [state_fingerprint(t, frozen) for t in transformers]
+    differ = [i for i, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise ValueError(
+            f"models {differ} do not share the embeddings, lower {frozen} layers, tokenizer or settings of model 0: "
+            "score them separately"
+        )
+    keys = [_as_key(p, True) for p in pairs]
+    n = len(keys)
+    scores = [np.empty(n, np.float32) for _ in models]
+    variances: list[np.ndarray | None] = [None] * len(models)
+    first, backbone0 = transformers[0], transformers[0].auto_model
+    device = next(backbone0.parameters()).device
+    order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
+    states = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        with torch.inference_mode(), tqdm(total=n, desc="scoring", disable=not show_progress_bar) as bar:
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                features = first.preprocess([keys[i] for i in idx])
+                features = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in features.items()}
+                mask = features["attention_mask"]
+                with _states_entering(backbone0, frozen) as captured, contextlib.suppress(_Stop):
+                    first(dict(features))
+                hidden = captured[0]
+                for j, (model, t) in enumerate(zip(models, transformers)):
+                    out = dict(features)
+                    out[t.module_output_name] = run_top_layers(t.auto_model, hidden, mask, frozen)
+                    for module in list(model)[1:]:
+                        out = module(out)
+                    scores[j][idx] = out["scores"].float().reshape(-1).cpu().numpy()
+                    if SCORE_VAR_KEY in out:
+                        if variances[j] is None:
+                            variances[j] = np.empty(n, np.float32)
+                        variances[j][idx] = out[SCORE_VAR_KEY].float().reshape(-1).cpu().numpy()
+                bar.update(len(idx))
+    finally:
+        for m, was in zip(models, states):
+            m.train(was)
+    return [(s, None if v is None else np.sqrt(np.clip(v, 0.0, None))) for s, v in zip(scores, variances)]

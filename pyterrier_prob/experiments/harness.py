@@ -458,6 +458,7 @@ class Harness:
         module_learning_rates: Mapping[str, float] | None = None,
         settings: Mapping[str, Any] | None = None,
         fit: Callable[[Any, Any, Any], list[float]] | None = None,
+        callbacks: Sequence[Any] = (),
     ) -> tuple[Any, list[float]]:
         """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
 
@@ -469,7 +470,8 @@ class Harness:
         instead of trained again; with ``--resume`` a training that was cut off continues from its newest complete
         checkpoint. ``fit(model, rows, recipe) -> losses`` replaces the default training
         (:func:`~pyterrier_prob.training.fine_tune` of ``loss(model)``), e.g. to train a head on cached features;
-        everything else (settings, saving, reuse) is the same.
+        everything else (settings, saving, reuse) is the same. ``callbacks`` go to the trainer (e.g. a
+        :class:`~pyterrier_prob.curves.DevCurve`).
         """
         from pyterrier_prob.training import fine_tune
         from st_extensions import load_model
@@ -534,6 +536,7 @@ class Harness:
                     desc=f"training {name}",
                     encoder_cache=self.encoder_cache(model) if recipe.mode == "frozen" else None,
                     state_cache=self.state_cache_path(recipe) if recipe.mode == "partial" else None,
+                    callbacks=callbacks,
                 )
             if recipe.mode == "frozen" and fit is None:
                 self.save_encoder_cache()

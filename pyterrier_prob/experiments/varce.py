@@ -67,13 +67,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +119,9 @@ evaluated)."""
 
 MEASURES = ("nDCG@10", "RR@10")
 NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
+NEGATIVE_SOURCES = ("bm25", "dense")
+CE_HEAD_PARAMETERS = r"^2\.linear\."
+"""The parameters of the CE's linear ranker (``build_cross_encoder``'s module 2, a ``Dense``), by name."""
 SCORE_CHUNK = 256  # pairs per progress-bar step
 
 
@@ -141,6 +143,12 @@ class VarceJobConfig(CommonConfig):
         ood: further collections evaluated zero-shot (their test split).
         ood_queries, ood_depth: seeded query cap and re-ranking depth on each ``ood`` collection.
         inference_batch_size: pairs per forward pass when scoring.
+        negatives_from: the first stages the training negatives are mined from, in turn: ``bm25`` and ``dense``
+            (the untrained base model as a bi-encoder).
+        dev_queries: dev queries (seeded) of the learning curve: every ``dev_every`` steps the model re-ranks their
+            BM25 top ``dev_depth`` and its dev nDCG@10 is recorded; the model kept is the one at the best dev point
+            (0: no curve, the last step's model).
+        dev_every: steps between dev points (None: a tenth of the steps).
     """
 
     output: str = "outputs/varce"
@@ -157,6 +165,10 @@ class VarceJobConfig(CommonConfig):
     ood_queries: int = 60
     ood_depth: int = 20
     inference_batch_size: int = 32
+    negatives_from: Sequence[str] = ("bm25", "dense")
+    dev_queries: int = 100
+    dev_depth: int = 30
+    dev_every: int | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -164,6 +176,15 @@ class VarceJobConfig(CommonConfig):
         for name in ("negatives", "pool_depth", "depth", "robust_depth", "ood_queries", "ood_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        bad = [n for n in self.negatives_from if n not in NEGATIVE_SOURCES]
+        if bad or not self.negatives_from:
+            raise ValueError(f"--negatives-from: choose one or more of {list(NEGATIVE_SOURCES)}, got {bad or '[]'}")
+        if self.dev_queries < 0 or self.dev_depth < 1:
+            raise ValueError(
+                f"--dev-queries must be >= 0 and --dev-depth >= 1, got {self.dev_queries} and {self.dev_depth}"
+            )
+        if self.dev_every is not None and self.dev_every < 1:
+            raise ValueError(f"--dev-every must be >= 1, got {self.dev_every}")
         if self.inference_batch_size < 1:
             raise ValueError(f"--inference-batch-size must be >= 1, got {self.inference_batch_size}")
         if self.pool_depth < self.negatives:
@@ -208,6 +229,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     o.add_argument("--ood-queries", type=int, default=d.ood_queries, help="seeded query cap per --ood collection")
     o.add_argument("--ood-depth", type=int, default=d.ood_depth, help="BM25 depth re-ranked per --ood collection")
     g.add_argument("--inference-batch-size", type=int, default=d.inference_batch_size, help="pairs per forward pass")
+    g.add_argument(
+        "--negatives-from",
+        nargs="+",
+        choices=list(NEGATIVE_SOURCES),
+        default=list(d.negatives_from),
+        help="first stages the training negatives are mined from, in turn (dense: the untrained base bi-encoder)",
+    )
+    c = ap.add_argument_group("learning curve (dev)")
+    c.add_argument("--dev-queries", type=int, default=d.dev_queries, help="seeded dev queries (0: no curve)")
+    c.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 depth re-ranked per dev query")
+    c.add_argument("--dev-every", type=int, default=d.dev_every, help="steps between dev points (default: steps/10)")
 
 
 def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
@@ -226,6 +258,10 @@ def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
         ood_queries=a.ood_queries,
         ood_depth=a.ood_depth,
         inference_batch_size=a.inference_batch_size,
+        negatives_from=tuple(a.negatives_from),
+        dev_queries=a.dev_queries,
+        dev_depth=a.dev_depth,
+        dev_every=a.dev_every,
     )
 
 
@@ -299,6 +335,19 @@ class PairScorer:
         with open(self.cache_path, "w", encoding="utf8") as f:
             f.write(head)
 
+    def add(self, collection: str, scored: Iterable[tuple[str, str, float, float]], seconds: float = 0.0) -> None:
+        """Record ``(query, docno, E[s], std[s])`` scores computed elsewhere (e.g. by
+        :func:`~st_extensions.partial.predict_sharing_layers`), appending them to the score file."""
+        lines = []
+        for q, d, m, sd in scored:
+            self.cache[(collection, q, d)] = (float(m), float(sd))
+            lines.append(f"{collection}\t{q}\t{d}\t{float(m)!r}\t{float(sd)!r}\n")
+        self.seconds += seconds
+        self.pairs += len(lines)
+        if self.cache_path is not None:
+            with open(self.cache_path, "a", encoding="utf8") as f:
+                f.writelines(lines)
+
     def score(self, collection: str, cand: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
         """``(E[s], std[s])`` of every row of ``cand`` (``qid, query, docno, text``), in its order."""
         import torch
@@ -321,15 +370,7 @@ class PairScorer:
                     show_progress_bar=False,
                 )
                 new = zip(part["query"], part["docno"], np.asarray(mean).reshape(-1), [math.nan] * len(part))
-            lines = []
-            for q, d, m, s in new:
-                self.cache[(collection, q, d)] = (float(m), float(s))
-                lines.append(f"{collection}\t{q}\t{d}\t{float(m)!r}\t{float(s)!r}\n")
-            self.seconds += time.perf_counter() - t0
-            self.pairs += len(part)
-            if self.cache_path is not None:
-                with open(self.cache_path, "a", encoding="utf8") as f:
-                    f.writelines(lines)
+            self.add(collection, new, time.perf_counter() - t0)
         vals = np.array([self.cache[k] for k in keys], dtype=np.float64).reshape(-1, 2)
         return vals[:, 0], vals[:, 1]
 
@@ -536,6 +577,59 @@ class _PairFeatures:
             self.extend(self.cache.encoder[0], list(zip(part["query"], part["text"])))
 
 
+class _SharedLayers:
+    """Under the partial recipe every re-ranker keeps the base model's embeddings and lower L - N layers as they were
+    (only the top N layers and the head train), so a (query, document) pair needs those lower layers once for all
+    re-rankers: :func:`~st_extensions.partial.predict_sharing_layers` runs them once per batch and each model's own
+    top layers and head on their output (the same scores as each model's ``predict``, in fp32)."""
+
+    def __init__(self, models: Mapping[str, Any], frozen: int, batch_size: int, progress: Callable[..., Any]) -> None:
+        self.models, self.frozen, self.batch_size, self.progress = dict(models), frozen, int(batch_size), progress
+        self.pairs = 0
+
+    @classmethod
+    def find(cls, cfg: VarceJobConfig, models: Mapping[str, Any], trained: bool, progress: Callable[..., Any]) -> Any:
+        """The sharing of ``models`` (None unless they were fine-tuned under the partial recipe and really share
+        their lower layers)."""
+        from st_extensions.partial import check_partial_transformer, state_fingerprint
+
+        if cfg.recipe != "partial" or not trained or len(models) < 2:
+            return None
+        try:
+            backbones = [check_partial_transformer(list(m)[0]) for m in models.values()]
+        except (ValueError, TypeError, IndexError):
+            return None
+        frozen = len(backbones[0].encoder.layer) - int(cfg.train_layers)
+        prints = {state_fingerprint(list(m)[0], frozen) for m in models.values()}
+        return cls(models, frozen, cfg.inference_batch_size, progress) if len(prints) == 1 else None
+
+    def prefetch(self, collection: str, cand: pd.DataFrame, scorers: Mapping[str, PairScorer]) -> None:
+        """Score, in one pass for all re-rankers, the candidate pairs that some scorer has not scored yet."""
+        from st_extensions.partial import predict_sharing_layers
+
+        keys = list(zip(cand["query"], cand["docno"]))
+        todo = np.array([any((collection, q, d) not in sc.cache for sc in scorers.values()) for q, d in keys], bool)
+        part = cand[todo].drop_duplicates(["query", "docno"]) if len(cand) else cand
+        names = [n for n in scorers if n in self.models]
+        chunk = SCORE_CHUNK * 4
+        starts = range(0, len(part), chunk)
+        bar = self.progress(starts, f"scoring {', '.join(names)} (shared lower layers)", len(starts), "chunk")
+        for start in bar if len(part) else ():
+            p = part.iloc[start : start + chunk]
+            t0 = time.perf_counter()
+            out = predict_sharing_layers(
+                [self.models[n] for n in names],
+                list(zip(p["query"], p["text"])),
+                self.frozen,
+                batch_size=self.batch_size,
+            )
+            seconds = (time.perf_counter() - t0) / len(names)
+            for n, (mean, std) in zip(names, out):
+                std = np.full(len(p), math.nan) if std is None else std
+                scorers[n].add(collection, zip(p["query"], p["docno"], mean, std), seconds)
+            self.pairs += len(p)
+
+
 def _head_learning_rate() -> float:
     """The rate every head trains at under the frozen recipe: the VarCE head's declared one (a cached model holds
     nothing but its head, so the trainer's rate is the head's; the CE's linear head gets the same)."""
@@ -597,7 +691,6 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
     The training negatives come from the train collection's BM25 (``Harness.bm25``). With ``features`` (the frozen
     recipe) the heads train on the run's cached backbone features."""
     import torch
-    from sentence_transformers import CrossEncoder
     from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
 
     from pyterrier_prob.varce.data import cross_encoder_training_data
@@ -625,16 +718,17 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
 
     def rows() -> Any:
         if "rows" not in rows_cache:
-            index = h.bm25(data.train_collection)
+            coll = data.train_collection
+            stages = _negative_sources(cfg, h, coll, base)
             with h.stage(
                 "training_rows",
-                f"building the training rows from {data.train_collection.name}/"
-                f"{data.train} (1 relevant : {cfg.negatives} BM25 negatives)",
+                f"building the training rows from {coll.name}/{data.train} (1 relevant : {cfg.negatives} negatives "
+                f"from {' and '.join(stages)})",
             ):
                 rows_cache["rows"], rows_cache["info"] = cross_encoder_training_data(
-                    data.train_collection,
+                    coll,
                     data.train,
-                    lambda t: h.bm25_run(index, t, cfg.pool_depth),
+                    stages,
                     n_groups=_groups(cfg),
                     negatives=cfg.negatives,
                     pool_depth=cfg.pool_depth,
@@ -645,11 +739,8 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
     def build(variant: str | None) -> Callable[[], Any]:
         def make() -> Any:
             torch.manual_seed(cfg.seed)  # the same head initialisation with and without training
-            if variant is None and features is not None:  # a separate linear head, on the VarCEs' features
+            if variant is None:  # [CLS] -> a linear ranker: the VarCEs' backbone and pooling, the standard CE head
                 return build_cross_encoder(base, max_seq_length=cfg.max_seq_length, device="cpu")
-            if variant is None:
-                with _quiet_transformers():  # "classifier.* MISSING": the new head, as intended
-                    return CrossEncoder(base, num_labels=1, max_length=cfg.max_seq_length, device="cpu")
             return build_var_cross_encoder(base, variant=variant, max_seq_length=cfg.max_seq_length, device="cpu")
 
         return make
@@ -659,19 +750,45 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
         "train": f"{data.train_collection.name}/{data.train}",
         "negatives": cfg.negatives,
         "pool_depth": cfg.pool_depth,
+        "negatives_from": list(cfg.negatives_from),
     }
-    fit = h.train if features is None else functools.partial(_train_on_features, h, features)
+    curves: dict[str, Any] = {}
+    evaluate = _dev_evaluator(cfg, h, data) if train is not None and features is None else None
+    if evaluate is not None:
+        settings.update(dev_queries=cfg.dev_queries, dev_depth=cfg.dev_depth, dev_every=_dev_every(cfg))
+
+    def callbacks(name: str) -> list[Any]:
+        if evaluate is None:
+            return []
+        from pyterrier_prob.curves import DevCurve
+
+        curves[name] = DevCurve(_dev_every(cfg), evaluate, path=h.path("curves", f"{name}.json"))
+        return [curves[name]]
+
+    def fit(name: str, make: Callable[[], Any], loss: Callable[[Any], Any], **kw: Any) -> tuple[Any, list[float]]:
+        if features is not None:
+            return _train_on_features(h, features, name, make, loss, train, **kw)
+        return h.train(name, make, loss, train, callbacks=callbacks(name), **kw)
+
     models, losses = {}, {}
-    models[BASELINE], losses[BASELINE] = fit(BASELINE, build(None), BinaryCrossEntropyLoss, train, settings=settings)
+    # the CE's new linear ranker (module 2, a Dense) trains at the rate the VarCE heads declare, as a new head should
+    head_rate = {} if features is not None else {"learning_rate_mapping": {CE_HEAD_PARAMETERS: _head_learning_rate()}}
+    models[BASELINE], losses[BASELINE] = fit(
+        BASELINE, build(None), BinaryCrossEntropyLoss, settings=settings, **head_rate
+    )
     for v in VARIANTS:
         name = f"VarCE-{v}"
         models[name], losses[name] = fit(
             name,
             build(v),
             lambda m: VariationalBCELoss(m, beta=cfg.beta, num_samples=1),
-            train,
             settings={**settings, "variant": v, "beta": cfg.beta, "num_samples": 1},
         )
+    for name in models:  # the curve of a reused model is the one its training wrote
+        path = h.path("curves", f"{name}.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf8") as f:
+                info.setdefault("dev_curves", {})[name] = json.load(f)
     if train is None:
         notes.append(
             f"nothing fine-tuned: the three re-rankers are {base} with untrained (seeded) heads, so their scores "
@@ -680,6 +797,63 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
     if "info" in rows_cache:
         info["training_rows"] = rows_cache["info"]
     return {"models": models, "losses": losses, "trained": train is not None, "notes": notes, "info": info}
+
+
+def _negative_sources(
+    cfg: VarceJobConfig, h: Harness, coll: Any, base: str
+) -> dict[str, Callable[[pd.DataFrame], pd.DataFrame]]:
+    """The first stages the training negatives are mined from (``--negatives-from``): ``BM25`` (the collection's
+    PISA index) and ``dense`` (the untrained base model as a bi-encoder, exhaustive search of its index)."""
+    stages: dict[str, Callable[[pd.DataFrame], pd.DataFrame]] = {}
+    if "bm25" in cfg.negatives_from:
+        index = h.bm25(coll)
+        stages["BM25"] = lambda t: h.bm25_run(index, t, cfg.pool_depth)
+    if "dense" in cfg.negatives_from:
+        from sentence_transformers import SentenceTransformer
+
+        from pyterrier_prob import ProbBiEncoder
+
+        with _quiet_transformers():
+            start, _ = h.train("dense-untrained", lambda: SentenceTransformer(base, device="cpu"), None, None)
+        encoder = ProbBiEncoder(start, batch_size=64, verbose=False)
+        dense = h.dense_index("dense-untrained", encoder, coll)
+        stages["dense"] = encoder.query_encoder() >> dense.np_retriever(num_results=cfg.pool_depth)
+    return stages
+
+
+def _dev_every(cfg: VarceJobConfig) -> int:
+    return cfg.dev_every or max(1, cfg.steps // 10)
+
+
+def _dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> Callable[[Any], float] | None:
+    """``model -> dev nDCG@10``: the model re-ranks BM25's top ``--dev-depth`` of ``--dev-queries`` (seeded) queries
+    of the dev split (None without a dev split or with ``--dev-queries 0``: test queries are never used)."""
+    import torch
+
+    from pyterrier_prob.varce import per_query
+
+    if not cfg.dev_queries or data.dev is None or data.cal_topics.empty:
+        if cfg.dev_queries:
+            data.notes.append("no dev split: no learning curve; each re-ranker is the one of its last step")
+        return None
+    coll = data.train_collection
+    topics, qrels, _ = _eval_queries(data.cal_topics, data.cal_qrels, cfg.dev_queries, cfg.seed)
+    cand = h.bm25_run(h.bm25(coll), topics, cfg.dev_depth)[["qid", "docno"]].merge(topics, on="qid")
+    texts = coll.doc_texts(set(cand["docno"]))
+    pairs = list(zip(cand["query"], cand["docno"].map(texts)))
+
+    def evaluate(model: Any) -> float:
+        scores = model.predict(
+            pairs, batch_size=cfg.inference_batch_size, activation_fn=torch.nn.Identity(), show_progress_bar=False
+        )
+        run = cand[["qid", "docno"]].assign(score=np.asarray(scores, dtype=np.float64).reshape(-1))
+        return float(per_query(run, qrels, MEASURES[0], topics=topics).mean())
+
+    data.notes.append(
+        f"learning curves: dev nDCG@10 of {len(topics)} {coll.name}/{data.dev} queries (BM25 top {cfg.dev_depth} "
+        f"re-ranked) every {_dev_every(cfg)} steps; each re-ranker is the one at its best dev point"
+    )
+    return evaluate
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -777,6 +951,8 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         )
         for n, m in models.items()
     }
+    shared = None if features is not None else _SharedLayers.find(cfg, models, trained["trained"], h.progress)
+    prefetch = features.prefetch if features is not None else shared.prefetch if shared is not None else None
 
     # ---- effectiveness -------------------------------------------------------------------------------------------
     cands: dict[str, pd.DataFrame] = {}
@@ -790,8 +966,8 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         ):
             cand = candidates(tg, tg.topics, tg.depth)
             cands[tg.label] = cand
-            if features is not None:
-                features.prefetch(tg.label, cand, scorers)
+            if prefetch is not None:
+                prefetch(tg.label, cand, scorers)
             runs[tg.label] = {"BM25": cand[["qid", "docno", "score", "rank"]]}
             for n, sc in scorers.items():
                 runs[tg.label][n] = ranked(cand, *sc.score(tg.label, cand))
@@ -836,7 +1012,6 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     hard = pd.concat(hard_tables, ignore_index=True)
 
     # ---- robustness ----------------------------------------------------------------------------------------------
-    prefetch = features.prefetch if features is not None else None
     robustness, examples, robust_notes = _robustness(cfg, h, targets[0], scorers, candidates, baseline, prefetch)
     data.notes.extend(robust_notes)
 
@@ -844,6 +1019,10 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     summary = {
         "systems": systems,
         "recipe": _recipe(cfg, trained["trained"], features),
+        "dev_curves": trained["info"].get("dev_curves", {}),
+        "scored_sharing_lower_layers": (
+            None if shared is None else {"frozen_layers": shared.frozen, "pairs": shared.pairs}
+        ),
         "significance": f"paired t-test against {baseline!r} (pt.Experiment / scipy.stats.ttest_rel); risk rows "
         "against risk=0; no multiple-test correction",
         "model_kind": trained["info"]["model_kind"],

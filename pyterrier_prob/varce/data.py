@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pandas as pd
@@ -31,7 +31,7 @@ def normalise_query(text: str) -> str:
 def cross_encoder_training_data(
     collection: Collection,
     split: str,
-    first_stage: Callable[[pd.DataFrame], pd.DataFrame],
+    first_stage: Callable[[pd.DataFrame], pd.DataFrame] | Mapping[str, Callable[[pd.DataFrame], pd.DataFrame]],
     n_groups: int,
     negatives: int = 3,
     pool_depth: int = 30,
@@ -45,7 +45,9 @@ def cross_encoder_training_data(
     exceed their number, then round again). A group is the query with one of its relevant documents (label 1.0)
     and ``negatives`` documents (label 0.0) drawn from the query's ``first_stage`` top ``pool_depth`` minus **every
     document judged for it** (relevant or not); when that pool runs short, random unjudged documents of the corpus
-    fill in (counted in the returned info).
+    fill in (counted in the returned info). Several first stages (a mapping name -> first stage, e.g. BM25 and the
+    untrained dense model) share the negatives of a group in turn: the i-th negative comes from stage i mod S's pool
+    (a document already drawn is skipped; a stage whose pool is spent hands its turn to the next).
 
     The relevant documents of a query are cycled across the rounds: shuffled once per query (``seed``), its r-th
     group takes the (r mod n)-th of its n relevant documents, so every relevant document of a query is trained on
@@ -55,7 +57,8 @@ def cross_encoder_training_data(
         collection: the collection (its documents and the split's topics and qrels).
         split: the split to train on (e.g. ``"train"``).
         first_stage: topics (``qid, query``) -> a ranked result frame (``qid, docno, rank``), e.g. a PISA
-            index's ``bm25(num_results=pool_depth)``; only its top ``pool_depth`` per query are used.
+            index's ``bm25(num_results=pool_depth)``; only its top ``pool_depth`` per query are used. A mapping
+            ``{name: first_stage}`` mines the negatives from several first stages in turn.
         n_groups: number of (query, positive, negatives) groups; each gives ``1 + negatives`` rows.
         negatives: negatives per positive (the paper's 1:4 ratio is ``negatives=4``).
         pool_depth: depth of the first-stage ranking the negatives come from.
@@ -96,22 +99,28 @@ def cross_encoder_training_data(
     rng.shuffle(qids)
     picked = [qids[i % len(qids)] for i in range(n_groups)]
     unique = list(dict.fromkeys(picked))
-    ranked = first_stage(pd.DataFrame({"qid": unique, "query": [queries[q] for q in unique]}))
-    ranked = ranked.assign(qid=ranked["qid"].astype(str), docno=ranked["docno"].astype(str))
-    if "rank" in ranked.columns:
-        ranked = ranked.sort_values(["qid", "rank"], kind="stable")
-    pools = {q: list(g["docno"].head(pool_depth)) for q, g in ranked.groupby("qid", sort=False)}
+    stages = dict(first_stage) if isinstance(first_stage, Mapping) else {"first_stage": first_stage}
+    if not stages or not all(callable(f) for f in stages.values()):
+        raise ValueError("first_stage must be a callable or a non-empty mapping of names to callables")
+    frame = pd.DataFrame({"qid": unique, "query": [queries[q] for q in unique]})
+    pools: dict[str, dict[str, list[str]]] = {}
+    for name, stage in stages.items():
+        ranked = stage(frame)
+        ranked = ranked.assign(qid=ranked["qid"].astype(str), docno=ranked["docno"].astype(str))
+        if "rank" in ranked.columns:
+            ranked = ranked.sort_values(["qid", "rank"], kind="stable")
+        pools[name] = {q: list(g["docno"].head(pool_depth)) for q, g in ranked.groupby("qid", sort=False)}
 
     positives = {q: rng.sample(relevant[q], len(relevant[q])) for q in unique}  # each query's cycle, shuffled once
     rounds = dict.fromkeys(unique, 0)
     all_docnos: list[str] | None = None
     n_random = 0
+    from_stage = [0] * len(stages)
     groups: list[tuple[str, str, list[str]]] = []
     for q in picked:
         pos = positives[q][rounds[q] % len(positives[q])]
         rounds[q] += 1
-        pool = [d for d in pools.get(q, []) if d not in judged[q]]
-        negs = rng.sample(pool, min(negatives, len(pool)))
+        negs = _draw_negatives(rng, [pools[n].get(q, []) for n in stages], judged[q], negatives, from_stage)
         if len(negs) < negatives:
             if all_docnos is None:
                 all_docnos = sorted(d["docno"] for d in collection.corpus_iter())
@@ -142,9 +151,29 @@ def cross_encoder_training_data(
         "positives_per_group": 1,
         "negatives_per_group": negatives,
         "negatives": f"first-stage top {pool_depth} of the query minus its judged documents",
+        "negatives_from": dict(zip(stages, from_stage)),
         "random_negatives_filled_in": n_random,
     }
     return Dataset.from_dict(rows), info
+
+
+def _draw_negatives(
+    rng: random.Random, pools: list[list[str]], judged: set[str], k: int, counts: list[int]
+) -> list[str]:
+    """Up to ``k`` distinct unjudged documents, the i-th from pool i mod S (each pool sampled without replacement;
+    a spent pool passes its turn on); ``counts[s]`` counts those taken from pool s."""
+    left = [rng.sample(p, len(p)) for p in ([d for d in pool if d not in judged] for pool in pools)]
+    negs: list[str] = []
+    turn = 0
+    while len(negs) < k and any(left):
+        s = turn % len(left)
+        turn += 1
+        while left[s] and left[s][-1] in negs:
+            left[s].pop()
+        if left[s]:
+            negs.append(left[s].pop())
+            counts[s] += 1
+    return negs
 
 
 def groups_for(steps: int, batch_size: int, negatives: int) -> int:
