@@ -79,7 +79,9 @@ class DevCurve(TrainerCallback):
                 self.points = [p for p in json.load(f).get("points", []) if p["step"] <= step]
             self.train_s = max((p["train_s"] for p in self.points), default=0.0)
             best = self.best_point()
-            if self.keep_best and best is not None and best["step"] < step and os.path.isfile(self.best_path):
+            if self.keep_best and best is not None and best["step"] == step and model is not None:
+                self.best = self._trainable(model)  # the checkpoint resumed from is the best point
+            elif self.keep_best and best is not None and os.path.isfile(self.best_path):
                 from safetensors.torch import load_file
 
                 self.best = load_file(self.best_path)
@@ -108,6 +110,10 @@ class DevCurve(TrainerCallback):
                 params[name].copy_(value.to(params[name].device, params[name].dtype))
 
     # ---- one point
+    @staticmethod
+    def _trainable(model: Any) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
     def _record(self, step: int, model: Any) -> None:
         if any(p["step"] == step for p in self.points):
             return
@@ -118,7 +124,7 @@ class DevCurve(TrainerCallback):
             model.train(was_training)
         self.points.append({"step": step, "dev": value, "train_s": round(self.train_s, 3)})
         if self.keep_best and self.best_point() is self.points[-1]:
-            self.best = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+            self.best = self._trainable(model)
             if self.best_path is not None:
                 from safetensors.torch import save_file
 

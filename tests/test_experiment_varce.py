@@ -131,6 +131,59 @@ def test_training_rows_cycle_through_queries_and_fill_in_random_negatives(small_
     assert groups_for(steps=3, batch_size=5, negatives=3) == 4  # rounded up
 
 
+def test_training_rows_mine_negatives_from_each_first_stage_in_turn(small_bm25):
+    from pyterrier_prob.varce.data import cross_encoder_training_data
+
+    coll, _ = small_bm25
+    docnos = sorted(d["docno"] for d in coll.corpus_iter())
+
+    def stage(order):  # a first stage ranking the corpus in a fixed order for every query
+        return lambda topics: pd.DataFrame(
+            [(q, d, r) for q in topics["qid"] for r, d in enumerate(order)], columns=["qid", "docno", "rank"]
+        )
+
+    stages = {"forward": stage(docnos), "back": stage(docnos[::-1])}
+    rows, info = cross_encoder_training_data(coll, "train", stages, n_groups=6, negatives=4, pool_depth=5)
+    _check_rows(coll, "train", rows, 4)
+    assert info["negatives_from"] == {"forward": 12, "back": 12}  # 2 + 2 of each group's 4, in turn
+    assert info["random_negatives_filled_in"] == 0
+    texts = coll.doc_texts(docnos)
+    pools = {name: {texts[d] for d in order[:5]} for name, order in (("f", docnos), ("b", docnos[::-1]))}
+    for g in range(6):  # negatives 1 and 3 from the first stage's top 5, 2 and 4 from the second's
+        group = rows.select(range(g * 5, g * 5 + 5))["document"]
+        assert group[1] in pools["f"] and group[3] in pools["f"]
+        assert group[2] in pools["b"] and group[4] in pools["b"]
+    with pytest.raises(ValueError, match="first_stage must be"):
+        cross_encoder_training_data(coll, "train", {}, n_groups=2)
+
+
+def test_rerank_rows_at_a_shallower_depth_rerank_only_bm25s_top_k():
+    from scipy.stats import ttest_rel
+
+    from pyterrier_prob.experiments.varce import _rerank_rows, ranked
+    from pyterrier_prob.varce import per_query
+
+    qids, docs = ["q1", "q2", "q3"], [f"d{i}" for i in range(6)]
+    cand = pd.DataFrame(
+        [(q, d, 10.0 - r, r) for q in qids for r, d in enumerate(docs)], columns=["qid", "docno", "score", "rank"]
+    )
+    topics = pd.DataFrame({"qid": qids, "query": ["a", "b", "c"]})
+    qrels = pd.DataFrame({"qid": ["q1", "q2", "q3", "q3"], "docno": ["d5", "d3", "d1", "d4"], "label": [1, 1, 1, 2]})
+    mean = cand["docno"].map({d: float(i) for i, d in enumerate(docs)}).to_numpy()  # reverses BM25's order
+    runs = {"BM25": cand, "CE": ranked(cand, mean, mean * 0)}
+    rows = {(r["depth"], r["system"]): r for d in (6, 3) for r in _rerank_rows("c", d, cand, runs, topics, qrels)}
+    top3 = cand[cand["rank"] < 3]
+    expected = per_query(ranked(top3, mean[cand["rank"] < 3], mean[cand["rank"] < 3] * 0), qrels, topics=topics)
+    assert rows[(3, "CE")]["nDCG@10"] == pytest.approx(expected.mean())
+    bm25_3 = per_query(top3, qrels, topics=topics)
+    assert rows[(3, "BM25")]["nDCG@10"] == pytest.approx(bm25_3.mean())
+    full_ce = per_query(runs["CE"], qrels, topics=topics)
+    full_bm25 = per_query(cand, qrels, topics=topics)
+    assert rows[(6, "CE")]["p_vs_bm25"] == pytest.approx(ttest_rel(full_ce, full_bm25).pvalue)
+    assert rows[(6, "CE")]["nDCG@10"] > rows[(6, "BM25")]["nDCG@10"]  # d5, d3, d4 move up
+    assert rows[(6, "BM25")]["p_vs_bm25"] is None and rows[(6, "CE")]["p_vs_CE"] is None
+
+
 def test_training_rows_need_relevant_documents(small_bm25):
     from pyterrier_prob.varce.data import cross_encoder_training_data
 

@@ -120,8 +120,9 @@ evaluated)."""
 MEASURES = ("nDCG@10", "RR@10")
 NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
 NEGATIVE_SOURCES = ("bm25", "dense")
-CE_HEAD_PARAMETERS = r"^2\.linear\."
-"""The parameters of the CE's linear ranker (``build_cross_encoder``'s module 2, a ``Dense``), by name."""
+CE_HEAD_PARAMETERS = r"^model\.2\.linear\.(weight|bias)$"
+"""The parameters of the CE's linear ranker (``build_cross_encoder``'s module 2, a ``Dense``) as the trainer names them
+(through the loss)."""
 SCORE_CHUNK = 256  # pairs per progress-bar step
 
 
@@ -149,6 +150,7 @@ class VarceJobConfig(CommonConfig):
             BM25 top ``dev_depth`` and its dev nDCG@10 is recorded; the model kept is the one at the best dev point
             (0: no curve, the last step's model).
         dev_every: steps between dev points (None: a tenth of the steps).
+        extra_depths: shallower re-ranking depths also reported, from the same scores (BM25's top k re-ranked).
     """
 
     output: str = "outputs/varce"
@@ -166,6 +168,7 @@ class VarceJobConfig(CommonConfig):
     ood_depth: int = 20
     inference_batch_size: int = 32
     negatives_from: Sequence[str] = ("bm25", "dense")
+    extra_depths: Sequence[int] = (20,)
     dev_queries: int = 100
     dev_depth: int = 30
     dev_every: int | None = None
@@ -183,6 +186,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(
                 f"--dev-queries must be >= 0 and --dev-depth >= 1, got {self.dev_queries} and {self.dev_depth}"
             )
+        if any(d < 1 for d in self.extra_depths):
+            raise ValueError(f"--extra-depths must be >= 1, got {list(self.extra_depths)}")
         if self.dev_every is not None and self.dev_every < 1:
             raise ValueError(f"--dev-every must be >= 1, got {self.dev_every}")
         if self.inference_batch_size < 1:
@@ -236,6 +241,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=list(d.negatives_from),
         help="first stages the training negatives are mined from, in turn (dense: the untrained base bi-encoder)",
     )
+    g.add_argument(
+        "--extra-depths",
+        type=int,
+        nargs="*",
+        default=list(d.extra_depths),
+        help="shallower depths also reported (the same scores, BM25's top k re-ranked)",
+    )
     c = ap.add_argument_group("learning curve (dev)")
     c.add_argument("--dev-queries", type=int, default=d.dev_queries, help="seeded dev queries (0: no curve)")
     c.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 depth re-ranked per dev query")
@@ -259,6 +271,7 @@ def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
         ood_depth=a.ood_depth,
         inference_batch_size=a.inference_batch_size,
         negatives_from=tuple(a.negatives_from),
+        extra_depths=tuple(a.extra_depths),
         dev_queries=a.dev_queries,
         dev_depth=a.dev_depth,
         dev_every=a.dev_every,
@@ -417,6 +430,11 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
     r_std, p_std = rho(u[ok], ndcg[ok])
     r_mean, p_mean = rho(m[ok], ndcg[ok])
     within = run.groupby("qid")["score_std"].agg(lambda s: s.std(ddof=0) / s.mean() if s.mean() > 0 else math.nan)
+    # the spread of std[s] between queries (SD of the per-query means) and between the pairs of a query (mean
+    # within-query SD), and the between-query share of its variance over all pairs
+    by_query = run.groupby("qid")["score_std"]
+    total_var = float(run["score_std"].var(ddof=0))
+    between_var = float(((by_query.transform("mean") - run["score_std"].mean()) ** 2).mean())
     r_pairs, _ = rho(run["score_std"], run["score_mean"])
     q05, q50, q95 = (float(x) for x in np.quantile(run["score_std"], [0.05, 0.5, 0.95]))
     return {
@@ -429,6 +447,9 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
         "std_q50": q50,
         "std_q95": q95,
         "std_within_query_cv_median": float(np.nanmedian(within)) if within.notna().any() else math.nan,
+        "std_between_queries_sd": float(by_query.mean().std(ddof=0)),
+        "std_within_query_sd_mean": float(by_query.std(ddof=0).mean()),
+        "std_between_query_variance_share": between_var / total_var if total_var > 0 else math.nan,
         "rho_pairs_std_vs_mean": r_pairs,
     }
 
@@ -978,8 +999,37 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         tables.append(exp)
     results = pd.concat(tables, ignore_index=True)
 
-    # ---- uncertainty and risk-aware ranking ----------------------------------------------------------------------
+    rerank_rows = []
+    for tg in targets:
+        for depth in sorted({tg.depth, *(d for d in cfg.extra_depths if d < tg.depth)}, reverse=True):
+            rerank_rows += _rerank_rows(tg.label, depth, cands[tg.label], runs[tg.label], tg.topics, tg.qrels)
+
+    # ---- risk-aware ranking: lambda chosen on dev ------------------------------------------------------------------
     risks = sorted({0.0, *map(float, cfg.risks)})
+    chosen: dict[str, dict[str, Any]] = {}
+    if var_systems and data.dev is not None and cfg.dev_queries and len(risks) > 1:
+        dev_coll = data.train_collection
+        dev_topics, dev_qrels, _ = _eval_queries(data.cal_topics, data.cal_qrels, cfg.dev_queries, cfg.seed)
+        dev_target = _Target(
+            f"{dev_coll.name}/{data.dev}", dev_coll, data.dev, h.bm25(dev_coll), dev_topics, dev_qrels, cfg.depth, 0
+        )
+        with h.stage(
+            "risk_dev", f"choosing lambda on {len(dev_topics)} {dev_target.label} queries (depth {cfg.depth})"
+        ):
+            cand = candidates(dev_target, dev_topics, cfg.depth)
+            dev_scorers = {n: scorers[n] for n in var_systems}
+            if prefetch is not None:
+                prefetch(dev_target.label, cand, dev_scorers)
+            for n in var_systems:
+                mean, std = scorers[n].score(dev_target.label, cand)
+                dev_ndcg = {
+                    r: float(per_query(ranked(cand, mean, std, r), dev_qrels, MEASURES[0], topics=dev_topics).mean())
+                    for r in risks
+                }
+                best = max(risks, key=lambda r: (dev_ndcg[r], -abs(r)))  # ties: the smaller |lambda|
+                chosen[n] = {"lambda": best, "dev_nDCG@10": dev_ndcg, "dev": dev_target.label}
+
+    # ---- uncertainty and risk-aware ranking ----------------------------------------------------------------------
     unc_rows, risk_tables = [], []
     with h.stage("uncertainty", "uncertainty of the VarCE scores and risk-aware ranking"):
         for tg in targets:
@@ -996,7 +1046,18 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
                 exp.insert(1, "model", n)
                 exp.insert(2, "risk", risks)
                 exp["changed_top10"] = [float((_top10(v) != top0.reindex(_top10(v).index)).mean()) for v in rr.values()]
+                exp["chosen_on_dev"] = [n in chosen and r == chosen[n]["lambda"] for r in risks]
                 risk_tables.append(exp)
+                if n in chosen and tg is targets[0]:
+                    row = exp[exp["chosen_on_dev"]].iloc[0]
+                    chosen[n].update(
+                        {
+                            "test": tg.label,
+                            "test_nDCG@10": float(row["nDCG@10"]),
+                            "test_nDCG@10_at_lambda_0": float(exp.iloc[0]["nDCG@10"]),
+                            "p_vs_lambda_0": float(row.get("nDCG@10 p-value", math.nan)),
+                        }
+                    )
     uncertainty = pd.DataFrame(unc_rows)
     risk = pd.concat(risk_tables, ignore_index=True) if risk_tables else pd.DataFrame()
 
@@ -1020,6 +1081,8 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         "systems": systems,
         "recipe": _recipe(cfg, trained["trained"], features),
         "dev_curves": trained["info"].get("dev_curves", {}),
+        "rerank_rows": rerank_rows,
+        "risk_chosen_on_dev": chosen,
         "scored_sharing_lower_layers": (
             None if shared is None else {"frozen_layers": shared.frozen, "pairs": shared.pairs}
         ),
@@ -1098,6 +1161,52 @@ def _recipe(cfg: VarceJobConfig, fine_tuned: bool, features: _PairFeatures | Non
             else "**full** -- nothing fine-tuned; every re-ranker scored with its own backbone."
         )
     return out
+
+
+def _rerank_rows(
+    label: str,
+    depth: int,
+    cand: pd.DataFrame,
+    runs: Mapping[str, pd.DataFrame],
+    topics: pd.DataFrame,
+    qrels: pd.DataFrame,
+) -> list[dict[str, Any]]:
+    """One row per system for BM25's top ``depth`` re-ranked with the scores of ``runs`` (made at a depth >= this):
+    nDCG@10 over ``topics`` and paired t-tests (scipy.stats.ttest_rel, per-query nDCG@10) against BM25 and CE."""
+    from scipy.stats import ttest_rel
+
+    from pyterrier_prob.varce import per_query
+
+    top = cand[cand["rank"] < depth]
+    keep = set(zip(top["qid"], top["docno"]))
+    per: dict[str, pd.Series] = {}
+    for name, run in runs.items():
+        if name == "BM25":
+            r = top[["qid", "docno", "score", "rank"]]
+        else:
+            inside = [k in keep for k in zip(run["qid"], run["docno"])]
+            r = run[inside].drop(columns=["rank"])
+            r = ranked(r.assign(rank=r["bm25_rank"]), r["score_mean"].to_numpy(), r["score_std"].to_numpy())
+        per[name] = per_query(r, qrels, MEASURES[0], topics=topics)
+
+    def p(a: str, b: str) -> float | None:
+        if b not in per or a == b:
+            return None
+        x, y = per[a].align(per[b], join="inner")
+        return float(ttest_rel(x, y).pvalue) if len(x) > 1 and (x != y).any() else 1.0
+
+    return [
+        {
+            "collection": label,
+            "depth": depth,
+            "system": name,
+            "queries": int(len(v)),
+            "nDCG@10": float(v.mean()),
+            "p_vs_bm25": p(name, "BM25"),
+            "p_vs_CE": p(name, BASELINE),
+        }
+        for name, v in per.items()
+    ]
 
 
 def _top10(run: pd.DataFrame) -> pd.Series:
@@ -1215,6 +1324,43 @@ def _markdown(
             f"| {r['collection']} | {r['queries']} | {r['depth']} | {r['name']} | {_cell(r, 'nDCG@10')} | "
             f"{_cell(r, 'RR@10')} |"
         )
+    rerank = summary.get("rerank_rows") or []
+    if rerank:
+        lines += [
+            "",
+            "nDCG@10 with paired t-tests (scipy.stats.ttest_rel over the queries) against BM25 and against CE, at each "
+            "re-ranking depth (the shallower depths re-rank BM25's top k with the same scores):",
+            "",
+            "| collection | depth | queries | system | nDCG@10 | p vs BM25 | p vs CE |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rerank:
+            pb, pc = (f"{r[k]:.2g}" if r[k] is not None else "" for k in ("p_vs_bm25", "p_vs_CE"))
+            lines.append(
+                f"| {r['collection']} | {r['depth']} | {r['queries']} | {r['system']} | {r['nDCG@10']:.4f} | {pb} | "
+                f"{pc} |"
+            )
+    curves = summary.get("dev_curves") or {}
+    if curves:
+        lines += [
+            "",
+            "Learning curves (dev nDCG@10 against steps; the model kept is the one at its best dev point):",
+            "",
+        ]
+        for n, c in curves.items():
+            pts = ", ".join(f"{p['step']}: {p['dev']:.4f}" for p in c.get("points", []))
+            best = c.get("best") or {}
+            lines.append(f"- {n}: {pts} (best: step {best.get('step')}, {best.get('dev', math.nan):.4f})")
+    chosen = summary.get("risk_chosen_on_dev") or {}
+    if chosen:
+        lines += ["", "Risk-aware ranking with lambda chosen on dev (E[s] - lambda * std[s]):", ""]
+        for n, c in chosen.items():
+            dev = ", ".join(f"{r:g}: {v:.4f}" for r, v in c["dev_nDCG@10"].items())
+            lines.append(
+                f"- {n}: dev nDCG@10 by lambda {{{dev}}} -> lambda = {c['lambda']:g}; test nDCG@10 "
+                f"{c.get('test_nDCG@10', math.nan):.4f} vs {c.get('test_nDCG@10_at_lambda_0', math.nan):.4f} at "
+                f"lambda = 0 (p = {c.get('p_vs_lambda_0', math.nan):.2g})"
+            )
     if not uncertainty.empty:
         lines += [
             "",
@@ -1245,6 +1391,9 @@ def _markdown(
             "n_queries",
             "std 5/50/95%",
             "std_within_query_cv_median",
+            "std_between_queries_sd",
+            "std_within_query_sd_mean",
+            "std_between_query_variance_share",
             "rho(std, nDCG@10)",
             "rho(mean, nDCG@10)",
             "rho_pairs_std_vs_mean",
@@ -1254,6 +1403,9 @@ def _markdown(
                 u[cols].rename(
                     columns={
                         "std_within_query_cv_median": "CV in query",
+                        "std_between_queries_sd": "SD between queries",
+                        "std_within_query_sd_mean": "SD within query",
+                        "std_between_query_variance_share": "between-query share",
                         "rho_pairs_std_vs_mean": "rho(std, mean) pairs",
                     }
                 ),

@@ -5,6 +5,10 @@ VarCrossEncoder is a re-ranker (Sec. 4.4, 4.5.3): it scores the candidates of a 
 the Gaussian score of its latent, with mean E[s] = mu^T W + b (Eq. 22) and variance W^T Sigma W (Eq. 23); the
 paper ranks by the mean. ``risk = lambda`` ranks by the risk-adjusted ``E[s] - lambda * std[s]`` instead
 (mean-variance ranking: lambda > 0 penalises uncertain documents, lambda < 0 favours them).
+
+Loaded from a path, the model's backbone can run on ONNX Runtime or OpenVINO, in fp32 or int8
+(``VarCrossEncoderReranker(path, backend="onnx", precision="int8")``, through
+:func:`st_extensions.cross_encoder.load_cross_encoder`); the head, and so E[s] and std[s], stay in torch.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -41,11 +46,21 @@ class VarCrossEncoderReranker(pt.Transformer):
 
     Args:
         model: a :class:`~st_extensions.cross_encoder.VarCrossEncoder`, or the path of a saved one (loaded with
-            :func:`st_extensions.load_model`).
+            :func:`st_extensions.load_model`, or with :func:`st_extensions.cross_encoder.load_cross_encoder` when
+            ``backend`` / ``precision`` ask for a runtime).
         batch_size: pairs per forward pass.
         risk: lambda of the risk-adjusted score E[s] - lambda * std[s]; 0 ranks by the expected score.
         text_field: the column holding the document text.
         verbose: show a progress bar over the batches.
+        backend: where the backbone of a model given by path runs: ``"torch"`` (the default), ``"onnx"`` (ONNX
+            Runtime) or ``"openvino"``; the first use exports it into the model folder.
+        precision: ``"fp32"`` (the default) or ``"int8"`` (onnx / openvino only).
+        backend_options: further arguments of ``load_cross_encoder`` (``num_threads``; ``calibration_pairs``, which
+            OpenVINO int8 needs the first time).
+
+    Raises:
+        ValueError: ``backend``, ``precision`` or ``backend_options`` given with an already loaded model (load it
+            with ``load_cross_encoder`` instead), or an unknown backend / precision.
     """
 
     def __init__(
@@ -55,13 +70,31 @@ class VarCrossEncoderReranker(pt.Transformer):
         risk: float = 0.0,
         text_field: str = "text",
         verbose: bool = True,
+        backend: str | None = None,
+        precision: str | None = None,
+        backend_options: Mapping[str, Any] | None = None,
     ) -> None:
         from st_extensions.cross_encoder import VarCrossEncoder, find_var_head
 
         if isinstance(model, (str, os.PathLike)):
-            from st_extensions import load_model
+            if backend in (None, "torch") and precision in (None, "fp32") and not backend_options:
+                from st_extensions import load_model
 
-            model = load_model(os.fspath(model))
+                model = load_model(os.fspath(model))
+            else:
+                from st_extensions.cross_encoder import load_cross_encoder
+
+                model = load_cross_encoder(
+                    os.fspath(model), backend or "torch", precision or "fp32", **dict(backend_options or {})
+                )
+        else:
+            options = {"backend": backend, "precision": precision, "backend_options": backend_options}
+            given = [name for name, value in options.items() if value is not None]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} apply to a model given by path; this model is already loaded: pass its path, "
+                    "or load it with st_extensions.cross_encoder.load_cross_encoder(path, backend=..., precision=...)"
+                )
         find_var_head(model)
         if not isinstance(model, VarCrossEncoder):
             raise ValueError(
@@ -79,9 +112,13 @@ class VarCrossEncoderReranker(pt.Transformer):
         self.verbose = bool(verbose)
 
     def __repr__(self) -> str:
+        backbone = self.model[0] if len(self.model) else None
+        backend = getattr(backbone, "backend", "torch")
+        runtime = getattr(backbone, "model", None)
+        on = "" if backend == "torch" else f", backend={backend!r}, precision={getattr(runtime, 'precision', None)!r}"
         return (
             f"VarCrossEncoderReranker({type(self.model).__name__}, variant={self.model.head.variant!r}, "
-            f"batch_size={self.batch_size}, risk={self.risk})"
+            f"batch_size={self.batch_size}, risk={self.risk}{on})"
         )
 
     def subtransformers(self) -> dict:

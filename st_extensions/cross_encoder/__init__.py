@@ -3,9 +3,19 @@
 :class:`VariationalHead` is the probabilistic module + linear ranker (Sec. 3.2), :class:`VarCrossEncoder`
 the CrossEncoder that holds it (``predict(..., return_std=True)``), :func:`build_var_cross_encoder` builds one
 on a backbone; the loss is :class:`st_extensions.losses.VariationalBCELoss` (Sec. 3.3).
+:func:`load_cross_encoder` loads a saved cross-encoder (plain or variational) with its backbone on ONNX Runtime or
+OpenVINO, fp32 or int8 (:mod:`st_extensions.cross_encoder.backends`).
 """
 
+from st_extensions.cross_encoder.backends import load_cross_encoder
 from st_extensions.cross_encoder.head import VARIANTS, VariationalHead
 from st_extensions.cross_encoder.model import VarCrossEncoder, build_var_cross_encoder, find_var_head
 
-__all__ = ["VARIANTS", "VarCrossEncoder", "VariationalHead", "build_var_cross_encoder", "find_var_head"]
+__all__ = [
+    "VARIANTS",
+    "VarCrossEncoder",
+    "VariationalHead",
+    "build_var_cross_encoder",
+    "find_var_head",
+    "load_cross_encoder",
+]

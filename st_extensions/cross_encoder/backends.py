@@ -1,0 +1,734 @@
+"""Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8.
+
+:func:`load_cross_encoder` loads a saved plain cross-encoder (:func:`~st_extensions.cross_encoder.frozen.
+build_cross_encoder`: Transformer, ``Pooling(d, "cls")``, ``Dense(d, 1)``) or VarCrossEncoder
+(:func:`~st_extensions.cross_encoder.build_var_cross_encoder`: Transformer, ``Pooling``, :class:`~st_extensions.
+cross_encoder.VariationalHead`) with its *backbone* (the feature-extraction ``Transformer``) running on the chosen
+runtime; the pooling and the head stay in torch and read the runtime's ``last_hidden_state`` exactly as they read
+the torch encoder's. So ``predict`` is unchanged, and a VarCrossEncoder's ``predict(pairs, return_std=True)`` still
+returns the Gaussian score's mean E[s] = mu^T W + b and standard deviation sqrt(W^T Sigma W)
+(``shared/papers/var-cross-encoder.md``, Eq. 22-23) on every backend: the head computes both from the [CLS] vector.
+
+Exports are made once and kept inside the model folder, in sentence-transformers' layout and under its file names
+(``onnx/...``, ``openvino/...``, the inputs and output its Optimum exports have; loading them with
+``CrossEncoder(path, backend=...)`` was not tried, since Optimum does not install here, see below):
+
+=========  =========  ====================================================================================
+backend    precision  file, and how it is made
+=========  =========  ====================================================================================
+onnx       fp32       ``onnx/model.onnx``: ``torch.onnx.export`` (the torch.export-based exporter, dynamic batch
+                      and sequence axes) of the encoder, inputs ``input_ids, attention_mask[, token_type_ids]``,
+                      output ``last_hidden_state``
+onnx       int8       ``onnx/model_quint8_avx2.onnx``: ONNX Runtime's dynamic quantisation of ``model.onnx`` with
+                      the settings of sentence-transformers' ``export_dynamic_quantized_onnx_model(model, "avx2",
+                      ...)`` (Optimum's ``AutoQuantizationConfig.avx2(is_static=False)``: uint8 weights, symmetric,
+                      per channel, full range, every ONNX Runtime integer op); no calibration data
+openvino   fp32       ``openvino/openvino_model.xml`` + ``.bin``: ``openvino.convert_model`` of ``onnx/model.onnx``
+                      (made first where missing: the same graph as the onnx backend's), weights kept in fp32, run
+                      with ``INFERENCE_PRECISION_HINT=f32``
+openvino   int8       ``openvino/openvino_model_qint8_quantized.xml`` + ``.bin``: NNCF post-training static
+                      quantisation with the defaults of sentence-transformers' ``export_static_quantized_openvino_
+                      model`` (Optimum Intel's ``OVQuantizationConfig()``: mixed preset, transformer model type,
+                      fast bias correction, no overflow fix), calibrated on ``calibration_pairs``
+=========  =========  ====================================================================================
+
+Why not sentence-transformers' own ``backend="onnx"`` / ``"openvino"``: both load through Optimum, and no release
+of Optimum's ONNX package (``optimum-onnx`` <= 0.1.0, which needs ``transformers<4.58``) installs with
+``transformers>=5``; ``optimum-intel`` 2.2 needs ``transformers<5.6``. The runtimes themselves (``onnxruntime``,
+``openvino``, ``nncf``) have no such pin, so this module drives them directly with the same files and settings.
+And ``export_static_quantized_openvino_model`` calibrates on GLUE/SST-2 downloaded from the Hugging Face Hub (single
+sentences, not query-document pairs): here the calibration set is pairs that you give, e.g. first-stage candidates of
+training queries, tokenised exactly as ``predict`` tokenises them.
+
+Writes are atomic and never touch the torch weights: each file is written into a temporary folder inside
+``onnx/`` or ``openvino/`` and ``os.replace``-d into place (an OpenVINO ``.bin`` before its ``.xml``), under a lock
+so that two processes never interleave. ``export_info.json`` beside the files records a fingerprint of the torch
+weights each export was made from; an export older than the weights (the model was saved again into the same
+folder) is made anew instead of being used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from sentence_transformers import CrossEncoder
+from sentence_transformers.base.modules import Transformer
+from torch import nn
+
+from st_extensions.atomic import atomic_write
+
+__all__ = [
+    "BACKENDS",
+    "PRECISIONS",
+    "RuntimeBackbone",
+    "backend_file",
+    "export_backbone",
+    "load_cross_encoder",
+]
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["torch", "onnx", "openvino"]
+Precision = Literal["fp32", "int8"]
+BACKENDS: tuple[str, ...] = ("torch", "onnx", "openvino")
+PRECISIONS: tuple[str, ...] = ("fp32", "int8")
+
+#: where each export lives inside the model folder (sentence-transformers' layout and file names)
+FILES: dict[tuple[str, str], str] = {
+    ("onnx", "fp32"): "onnx/model.onnx",
+    ("onnx", "int8"): "onnx/model_quint8_avx2.onnx",
+    ("openvino", "fp32"): "openvino/openvino_model.xml",
+    ("openvino", "int8"): "openvino/openvino_model_qint8_quantized.xml",
+}
+#: the export each other export is made from (the torch encoder is exported to ONNX once)
+_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
+    ("onnx", "int8"): ("onnx", "fp32"),
+    ("openvino", "fp32"): ("onnx", "fp32"),
+    ("openvino", "int8"): ("openvino", "fp32"),
+}
+#: what making each export needs (the ONNX export runs torch's exporter, which needs onnxscript)
+_STEP_PACKAGES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("onnx", "fp32"): ("onnx", "onnxscript"),
+    ("onnx", "int8"): ("onnxruntime", "onnx"),
+    ("openvino", "fp32"): ("openvino",),
+    ("openvino", "int8"): ("openvino", "nncf"),
+}
+#: what running each backend needs
+_RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"onnx": ("onnxruntime",), "openvino": ("openvino",)}
+INFO_FILE = "export_info.json"
+#: the encoder inputs an export takes, in this order, where the tokenizer produces them
+INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
+#: calibration pairs used at most for OpenVINO int8 (sentence-transformers' calibration set has 300 samples)
+MAX_CALIBRATION_PAIRS = 300
+#: exports of encoders with more weight bytes than this keep them in a file beside the ``.onnx`` (protobuf's 2 GB)
+_EXTERNAL_DATA_BYTES = 1_500_000_000
+
+_EXTRAS = {
+    "onnx": "pip install 'pyterrier-prob[onnx]' (onnxruntime, onnx, onnxscript)",
+    "openvino": "pip install 'pyterrier-prob[openvino]' (openvino, nncf, onnx, onnxscript)",
+}
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value.lower()
+
+
+def _check_combination(backend: str, precision: str) -> None:
+    if backend == "torch" and precision != "fp32":
+        raise ValueError(
+            f"precision={precision!r} needs backend='onnx' or 'openvino' (the torch backend runs the saved fp32 "
+            "weights as they are)"
+        )
+
+
+def backend_file(backend: Backend, precision: Precision = "fp32") -> str | None:
+    """The export's path relative to the model folder (``None`` for the torch backend, which needs none)."""
+    backend = _check_choice("backend", backend, BACKENDS)
+    precision = _check_choice("precision", precision, PRECISIONS)
+    _check_combination(backend, precision)
+    return FILES.get((backend, precision))
+
+
+def _require(backend: str, precision: str, packages: Sequence[str]) -> None:
+    """An ImportError naming the extra to install when one of ``packages`` (what ``backend`` needs to run, or to
+    make its export) is missing."""
+    for name in packages:
+        try:
+            __import__(name)
+        except ImportError as e:
+            raise ImportError(
+                f"backend={backend!r} (precision={precision!r}) needs the package {name!r}, which is not installed: "
+                f"{_EXTRAS[backend]}"
+            ) from e
+
+
+# ---- the torch encoder as a function of the token tensors ------------------------------------------------------
+
+
+class _EncoderFunction(nn.Module):
+    """The Hugging Face encoder as ``(input_ids, attention_mask[, token_type_ids]) -> last_hidden_state``."""
+
+    def __init__(self, encoder: nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        return self.encoder(**inputs, return_dict=True).last_hidden_state
+
+
+def _backbone(model: CrossEncoder) -> Transformer:
+    """The model's first module, checked to be a text feature-extraction ``Transformer`` on torch."""
+    first = model[0] if len(model) else None
+    if not isinstance(first, Transformer) or first.transformer_task != "feature-extraction":
+        raise ValueError(
+            "load_cross_encoder needs a cross-encoder whose first module is a feature-extraction Transformer "
+            "(build_cross_encoder / build_var_cross_encoder); got "
+            f"{type(first).__name__ if first is not None else 'no module'}"
+        )
+    text = first.modality_config.get("text", {})
+    if text.get("method") != "forward" or text.get("method_output_name") not in ("last_hidden_state",):
+        raise ValueError(f"the backbone's text modality must run forward -> last_hidden_state, got {text}")
+    return first
+
+
+def _example_inputs(model: CrossEncoder) -> dict[str, torch.Tensor]:
+    """Two tokenised pairs of different lengths (the shorter one padded), as ``predict`` tokenises them: an example
+    with padding, so that the export traces the attention-mask path."""
+    features = model.preprocess([("query one two", "a document of some words"), ("query", "document")])
+    names = [n for n in INPUT_NAMES if n in features]
+    if "input_ids" not in names or "attention_mask" not in names:
+        raise ValueError(f"the tokenizer gives {sorted(features)}; an export needs input_ids and attention_mask")
+    return {n: features[n].to("cpu") for n in names}
+
+
+def _drop_quantizer_advice(record: logging.LogRecord) -> bool:
+    """ONNX Runtime's quantiser advises (on the root logger) a pre-processing that Optimum does not run either."""
+    return not str(record.msg).startswith("Please consider to run pre-processing before quantization")
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """Keep the exporters' notes (skipped torchvision ops, progress, deprecations inside torch) out of the log."""
+    names = ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")
+    levels = {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).setLevel(logging.ERROR)
+    logging.getLogger().addFilter(_drop_quantizer_advice)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            yield
+    finally:
+        logging.getLogger().removeFilter(_drop_quantizer_advice)
+        for n, level in levels.items():
+            logging.getLogger(n).setLevel(level)
+
+
+def _exported_program(model: CrossEncoder) -> tuple[torch.export.ExportedProgram, dict[str, torch.Tensor]]:
+    """``torch.export`` of the encoder with dynamic batch and sequence axes (eval mode)."""
+    transformer = _backbone(model)
+    encoder = transformer.model
+    example = _example_inputs(model)
+    fn = _EncoderFunction(encoder).eval()
+    max_len = int(getattr(encoder.config, "max_position_embeddings", 0) or 0)
+    batch = torch.export.Dim("batch_size")
+    seq = torch.export.Dim("sequence_length", max=max_len) if max_len > 2 else torch.export.Dim("sequence_length")
+    shapes = {name: {0: batch, 1: seq} for name in example}
+    was_training = encoder.training
+    encoder.eval()
+    try:
+        with torch.no_grad(), _quiet_exporter():
+            program = torch.export.export(fn, (), kwargs=example, dynamic_shapes=shapes)
+    finally:
+        encoder.train(was_training)
+    return program, example
+
+
+# ---- the export files ------------------------------------------------------------------------------------------
+
+
+def _weight_files(path: str) -> list[str]:
+    """The files of the backbone's torch weights and config (the Transformer module sits at the model's root)."""
+    return sorted(
+        name
+        for name in os.listdir(path)
+        if name == "config.json" or (name.startswith("model") and name.endswith((".safetensors", ".safetensors.json")))
+    )
+
+
+def _weights_stat(path: str) -> list[list[Any]]:
+    """``[name, size, mtime_ns]`` of each weight file: a cheap first check before hashing."""
+    stats = []
+    for name in _weight_files(path):
+        st = os.stat(os.path.join(path, name))
+        stats.append([name, st.st_size, st.st_mtime_ns])
+    return stats
+
+
+def _weights_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    for name in _weight_files(path):
+        digest.update(name.encode() + b"\0")
+        with open(os.path.join(path, name), "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_info(folder: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(folder, INFO_FILE), encoding="utf8") as f:
+            info = json.load(f)
+        return info if isinstance(info, dict) else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
+    """Whether the export ``rel`` exists and was made from the current torch weights. An export with no record
+    (put there by another tool, e.g. Optimum) is trusted as it is."""
+    if not os.path.isfile(os.path.join(path, rel)):
+        return False
+    folder, name = os.path.split(os.path.join(path, rel))
+    if rel.endswith(".xml") and not os.path.isfile(os.path.join(folder, name[:-4] + ".bin")):
+        return False
+    record = _read_info(folder).get(name)
+    if not isinstance(record, dict) or "weights_sha256" not in record:
+        return True
+    if record.get("weights_stat") == _weights_stat(path):
+        return True
+    if "value" not in sha:
+        sha["value"] = _weights_sha256(path)
+    return record["weights_sha256"] == sha["value"]
+
+
+@contextlib.contextmanager
+def _locked(folder: str, shared: bool = False) -> Iterator[None]:
+    """A lock on ``folder/.export.lock`` (POSIX flock): exclusive for a writer, which creates the folder; shared for
+    a reader while it loads the files (so that it never reads an OpenVINO ``.xml`` with another export's ``.bin``),
+    and no lock at all where a reader cannot open the lock file (a read-only folder: nobody writes there)."""
+    lock = os.path.join(folder, ".export.lock")
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        fcntl = None
+    if shared:
+        try:
+            fd = os.open(lock, os.O_RDONLY)
+        except OSError:
+            fd = None
+    else:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as e:
+            raise PermissionError(
+                f"cannot write into {folder!r} ({e.strerror}): the first load of a model on a backend exports its "
+                "backbone into the model folder, which must then be writable (or load a copy of the model)"
+            ) from e
+    try:
+        if fd is not None and fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+
+def _install(tmp: str, folder: str, main: str) -> None:
+    """Move every file written into ``tmp`` into ``folder`` (fsync, 0644, ``os.replace``), ``main`` last: a reader
+    that finds ``main`` finds its companions (an OpenVINO ``.bin``, an ONNX external-data file) complete."""
+    names = sorted(os.listdir(tmp), key=lambda n: (n == main, n))
+    if main not in names:
+        raise RuntimeError(f"the exporter wrote no {main!r} (wrote {names})")
+    for name in names:
+        src = os.path.join(tmp, name)
+        if not os.path.isfile(src):
+            continue
+        with open(src, "rb") as f:
+            os.fsync(f.fileno())
+        os.chmod(src, 0o644)
+        os.replace(src, os.path.join(folder, name))
+
+
+def _record(path: str, rel: str, extra: dict[str, Any] | None = None) -> None:
+    folder, name = os.path.split(os.path.join(path, rel))
+    info = _read_info(folder)
+    info[name] = {
+        "weights_sha256": _weights_sha256(path),
+        "weights_stat": _weights_stat(path),
+        "torch": torch.__version__,
+        **(extra or {}),
+    }
+    atomic_write(os.path.join(folder, INFO_FILE), lambda f: f.write(json.dumps(info, indent=2).encode("utf8")))
+
+
+def _export_onnx_fp32(model: CrossEncoder, tmp: str, main: str) -> dict[str, Any]:
+    program, example = _exported_program(model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in _backbone(model).model.parameters())
+    with torch.no_grad(), _quiet_exporter(), open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        onnx_program = torch.onnx.export(
+            program,
+            (),
+            kwargs=example,
+            dynamo=True,
+            input_names=list(example),
+            output_names=["last_hidden_state"],
+            external_data=weight_bytes > _EXTERNAL_DATA_BYTES,
+            verbose=False,
+        )
+        onnx_program.save(os.path.join(tmp, main), external_data=weight_bytes > _EXTERNAL_DATA_BYTES)
+    return {"exporter": "torch.onnx.export(dynamo=True)", "inputs": list(example)}
+
+
+def _export_onnx_int8(path: str, tmp: str, main: str) -> dict[str, Any]:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.registry import IntegerOpsRegistry
+
+    source = os.path.join(path, FILES["onnx", "fp32"])
+    # Optimum's AutoQuantizationConfig.avx2(is_static=False), as ORTQuantizer.quantize passes it to ONNX Runtime
+    with _quiet_exporter():
+        quantize_dynamic(
+            source,
+            os.path.join(tmp, main),
+            op_types_to_quantize=list(IntegerOpsRegistry),
+            per_channel=True,
+            reduce_range=False,
+            weight_type=QuantType.QUInt8,
+            use_external_data_format=os.path.exists(source + ".data"),  # the fp32 export keeps its weights beside it
+            extra_options={
+                "WeightSymmetric": True,
+                "ActivationSymmetric": False,
+                "EnableSubgraph": False,
+                "ForceSymmetric": False,
+            },
+        )
+    return {"quantization": "onnxruntime.quantize_dynamic, avx2 config (QUInt8 weights, symmetric, per channel)"}
+
+
+def _export_openvino_fp32(path: str, tmp: str, main: str) -> dict[str, Any]:
+    import openvino as ov
+
+    ov_model = ov.convert_model(os.path.join(path, FILES["onnx", "fp32"]))
+    ov.save_model(ov_model, os.path.join(tmp, main), compress_to_fp16=False)
+    return {"exporter": f"openvino.convert_model({FILES['onnx', 'fp32']})"}
+
+
+def _calibration_items(model: CrossEncoder, pairs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray]]:
+    items = []
+    for pair in list(pairs)[:MAX_CALIBRATION_PAIRS]:
+        if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
+            raise ValueError(f"calibration_pairs must be (query, document) pairs of str, got {pair!r:.80}")
+        features = model.preprocess([tuple(pair)])
+        items.append({n: features[n].numpy() for n in INPUT_NAMES if n in features})
+    return items
+
+
+def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
+    digest = hashlib.sha256()
+    for q, d in list(pairs)[:MAX_CALIBRATION_PAIRS]:
+        digest.update(q.encode() + b"\0" + d.encode() + b"\0")
+    return digest.hexdigest()
+
+
+_NO_CALIBRATION = (
+    "backend='openvino', precision='int8' quantises statically and needs calibration data the first time: pass "
+    "calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score, e.g. first-stage "
+    "candidates of training queries). sentence-transformers' export_static_quantized_openvino_model would download "
+    "GLUE/SST-2 from the Hugging Face Hub instead, which is not reachable offline and is single sentences, not "
+    "query-document pairs."
+)
+
+
+def _export_openvino_int8(
+    path: str, model: CrossEncoder, tmp: str, main: str, pairs: Sequence[Sequence[str]] | None
+) -> dict[str, Any]:
+    if not pairs:
+        raise ValueError(_NO_CALIBRATION)
+    import nncf
+    import openvino as ov
+
+    items = _calibration_items(model, pairs)
+    ov_model = ov.Core().read_model(os.path.join(path, FILES["openvino", "fp32"]))
+    # the defaults of Optimum Intel's OVQuantizationConfig() (what sentence-transformers' static export uses)
+    quantized = nncf.quantize(
+        ov_model,
+        nncf.Dataset(items),
+        preset=nncf.QuantizationPreset.MIXED,
+        model_type=nncf.ModelType.TRANSFORMER,
+        subset_size=len(items),
+        fast_bias_correction=True,
+        advanced_parameters=nncf.AdvancedQuantizationParameters(overflow_fix=nncf.OverflowFix.DISABLE),
+    )
+    ov.save_model(quantized, os.path.join(tmp, main), compress_to_fp16=False)
+    return {
+        "quantization": "nncf.quantize (static int8, mixed preset, transformer model type)",
+        "calibration_pairs": len(items),
+        "calibration_sha256": _pairs_sha256(pairs),
+    }
+
+
+def export_backbone(
+    path: str | os.PathLike,
+    backend: Backend,
+    precision: Precision = "fp32",
+    *,
+    model: CrossEncoder | None = None,
+    calibration_pairs: Sequence[Sequence[str]] | None = None,
+) -> str:
+    """Make the export that :func:`load_cross_encoder` runs, once: returns its absolute path.
+
+    A fresh export (made from the current torch weights) is kept; a missing or stale one is written atomically
+    (module docstring). The torch encoder is exported to ONNX once; ONNX int8 and OpenVINO fp32 are made from that
+    file, OpenVINO int8 from OpenVINO fp32: whatever of that chain is missing is made first.
+
+    Args:
+        path: the folder of a saved cross-encoder (``model.save(path)``).
+        backend: ``"onnx"`` or ``"openvino"``.
+        precision: ``"fp32"`` or ``"int8"``.
+        model: the model loaded from ``path`` on torch (loaded here with :func:`st_extensions.load_model` if None).
+        calibration_pairs: (query, document) pairs for OpenVINO int8 (static quantisation; the first 300 are
+            used); required when that export is made, ignored otherwise.
+
+    Raises:
+        ValueError: an unknown backend / precision, the torch backend, or OpenVINO int8 without calibration pairs.
+        ImportError: the backend's packages are missing (the message names the extra to install).
+    """
+    path = os.path.abspath(os.fspath(path))
+    backend = _check_choice("backend", backend, BACKENDS)
+    precision = _check_choice("precision", precision, PRECISIONS)
+    if backend == "torch":
+        raise ValueError("backend='torch' needs no export: pass backend='onnx' or 'openvino'")
+    rel = FILES[backend, precision]
+    target = os.path.join(path, rel)
+    sha: dict[str, str] = {}
+    if _is_fresh(path, rel, sha):
+        _warn_other_calibration(path, backend, precision, calibration_pairs)
+        return target
+    if (backend, precision) == ("openvino", "int8") and not calibration_pairs:
+        raise ValueError(_NO_CALIBRATION)  # before exporting anything
+    steps, step = [], (backend, precision)
+    while step is not None and (step == (backend, precision) or not _is_fresh(path, FILES[step], {})):
+        steps.append(step)
+        step = _SOURCES.get(step)
+    _require(backend, precision, sorted({name for st in steps for name in _STEP_PACKAGES[st]}))
+    if (backend, precision) in _SOURCES:  # made from another export: make that one first
+        export_backbone(path, *_SOURCES[backend, precision], model=model)
+    if model is None and (backend, precision) in (("onnx", "fp32"), ("openvino", "int8")):
+        model = _load_torch(path)  # to trace the encoder / to tokenise the calibration pairs
+    folder, main = os.path.split(target)
+    with _locked(folder):
+        if _is_fresh(path, rel, sha):  # another process made it while this one waited
+            return target
+        if os.path.exists(target):
+            logger.warning("%s was made from other torch weights than %s's: exporting it anew", rel, path)
+        logger.info("exporting the backbone of %s to %s (%s)", path, rel, precision)
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=folder)
+        try:
+            if (backend, precision) == ("onnx", "fp32"):
+                extra = _export_onnx_fp32(model, tmp, main)
+            elif (backend, precision) == ("onnx", "int8"):
+                extra = _export_onnx_int8(path, tmp, main)
+            elif precision == "fp32":
+                extra = _export_openvino_fp32(path, tmp, main)
+            else:
+                extra = _export_openvino_int8(path, model, tmp, main, calibration_pairs)
+            _install(tmp, folder, main)
+            _record(path, rel, extra)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _warn_other_calibration(
+    path: str, backend: str, precision: str, calibration_pairs: Sequence[Sequence[str]] | None
+) -> None:
+    if (backend, precision) != ("openvino", "int8") or not calibration_pairs:
+        return
+    folder, name = os.path.split(os.path.join(path, FILES[backend, precision]))
+    recorded = (_read_info(folder).get(name) or {}).get("calibration_sha256")
+    if recorded is not None and recorded != _pairs_sha256(calibration_pairs):
+        logger.warning(
+            "%s was calibrated on other pairs than the calibration_pairs given; it is used as it is (delete it to "
+            "calibrate anew)",
+            os.path.join(folder, name),
+        )
+
+
+# ---- the runtime standing in for the torch encoder -------------------------------------------------------------
+
+
+class RuntimeBackbone(nn.Module):
+    """Stands in for the Hugging Face encoder inside a sentence-transformers ``Transformer`` module: called with
+    the token tensors (``input_ids``, ``attention_mask``[, ``token_type_ids``]) it runs an ONNX Runtime session or
+    an OpenVINO compiled model and returns ``{"last_hidden_state": tensor}`` (float32, CPU), which ``Pooling`` and
+    the head read as they read the torch encoder's output.
+
+    It has no parameters; ``config`` is the encoder's Hugging Face config (the ``Transformer`` reads its hidden
+    size from it). It cannot be saved: save the torch model instead.
+
+    Args:
+        file: the ``.onnx`` / ``.xml`` file to run.
+        backend: ``"onnx"`` or ``"openvino"``.
+        precision: recorded for ``repr``.
+        config: the encoder's config.
+        num_threads: intra-op threads of the runtime.
+    """
+
+    def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
+        super().__init__()
+        self.file = file
+        self.backend = backend
+        self.precision = precision
+        self.config = config
+        self.num_threads = int(num_threads)
+        if backend == "onnx":
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = self.num_threads
+            options.inter_op_num_threads = 1
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.log_severity_level = 3
+            self._session = ort.InferenceSession(file, options, providers=["CPUExecutionProvider"])
+            self.input_names = tuple(i.name for i in self._session.get_inputs())
+        elif backend == "openvino":
+            import openvino as ov
+
+            compiled = ov.Core().compile_model(
+                file,
+                "CPU",
+                {
+                    "INFERENCE_NUM_THREADS": self.num_threads,
+                    "PERFORMANCE_HINT": "LATENCY",
+                    "INFERENCE_PRECISION_HINT": "f32",
+                },
+            )
+            self._request = compiled.create_infer_request()
+            self.input_names = tuple(p.get_any_name() for p in compiled.inputs)
+        else:
+            raise ValueError(f"backend must be 'onnx' or 'openvino', got {backend!r}")
+        unknown = sorted(set(self.input_names) - set(INPUT_NAMES))
+        if unknown:
+            raise ValueError(f"{file} takes inputs {unknown} that a cross-encoder's tokenizer does not give")
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
+        given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        feeds = {}
+        for name in self.input_names:
+            value = given[name]
+            if value is None:
+                raise ValueError(f"{self.file} needs the input {name!r}, which the tokenizer did not give")
+            feeds[name] = np.ascontiguousarray(value.detach().cpu().numpy(), dtype=np.int64)
+        if self.backend == "onnx":
+            out = self._session.run(None, feeds)[0]
+        else:
+            out = self._request.infer(feeds, share_inputs=True, share_outputs=False)[0]
+        return {"last_hidden_state": torch.from_numpy(np.asarray(out, dtype=np.float32))}
+
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"this cross-encoder's backbone runs on {self.backend} ({self.file}) and cannot be saved: save the torch "
+            "model (st_extensions.load_model(path)) instead"
+        )
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, precision={self.precision!r}, file={self.file!r}, threads={self.num_threads}"
+
+
+# ---- loading ---------------------------------------------------------------------------------------------------
+
+
+def _load_torch(path: str, device: str | None = "cpu") -> CrossEncoder:
+    from st_extensions.loading import load_model
+
+    model = load_model(path, device=device)
+    if not isinstance(model, CrossEncoder):
+        raise ValueError(
+            f"{path!r} holds a {type(model).__name__}, not a cross-encoder: load_cross_encoder loads models saved by "
+            "build_cross_encoder / build_var_cross_encoder (+ training)"
+        )
+    return model
+
+
+def load_cross_encoder(
+    path: str | os.PathLike,
+    backend: Backend = "torch",
+    precision: Precision = "fp32",
+    device: str | torch.device | None = "cpu",
+    *,
+    num_threads: int | None = None,
+    calibration_pairs: Sequence[Sequence[str]] | None = None,
+) -> CrossEncoder:
+    """Load a saved cross-encoder (a plain one or a :class:`~st_extensions.cross_encoder.VarCrossEncoder`) with its
+    backbone on ``backend`` in ``precision``; pooling and head stay in torch (module docstring).
+
+    The result is the class :func:`st_extensions.load_model` gives (``CrossEncoder`` or ``VarCrossEncoder``), with
+    the same ``predict`` / ``rank``; a VarCrossEncoder's ``predict(pairs, return_std=True)`` gives E[s] and
+    std[s] = sqrt(W^T Sigma W) (Eq. 22-23 of ``shared/papers/var-cross-encoder.md``) on every backend. The first
+    load on a backend exports the backbone into the model folder (:func:`export_backbone`; the folder must be
+    writable then), later loads reuse the export.
+
+    Args:
+        path: the folder of a model saved with ``model.save(path)``.
+        backend: ``"torch"`` (the saved model as it is), ``"onnx"`` (ONNX Runtime, CPU) or ``"openvino"``
+            (OpenVINO, CPU).
+        precision: ``"fp32"``, or ``"int8"`` (onnx: dynamic quantisation, no data; openvino: static quantisation
+            calibrated on ``calibration_pairs``). The torch backend runs fp32 only.
+        device: where torch runs the model (torch backend), or ``"cpu"`` (the only device of the onnx / openvino
+            backends here).
+        num_threads: intra-op threads of the onnx / openvino runtime (default: ``torch.get_num_threads()``, so that
+            every backend gets the same budget); ignored by the torch backend, which uses torch's setting.
+        calibration_pairs: (query, document) pairs (e.g. first-stage candidates of training queries; the first 300
+            are used) that calibrate the OpenVINO int8 export when it is made; not needed once it exists.
+
+    Returns:
+        The model in eval mode. One with a runtime backbone cannot be saved or trained end to end.
+
+    Raises:
+        ValueError: unknown ``backend`` / ``precision`` (naming the parameter), ``precision="int8"`` with the torch
+            backend, a device other than the CPU for onnx / openvino, not a cross-encoder, or OpenVINO int8 made for
+            the first time without ``calibration_pairs``.
+        ImportError: onnxruntime / onnx / onnxscript (extra ``onnx``) or openvino / nncf (extra ``openvino``) missing.
+    """
+    backend = _check_choice("backend", backend, BACKENDS)
+    precision = _check_choice("precision", precision, PRECISIONS)
+    _check_combination(backend, precision)
+    path = os.path.abspath(os.fspath(path))
+    if num_threads is not None and (
+        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+    ):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    if backend == "torch":
+        model = _load_torch(path, device=None if device is None else str(device))
+        model.eval()
+        return model
+    if device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"device must be 'cpu' for backend={backend!r} (got {device!r}): the runtimes here run on CPU")
+    _require(backend, precision, _RUNTIME_PACKAGES[backend])
+    model = _load_torch(path, device="cpu")
+    file = export_backbone(path, backend, precision, model=model, calibration_pairs=calibration_pairs)
+    transformer = _backbone(model)
+    with _locked(os.path.dirname(file), shared=True):  # no writer replaces the files while they are read
+        runtime = RuntimeBackbone(
+            file, backend, precision, transformer.model.config, num_threads or max(1, torch.get_num_threads())
+        )
+    transformer.model = runtime  # the torch encoder is dropped: the runtime replaces it
+    transformer.backend = backend
+
+    def refuse_save(*args: Any, **kwargs: Any) -> None:
+        # BaseModel.save would write the folder's configs before the Transformer refused: refuse before anything
+        runtime.save_pretrained()
+
+    model.save = model.save_pretrained = refuse_save  # type: ignore[method-assign]
+    model.eval()
+    return model

@@ -1,0 +1,177 @@
+"""The cross-encoders' backbone on ONNX Runtime / OpenVINO (st_extensions.cross_encoder.backends).
+
+An untrained plain cross-encoder and VarCrossEncoder on the packaged MiniLM, ``max_seq_length=32``; their backbones
+are byte-identical, so the VarCE's exports serve the CE too (after the fingerprint check), and each export is made
+once. (A MiniLM cut to two layers would export faster, but its [CLS] hardly varies across pairs: int8 noise would
+swamp the ranking.) fp32 exports must give torch's scores (and VarCE std, Eq. 23); int8 ones must
+rank alike but not be the fp32 model under another name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy.stats import spearmanr
+
+pytest.importorskip("onnxruntime")
+
+from st_extensions.cross_encoder import VarCrossEncoder, build_var_cross_encoder, load_cross_encoder  # noqa: E402
+from st_extensions.cross_encoder.backends import FILES, _is_fresh  # noqa: E402
+from st_extensions.cross_encoder.frozen import build_cross_encoder  # noqa: E402
+
+QUERIES = [
+    "how do vaccines train the immune system",
+    "effects of caffeine on sleep",
+    "vitamin d deficiency symptoms",
+    "does red meat raise cancer risk",
+]
+DOCS = [
+    "Vaccines expose the immune system to an antigen so that it forms memory B and T cells.",
+    "Caffeine blocks adenosine receptors and delays sleep onset when taken in the evening.",
+    "Low vitamin D levels are linked to bone pain, muscle weakness and fatigue.",
+    "Processed and red meat intake was associated with a higher risk of colorectal cancer.",
+    "The stock market closed higher on Tuesday after strong earnings reports.",
+    "A recipe for banana bread with walnuts and cinnamon.",
+    "Antibodies produced after vaccination neutralise the virus on later exposure.",
+    "Sleep deprivation impairs memory consolidation and attention in adults.",
+]
+PAIRS = [(q, d) for q in QUERIES for d in DOCS]  # 32 pairs
+
+
+def _tree_hashes(path: str) -> dict[str, str]:
+    """sha256 of every file of a saved model outside the export folders."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if os.path.relpath(os.path.join(root, d), path) not in ("onnx", "openvino")]
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, base_model):
+    """``{"ce": path, "var": path, "hashes": {...}}``: the two models saved, and their files' hashes."""
+    torch.manual_seed(0)
+    var = build_var_cross_encoder(base_model, variant="VAR", max_seq_length=32, device="cpu")
+    with torch.no_grad():  # a variance branch that depends on [CLS], so that std varies across pairs
+        var.head.var_branch.weight.normal_(0.0, 0.05)
+    ce = build_cross_encoder(base_model, max_seq_length=32, device="cpu")
+    root = tmp_path_factory.mktemp("ce_backends")
+    paths = {"ce": str(root / "ce"), "var": str(root / "var")}
+    var.save(paths["var"])
+    ce.save(paths["ce"])
+    hashes = {k: _tree_hashes(p) for k, p in paths.items()}
+    return {**paths, "hashes": hashes, "ref": {"var": _scores(var.eval()), "ce": _scores(ce.eval())}}
+
+
+def _share_exports(saved) -> None:
+    """Give the CE the VarCE's exports (same backbone bytes: the fingerprint check accepts them)."""
+    for sub in ("onnx", "openvino"):
+        src, dst = os.path.join(saved["var"], sub), os.path.join(saved["ce"], sub)
+        if os.path.isdir(src):
+            shutil.copytree(src, dst, dirs_exist_ok=True)
+
+
+def _scores(model, pairs=PAIRS):
+    """CE: logits; VarCE: (E[s], std[s])."""
+    if isinstance(model, VarCrossEncoder):
+        return model.predict(pairs, batch_size=32, return_std=True)
+    return (model.predict(pairs, batch_size=32, activation_fn=torch.nn.Identity()),)
+
+
+def test_onnx_fp32_matches_torch_and_int8_ranks_alike(saved, tmp_path):
+    for name in ("var", "ce"):
+        if name == "ce":
+            _share_exports(saved)
+        ref = saved["ref"][name]
+        model = load_cross_encoder(saved[name], backend="onnx")
+        fp32 = _scores(model)
+        int8 = _scores(load_cross_encoder(saved[name], backend="onnx", precision="int8"))
+        for r, a, q in zip(ref, fp32, int8):  # mean (and std for the VarCE)
+            np.testing.assert_allclose(a, r, atol=1e-4, rtol=0)
+            assert spearmanr(r, q)[0] > 0.9
+            assert np.abs(q - r).max() > 1e-5  # quantised: not the fp32 model
+        assert ref[0].std() > 1e-3 and (name == "ce" or ref[1].std() > 1e-4)  # the scores do vary
+    assert os.path.isfile(os.path.join(saved["var"], FILES["onnx", "int8"]))
+    with pytest.raises(RuntimeError, match="cannot be saved"):
+        model.save(str(tmp_path / "resaved"))  # its backbone is a runtime, not torch weights
+    assert not os.path.exists(tmp_path / "resaved")
+
+
+def test_exports_follow_the_torch_weights(saved, tmp_path):
+    copy_path = str(tmp_path / "copy")
+    shutil.copytree(saved["var"], copy_path)  # new mtimes, same bytes: still fresh
+    load_cross_encoder(saved["var"], backend="onnx")
+    assert _is_fresh(copy_path, FILES["onnx", "fp32"], {})
+    with open(os.path.join(copy_path, "config.json"), "a", encoding="utf8") as f:
+        f.write("\n")  # the backbone's files changed: the export is stale
+    assert not _is_fresh(copy_path, FILES["onnx", "fp32"], {})
+
+
+def test_openvino_fp32_matches_torch_and_int8_ranks_alike(saved):
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    with pytest.raises(ValueError, match="calibration_pairs"):
+        load_cross_encoder(saved["var"], backend="openvino", precision="int8")
+    for name in ("var", "ce"):
+        if name == "ce":
+            _share_exports(saved)
+        ref = saved["ref"][name]
+        fp32 = _scores(load_cross_encoder(saved[name], backend="openvino"))
+        int8 = _scores(
+            load_cross_encoder(saved[name], backend="openvino", precision="int8", calibration_pairs=PAIRS[::4])
+        )
+        for r, a, q in zip(ref, fp32, int8):
+            np.testing.assert_allclose(a, r, atol=1e-4, rtol=0)
+            assert spearmanr(r, q)[0] > 0.9
+            assert np.abs(q - r).max() > 1e-5
+
+
+def test_reranker_on_onnx_ranks_as_torch(saved):
+    from pyterrier_prob.varce import VarCrossEncoderReranker
+
+    cand = pd.DataFrame(
+        [(f"q{i}", q, f"d{j}", d) for i, q in enumerate(QUERIES) for j, d in enumerate(DOCS)],
+        columns=["qid", "query", "docno", "text"],
+    )
+    torch_rr = VarCrossEncoderReranker(saved["var"], verbose=False)
+    onnx_rr = VarCrossEncoderReranker(saved["var"], backend="onnx", verbose=False)
+    assert "backend='onnx'" in repr(onnx_rr)
+    a, b = torch_rr(cand), onnx_rr(cand)
+    assert a[["qid", "docno", "rank"]].equals(b[["qid", "docno", "rank"]])
+    np.testing.assert_allclose(b["score_std"], a["score_std"], atol=1e-4)
+    with pytest.raises(ValueError, match="backend"):
+        VarCrossEncoderReranker(torch_rr.model, backend="onnx")
+
+
+def test_bad_arguments(saved, monkeypatch):
+    with pytest.raises(ValueError, match="backend"):
+        load_cross_encoder(saved["ce"], backend="tensorrt")
+    with pytest.raises(ValueError, match="precision"):
+        load_cross_encoder(saved["ce"], backend="onnx", precision="fp16")
+    with pytest.raises(ValueError, match="precision='int8'"):
+        load_cross_encoder(saved["ce"], precision="int8")  # torch runs fp32 only
+    with pytest.raises(ValueError, match="device"):
+        load_cross_encoder(saved["ce"], backend="onnx", device="cuda")
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pyterrier-prob\[onnx\]"):
+        load_cross_encoder(saved["ce"], backend="onnx")
+
+
+def test_torch_weights_are_untouched_by_exports(saved):
+    load_cross_encoder(saved["var"], backend="onnx", precision="int8")  # exported already, or now
+    for name in ("ce", "var"):
+        assert _tree_hashes(saved[name]) == saved["hashes"][name]
+        for sub in ("onnx", "openvino"):
+            folder = os.path.join(saved[name], sub)
+            names = os.listdir(folder) if os.path.isdir(folder) else []
+            assert not [n for n in names if n.startswith(".export-")]  # no temporary folder left behind
