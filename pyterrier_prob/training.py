@@ -212,6 +212,21 @@ def complete_checkpoints(folder: str) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
+def _pairs_of(train: Dataset) -> list[tuple[str, str]]:
+    """The (query, document) pairs a cross-encoder trains on: ``query`` with ``document`` for (query, document,
+    label) rows; else the first column with each further text column (e.g. ``query, positive, negative_1, ...`` for a
+    listwise loss)."""
+    if "document" in train.column_names and "query" in train.column_names:
+        return list(zip(train["query"], train["document"]))
+    columns = [c for c in train.column_names if c != "label" and isinstance(train[0][c], str)]
+    if len(columns) < 2:
+        raise ValueError(
+            f"a cross-encoder trains on (query, document) texts; the rows have columns {train.column_names}"
+        )
+    first = train[columns[0]]
+    return [pair for c in columns[1:] for pair in zip(first, train[c])]
+
+
 class _SamplerEpoch(TrainerCallback):
     """Sets the epoch of the :class:`~st_extensions.sampler.QueryBalancedBatchSampler` under the trainer's data
     loader at every epoch's start, from the step count as the trainer computes the epochs it has trained. The trainer
@@ -379,7 +394,7 @@ def fine_tune(
 
             trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
             folder = state_cache or os.path.join(output_dir or tmp, "states")
-            texts = list(zip(train["query"], train["document"])) if cross else _texts_of(train)
+            texts = _pairs_of(train) if cross else _texts_of(train)
             trained = partial_model(
                 model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show_progress
             )
