@@ -5,10 +5,11 @@ experiment's own training rows (nfcorpus/train, 1 judged-relevant : 3 negatives 
 untrained dense model, never a judged document; the rows of a 1000-step, batch-16 run) under one setting, and its dev
 nDCG@10 is recorded every ``--every`` steps (:class:`~pyterrier_prob.curves.DevCurve`) on 50 seeded nfcorpus/dev
 queries, BM25's top 20 re-ranked; BM25's own value on the same queries is printed beside it. Test queries are never
-read. Settings: the loss (``bce``: BinaryCrossEntropyLoss on single rows, as the experiment; ``lce``: softmax over
-each query's group of 1 relevant + 3 negatives, localised contrastive estimation, no in-batch negatives), the rate of
-the encoder layers and of the head, the pooling (``cls`` / ``mean``), and how many top layers train (1-5: the
-partial recipe on cached lower-layer pair states; 6: full fine-tuning).
+read. Settings: the positives (``--positive-depth k``: only judged-relevant documents in a first stage's top k), the
+loss (``bce``: BinaryCrossEntropyLoss on single rows, as the experiment; ``lce``: softmax over each query's group of 1
+relevant + 3 negatives, localised contrastive estimation, no in-batch negatives), the rate of the encoder layers and of
+the head, the pooling (``cls`` / ``mean``), and how many top layers train (1-5: the partial recipe on cached
+lower-layer pair states; 6: full fine-tuning).
 
     python benchmarks/ce_recipe_probe.py --experiment-output runs/varce --name bce --steps 1000 --every 100
     python benchmarks/ce_recipe_probe.py --experiment-output runs/varce --name lce --loss lce --steps 250 --every 50
@@ -70,10 +71,18 @@ def probe(a: argparse.Namespace) -> None:
     bm25 = PisaIndex(os.path.join(out, "indexes", "bm25-beir-nfcorpus.pisa"), text_field="text")
     enc = ProbBiEncoder(SentenceTransformer(default_model_path(), device="cpu"), batch_size=64, verbose=False)
     dense = DenseIndex(os.path.join(out, "indexes", "dense-untrained-beir-nfcorpus.flex"))
-    stages = {"BM25": bm25.bm25(num_results=30), "dense": enc.query_encoder() >> dense.np_retriever(num_results=30)}
-    rows, _ = cross_encoder_training_data(
-        coll, "train", stages, n_groups=groups_for(1000, 16, 3), negatives=3, pool_depth=30
+    k = max(30, a.positive_depth or 0)
+    stages = {"BM25": bm25.bm25(num_results=k), "dense": enc.query_encoder() >> dense.np_retriever(num_results=k)}
+    rows, info = cross_encoder_training_data(
+        coll,
+        "train",
+        stages,
+        n_groups=groups_for(1000, 16, 3),
+        negatives=3,
+        pool_depth=30,
+        positive_depth=a.positive_depth,
     )
+    print(json.dumps(info), flush=True)
     if a.loss == "lce":  # one row per group: query, positive, negative_1..3
         d, n = rows.to_dict(), len(rows) // 4
         rows = Dataset.from_dict(
@@ -143,6 +152,7 @@ def main() -> int:
     ap.add_argument("--head-lr", type=float, default=1e-3, help="the linear ranker's rate")
     ap.add_argument("--pool", choices=["cls", "mean"], default="cls")
     ap.add_argument("--layers", type=int, default=2, help="top layers that train (6: full fine-tuning)")
+    ap.add_argument("--positive-depth", type=int, default=None, help="positives only from the first stages' top k")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--every", type=int, default=100)

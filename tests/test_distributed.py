@@ -151,7 +151,12 @@ def _worker(rank: int, world: int, folder: str) -> None:
                 "ref": float(ref),
                 "local": float(local),
                 "unmasked": float(unmasked),
-                "grad_close": bool(torch.allclose(grads, ref_grads, rtol=GRAD_RTOL, atol=GRAD_ATOL)),
+                # fp32 sums in another order: the absolute error scales with the gradient's magnitude
+                "grad_close": bool(
+                    torch.allclose(
+                        grads, ref_grads, rtol=GRAD_RTOL, atol=max(GRAD_ATOL, 1e-6 * float(ref_grads.abs().max()))
+                    )
+                ),
                 "grad_max_diff": float(diff.max()),
                 "grad_max_ref": float(ref_grads.abs().max()),
                 "encoder_grad": encoder_grad,

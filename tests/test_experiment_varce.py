@@ -157,6 +157,25 @@ def test_training_rows_mine_negatives_from_each_first_stage_in_turn(small_bm25):
         cross_encoder_training_data(coll, "train", {}, n_groups=2)
 
 
+def test_training_rows_take_positives_from_the_first_stages_top_k(small_bm25):
+    from pyterrier_prob.varce.data import cross_encoder_training_data
+
+    coll, index = small_bm25
+    bm25 = index.bm25(num_results=5)
+    rows, info = cross_encoder_training_data(coll, "train", bm25, n_groups=8, negatives=2, positive_depth=5)
+    _check_rows(coll, "train", rows, 2)
+    topics = coll.topics("train")
+    top5 = bm25(topics[["qid", "query"]])
+    texts = coll.doc_texts(set(top5["docno"]))
+    retrieved = {(q, texts[d]) for q, d in zip(top5["qid"], top5["docno"])}
+    by_query = dict(zip(topics["query"].map(lambda t: " ".join(str(t).split())), topics["qid"].astype(str)))
+    positives = rows.filter(lambda r: r["label"] == 1.0)
+    assert all((by_query[q], d) in retrieved for q, d in zip(positives["query"], positives["document"]))
+    assert info["positives_available"] < info["relevant_judged"]
+    with pytest.raises(ValueError, match="positive_depth must be an int >= 1"):
+        cross_encoder_training_data(coll, "train", bm25, n_groups=2, positive_depth=0)
+
+
 def test_rerank_rows_at_a_shallower_depth_rerank_only_bm25s_top_k():
     from scipy.stats import ttest_rel
 

@@ -190,7 +190,10 @@ def test_threshold_search_adversarial_order(data, tmp_path, monkeypatch):
                     got = hits.docids[hits.offsets[i] : hits.offsets[i + 1]]
                     expected = np.argsort(-cos[i], kind="stable")
                     n = int((cos[i] >= np.max(ts)).sum()) if k is None else k
-                    np.testing.assert_array_equal(got, expected[:n])
+                    assert len(got) == n
+                    # the same ranking; documents whose cosines differ by less than float32 rounding may swap
+                    np.testing.assert_allclose(cos[i][got], cos[i][expected[:n]], rtol=0, atol=1e-6)
+                    assert np.all(np.diff(cos[i][got]) <= 1e-6)
 
 
 def test_ties_at_the_cap_prefer_lower_docids(data, tmp_path):

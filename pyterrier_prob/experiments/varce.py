@@ -151,6 +151,8 @@ class VarceJobConfig(CommonConfig):
             (0: no curve, the last step's model).
         dev_every: steps between dev points (None: a tenth of the steps).
         extra_depths: shallower re-ranking depths also reported, from the same scores (BM25's top k re-ranked).
+        positive_depth: train only on the judged-relevant documents that a negative source ranks in its top k (the
+            candidates a re-ranker sees; None: every judged-relevant document).
     """
 
     output: str = "outputs/varce"
@@ -169,6 +171,7 @@ class VarceJobConfig(CommonConfig):
     inference_batch_size: int = 32
     negatives_from: Sequence[str] = ("bm25", "dense")
     extra_depths: Sequence[int] = (20,)
+    positive_depth: int | None = None
     dev_queries: int = 100
     dev_depth: int = 30
     dev_every: int | None = None
@@ -186,6 +189,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(
                 f"--dev-queries must be >= 0 and --dev-depth >= 1, got {self.dev_queries} and {self.dev_depth}"
             )
+        if self.positive_depth is not None and self.positive_depth < 1:
+            raise ValueError(f"--positive-depth must be >= 1, got {self.positive_depth}")
         if any(d < 1 for d in self.extra_depths):
             raise ValueError(f"--extra-depths must be >= 1, got {list(self.extra_depths)}")
         if self.dev_every is not None and self.dev_every < 1:
@@ -248,6 +253,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         default=list(d.extra_depths),
         help="shallower depths also reported (the same scores, BM25's top k re-ranked)",
     )
+    g.add_argument(
+        "--positive-depth",
+        type=int,
+        default=d.positive_depth,
+        help="positives only among the negative sources' top k (default: every judged-relevant document)",
+    )
     c = ap.add_argument_group("learning curve (dev)")
     c.add_argument("--dev-queries", type=int, default=d.dev_queries, help="seeded dev queries (0: no curve)")
     c.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 depth re-ranked per dev query")
@@ -272,6 +283,7 @@ def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
         inference_batch_size=a.inference_batch_size,
         negatives_from=tuple(a.negatives_from),
         extra_depths=tuple(a.extra_depths),
+        positive_depth=a.positive_depth,
         dev_queries=a.dev_queries,
         dev_depth=a.dev_depth,
         dev_every=a.dev_every,
@@ -754,6 +766,7 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
                     negatives=cfg.negatives,
                     pool_depth=cfg.pool_depth,
                     seed=cfg.seed,
+                    positive_depth=cfg.positive_depth,
                 )
         return rows_cache["rows"]
 
@@ -772,6 +785,7 @@ def _models(cfg: VarceJobConfig, h: Harness, data: Data, features: _PairFeatures
         "negatives": cfg.negatives,
         "pool_depth": cfg.pool_depth,
         "negatives_from": list(cfg.negatives_from),
+        **({"positive_depth": cfg.positive_depth} if cfg.positive_depth is not None else {}),
     }
     curves: dict[str, Any] = {}
     evaluate = _dev_evaluator(cfg, h, data) if train is not None and features is None else None
@@ -826,9 +840,10 @@ def _negative_sources(
     """The first stages the training negatives are mined from (``--negatives-from``): ``BM25`` (the collection's
     PISA index) and ``dense`` (the untrained base model as a bi-encoder, exhaustive search of its index)."""
     stages: dict[str, Callable[[pd.DataFrame], pd.DataFrame]] = {}
+    k = max(cfg.pool_depth, cfg.positive_depth or 0)  # the negatives come from the top pool_depth of these
     if "bm25" in cfg.negatives_from:
         index = h.bm25(coll)
-        stages["BM25"] = lambda t: h.bm25_run(index, t, cfg.pool_depth)
+        stages["BM25"] = lambda t: h.bm25_run(index, t, k)
     if "dense" in cfg.negatives_from:
         from sentence_transformers import SentenceTransformer
 
@@ -838,7 +853,7 @@ def _negative_sources(
             start, _ = h.train("dense-untrained", lambda: SentenceTransformer(base, device="cpu"), None, None)
         encoder = ProbBiEncoder(start, batch_size=64, verbose=False)
         dense = h.dense_index("dense-untrained", encoder, coll)
-        stages["dense"] = encoder.query_encoder() >> dense.np_retriever(num_results=cfg.pool_depth)
+        stages["dense"] = encoder.query_encoder() >> dense.np_retriever(num_results=k)
     return stages
 
 
@@ -1306,8 +1321,9 @@ def _markdown(
     if rows:
         lines += [
             f"Training rows: {rows['rows']} from {rows['source']} ({rows['queries']} queries; 1 judged-relevant : "
-            f"{rows['negatives_per_group']} negatives, {rows['negatives']}; {rows['random_negatives_filled_in']} "
-            "random negatives filled in).",
+            f"{rows['negatives_per_group']} negatives, {rows['negatives']}, from {rows.get('negatives_from')}; "
+            f"{rows['random_negatives_filled_in']} random negatives filled in; positives: {rows.get('positives')}, "
+            f"{rows.get('positives_available')} of {rows.get('relevant_judged')} judged-relevant).",
             "",
         ]
     losses = summary.get("training_loss_first_last") or {}

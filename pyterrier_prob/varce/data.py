@@ -37,6 +37,7 @@ def cross_encoder_training_data(
     pool_depth: int = 30,
     seed: int = 0,
     min_relevance: int = 1,
+    positive_depth: int | None = None,
 ) -> tuple[Dataset, dict[str, Any]]:
     """``(query, document, label)`` rows: per group one judged-relevant document and ``negatives`` hard negatives.
 
@@ -48,6 +49,11 @@ def cross_encoder_training_data(
     fill in (counted in the returned info). Several first stages (a mapping name -> first stage, e.g. BM25 and the
     untrained dense model) share the negatives of a group in turn: the i-th negative comes from stage i mod S's pool
     (a document already drawn is skipped; a stage whose pool is spent hands its turn to the next).
+
+    With ``positive_depth`` the positives are only the relevant documents some first stage ranks in its top
+    ``positive_depth`` (the candidates a re-ranker of that depth sees; queries with none are left out): otherwise
+    most positives of a collection judged by citation (nfcorpus) are documents no first stage retrieves, set against
+    negatives taken from the top of the first stages, and a re-ranker learns to prefer documents unlike the query.
 
     The relevant documents of a query are cycled across the rounds: shuffled once per query (``seed``), its r-th
     group takes the (r mod n)-th of its n relevant documents, so every relevant document of a query is trained on
@@ -64,6 +70,8 @@ def cross_encoder_training_data(
         pool_depth: depth of the first-stage ranking the negatives come from.
         seed: seed of the query order, the order each query's positives cycle in, and the negatives.
         min_relevance: smallest label counted as relevant.
+        positive_depth: keep only positives within a first stage's top ``positive_depth`` (None: every relevant
+            document); the first stages must return that many documents per query.
 
     Returns:
         ``(dataset, info)``: a :class:`datasets.Dataset` with columns ``query``, ``document``, ``label`` (float;
@@ -72,7 +80,10 @@ def cross_encoder_training_data(
     Raises:
         ValueError: bad sizes, or a split with no relevant (query, document) pair in the corpus.
     """
-    for name, value, low in (("n_groups", n_groups, 1), ("negatives", negatives, 1), ("pool_depth", pool_depth, 1)):
+    sizes = [("n_groups", n_groups, 1), ("negatives", negatives, 1), ("pool_depth", pool_depth, 1)]
+    if positive_depth is not None:
+        sizes.append(("positive_depth", positive_depth, 1))
+    for name, value, low in sizes:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     topics = collection.topics(split)
@@ -95,21 +106,36 @@ def cross_encoder_training_data(
             f"{collection.name}/{split} has no query with a judged-relevant document (label >= {min_relevance}) "
             "in the corpus: nothing to train a re-ranker on"
         )
-    rng = random.Random(seed)
-    rng.shuffle(qids)
-    picked = [qids[i % len(qids)] for i in range(n_groups)]
-    unique = list(dict.fromkeys(picked))
     stages = dict(first_stage) if isinstance(first_stage, Mapping) else {"first_stage": first_stage}
     if not stages or not all(callable(f) for f in stages.values()):
         raise ValueError("first_stage must be a callable or a non-empty mapping of names to callables")
-    frame = pd.DataFrame({"qid": unique, "query": [queries[q] for q in unique]})
+    frame = pd.DataFrame({"qid": qids, "query": [queries[q] for q in qids]})
     pools: dict[str, dict[str, list[str]]] = {}
+    ranked_docs: dict[str, set[str]] = {}
     for name, stage in stages.items():
         ranked = stage(frame)
         ranked = ranked.assign(qid=ranked["qid"].astype(str), docno=ranked["docno"].astype(str))
         if "rank" in ranked.columns:
             ranked = ranked.sort_values(["qid", "rank"], kind="stable")
-        pools[name] = {q: list(g["docno"].head(pool_depth)) for q, g in ranked.groupby("qid", sort=False)}
+        pools[name] = {}
+        for q, g in ranked.groupby("qid", sort=False):
+            docs = list(g["docno"])
+            pools[name][q] = docs[:pool_depth]
+            if positive_depth is not None:
+                ranked_docs.setdefault(q, set()).update(docs[:positive_depth])
+    n_relevant = sum(len(relevant[q]) for q in qids)
+    if positive_depth is not None:
+        relevant = {q: [d for d in relevant[q] if d in ranked_docs.get(q, ())] for q in qids}
+        qids = [q for q in qids if relevant[q]]
+        if not qids:
+            raise ValueError(
+                f"no query of {collection.name}/{split} has a judged-relevant document in a first stage's top "
+                f"{positive_depth}"
+            )
+    rng = random.Random(seed)
+    rng.shuffle(qids)
+    picked = [qids[i % len(qids)] for i in range(n_groups)]
+    unique = list(dict.fromkeys(picked))
 
     positives = {q: rng.sample(relevant[q], len(relevant[q])) for q in unique}  # each query's cycle, shuffled once
     rounds = dict.fromkeys(unique, 0)
@@ -152,6 +178,13 @@ def cross_encoder_training_data(
         "negatives_per_group": negatives,
         "negatives": f"first-stage top {pool_depth} of the query minus its judged documents",
         "negatives_from": dict(zip(stages, from_stage)),
+        "positives": (
+            "every judged-relevant document"
+            if positive_depth is None
+            else f"judged-relevant documents in a first stage's top {positive_depth}"
+        ),
+        "positives_available": sum(len(relevant[q]) for q in qids),
+        "relevant_judged": n_relevant,
         "random_negatives_filled_in": n_random,
     }
     return Dataset.from_dict(rows), info
