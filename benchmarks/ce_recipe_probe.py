@@ -16,7 +16,8 @@ lower-layer pair states; 6: full fine-tuning).
 
 ``--experiment-output`` is the folder of a ``pyterrier-prob varce`` run (``benchmarks/varce_rerank.py``), whose BM25
 and dense indexes and state cache are reused. Each probe writes its curve to ``<--out-dir>/<name>.json``;
-``--table`` merges the curves into ``benchmarks/results/ce_recipe_probe.json``.
+``--references`` writes BM25's and the untrained bi-encoder's dev nDCG@10 on the same candidates; ``--table`` merges
+the curves and references into ``benchmarks/results/ce_recipe_probe.json``.
 """
 
 from __future__ import annotations
@@ -73,6 +74,12 @@ def probe(a: argparse.Namespace) -> None:
     dense = DenseIndex(os.path.join(out, "indexes", "dense-untrained-beir-nfcorpus.flex"))
     k = max(30, a.positive_depth or 0)
     stages = {"BM25": bm25.bm25(num_results=k), "dense": enc.query_encoder() >> dense.np_retriever(num_results=k)}
+    if a.negatives == "random":  # a sanity check: no first stage, so every negative is a random unjudged document
+
+        def nothing(topics):
+            return topics.iloc[:0].assign(docno=[], rank=[])
+
+        stages = {"none": nothing}
     rows, info = cross_encoder_training_data(
         coll,
         "train",
@@ -130,14 +137,53 @@ def probe(a: argparse.Namespace) -> None:
     print(a.name, [(p["step"], round(p["dev"], 4)) for p in curve.points], "BM25", round(bm25_dev, 4), flush=True)
 
 
+def references(a: argparse.Namespace) -> None:
+    """The references on the probes' dev queries and candidates: BM25's order and the untrained MiniLM bi-encoder
+    (cosine of its normalised embeddings, 128 tokens) re-ranking BM25's top 20."""
+    import numpy as np
+    from pyterrier_pisa import PisaIndex
+    from sentence_transformers import SentenceTransformer
+
+    from pyterrier_prob.collections import load_collection
+    from pyterrier_prob.experiments.varce import _eval_queries
+    from pyterrier_prob.varce import per_query
+    from st_extensions import default_model_path
+
+    coll = load_collection("irds:beir/nfcorpus")
+    topics, qrels, _ = _eval_queries(coll.topics("dev"), coll.qrels("dev"), 50, 0)
+    bm25 = PisaIndex(os.path.join(a.experiment_output, "indexes", "bm25-beir-nfcorpus.pisa"), text_field="text")
+    cand = bm25.bm25(num_results=20)(topics)
+    out = {"BM25": float(per_query(cand, qrels, "nDCG@10", topics=topics).mean())}
+    texts = coll.doc_texts(set(cand["docno"]))
+    model = SentenceTransformer(default_model_path(), device="cpu")
+    model.max_seq_length = 128
+    q = model.encode(list(cand["query"]), normalize_embeddings=True, batch_size=64)
+    d = model.encode(list(cand["docno"].map(texts)), normalize_embeddings=True, batch_size=64)
+    run = cand[["qid", "docno"]].assign(score=np.sum(q * d, axis=1).astype(np.float64))
+    out["untrained MiniLM bi-encoder"] = float(per_query(run, qrels, "nDCG@10", topics=topics).mean())
+    out["command"] = "python " + shlex.join(sys.argv)
+    os.makedirs(a.out_dir, exist_ok=True)
+    with open(os.path.join(a.out_dir, "references.json"), "w", encoding="utf8") as f:
+        json.dump(out, f, indent=1)
+    print(out)
+
+
 def table(a: argparse.Namespace) -> None:
-    rows = []
+    rows, refs = [], None
     for path in sorted(glob.glob(os.path.join(a.out_dir, "*.json"))):
         with open(path, encoding="utf8") as f:
             c = json.load(f)
-        rows.append({"name": os.path.basename(path)[:-5], **c})
+        if os.path.basename(path) == "references.json":
+            refs = c
+        else:
+            rows.append({"name": os.path.basename(path)[:-5], **c})
+    result = {
+        "benchmark": "cross-encoder recipe probes: dev nDCG@10 of 50 nfcorpus/dev queries, BM25 top 20 re-ranked",
+        "references": refs,
+        "probes": rows,
+    }
     with open(a.table, "w", encoding="utf8") as f:
-        json.dump({"benchmark": "cross-encoder recipe probes, nfcorpus dev", "probes": rows}, f, indent=1)
+        json.dump(result, f, indent=1)
     for r in rows:
         best = r.get("best") or {}
         print(f"{r['name']}: best dev {best.get('dev')} at step {best.get('step')}; BM25 {r.get('bm25_dev_nDCG10')}")
@@ -153,14 +199,16 @@ def main() -> int:
     ap.add_argument("--pool", choices=["cls", "mean"], default="cls")
     ap.add_argument("--layers", type=int, default=2, help="top layers that train (6: full fine-tuning)")
     ap.add_argument("--positive-depth", type=int, default=None, help="positives only from the first stages' top k")
+    ap.add_argument("--negatives", choices=["mined", "random"], default="mined", help="random: a sanity check")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out-dir", default="outputs/ce_recipe_probe")
     ap.add_argument("--table", default=None, help="merge the curves in --out-dir into this JSON instead of probing")
+    ap.add_argument("--references", action="store_true", help="BM25 and the untrained bi-encoder on the dev queries")
     a = ap.parse_args()
-    (table if a.table else probe)(a)
+    (table if a.table else references if a.references else probe)(a)
     return 0
 
 
