@@ -7,7 +7,8 @@ nDCG@10 is recorded every ``--every`` steps (:class:`~pyterrier_prob.curves.DevC
 queries, BM25's top 20 re-ranked; BM25's own value on the same queries is printed beside it. Test queries are never
 read. Settings: the positives (``--positive-depth k``: only judged-relevant documents in a first stage's top k), the
 loss (``bce``: BinaryCrossEntropyLoss on single rows, as the experiment; ``lce``: softmax over each query's group of 1
-relevant + 3 negatives, localised contrastive estimation, no in-batch negatives), the rate of the encoder layers and of
+relevant + 3 negatives, localised contrastive estimation, no in-batch negatives; ``distill``: MSE towards the
+untrained bi-encoder's cosine of each training pair, no labels), the rate of the encoder layers and of
 the head, the pooling (``cls`` / ``mean``), and how many top layers train (1-5: the partial recipe on cached
 lower-layer pair states; 6: full fine-tuning).
 
@@ -90,6 +91,14 @@ def probe(a: argparse.Namespace) -> None:
         positive_depth=a.positive_depth,
     )
     print(json.dumps(info), flush=True)
+    if a.loss == "distill":  # targets: the untrained bi-encoder's cosine of each pair, times --distill-scale
+        model_b = SentenceTransformer(default_model_path(), device="cpu")
+        model_b.max_seq_length = 128
+        qs, ds = sorted(set(rows["query"])), sorted(set(rows["document"]))
+        qv = dict(zip(qs, model_b.encode(qs, normalize_embeddings=True, batch_size=64, show_progress_bar=True)))
+        dv = dict(zip(ds, model_b.encode(ds, normalize_embeddings=True, batch_size=64, show_progress_bar=True)))
+        cos = [float(qv[q] @ dv[d]) * a.distill_scale for q, d in zip(rows["query"], rows["document"])]
+        rows = rows.remove_columns("label").add_column("label", cos)
     if a.loss == "lce":  # one row per group: query, positive, negative_1..3
         d, n = rows.to_dict(), len(rows) // 4
         rows = Dataset.from_dict(
@@ -115,7 +124,12 @@ def probe(a: argparse.Namespace) -> None:
     model = build_cross_encoder(None, max_seq_length=128, device="cpu")
     if a.pool != "cls":
         model._modules["1"] = Pooling(model[0].get_embedding_dimension(), a.pool)
-    loss = BinaryCrossEntropyLoss(model) if a.loss == "bce" else _lce_loss(model)
+    if a.loss == "distill":
+        from sentence_transformers.cross_encoder.losses import MSELoss
+
+        loss = MSELoss(model, activation_fn=torch.nn.Identity())
+    else:
+        loss = BinaryCrossEntropyLoss(model) if a.loss == "bce" else _lce_loss(model)
     partial = a.layers < len(model[0].auto_model.encoder.layer)
     recipe = Recipe(
         mode="partial" if partial else "full",
@@ -193,7 +207,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experiment-output", default="outputs/varce_rerank")
     ap.add_argument("--name", default="bce")
-    ap.add_argument("--loss", choices=["bce", "lce"], default="bce")
+    ap.add_argument("--loss", choices=["bce", "lce", "distill"], default="bce")
+    ap.add_argument("--distill-scale", type=float, default=10.0, help="distill: target = scale x bi-encoder cosine")
     ap.add_argument("--lr", type=float, default=1e-4, help="the encoder layers' rate")
     ap.add_argument("--head-lr", type=float, default=1e-3, help="the linear ranker's rate")
     ap.add_argument("--pool", choices=["cls", "mean"], default="cls")

@@ -10,17 +10,22 @@ BM25, ``pt.Experiment`` and the report come from :mod:`pyterrier_prob.experiment
 1. from the same backbone (``--model``, default the packaged all-MiniLM-L6-v2) fine-tune three re-rankers with the
    same rows, steps, batch size, learning rate (10% warm-up), seed and ``max_seq_length``:
 
-   * ``CE``: a one-label cross-encoder with ``BinaryCrossEntropyLoss`` (recipe ``full``: sentence-transformers'
-     sequence-classification ``CrossEncoder``; recipe ``frozen``: the same [CLS] features as the VarCEs and a linear
-     ranker, :func:`st_extensions.cross_encoder.frozen.build_cross_encoder`);
+   * ``CE``: a one-label cross-encoder with ``BinaryCrossEntropyLoss``: the VarCEs' backbone and [CLS] pooling and a
+     linear ranker (:func:`st_extensions.cross_encoder.frozen.build_cross_encoder`) trained at the VarCE head's rate;
    * ``VarCE-MEANVAR`` and ``VarCE-VAR``: :func:`~st_extensions.cross_encoder.build_var_cross_encoder` (the two
      probabilistic modules of Sec. 3.2.1) with :class:`~st_extensions.losses.VariationalBCELoss` (``--beta``,
      default 1e-7, one Monte Carlo sample);
 
    the rows (:func:`pyterrier_prob.varce.data.cross_encoder_training_data`) are, per train query, one
    judged-relevant document (label 1; a query's relevant documents cycled across rounds) and ``--negatives``
-   documents (label 0) from its BM25 top ``--pool-depth`` minus every document judged for it (the paper's 1 : 4 ratio
-   of Sec. 4.3, scaled to 1 : 3 by default). ``--recipe full`` fine-tunes the backbone and the head (the encoder at
+   documents (label 0) from the top ``--pool-depth`` of BM25 and of the untrained model as a dense retriever, in turn
+   (``--negatives-from``), minus every document judged for it (the paper's 1 : 4 ratio of Sec. 4.3, scaled to 1 : 3
+   by default; ``--positive-depth`` keeps only positives those first stages retrieve). ``--recipe partial`` trains
+   the top ``--train-layers`` layers and the heads on cached lower-layer pair states, and the three re-rankers then
+   score every pair in one pass through their shared lower layers
+   (:func:`~st_extensions.partial.predict_sharing_layers`); with a dev split each model is the one at its best point
+   of a dev learning curve (``--dev-queries``, ``--dev-every``; :class:`~pyterrier_prob.curves.DevCurve`), and the
+   risk-aware lambda is chosen on dev. ``--recipe full`` fine-tunes the backbone and the head (the encoder at
    ``--lr``, the VarCE head at ``VariationalHead.learning_rate``); ``--recipe frozen`` (the default) keeps the
    backbone as pre-trained and trains only each head, on the backbone's [CLS] features of every training pair
    computed once per run and shared by the three re-rankers (:mod:`st_extensions.cross_encoder.frozen`), every head
