@@ -33,6 +33,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+FUSION_ALPHAS = (0.1, 0.2, 0.3, 0.5, 0.7)  # the probe's interpolations with BM25 (pyterrier_prob.fusion)
+
+
 def _lce_loss(model):
     """Softmax cross-entropy over each row's (query, positive, negative_1..k) scores: sentence-transformers'
     cross-encoder MultipleNegativesRankingLoss on logits without its in-batch negatives (another query's document may
@@ -60,6 +63,7 @@ def probe(a: argparse.Namespace) -> None:
     from pyterrier_prob.collections import load_collection
     from pyterrier_prob.curves import DevCurve
     from pyterrier_prob.experiments.varce import CE_HEAD_PARAMETERS, _eval_queries
+    from pyterrier_prob.fusion import zscore_per_query
     from pyterrier_prob.index import DenseIndex
     from pyterrier_prob.training import Recipe, fine_tune
     from pyterrier_prob.varce import per_query
@@ -111,13 +115,32 @@ def probe(a: argparse.Namespace) -> None:
     topics, qrels, _ = _eval_queries(coll.topics("dev"), coll.qrels("dev"), 50, 0)
     cand = bm25.bm25(num_results=20)(topics)
     bm25_dev = float(per_query(cand, qrels, "nDCG@10", topics=topics).mean())
-    cand = cand[["qid", "docno"]].merge(topics, on="qid")
+    cand = cand[["qid", "docno", "score"]].merge(topics, on="qid")
     texts = coll.doc_texts(set(cand["docno"]))
     pairs = list(zip(cand["query"], cand["docno"].map(texts)))
 
+    fusion: list[dict[str, float]] = []  # per evaluation: dev nDCG@10 of alpha * z(CE) + (1 - alpha) * z(BM25)
+    bm25_z = zscore_per_query(cand["qid"], cand["score"].to_numpy(np.float64))
+
     def evaluate(model) -> float:
         s = model.predict(pairs, batch_size=32, activation_fn=torch.nn.Identity(), show_progress_bar=False)
-        run = cand[["qid", "docno"]].assign(score=np.asarray(s, dtype=np.float64))
+        s = np.asarray(s, dtype=np.float64)
+        run = cand[["qid", "docno"]].assign(score=s)
+        ce_z = zscore_per_query(cand["qid"], s)
+        fusion.append(
+            {
+                f"{alpha:g}": float(
+                    per_query(
+                        cand[["qid", "docno"]].assign(score=alpha * ce_z + (1 - alpha) * bm25_z),
+                        qrels,
+                        "nDCG@10",
+                        topics=topics,
+                    ).mean()
+                )
+                for alpha in FUSION_ALPHAS
+            }
+        )
+        print("fusion", fusion[-1], flush=True)
         return float(per_query(run, qrels, "nDCG@10", topics=topics).mean())
 
     torch.manual_seed(0)
@@ -146,6 +169,9 @@ def probe(a: argparse.Namespace) -> None:
     with open(os.path.join(a.out_dir, f"{a.name}.json"), encoding="utf8") as f:
         saved = json.load(f)
     saved.update(bm25_dev_nDCG10=bm25_dev, settings=vars(a), command="python " + shlex.join(sys.argv))
+    saved["fusion_with_bm25"] = fusion  # one entry per evaluation, in the order of "points"
+    if a.save_model:
+        model.save(os.path.join(a.out_dir, f"{a.name}.model"))
     with open(os.path.join(a.out_dir, f"{a.name}.json"), "w", encoding="utf8") as f:
         json.dump(saved, f, indent=1)
     print(a.name, [(p["step"], round(p["dev"], 4)) for p in curve.points], "BM25", round(bm25_dev, 4), flush=True)
@@ -219,6 +245,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--save-model", action="store_true", help="save the model of the best dev point into --out-dir")
     ap.add_argument("--out-dir", default="outputs/ce_recipe_probe")
     ap.add_argument("--table", default=None, help="merge the curves in --out-dir into this JSON instead of probing")
     ap.add_argument("--references", action="store_true", help="BM25 and the untrained bi-encoder on the dev queries")

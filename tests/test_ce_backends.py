@@ -175,3 +175,25 @@ def test_torch_weights_are_untouched_by_exports(saved):
             folder = os.path.join(saved[name], sub)
             names = os.listdir(folder) if os.path.isdir(folder) else []
             assert not [n for n in names if n.startswith(".export-")]  # no temporary folder left behind
+
+
+def test_export_graph_is_the_fusable_one_and_attention_is_restored(saved):
+    """The ONNX export runs the encoder with eager attention (the graph ONNX Runtime fuses) and gives the model its own
+    attention implementation back; the int8 export has int8 weights (the u8s8 kernels)."""
+    onnx = pytest.importorskip("onnx")
+    from st_extensions.cross_encoder.backends import _eager_attention
+
+    model = build_cross_encoder(None, max_seq_length=32, device="cpu")
+    encoder = model[0].auto_model
+    before = encoder.config._attn_implementation
+    with _eager_attention(encoder):
+        assert encoder.config._attn_implementation == "eager"
+    assert encoder.config._attn_implementation == before
+    load_cross_encoder(saved["var"], backend="onnx", precision="int8")  # made (or reused) by the tests above
+    graph = onnx.load(os.path.join(saved["var"], FILES["onnx", "fp32"]), load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    assert "Softmax" in ops and "IsNaN" not in ops  # eager attention, not SDPA's guarded softmax
+    q = onnx.load(os.path.join(saved["var"], FILES["onnx", "int8"])).graph
+    int8_weights = [t for t in q.initializer if t.data_type == onnx.TensorProto.INT8]
+    assert len(int8_weights) >= 6 * 6  # every linear layer of the 6 BERT layers, at least
+    assert "MatMulInteger" in {n.op_type for n in q.node} or "DynamicQuantizeMatMul" in {n.op_type for n in q.node}

@@ -1,0 +1,129 @@
+"""Score interpolation of a re-ranker with its first stage: ``alpha * z(re-ranker) + (1 - alpha) * z(first stage)``.
+
+A re-ranker trained on little data often orders a first stage's candidates worse than the first stage itself, yet
+carries a signal that the first stage lacks; the usual remedy is to interpolate the two scores (e.g. BM25 with a
+BERT re-ranker or a dense retriever). Scores on different scales are first standardised within each query
+(z-scores: mean 0, standard deviation 1 over that query's candidates), so that ``alpha`` means the same for every
+query and every model. ``alpha = 1`` is the re-ranker alone, ``alpha = 0`` the first stage's order.
+
+    pipeline = bm25 % 100 >> text_loader >> ScoreInterpolation(reranker, alpha=0.3)
+
+``alpha`` is a hyperparameter: choose it on dev queries (:func:`choose_alpha`), never on the reported ones.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+
+__all__ = ["ALPHAS", "ScoreInterpolation", "choose_alpha", "interpolate", "zscore_per_query"]
+
+
+def zscore_per_query(qids: Sequence[Any] | pd.Series, scores: Sequence[float] | np.ndarray) -> np.ndarray:
+    """``scores`` standardised within each query: (s - mean) / sd over the query's rows (population sd); a query
+    with one row or constant scores gets 0 for each of them. Raises ValueError on a non-finite score."""
+    s = np.asarray(scores, dtype=np.float64)
+    q = pd.Series(np.asarray(qids, dtype=object))
+    if len(q) != len(s):
+        raise ValueError(f"qids and scores differ in length: {len(q)} != {len(s)}")
+    bad = np.flatnonzero(~np.isfinite(s))
+    if len(bad):
+        raise ValueError(f"score of row {int(bad[0])} (qid {q.iloc[bad[0]]!r}) is {s[bad[0]]}: scores must be finite")
+    g = pd.Series(s).groupby(q.to_numpy())
+    mean = g.transform("mean").to_numpy()
+    sd = g.transform(lambda v: v.std(ddof=0)).to_numpy()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = (s - mean) / sd
+    return np.where(sd > 0, z, 0.0)
+
+
+def _check_alpha(alpha: Any) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    return float(alpha)
+
+
+def interpolate(
+    qids: Sequence[Any] | pd.Series,
+    first: Sequence[float] | np.ndarray,
+    second: Sequence[float] | np.ndarray,
+    alpha: float,
+) -> np.ndarray:
+    """``alpha * z(second) + (1 - alpha) * z(first)``, each standardised within its query (:func:`zscore_per_query`);
+    ``first`` is the first stage's score, ``second`` the re-ranker's."""
+    alpha = _check_alpha(alpha)
+    return alpha * zscore_per_query(qids, second) + (1.0 - alpha) * zscore_per_query(qids, first)
+
+
+def _ranked(frame: pd.DataFrame, score: np.ndarray) -> pd.DataFrame:
+    out = frame.assign(score=score)
+    out = out.sort_values(["qid", "score"], ascending=[True, False], kind="stable").reset_index(drop=True)
+    out["rank"] = out.groupby("qid").cumcount()
+    return out
+
+
+class ScoreInterpolation(pt.Transformer):
+    """Runs ``reranker`` on a first stage's candidates and ranks them by ``alpha * z(reranker's score) +
+    (1 - alpha) * z(incoming score)`` (z within each query, :func:`zscore_per_query`).
+
+    Input: a result frame with ``qid, docno, score`` (the first stage's score) and whatever ``reranker`` needs.
+    Output: the reranker's rows and columns with ``first_score`` (the incoming score), ``reranker_score`` (the
+    reranker's), ``score`` (the interpolation) and ``rank`` (from 0), each query's best first (ties keep the
+    reranker's order). The reranker must return every candidate it was given (a re-ranker, not a retriever).
+
+    Args:
+        reranker: a PyTerrier transformer that re-scores the candidates (e.g. a CrossEncoder or
+            :class:`~pyterrier_prob.varce.VarCrossEncoderReranker`).
+        alpha: the re-ranker's weight in [0, 1] (1: the re-ranker alone; 0: the first stage's order).
+    """
+
+    def __init__(self, reranker: pt.Transformer, alpha: float) -> None:
+        if not isinstance(reranker, pt.Transformer):
+            raise TypeError(f"reranker must be a pyterrier Transformer, got {type(reranker).__name__}")
+        self.reranker = reranker
+        self.alpha = _check_alpha(alpha)
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        missing = [c for c in ("qid", "docno", "score") if c not in inp.columns]
+        if missing:
+            raise ValueError(f"ScoreInterpolation needs the first stage's columns {missing} in its input")
+        if inp.empty:
+            return inp.assign(first_score=[], reranker_score=[], rank=[])
+        if inp.duplicated(["qid", "docno"]).any():
+            row = inp.index[inp.duplicated(["qid", "docno"])][0]
+            raise ValueError(f"row {row}: (qid, docno) {tuple(inp.loc[row, ['qid', 'docno']])} occurs twice")
+        first = inp[["qid", "docno", "score"]].rename(columns={"score": "first_score"})
+        out = self.reranker(inp.drop(columns=["rank"], errors="ignore"))
+        out = out.drop(columns=["first_score"], errors="ignore").merge(first, on=["qid", "docno"], how="left")
+        if len(out) != len(inp) or out["first_score"].isna().any():
+            raise ValueError(
+                f"the reranker returned {len(out)} rows for {len(inp)} candidates (or documents it was not given): "
+                "ScoreInterpolation needs a re-ranker that scores every candidate"
+            )
+        out = out.rename(columns={"score": "reranker_score"})
+        fused = interpolate(out["qid"], out["first_score"], out["reranker_score"], self.alpha)
+        return _ranked(out, fused)
+
+    def __repr__(self) -> str:
+        return f"ScoreInterpolation({self.reranker!r}, alpha={self.alpha:g})"
+
+
+ALPHAS: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+"""The alphas :func:`choose_alpha` tries by default."""
+
+
+def choose_alpha(
+    evaluate: Callable[[float], float], alphas: Sequence[float] = ALPHAS
+) -> tuple[float, dict[float, float]]:
+    """The ``alpha`` with the highest ``evaluate(alpha)`` (e.g. dev nDCG@10 of the interpolated run; ties: the
+    smaller alpha) and every value tried."""
+    if not alphas:
+        raise ValueError("alphas is empty")
+    values = {_check_alpha(a): float(evaluate(float(a))) for a in alphas}
+    best = max(values, key=lambda a: (values[a], -a))
+    return best, values
