@@ -3,7 +3,7 @@
 Each paper's PyTerrier side is one subpackage (:mod:`pyterrier_prob.pebr`, :mod:`~pyterrier_prob.mol`,
 :mod:`~pyterrier_prob.varce`, :mod:`~pyterrier_prob.unierf`) on shared pieces (:mod:`~pyterrier_prob.index`,
 :mod:`~pyterrier_prob.collections`, :mod:`~pyterrier_prob.training`, :mod:`~pyterrier_prob.evaluation`,
-:mod:`~pyterrier_prob.atomic`); :mod:`pyterrier_prob.experiments` holds what ``pyterrier-prob <paper>`` runs. The
+:mod:`~pyterrier_prob.fusion`, :mod:`~pyterrier_prob.atomic`); :mod:`pyterrier_prob.experiments` holds what ``pyterrier-prob <paper>`` runs. The
 models, modules and losses they use live in :mod:`st_extensions`.
 """
 
@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "MoLRetriever": "pyterrier_prob.mol",
     "MoLReranker": "pyterrier_prob.mol",
     "VarCrossEncoderReranker": "pyterrier_prob.varce",
+    "ScoreInterpolation": "pyterrier_prob.fusion",
     "QueryNoise": "pyterrier_prob.varce",
     "NOISE_TYPES": "pyterrier_prob.varce",
     "all_noise": "pyterrier_prob.varce",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -201,6 +202,37 @@ def test_rerank_rows_at_a_shallower_depth_rerank_only_bm25s_top_k():
     assert rows[(6, "CE")]["p_vs_bm25"] == pytest.approx(ttest_rel(full_ce, full_bm25).pvalue)
     assert rows[(6, "CE")]["nDCG@10"] > rows[(6, "BM25")]["nDCG@10"]  # d5, d3, d4 move up
     assert rows[(6, "BM25")]["p_vs_bm25"] is None and rows[(6, "CE")]["p_vs_CE"] is None
+
+
+def test_rerank_rows_interpolated_with_bm25():
+    """``<re-ranker>+BM25`` rows: alpha 0 is BM25's order, alpha 1 the re-ranker's, in between the per-query z-score
+    mix of pyterrier_prob.fusion over the depth's candidates."""
+    from pyterrier_prob.experiments.varce import _rerank_rows, ranked
+    from pyterrier_prob.fusion import interpolate
+    from pyterrier_prob.varce import per_query
+
+    qids, docs = ["q1", "q2", "q3"], [f"d{i}" for i in range(6)]
+    rng = np.random.default_rng(0)
+    cand = pd.DataFrame(
+        [(q, d, 10.0 - r + rng.uniform(0, 0.5), r) for q in qids for r, d in enumerate(docs)],
+        columns=["qid", "docno", "score", "rank"],
+    )
+    topics = pd.DataFrame({"qid": qids, "query": ["a", "b", "c"]})
+    qrels = pd.DataFrame({"qid": ["q1", "q2", "q3", "q3"], "docno": ["d5", "d3", "d1", "d4"], "label": [1, 1, 1, 2]})
+    mean = rng.normal(size=len(cand))
+    runs = {"BM25": cand, "CE": ranked(cand, mean, mean * 0)}
+
+    def rows(alpha, depth=6):
+        out = _rerank_rows("c", depth, cand, runs, topics, qrels, {"CE": alpha})
+        return {r["system"]: r for r in out}
+
+    assert rows(0.0)["CE+BM25"]["nDCG@10"] == pytest.approx(rows(0.0)["BM25"]["nDCG@10"])
+    assert rows(1.0)["CE+BM25"]["nDCG@10"] == pytest.approx(rows(1.0)["CE"]["nDCG@10"])
+    top = cand[cand["rank"] < 4]
+    fused = interpolate(top["qid"], top["score"], mean[cand["rank"] < 4], 0.4)
+    expected = per_query(top.assign(score=fused), qrels, topics=topics).mean()
+    assert rows(0.4, depth=4)["CE+BM25"]["nDCG@10"] == pytest.approx(expected)
+    assert "CE+BM25" not in {r["system"] for r in _rerank_rows("c", 6, cand, runs, topics, qrels)}
 
 
 def test_training_rows_need_relevant_documents(small_bm25):

@@ -25,7 +25,9 @@ BM25, ``pt.Experiment`` and the report come from :mod:`pyterrier_prob.experiment
    score every pair in one pass through their shared lower layers
    (:func:`~st_extensions.partial.predict_sharing_layers`); with a dev split each model is the one at its best point
    of a dev learning curve (``--dev-queries``, ``--dev-every``; :class:`~pyterrier_prob.curves.DevCurve`), and the
-   risk-aware lambda is chosen on dev. ``--recipe full`` fine-tunes the backbone and the head (the encoder at
+   risk-aware lambda is chosen on dev, as is the alpha of each re-ranker's interpolation with BM25 (the
+   ``<re-ranker>+BM25`` rows of ``summary.json``'s ``rerank_rows``: alpha * z(E[s]) + (1 - alpha) * z(BM25) per query,
+   :mod:`pyterrier_prob.fusion`; the out-of-domain collections use nfcorpus' alpha, zero-shot). ``--recipe full`` fine-tunes the backbone and the head (the encoder at
    ``--lr``, the VarCE head at ``VariationalHead.learning_rate``); ``--recipe frozen`` (the default) keeps the
    backbone as pre-trained and trains only each head, on the backbone's [CLS] features of every training pair
    computed once per run and shared by the three re-rankers (:mod:`st_extensions.cross_encoder.frozen`), every head
@@ -928,6 +930,7 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         ``{"results", "uncertainty", "risk", "hard_queries", "robustness": frames, "summary": dict}``.
     """
     from pyterrier_prob.collections import choose_splits, load_collection
+    from pyterrier_prob.fusion import choose_alpha
     from pyterrier_prob.varce import hard_query_table, per_query
 
     cfg.check()
@@ -1019,35 +1022,42 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         tables.append(exp)
     results = pd.concat(tables, ignore_index=True)
 
-    rerank_rows = []
-    for tg in targets:
-        for depth in sorted({tg.depth, *(d for d in cfg.extra_depths if d < tg.depth)}, reverse=True):
-            rerank_rows += _rerank_rows(tg.label, depth, cands[tg.label], runs[tg.label], tg.topics, tg.qrels)
-
-    # ---- risk-aware ranking: lambda chosen on dev ------------------------------------------------------------------
+    # ---- on dev: lambda of the risk-aware ranking, alpha of the interpolation with BM25 ---------------------------
     risks = sorted({0.0, *map(float, cfg.risks)})
     chosen: dict[str, dict[str, Any]] = {}
-    if var_systems and data.dev is not None and cfg.dev_queries and len(risks) > 1:
+    alphas: dict[str, dict[str, Any]] = {}
+    if models and data.dev is not None and cfg.dev_queries:
         dev_coll = data.train_collection
         dev_topics, dev_qrels, _ = _eval_queries(data.cal_topics, data.cal_qrels, cfg.dev_queries, cfg.seed)
         dev_target = _Target(
             f"{dev_coll.name}/{data.dev}", dev_coll, data.dev, h.bm25(dev_coll), dev_topics, dev_qrels, cfg.depth, 0
         )
         with h.stage(
-            "risk_dev", f"choosing lambda on {len(dev_topics)} {dev_target.label} queries (depth {cfg.depth})"
+            "risk_dev",
+            f"choosing lambda and alpha on {len(dev_topics)} {dev_target.label} queries (depth {cfg.depth})",
         ):
             cand = candidates(dev_target, dev_topics, cfg.depth)
-            dev_scorers = {n: scorers[n] for n in var_systems}
             if prefetch is not None:
-                prefetch(dev_target.label, cand, dev_scorers)
-            for n in var_systems:
+                prefetch(dev_target.label, cand, scorers)
+            for n in models:
                 mean, std = scorers[n].score(dev_target.label, cand)
-                dev_ndcg = {
-                    r: float(per_query(ranked(cand, mean, std, r), dev_qrels, MEASURES[0], topics=dev_topics).mean())
-                    for r in risks
-                }
-                best = max(risks, key=lambda r: (dev_ndcg[r], -abs(r)))  # ties: the smaller |lambda|
-                chosen[n] = {"lambda": best, "dev_nDCG@10": dev_ndcg, "dev": dev_target.label}
+
+                def dev_ndcg(run: pd.DataFrame) -> float:
+                    return float(per_query(run, dev_qrels, MEASURES[0], topics=dev_topics).mean())
+
+                alpha, by_alpha = choose_alpha(lambda a: dev_ndcg(_interpolated(cand, mean, a)))  # noqa: B023
+                alphas[n] = {"alpha": alpha, "dev_nDCG@10": by_alpha, "dev": dev_target.label}
+                if n in var_systems and len(risks) > 1:
+                    by_risk = {r: dev_ndcg(ranked(cand, mean, std, r)) for r in risks}
+                    best = max(risks, key=lambda r: (by_risk[r], -abs(r)))  # ties: the smaller |lambda|
+                    chosen[n] = {"lambda": best, "dev_nDCG@10": by_risk, "dev": dev_target.label}
+
+    rerank_rows = []
+    for tg in targets:
+        for depth in sorted({tg.depth, *(d for d in cfg.extra_depths if d < tg.depth)}, reverse=True):
+            rerank_rows += _rerank_rows(
+                tg.label, depth, cands[tg.label], runs[tg.label], tg.topics, tg.qrels, _alpha_of(alphas)
+            )
 
     # ---- uncertainty and risk-aware ranking ----------------------------------------------------------------------
     unc_rows, risk_tables = [], []
@@ -1103,6 +1113,7 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
         "dev_curves": trained["info"].get("dev_curves", {}),
         "rerank_rows": rerank_rows,
         "risk_chosen_on_dev": chosen,
+        "interpolation_chosen_on_dev": alphas,
         "scored_sharing_lower_layers": (
             None if shared is None else {"frozen_layers": shared.frozen, "pairs": shared.pairs}
         ),
@@ -1190,9 +1201,13 @@ def _rerank_rows(
     runs: Mapping[str, pd.DataFrame],
     topics: pd.DataFrame,
     qrels: pd.DataFrame,
+    alphas: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per system for BM25's top ``depth`` re-ranked with the scores of ``runs`` (made at a depth >= this):
-    nDCG@10 over ``topics`` and paired t-tests (scipy.stats.ttest_rel, per-query nDCG@10) against BM25 and CE."""
+    nDCG@10 over ``topics`` and paired t-tests (scipy.stats.ttest_rel, per-query nDCG@10) against BM25 and CE.
+    ``alphas`` (re-ranker -> alpha chosen on dev) adds the system ``<re-ranker>+BM25``: BM25's top ``depth`` ranked by
+    ``alpha * z(E[s]) + (1 - alpha) * z(BM25)`` (z within each query over those ``depth`` candidates,
+    :class:`pyterrier_prob.fusion.ScoreInterpolation`)."""
     from scipy.stats import ttest_rel
 
     from pyterrier_prob.varce import per_query
@@ -1208,6 +1223,12 @@ def _rerank_rows(
             r = run[inside].drop(columns=["rank"])
             r = ranked(r.assign(rank=r["bm25_rank"]), r["score_mean"].to_numpy(), r["score_std"].to_numpy())
         per[name] = per_query(r, qrels, MEASURES[0], topics=topics)
+        if name != "BM25" and alphas and name in alphas:
+            both = top[["qid", "docno", "score", "rank"]].merge(
+                r[["qid", "docno", "score_mean"]], on=["qid", "docno"], how="inner", validate="one_to_one"
+            )
+            fused = _interpolated(both, both["score_mean"].to_numpy(), alphas[name])
+            per[f"{name}+BM25"] = per_query(fused, qrels, MEASURES[0], topics=topics)
 
     def p(a: str, b: str) -> float | None:
         if b not in per or a == b:
@@ -1227,6 +1248,19 @@ def _rerank_rows(
         }
         for name, v in per.items()
     ]
+
+
+def _interpolated(cand: pd.DataFrame, mean: np.ndarray, alpha: float) -> pd.DataFrame:
+    """BM25's candidates (``qid, docno, score, rank``) ranked by ``alpha * z(E[s]) + (1 - alpha) * z(BM25 score)``
+    (:func:`pyterrier_prob.fusion.interpolate`; ties keep the BM25 order)."""
+    from pyterrier_prob.fusion import interpolate
+
+    fused = interpolate(cand["qid"], cand["score"].to_numpy(np.float64), mean, alpha)
+    return ranked(cand, fused, np.zeros(len(cand)))
+
+
+def _alpha_of(chosen: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    return {n: float(c["alpha"]) for n, c in chosen.items()}
 
 
 def _top10(run: pd.DataFrame) -> pd.Series:
@@ -1372,6 +1406,12 @@ def _markdown(
             pts = ", ".join(f"{p['step']}: {p['dev']:.4f}" for p in c.get("points", []))
             best = c.get("best") or {}
             lines.append(f"- {n}: {pts} (best: step {best.get('step')}, {best.get('dev', math.nan):.4f})")
+    inter = summary.get("interpolation_chosen_on_dev") or {}
+    if inter:
+        lines += ["", "Interpolation with BM25 (alpha * z(E[s]) + (1 - alpha) * z(BM25)), alpha chosen on dev:", ""]
+        for n, c in inter.items():
+            dev = ", ".join(f"{a:g}: {v:.4f}" for a, v in c["dev_nDCG@10"].items())
+            lines.append(f"- {n}: dev nDCG@10 by alpha {{{dev}}} -> alpha = {c['alpha']:g} (system {n}+BM25)")
     chosen = summary.get("risk_chosen_on_dev") or {}
     if chosen:
         lines += ["", "Risk-aware ranking with lambda chosen on dev (E[s] - lambda * std[s]):", ""]
