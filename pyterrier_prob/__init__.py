@@ -3,8 +3,8 @@
 Each paper's PyTerrier side is one subpackage (:mod:`pyterrier_prob.pebr`, :mod:`~pyterrier_prob.mol`,
 :mod:`~pyterrier_prob.varce`, :mod:`~pyterrier_prob.unierf`) on shared pieces (:mod:`~pyterrier_prob.index`,
 :mod:`~pyterrier_prob.collections`, :mod:`~pyterrier_prob.training`, :mod:`~pyterrier_prob.evaluation`,
-:mod:`~pyterrier_prob.fusion`, :mod:`~pyterrier_prob.atomic`); :mod:`pyterrier_prob.experiments` holds what ``pyterrier-prob <paper>`` runs. The
-models, modules and losses they use live in :mod:`st_extensions`.
+:mod:`~pyterrier_prob.fusion`, :mod:`~pyterrier_prob.atomic`); :mod:`pyterrier_prob.experiments` holds what
+``pyterrier-prob <paper>`` runs. The models, modules and losses they use live in :mod:`st_extensions`.
 """
 
 from __future__ import annotations

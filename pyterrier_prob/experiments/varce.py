@@ -27,8 +27,9 @@ BM25, ``pt.Experiment`` and the report come from :mod:`pyterrier_prob.experiment
    of a dev learning curve (``--dev-queries``, ``--dev-every``; :class:`~pyterrier_prob.curves.DevCurve`), and the
    risk-aware lambda is chosen on dev, as is the alpha of each re-ranker's interpolation with BM25 (the
    ``<re-ranker>+BM25`` rows of ``summary.json``'s ``rerank_rows``: alpha * z(E[s]) + (1 - alpha) * z(BM25) per query,
-   :mod:`pyterrier_prob.fusion`; the out-of-domain collections use nfcorpus' alpha, zero-shot). ``--recipe full`` fine-tunes the backbone and the head (the encoder at
-   ``--lr``, the VarCE head at ``VariationalHead.learning_rate``); ``--recipe frozen`` (the default) keeps the
+   :mod:`pyterrier_prob.fusion`; the out-of-domain collections use nfcorpus' alpha, zero-shot). ``--recipe full``
+   fine-tunes the backbone and the head (the encoder at ``--lr``, the VarCE head at
+   ``VariationalHead.learning_rate``); ``--recipe frozen`` (the default) keeps the
    backbone as pre-trained and trains only each head, on the backbone's [CLS] features of every training pair
    computed once per run and shared by the three re-rankers (:mod:`st_extensions.cross_encoder.frozen`), every head
    at the VarCE head's declared rate (``VariationalHead.learning_rate``; ``--lr`` is then unused); the test
