@@ -77,7 +77,7 @@ def probe(a: argparse.Namespace) -> None:
     bm25 = PisaIndex(os.path.join(out, "indexes", "bm25-beir-nfcorpus.pisa"), text_field="text")
     enc = ProbBiEncoder(SentenceTransformer(default_model_path(), device="cpu"), batch_size=64, verbose=False)
     dense = DenseIndex(os.path.join(out, "indexes", "dense-untrained-beir-nfcorpus.flex"))
-    k = max(30, a.positive_depth or 0)
+    k = max(a.pool_depth, a.positive_depth or 0)
     stages = {"BM25": bm25.bm25(num_results=k), "dense": enc.query_encoder() >> dense.np_retriever(num_results=k)}
     if a.negatives == "random":  # a sanity check: no first stage, so every negative is a random unjudged document
 
@@ -91,7 +91,7 @@ def probe(a: argparse.Namespace) -> None:
         stages,
         n_groups=groups_for(1000, 16, 3),
         negatives=3,
-        pool_depth=30,
+        pool_depth=a.pool_depth,
         positive_depth=a.positive_depth,
     )
     print(json.dumps(info), flush=True)
@@ -240,6 +240,7 @@ def main() -> int:
     ap.add_argument("--pool", choices=["cls", "mean"], default="cls")
     ap.add_argument("--layers", type=int, default=2, help="top layers that train (6: full fine-tuning)")
     ap.add_argument("--positive-depth", type=int, default=None, help="positives only from the first stages' top k")
+    ap.add_argument("--pool-depth", type=int, default=30, help="negatives from the first stages' top k")
     ap.add_argument("--negatives", choices=["mined", "random"], default="mined", help="random: a sanity check")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=16)

@@ -69,6 +69,7 @@ def main() -> int:
         "rows": summary["rerank_rows"],
         "dev_curves": summary.get("dev_curves"),
         "risk_chosen_on_dev": summary.get("risk_chosen_on_dev"),
+        "interpolation_chosen_on_dev": summary.get("interpolation_chosen_on_dev"),
         "uncertainty": _csv(os.path.join(a.output, "uncertainty.csv")),
         "risk": _csv(os.path.join(a.output, "risk.csv")),
         "training_rows": summary.get("training_rows"),
