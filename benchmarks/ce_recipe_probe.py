@@ -63,7 +63,7 @@ def probe(a: argparse.Namespace) -> None:
     from pyterrier_prob.collections import load_collection
     from pyterrier_prob.curves import DevCurve
     from pyterrier_prob.experiments.varce import CE_HEAD_PARAMETERS, _eval_queries
-    from pyterrier_prob.fusion import zscore_per_query
+    from pyterrier_prob.fusion import interpolate
     from pyterrier_prob.index import DenseIndex
     from pyterrier_prob.training import Recipe, fine_tune
     from pyterrier_prob.varce import per_query
@@ -120,18 +120,16 @@ def probe(a: argparse.Namespace) -> None:
     pairs = list(zip(cand["query"], cand["docno"].map(texts)))
 
     fusion: list[dict[str, float]] = []  # per evaluation: dev nDCG@10 of alpha * z(CE) + (1 - alpha) * z(BM25)
-    bm25_z = zscore_per_query(cand["qid"], cand["score"].to_numpy(np.float64))
 
     def evaluate(model) -> float:
         s = model.predict(pairs, batch_size=32, activation_fn=torch.nn.Identity(), show_progress_bar=False)
         s = np.asarray(s, dtype=np.float64)
         run = cand[["qid", "docno"]].assign(score=s)
-        ce_z = zscore_per_query(cand["qid"], s)
         fusion.append(
             {
                 f"{alpha:g}": float(
                     per_query(
-                        cand[["qid", "docno"]].assign(score=alpha * ce_z + (1 - alpha) * bm25_z),
+                        cand[["qid", "docno"]].assign(score=interpolate(cand["qid"], cand["score"], s, alpha)),
                         qrels,
                         "nDCG@10",
                         topics=topics,

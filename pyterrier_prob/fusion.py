@@ -36,7 +36,7 @@ def zscore_per_query(qids: Sequence[Any] | pd.Series, scores: Sequence[float] | 
         raise ValueError(f"score of row {int(bad[0])} (qid {q.iloc[bad[0]]!r}) is {s[bad[0]]}: scores must be finite")
     g = pd.Series(s).groupby(q.to_numpy())
     mean = g.transform("mean").to_numpy()
-    sd = g.transform(lambda v: v.std(ddof=0)).to_numpy()
+    sd = g.transform("std", ddof=0).to_numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
         z = (s - mean) / sd
     return np.where(sd > 0, z, 0.0)
