@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -48,6 +48,9 @@ from pyterrier_prob.index.indexer import (
     record_sizes,
 )
 from pyterrier_prob.validation import stack_arrays
+
+if TYPE_CHECKING:
+    from pyterrier_prob.index.search import Searcher
 
 __all__ = ["DenseIndex", "DenseIndexer", "IndexingMode", "as_dense_index"]
 
@@ -194,6 +197,29 @@ class DenseIndex(FlexIndex):
     def docno_array(self) -> np.ndarray:
         """All docnos, in index order, as a numpy string array."""
         return self.docnos().fwd[np.arange(len(self))]
+
+    def searcher(self, backend: str = "exact", *, gpu: bool | None = False, **params: Any) -> Searcher:
+        """A :class:`~pyterrier_prob.index.search.Searcher` over this index's vectors (cosines).
+
+        ``backend`` is one of :data:`~pyterrier_prob.index.search.BACKENDS` (``exact``, ``flat``, ``flat_fp16``,
+        ``ivf_flat``, ``ivf_fp16``, ``ivf_sq8``, ``ivf_pq``, ``hnsw``); ``params`` are those of
+        :func:`~pyterrier_prob.index.search.make_searcher` (``nlist``, ``nprobe``, ``M``, ``ef_search``, ...). A faiss
+        index is built once and cached in this folder (``faiss/``, written atomically) and in memory; search
+        parameters (``nprobe``, ``ef_search``, ``rescore``, ``range_slack``, ``k_factor``) give copies sharing it.
+        Pass the result as ``searcher=`` to the cutoff retrievers (``CDFCutoffRetriever(index, p=..., searcher=...)``).
+        """
+        from pyterrier_prob.index.exact import doc_scale
+        from pyterrier_prob.index.search import SEARCH_PARAMS, make_searcher
+
+        self.check_finite()
+        search_params = {k: params.pop(k) for k in SEARCH_PARAMS if k in params}
+        key = ("pyterrier_prob.searcher", backend, bool(gpu), tuple(sorted(params.items())))
+        if key not in self._cache:
+            self._cache[key] = make_searcher(
+                self.vectors(), backend, scale=doc_scale(self), cache_dir=self.index_path / "faiss", gpu=gpu, **params
+            )
+        out = self._cache[key]
+        return out.with_params(**search_params) if search_params else out
 
     # ---- indexing ----------------------------------------------------------------------------------------
     def indexer(  # type: ignore[override]

@@ -36,7 +36,7 @@ import pyterrier as pt
 from datasets import Dataset
 
 from pyterrier_prob.index.dense import as_dense_index
-from pyterrier_prob.pebr.cutoff import QUERY_BATCH, _docnos_of, threshold_search
+from pyterrier_prob.index.exact import QUERY_BATCH, docnos_of, threshold_search
 from pyterrier_prob.validation import check_ids, check_rows_match_query, first_rows, row_namer, stack_arrays
 from st_extensions.modules.branches import check_branch_names
 from st_extensions.unierf import SEP, branch_text, build_unierf_dataset, encode_branches, find_branches
@@ -570,7 +570,7 @@ class MultiBranchRetriever(pt.Transformer):
         docids = np.asarray(rows_d, dtype=np.int64)
         out = base.iloc[np.asarray(rows_q, dtype=np.int64)].reset_index(drop=True)
         return out.assign(
-            docno=_docnos_of(self.index, docids),
+            docno=docnos_of(self.index, docids),
             docid=docids,
             score=np.asarray(rows_s, dtype=np.float32),
             rank=np.arange(docids.size, dtype=np.int64) - np.repeat(starts, counts),
