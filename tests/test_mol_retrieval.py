@@ -715,3 +715,45 @@ def test_with_the_real_mol_module(base_model, tmp_path):
     np.testing.assert_allclose(
         scored.sort_values(["qid", "docno"])["score"], bf.sort_values(["qid", "docno"])["score"], atol=1e-5
     )
+
+
+# ---- approximate candidate searches (pyterrier_prob.index.search) ------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["topk_per_embedding", "topk_avg", "comb_topk"])
+def test_searcher_probing_every_list_equals_the_exhaustive_candidates(method, tmp_path):
+    """An IVF candidate stage that probes every list finds the same candidates as the exhaustive scan."""
+    index, mol, Q = random_case(6, tmp_path)
+    kw = {"n_avg": 20} if method == "topk_avg" else {"n_per_embedding": 20}
+    exhaustive = MoLRetriever(index, mol, method=method, num_results=K, **kw)(query_frame(Q))
+    ivf = {"backend": "ivf_flat", "nlist": 4, "nprobe": 4, "train_size": N}
+    approx = MoLRetriever(index, mol, method=method, num_results=K, searcher=ivf, **kw)(query_frame(Q))
+    pd.testing.assert_frame_equal(exhaustive[["qid", "docno", "rank"]], approx[["qid", "docno", "rank"]])
+    np.testing.assert_allclose(exhaustive["score"], approx["score"], atol=1e-6)
+    assert (index.index_path / "faiss" / "mean").is_dir()
+
+
+def test_exact_stays_exact_on_an_approximate_first_pass(tmp_path):
+    """Algorithm 1 with a one-probe IVF pass 1: the exhaustive range pass 2 still makes the top K exact."""
+    index, mol, Q = random_case(7, tmp_path)
+    phi = brute(mol, index, Q)
+    one_probe = {"backend": "ivf_flat", "nlist": 4, "nprobe": 1, "train_size": N}
+    ex = MoLRetriever(index, mol, method="exact", num_results=K, searcher=one_probe)(query_frame(Q))
+    for i in range(NQ):
+        assert ranked(ex, f"q{i}")[0] == [f"d{j}" for j in np.argsort(-phi[i], kind="stable")[:K]]
+    shallow = MoLRetriever(index, mol, method="topk_avg", num_results=K, n_avg=K, searcher=one_probe)(query_frame(Q))
+    for i in range(NQ):  # an approximate candidate list, re-scored: true MoL scores of the documents it found
+        docnos, scores = ranked(shallow, f"q{i}")
+        np.testing.assert_allclose(scores, phi[i, [int(d[1:]) for d in docnos]], atol=1e-5)
+
+
+def test_searcher_argument_errors(tmp_path):
+    index, mol, _ = random_case(8, tmp_path)
+    with pytest.raises(ValueError, match="searcher must be a dict with 'backend'"):
+        MoLRetriever(index, mol, method="topk_avg", searcher="hnsw")
+    with pytest.raises(ValueError, match="gap_bound certifies the top K only over exact candidate searches"):
+        MoLRetriever(index, mol, method="topk_avg", gap_bound=True, searcher={"backend": "hnsw"})
+    with pytest.raises(ValueError, match="part must be 'mean' or a component in 0..1"):
+        index.searcher(5)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        MoLRetriever(index, mol, method="topk_avg", searcher={"backend": "annoy"})

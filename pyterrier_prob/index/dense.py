@@ -10,6 +10,9 @@ with ``np.memmap``; docnos in ``docnos.npids``), so there is one vector store, n
 * the cutoff retrievers of :mod:`pyterrier_prob.pebr.cutoff` accept any FlexIndex, including one built by
   pyterrier-dr itself.
 
+Its :meth:`searcher` (attached by :mod:`pyterrier_prob.index.search`, as pyterrier-dr attaches its retrievers to
+FlexIndex) gives the exact scan or a faiss IVF / HNSW / GPU index over these vectors, cached in the folder.
+
 What the subclass adds is what the pEBR cutoffs (``shared/papers/pebr.md``, Sec. 4.1.2 and Appendix A) need
 of the store: vectors are L2-normalised at indexing (``normalize=True``, recorded as ``"normalized": true`` in
 ``pt_meta.json``) so the inner product is the cosine the cutoffs threshold; indexing is atomic (written into
@@ -28,7 +31,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -48,9 +51,6 @@ from pyterrier_prob.index.indexer import (
     record_sizes,
 )
 from pyterrier_prob.validation import stack_arrays
-
-if TYPE_CHECKING:
-    from pyterrier_prob.index.search import Searcher
 
 __all__ = ["DenseIndex", "DenseIndexer", "IndexingMode", "as_dense_index"]
 
@@ -197,29 +197,6 @@ class DenseIndex(FlexIndex):
     def docno_array(self) -> np.ndarray:
         """All docnos, in index order, as a numpy string array."""
         return self.docnos().fwd[np.arange(len(self))]
-
-    def searcher(self, backend: str = "exact", *, gpu: bool | None = False, **params: Any) -> Searcher:
-        """A :class:`~pyterrier_prob.index.search.Searcher` over this index's vectors (cosines).
-
-        ``backend`` is one of :data:`~pyterrier_prob.index.search.BACKENDS` (``exact``, ``flat``, ``flat_fp16``,
-        ``ivf_flat``, ``ivf_fp16``, ``ivf_sq8``, ``ivf_pq``, ``hnsw``); ``params`` are those of
-        :func:`~pyterrier_prob.index.search.make_searcher` (``nlist``, ``nprobe``, ``M``, ``ef_search``, ...). A faiss
-        index is built once and cached in this folder (``faiss/``, written atomically) and in memory; search
-        parameters (``nprobe``, ``ef_search``, ``rescore``, ``range_slack``, ``k_factor``) give copies sharing it.
-        Pass the result as ``searcher=`` to the cutoff retrievers (``CDFCutoffRetriever(index, p=..., searcher=...)``).
-        """
-        from pyterrier_prob.index.exact import doc_scale
-        from pyterrier_prob.index.search import SEARCH_PARAMS, make_searcher
-
-        self.check_finite()
-        search_params = {k: params.pop(k) for k in SEARCH_PARAMS if k in params}
-        key = ("pyterrier_prob.searcher", backend, bool(gpu), tuple(sorted(params.items())))
-        if key not in self._cache:
-            self._cache[key] = make_searcher(
-                self.vectors(), backend, scale=doc_scale(self), cache_dir=self.index_path / "faiss", gpu=gpu, **params
-            )
-        out = self._cache[key]
-        return out.with_params(**search_params) if search_params else out
 
     # ---- indexing ----------------------------------------------------------------------------------------
     def indexer(  # type: ignore[override]

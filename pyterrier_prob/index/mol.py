@@ -52,6 +52,7 @@ from pyterrier_prob.index.indexer import (
     read_meta,
     record_sizes,
 )
+from pyterrier_prob.index.search import Searcher, import_faiss
 from pyterrier_prob.validation import stack_arrays
 
 __all__ = ["MoLIndex", "MoLIndexer", "as_mol_index"]
@@ -286,6 +287,31 @@ class MoLIndex(pt.Artifact):
                 self._cache[key] = _flat_ip(lambda a, b: means[a:b], len(self), self.dim)
         return self._cache[key]
 
+    def searcher(self, part: int | str = "mean", backend: str = "exact", **params: Any) -> Searcher:
+        """A :class:`~pyterrier_prob.index.search.Searcher` over component ``part`` of every document (an int) or
+        over their means (``"mean"``, TopKAvg's X'): inner products, as Algorithms 1-2 search them.
+
+        ``backend`` and ``params`` as :func:`~pyterrier_prob.index.search.make_searcher` (``"ivf_flat"``,
+        ``nprobe=...``, ``"hnsw"``, ...); a faiss index is built once and cached in this folder
+        (``faiss/<part>/``, written atomically) and in memory. :class:`~pyterrier_prob.MoLRetriever` takes
+        ``searcher={"backend": ..., **params}`` to run its candidate stages on it (Sec. 4's ANN candidate retrieval).
+        """
+        from pyterrier_prob.index.search import SEARCH_PARAMS, make_searcher
+
+        if part == "mean":
+            vectors, name = self.means(), "mean"
+        elif isinstance(part, (int, np.integer)) and not isinstance(part, bool) and 0 <= part < self.num_components:
+            vectors, name = self.components()[:, int(part)], f"comp{int(part)}"
+        else:
+            raise ValueError(f"part must be 'mean' or a component in 0..{self.num_components - 1}, got {part!r}")
+        search_params = {k: params.pop(k) for k in SEARCH_PARAMS if k in params}
+        key = ("searcher", name, backend, tuple(sorted(params.items())))
+        if key not in self._cache:
+            self.check_finite()
+            self._cache[key] = make_searcher(vectors, backend, cache_dir=self.index_path / "faiss" / name, **params)
+        out = self._cache[key]
+        return out.with_params(**search_params) if search_params else out
+
     # ---- factories ---------------------------------------------------------------------------------------
     def indexer(self, *, mode: IndexingMode | str = IndexingMode.create) -> MoLIndexer:
         """An indexer writing this index (``encoder.doc_encoder() >> index.indexer()``).
@@ -304,7 +330,7 @@ class MoLIndex(pt.Artifact):
 
 
 def _flat_ip(rows: Any, n: int, dim: int) -> Any:
-    import faiss
+    faiss = import_faiss()
 
     index = faiss.IndexFlatIP(dim)
     for a in range(0, n, 65536):
@@ -313,7 +339,7 @@ def _flat_ip(rows: Any, n: int, dim: int) -> Any:
 
 
 def _to_gpu(index: Any) -> Any:  # pragma: no cover - needs faiss-gpu and a GPU
-    import faiss
+    faiss = import_faiss()
 
     return faiss.index_cpu_to_all_gpus(index)
 

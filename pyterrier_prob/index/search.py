@@ -62,10 +62,12 @@ import pandas as pd
 import pyterrier as pt
 
 from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.index.dense import DenseIndex
 from pyterrier_prob.index.exact import (
     CutoffHits,
     check_num_results,
     check_thresholds,
+    doc_scale,
     f32_ceil,
     search_vectors,
 )
@@ -700,3 +702,28 @@ def merge_runs(runs: Sequence[pd.DataFrame], num_results: int | None = None) -> 
     if k is not None:
         allr = allr[allr["rank"] < k]
     return allr.drop(columns=["_shard", "_q"]).reset_index(drop=True)
+
+
+# attached here, as pyterrier-dr attaches its retrievers to FlexIndex: the index module never imports this one
+def _dense_searcher(self: DenseIndex, backend: str = "exact", *, gpu: bool | None = False, **params: Any) -> Searcher:
+    """A :class:`~pyterrier_prob.index.search.Searcher` over this index's vectors (cosines).
+
+    ``backend`` is one of :data:`~pyterrier_prob.index.search.BACKENDS` (``exact``, ``flat``, ``flat_fp16``,
+    ``ivf_flat``, ``ivf_fp16``, ``ivf_sq8``, ``ivf_pq``, ``hnsw``); ``params`` are those of
+    :func:`~pyterrier_prob.index.search.make_searcher` (``nlist``, ``nprobe``, ``M``, ``ef_search``, ...). A faiss
+    index is built once and cached in this folder (``faiss/``, written atomically) and in memory; search
+    parameters (``nprobe``, ``ef_search``, ``rescore``, ``range_slack``, ``k_factor``) give copies sharing it.
+    Pass the result as ``searcher=`` to the cutoff retrievers (``CDFCutoffRetriever(index, p=..., searcher=...)``).
+    """
+    self.check_finite()
+    search_params = {k: params.pop(k) for k in SEARCH_PARAMS if k in params}
+    key = ("pyterrier_prob.searcher", backend, bool(gpu), tuple(sorted(params.items())))
+    if key not in self._cache:
+        self._cache[key] = make_searcher(
+            self.vectors(), backend, scale=doc_scale(self), cache_dir=self.index_path / "faiss", gpu=gpu, **params
+        )
+    out = self._cache[key]
+    return out.with_params(**search_params) if search_params else out
+
+
+DenseIndex.searcher = _dense_searcher

@@ -58,7 +58,7 @@ import importlib
 import inspect
 import numbers
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +69,7 @@ import pyterrier as pt
 import torch
 
 from pyterrier_prob.index.mol import MoLIndex, as_mol_index
+from pyterrier_prob.index.search import import_faiss
 from pyterrier_prob.validation import (
     check_ids,
     check_rows_match_query,
@@ -209,7 +210,7 @@ def _gather(arr: np.ndarray, docids: np.ndarray) -> np.ndarray:
 
 def _flat_vectors(index: Any) -> np.ndarray | None:
     """The ``(ntotal, d)`` float32 vectors of a CPU faiss ``IndexFlat`` (a zero-copy view), else ``None``."""
-    import faiss
+    faiss = import_faiss()
 
     if not isinstance(index, faiss.IndexFlat) or index.ntotal == 0:
         return None
@@ -819,6 +820,11 @@ class MoLRetriever(pt.Transformer):
         count_candidates: add ``num_candidates``, the number of items scored with MoL for the query.
         batch_size: queries per block.
         gpu: search faiss on the GPU (``None``: when ``faiss.get_num_gpus() > 0``).
+        searcher: run the candidate k-NN searches (per component, and on the means for TopKAvg) on an approximate
+            index instead of exhaustively, as the paper's Sec. 4 candidate retrieval: ``{"backend": "ivf_flat",
+            "nlist": 4096, "nprobe": 64}`` or ``{"backend": "hnsw", "ef_search": 512}`` (:meth:`MoLIndex.searcher`,
+            built once and cached in the index folder). ``exact``'s range pass stays exhaustive, so it stays exact;
+            ``gap_bound`` is refused (its theorems need exact candidate lists).
         drop_query_comp: drop ``query_comp`` from the output.
         verbose: progress bar over query blocks.
     """
@@ -836,6 +842,7 @@ class MoLRetriever(pt.Transformer):
         count_candidates: bool = False,
         batch_size: int = QUERY_BATCH,
         gpu: bool | None = None,
+        searcher: Mapping[str, Any] | None = None,
         drop_query_comp: bool = False,
         verbose: bool = False,
     ) -> None:
@@ -870,6 +877,20 @@ class MoLRetriever(pt.Transformer):
         self.count_candidates = bool(count_candidates)
         self.batch_size = _check_pos_int("batch_size", batch_size)
         self.gpu = gpu
+        if searcher is not None:
+            if not isinstance(searcher, Mapping) or "backend" not in searcher:
+                raise ValueError(
+                    "searcher must be a dict with 'backend' and its parameters, e.g. {'backend': 'ivf_flat', "
+                    f"'nlist': 4096, 'nprobe': 64}}, got {searcher!r}"
+                )
+            if gap_bound is not None and method != "exact":
+                raise ValueError(
+                    "gap_bound certifies the top K only over exact candidate searches (Theorems 2-3 need each pair's "
+                    "true top N): drop searcher= or gap_bound="
+                )
+            searcher = dict(searcher)
+            self.index.searcher("mean", **searcher)  # built (or read from the cache) now: errors here, not mid-run
+        self.searcher = searcher
         self.drop_query_comp = bool(drop_query_comp)
         self.verbose = bool(verbose)
 
@@ -885,7 +906,7 @@ class MoLRetriever(pt.Transformer):
     def _use_gpu(self) -> bool:
         if self.gpu is not None:
             return bool(self.gpu)
-        import faiss
+        faiss = import_faiss()
 
         return faiss.get_num_gpus() > 0
 
@@ -897,6 +918,8 @@ class MoLRetriever(pt.Transformer):
             extra += f", n_avg={self.n_avg}"
         if self.gap_bound is not None:
             extra += f", gap_bound={self.gap_bound!r}"
+        if self.searcher is not None:
+            extra += f", searcher={self.searcher!r}"
         return (
             f"MoLRetriever({self.index!r}, {type(self.mol).__name__}, method={self.method!r}, "
             f"num_results={self.num_results}{extra})"
@@ -1012,7 +1035,7 @@ class MoLRetriever(pt.Transformer):
                 parts_d.append(ids.reshape(-1))
         avg_q = avg_d = None
         if self.method in ("topk_avg", "comb_topk"):
-            _, Im = self._search(self.index.faiss_mean, Q.mean(axis=1), n2)
+            _, Im = self._search(self.index.faiss_mean, Q.mean(axis=1), n2, part="mean")
             avg_q, avg_d = np.repeat(np.arange(B), Im.shape[1]), Im.reshape(-1)
             parts_q.append(avg_q)
             parts_d.append(avg_d)
@@ -1099,10 +1122,23 @@ class MoLRetriever(pt.Transformer):
             qi, di, scores = np.concatenate([qi, nq]), np.concatenate([di, nd]), np.concatenate([scores, ns])
         return qi, di, scores
 
-    def _search(self, make_index: Callable[..., Any], X: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _search(
+        self, make_index: Callable[..., Any], X: np.ndarray, k: int, part: int | str
+    ) -> tuple[np.ndarray, np.ndarray]:
         """k-NN by inner product over a faiss flat index: faiss on the GPU (when enabled and k allows), a blocked
-        torch scan of its vectors on the CPU; ``-inf`` / -1 beyond the index."""
+        torch scan of its vectors on the CPU, or the configured ``searcher`` (an approximate index of ``part``,
+        :meth:`MoLIndex.searcher`); ``-inf`` / -1 beyond the index."""
         k_eff = min(k, len(self.index))
+        if self.searcher is not None:
+            hits = self.index.searcher(part, **self.searcher).search(X, -np.inf, k_eff)
+            D = np.full((len(X), k), -np.inf)
+            nbrs = np.full((len(X), k), -1, np.int64)
+            counts = hits.counts
+            col = np.arange(hits.docids.size) - np.repeat(hits.offsets[:-1], counts)
+            row = np.repeat(np.arange(len(X)), counts)
+            D[row, col] = hits.scores
+            nbrs[row, col] = hits.docids
+            return D, nbrs
         gpu = self._use_gpu() and k_eff <= _GPU_MAX_K
         index = make_index(gpu=gpu)
         vectors = None if gpu else _flat_vectors(index)
@@ -1122,7 +1158,7 @@ class MoLRetriever(pt.Transformer):
         flat = Q.reshape(B * pq, d)
         dot_list, nbr_list = [], []
         for px in range(self.shapes.px):
-            D, nbrs = self._search(lambda gpu, px=px: self.index.faiss_component(px, gpu=gpu), flat, k)
+            D, nbrs = self._search(lambda gpu, px=px: self.index.faiss_component(px, gpu=gpu), flat, k, part=px)
             dot_list.append(D.reshape(B, pq, k))
             nbr_list.append(nbrs.reshape(B, pq, k))
         return np.stack(dot_list, axis=2), np.stack(nbr_list, axis=2)
