@@ -76,7 +76,11 @@ K = 100
 HR_AT = (1, 5, 10, 50, 100)
 BATCH = 32
 CHUNK = 65536  # documents per seeded chunk of the scaled collections
-TARGET_HR, TARGET_SPEEDUP, TARGET_N = 0.99, 20.0, 1_000_000
+TARGET_HR, TARGET_SPEEDUP, TARGET_N = 0.99, 50.0, 1_000_000
+# the approximate candidate stages (MoLRetriever(searcher=...)): faiss IVF on the means / on each component
+IVF_NLIST, IVF_TRAIN = 2048, 81920
+IVF_MEAN = {"backend": "ivf_flat", "nlist": IVF_NLIST, "train_size": IVF_TRAIN}
+IVF_COMP = {"backend": "ivf_sq8", "nlist": IVF_NLIST, "train_size": IVF_TRAIN}
 
 # (label, method, N1 = n_per_embedding, N2 = n_avg)
 CONFIGS_REAL = [
@@ -109,6 +113,15 @@ CONFIGS_SCALE = [
     ("CombTopK 5_200", "comb_topk", 5, 200),
     ("CombTopK 50_1000", "comb_topk", 50, 1000),
     ("CombTopK 200_8000", "comb_topk", 200, 8000),
+]
+# --ann: the same methods with an approximate candidate stage (label, method, N1, N2, searcher)
+CONFIGS_ANN = [
+    ("TopKAvg 500 IVF np8", "topk_avg", None, 500, IVF_MEAN | {"nprobe": 8}),
+    ("TopKAvg 500 IVF np32", "topk_avg", None, 500, IVF_MEAN | {"nprobe": 32}),
+    ("TopKAvg 1000 IVF np32", "topk_avg", None, 1000, IVF_MEAN | {"nprobe": 32}),
+    ("TopKAvg 2000 IVF np64", "topk_avg", None, 2000, IVF_MEAN | {"nprobe": 64}),
+    ("TopKPerEmbd 200 IVF-SQ8 np16", "topk_per_embedding", 200, None, IVF_COMP | {"nprobe": 16}),
+    ("CombTopK 50_1000 IVF-SQ8 np16", "comb_topk", 50, 1000, IVF_COMP | {"nprobe": 16}),
 ]
 CONFIGS_QUICK = [
     ("BruteForce", "brute_force", None, None),
@@ -416,8 +429,10 @@ def measure(index, mol, frames: list[pd.DataFrame], configs: list, bf_batches: i
     """Run every configuration on every batch (rotating order); rankings and per-batch seconds per label."""
     from pyterrier_prob import MoLRetriever
 
-    retrievers = {
-        label: MoLRetriever(
+    retrievers, build_s = {}, {}
+    for label, method, n1, n2, *ann in configs:
+        t = time.perf_counter()  # a searcher's faiss indexes are built (or read from the index folder) here
+        retrievers[label] = MoLRetriever(
             index,
             mol,
             method=method,
@@ -427,16 +442,18 @@ def measure(index, mol, frames: list[pd.DataFrame], configs: list, bf_batches: i
             batch_size=BATCH,
             count_candidates=True,
             drop_query_comp=True,
+            searcher=ann[0] if ann else None,
         )
-        for label, method, n1, n2 in configs
-    }
+        build_s[label] = time.perf_counter() - t
     limit = {label: len(frames) for label in retrievers}
     limit |= {label: min(len(frames), bf_batches) for label, m, *_ in configs if m == "brute_force"}
     limit |= {label: min(len(frames), exact_batches) for label, m, *_ in configs if m == "exact"}
     t0 = time.perf_counter()
     for label, r in retrievers.items():  # warm-up (4 queries): builds the faiss indexes, pages the components in
         if limit[label]:
+            t = time.perf_counter()
             r.transform(frames[0].iloc[:4])
+            build_s[label] += time.perf_counter() - t
     warm = time.perf_counter() - t0
     seconds = {label: [] for label in retrievers}  # per batch, None where not run
     rankings: dict[str, dict[str, np.ndarray]] = {label: {} for label in retrievers}
@@ -457,16 +474,36 @@ def measure(index, mol, frames: list[pd.DataFrame], configs: list, bf_batches: i
             cands[label].extend(out.groupby("qid", sort=False)["num_candidates"].first().tolist())
         print(f"  batch {b + 1}/{len(frames)} done ({time.perf_counter() - t0:.0f}s, rss {rss_gb():.1f} GB)")
         sys.stdout.flush()
-    return {"seconds": seconds, "rankings": rankings, "candidates": cands, "warmup_s": warm}
+    return {"seconds": seconds, "rankings": rankings, "candidates": cands, "warmup_s": warm, "build_s": build_s}
 
 
-def summarise(configs: list, m: dict) -> list[dict]:
+def method_memory(index, method: str, searcher: dict | None) -> dict:
+    """Bytes a method holds in memory besides the components it re-scores from (a memmap on disk): the candidate
+    stage's structures -- faiss flat copies (exhaustive) or the searcher's indexes (IVF lists and codes)."""
+    n, px, d = len(index), index.num_components, index.dim
+    parts = {
+        "brute_force": [],
+        "exact": list(range(px)),
+        "topk_per_embedding": list(range(px)),
+        "topk_avg": ["mean"],
+        "comb_topk": [*range(px), "mean"],
+    }[method]
+    if searcher is None:
+        held = len(parts) * n * d * 4
+        what = f"{len(parts)} faiss flat copies ({n} x {d} float32)" if parts else "none (reads the components)"
+    else:
+        held = sum(index.searcher(p, **searcher).memory_bytes for p in parts)
+        what = f"{searcher['backend']} indexes of {', '.join(map(str, parts))}"
+    return {"bytes": int(held), "what": what, "components_memmap_bytes": int(n * px * d * 4)}
+
+
+def summarise(configs: list, m: dict, index) -> list[dict]:
     bf_label = next(label for label, method, *_ in configs if method == "brute_force")
     truth = m["rankings"][bf_label]
     bf_sec = m["seconds"][bf_label]
     bf_med = statistics.median([s for s in bf_sec if s is not None])
     rows = []
-    for label, method, n1, n2 in configs:
+    for label, method, n1, n2, *ann in configs:
         secs = [s for s in m["seconds"][label] if s is not None]
         ranks = m["rankings"][label]
         qs = [q for q in truth if q in ranks]
@@ -495,6 +532,9 @@ def summarise(configs: list, m: dict) -> list[dict]:
                     "paired_batches": len(paired),
                 },
                 "candidates_per_query_mean": float(np.mean(m["candidates"][label])),
+                "searcher": ann[0] if ann else None,
+                "first_stage_build_s": round(m["build_s"][label], 1),
+                "memory": method_memory(index, method, ann[0] if ann else None),
             }
         )
     return rows
@@ -519,7 +559,7 @@ def run_setting(name: str, index, mol, frames, configs, bf_batches: int, exact_b
     print(f"\n== {name}: {len(index):,} documents, {len(frames)} batches of {BATCH} queries")
     sys.stdout.flush()
     m = measure(index, mol, frames, configs, bf_batches, exact_batches)
-    rows = summarise(configs, m)
+    rows = summarise(configs, m, index)
     bf_label = next(label for label, method, *_ in configs if method == "brute_force")
     truth = m["rankings"][bf_label]
     stats = gate_stats(mol, np.stack(list(frames[0]["query_comp"])), index, truth, frames[0]["qid"].to_numpy())
@@ -573,6 +613,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="sizes 10k,50k, 3 batches, fewer configurations")
     ap.add_argument("--out", default=None)
     ap.add_argument("--resume", action="store_true", help="keep the settings an interrupted run finished")
+    ap.add_argument("--ann", action="store_true", help="add the approximate candidate stages (CONFIGS_ANN) at scale")
+    ap.add_argument("--scale-labels", default=None, help="only these labels (comma-separated) at scaled sizes")
+    ap.add_argument("--skip-real", action="store_true", help="skip setting (a), the 3,633 real documents")
     a = ap.parse_args()
     if a.quick:
         a.sizes, a.batches = "10000,50000", a.batches or 3
@@ -609,13 +652,22 @@ def main() -> None:
     if not paths:
         raise SystemExit("no model: pass --model or drop --no-own-model")
     configs_real = CONFIGS_QUICK if a.quick else CONFIGS_REAL
-    configs_scale = CONFIGS_QUICK if a.quick else CONFIGS_SCALE
+    configs_scale = (CONFIGS_QUICK if a.quick else CONFIGS_SCALE) + (CONFIGS_ANN if a.ann else [])
+    if a.scale_labels:
+        keep = {x.strip() for x in a.scale_labels.split(",")}
+        unknown = keep - {c[0] for c in configs_scale}
+        if unknown:
+            raise SystemExit(f"--scale-labels: unknown {sorted(unknown)}")
+        configs_scale = [c for c in configs_scale if c[0] in keep]
     per_component = ("exact", "topk_per_embedding", "comb_topk")  # the methods searching per-component indexes
     os.makedirs(a.workdir, exist_ok=True)
 
     # settings finished by an interrupted run with the same options are kept (--resume)
     partial = out_path + ".partial.json"
-    key = {k: getattr(a, k) for k in ("sizes", "batches", "bf_batches", "exact_batches", "noise", "seed", "threads")}
+    key = {
+        k: getattr(a, k)
+        for k in ("sizes", "batches", "bf_batches", "exact_batches", "noise", "seed", "threads", "ann", "scale_labels")
+    }
     done: dict[str, dict] = {}
     if a.resume and os.path.exists(partial):
         with open(partial) as f:
@@ -642,7 +694,7 @@ def main() -> None:
         name = f"(a) nfcorpus, {tag}"
         if name in done:
             finished(done[name])
-        else:
+        elif not a.skip_real:
             index, build_s = build_index(ipath, [(real["docno"].tolist(), real["doc_comp"])])
             res = run_setting(
                 name,
@@ -686,8 +738,8 @@ def main() -> None:
             base_gb, comp_gb = n * (px + 1) * dim * 4 / 2**30, n * px * dim * 4 / 2**30
             dropped = None
             if base_gb + comp_gb > a.mem_gb:
-                dropped = sorted({c[0] for c in configs if c[1] in per_component})
-                configs = [c for c in configs if c[1] not in per_component]
+                dropped = sorted({c[0] for c in configs if c[1] in per_component and len(c) == 4})
+                configs = [c for c in configs if c[1] not in per_component or len(c) > 4]
                 print(
                     f"  {base_gb + comp_gb:.1f} GB with per-component faiss copies > --mem-gb {a.mem_gb}: "
                     f"running without {', '.join(dropped)}"

@@ -130,6 +130,27 @@ def test_fewer_probes_lower_recall_but_never_wrong_scores(data, index):
     assert recalls == sorted(recalls)
 
 
+def test_probe_margin_probes_more_lists_for_broad_queries(data, index):
+    """probe_margin: every list whose centroid scores >= t_q - margin; a margin beyond every score is exhaustive."""
+    s = index.searcher("ivf_flat", nlist=16, train_size=N)
+    Q, cos, t = data["queries"], data["cos"], data["t"]
+    want = _exact_range(cos, t)
+    recalls, probes = [], []
+    for margin in (0.0, 0.2, 0.5, 3.0):
+        a = s.with_params(nprobe=1, probe_margin=margin)
+        got = _sets(a.search(Q, t, None), NQ)
+        assert all(g <= w for g, w in zip(got, want))
+        recalls.append(_recall(got, want))
+        probes.append(a.last_probes.copy())
+    assert recalls == sorted(recalls) and recalls[-1] == 1.0 and recalls[0] < 1.0
+    assert (probes[-1] == 16).all() and (probes[0] >= 1).all()
+    # at one margin, the queries with the lowest thresholds (the broadest) probe the most lists
+    depth = np.array([len(w) for w in want])
+    assert np.corrcoef(depth, probes[1])[0, 1] > 0.3
+    with pytest.raises(ValueError, match="probe_margin applies to the IVF backends"):
+        index.searcher("hnsw", **_params("hnsw"), probe_margin=0.1)
+
+
 def test_faiss_index_is_cached_in_the_index_folder(data, index):
     s = index.searcher("ivf_sq8", nlist=8, train_size=N)
     files = sorted(p.name for p in (index.index_path / "faiss").iterdir())

@@ -27,8 +27,11 @@ How each kind of search runs on an approximate index:
 * capped range (finite thresholds and K): the k-NN of depth K, then ``>= t_q`` -- ``S_{t,K}`` is the top K cut at
   the threshold, so this is exact whenever the k-NN is;
 * uncapped range: faiss ``range_search`` per query at its own radius (IVF: the ``nprobe`` lists scanned; HNSW: the
-  ``ef_search`` beam; flat: everything), in threads. faiss' GPU indexes have no range search: there the k-NN depth is
-  doubled until the K-th score falls below the threshold (at most faiss' GPU limit of 2048, then the CPU index).
+  ``ef_search`` beam; flat: everything), in threads. With ``probe_margin`` an IVF range search probes, per query,
+  every list whose centroid scores at least ``t_q - probe_margin`` (``range_search_preassigned``): the lists a
+  threshold needs grow with the depth it admits, so broad queries get many probes and narrow ones few. faiss' GPU
+  indexes have no range search: there the k-NN depth is doubled until the K-th score falls below the threshold (at
+  most faiss' GPU limit of 2048, then the CPU index).
 
 Lossy codes (fp16, SQ8, PQ) give approximate scores. With ``rescore=True`` (the default when the exact vectors are
 at hand) every candidate is re-scored from the exact vectors and the list re-sorted, so returned scores are exact
@@ -94,7 +97,7 @@ _ADD_BATCH = 65536  # vectors added to a faiss index at once
 _QUERY_BATCH = 256  # queries per faiss k-NN call
 _GPU_MAX_K = 2048  # faiss GPU k-NN limit
 #: Search parameters of a :class:`FaissSearcher` (:meth:`FaissSearcher.with_params`, ``DenseIndex.searcher``).
-SEARCH_PARAMS = ("nprobe", "ef_search", "rescore", "range_slack", "k_factor")
+SEARCH_PARAMS = ("nprobe", "ef_search", "rescore", "range_slack", "k_factor", "probe_margin")
 
 
 def import_faiss() -> Any:
@@ -283,6 +286,7 @@ class FaissSearcher(Searcher):
         rescore: bool | None = None,
         range_slack: float = 0.0,
         k_factor: int = 1,
+        probe_margin: float | None = None,
         build_s: float = 0.0,
         memory_bytes: int | None = None,
     ) -> None:
@@ -301,6 +305,8 @@ class FaissSearcher(Searcher):
         self.rescore = bool(rescore)
         self.range_slack = float(range_slack)
         self.k_factor = _check_pos("k_factor", k_factor)
+        self.probe_margin = _check_margin(probe_margin, backend)
+        self.last_probes: np.ndarray | None = None  # lists probed per query by the last adaptive range search
         self.build_s = float(build_s)
         self._memory = memory_bytes
         self.on_gpu = False
@@ -339,6 +345,7 @@ class FaissSearcher(Searcher):
         if out.rescore and out.vectors is None:
             raise ValueError("rescore=True needs the exact vectors (vectors=...)")
         out.k_factor = _check_pos("k_factor", out.k_factor)
+        out.probe_margin = _check_margin(out.probe_margin, self._backend)
         return out
 
     def setting(self) -> str:
@@ -346,6 +353,8 @@ class FaissSearcher(Searcher):
         parts = []
         if self._backend in _IVF:
             parts.append(f"nprobe={self._nprobe()}")
+            if self.probe_margin is not None:
+                parts.append(f"probe_margin={self.probe_margin:g}")
         if self._backend == "hnsw":
             parts.append(f"ef_search={self._ef()}")
         if self.range_slack:
@@ -416,6 +425,8 @@ class FaissSearcher(Searcher):
         self._apply()
         radius = self._radius(t)
         index = self.cpu_index
+        if self.probe_margin is not None:
+            return self._adaptive_range(Q, t, radius)
 
         def one(i: int) -> tuple[np.ndarray, np.ndarray]:
             lims, D, ids = index.range_search(Q[i : i + 1], float(radius[i]))
@@ -431,6 +442,30 @@ class FaissSearcher(Searcher):
         D = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.float32)
         ids = np.concatenate([p[1] for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
         return self._finish(Q, t, None, qi, ids, D)
+
+    def _adaptive_range(self, Q: np.ndarray, t: np.ndarray, radius: np.ndarray) -> CutoffHits:
+        """IVF range search probing, per query, every list whose centroid scores at least ``t_q - probe_margin``
+        (and at least ``nprobe`` lists): broad queries (low thresholds) probe many lists, narrow ones few."""
+        index = self.cpu_index
+        nlist = int(index.nlist)
+        Dc, Ic = index.quantizer.search(Q, nlist)
+        need = np.maximum((Dc >= (t - self.probe_margin)[:, None]).sum(axis=1), min(self._nprobe(), nlist))
+        saved_nprobe, saved_mode = index.nprobe, index.parallel_mode
+        index.parallel_mode = 1  # one query at a time: faiss' threads share its lists
+        parts = []
+        try:
+            for i in range(Q.shape[0]):
+                index.nprobe = int(need[i])
+                _, D, ids = index.range_search_preassigned(
+                    Q[i : i + 1], float(radius[i]), Ic[i : i + 1, : need[i]], Dc[i : i + 1, : need[i]]
+                )
+                parts.append((D, ids))
+        finally:
+            index.nprobe, index.parallel_mode = saved_nprobe, saved_mode
+        self.last_probes = need
+        qi = np.repeat(np.arange(Q.shape[0]), [p[1].size for p in parts])
+        ids = np.concatenate([p[1] for p in parts]).astype(np.int64)
+        return self._finish(Q, t, None, qi, ids, np.concatenate([p[0] for p in parts]))
 
     def _gpu_range(self, Q: np.ndarray, t: np.ndarray) -> CutoffHits:  # pragma: no cover - needs a GPU
         """GPU indexes have no range search: deepen the k-NN until each query's last score is below its radius."""
@@ -494,6 +529,16 @@ class ShardedSearcher(Searcher):
             di.append(h.docids + off)
             sc.append(h.scores)
         return hits_from_pairs(Q.shape[0], np.concatenate(qi), np.concatenate(di), np.concatenate(sc), k)
+
+
+def _check_margin(value: Any, backend: str) -> float | None:
+    if value is None:
+        return None
+    if backend not in _IVF:
+        raise ValueError(f"probe_margin applies to the IVF backends {_IVF}, not {backend!r}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"probe_margin must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _check_pos(name: str, value: Any) -> int:
@@ -575,6 +620,7 @@ def make_searcher(
     rescore: bool | None = None,
     range_slack: float = 0.0,
     k_factor: int = 1,
+    probe_margin: float | None = None,
     gpu: bool | None = False,
     seed: int = 0,
     verbose: bool = False,
@@ -596,6 +642,8 @@ def make_searcher(
         rescore: re-score candidates from ``vectors`` (default: for lossy codes).
         range_slack: lower the radius of the candidate range search by this much (lossy codes).
         k_factor: with re-scoring, a top-K search takes ``K * k_factor`` candidates (as faiss' ``IndexRefine``).
+        probe_margin: IVF range search with per-query probes: every list whose centroid scores at least
+            ``t_q - probe_margin`` (at least ``nprobe`` lists), so that broad queries probe more lists than narrow ones.
         gpu: run on the GPU (``None``: when faiss sees one and the backend has a GPU version).
         seed: the training sample's seed.
     """
@@ -657,6 +705,7 @@ def make_searcher(
         rescore=rescore,
         range_slack=range_slack,
         k_factor=k_factor,
+        probe_margin=probe_margin,
         build_s=build_s if build_s is not None else float("nan"),
         memory_bytes=memory,
     )
