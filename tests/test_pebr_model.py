@@ -181,3 +181,15 @@ def test_trainer_few_steps_on_nfcorpus_save_reload_identical_tau(tmp_path, base_
     reloaded = load_model(path)
     np.testing.assert_array_equal(query_distribution(reloaded, dev_queries).alpha, tau_before_save)
     shutil.rmtree(path)
+
+
+def test_documents_encoded_over_two_processes_equal_one(tmp_path, base_model, minilm_path):
+    """ProbBiEncoder(devices=[...]): sentence-transformers' multi-process encoding gives the same vectors."""
+    from pyterrier_prob import ProbBiEncoder
+
+    texts = [f"document {i} about {w}" for i, w in enumerate(["heart", "diet", "cancer", "sleep", "vitamin d"] * 4)]
+    one = ProbBiEncoder(base_model).encode_docs(texts)
+    two = ProbBiEncoder(minilm_path, devices=["cpu", "cpu"]).encode_docs(texts)
+    np.testing.assert_allclose(one, two, atol=1e-5)
+    with pytest.raises(ValueError, match="devices must be a non-empty list of device names"):
+        ProbBiEncoder(base_model, devices="cpu")

@@ -16,6 +16,7 @@ A SentenceTransformer without a :class:`~st_extensions.QueryDistributionHead` is
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,9 @@ class ProbBiEncoder(BiEncoder):
         batch_size: encoding batch size.
         text_field: the document column to encode.
         verbose: show tqdm progress bars while encoding.
+        devices: encode documents over several processes, one per device (``["cuda:0", "cuda:1"]``, or
+            ``["cpu", "cpu"]``): sentence-transformers' multi-process encoding (``encode(..., device=[...])``), for
+            corpora too large for one process. Queries are encoded in this process.
     """
 
     def __init__(
@@ -71,8 +75,16 @@ class ProbBiEncoder(BiEncoder):
         batch_size: int = 32,
         text_field: str = "text",
         verbose: bool = False,
+        devices: Sequence[str] | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, text_field=text_field, verbose=verbose)
+        if devices is not None:
+            if isinstance(devices, str) or not len(devices) or not all(isinstance(d, str) for d in devices):
+                raise ValueError(
+                    f"devices must be a non-empty list of device names, e.g. ['cpu', 'cpu'], got {devices!r}"
+                )
+            devices = list(devices)
+        self.devices = devices
         if isinstance(model, (str, os.PathLike)):
             from st_extensions import load_model
 
@@ -141,6 +153,7 @@ class ProbBiEncoder(BiEncoder):
             convert_to_numpy=True,
             normalize_embeddings=True,
             show_progress_bar=show_progress_bar,
+            **({"device": self.devices} if self.devices and len(texts) > 1 else {}),
         )
         return np.asarray(emb, dtype=np.float32)
 
