@@ -9,6 +9,9 @@ import pandas as pd
 import pytest
 
 from pyterrier_prob.cli import main
+from pyterrier_prob.experiments.varce import build_noises
+from pyterrier_prob.varce import noise as noise_module
+from pyterrier_prob.varce.noise import wordnet_available
 
 SYSTEMS = ["BM25", "CE", "VarCE-MEANVAR", "VarCE-VAR"]
 
@@ -249,6 +252,23 @@ def test_training_rows_need_relevant_documents(small_bm25):
 
 
 @pytest.mark.slow
+def test_without_wordnet_the_robustness_table_skips_sr_with_a_note(monkeypatch, tmp_path):
+    monkeypatch.setattr(noise_module, "_wordnet_search_path", lambda: [])  # a machine without WordNet
+    noises, notes = build_noises(["SR", "RS", "RD"], seed=3)
+    assert list(noises) == ["RD", "RS"] and noises["RS"].seed == 3  # NOISE_ORDER's order
+    assert len(notes) == 1 and notes[0].startswith("robustness: SR (WordNet synonym replacement) skipped")
+    assert "apt-get install wordnet-base" in notes[0]
+    # with WordNet (a one-synset database in $WORDNET_DIR) SR is built
+    (tmp_path / "index.noun").write_text("fever n 1 0 1 0 00000000\n")
+    (tmp_path / "data.noun").write_text("00000000 03 n 02 fever 0 pyrexia 0 000 | a gloss\n")
+    for pos in ("verb", "adj", "adv"):
+        (tmp_path / f"index.{pos}").write_text("")
+    monkeypatch.setattr(noise_module, "_wordnet_search_path", lambda: [str(tmp_path)])
+    noises, notes = build_noises(["SR", "RD"], seed=3)
+    assert list(noises) == ["RD", "SR"] and notes == []
+    assert noises["SR"].perturb("fever", "q") == "pyrexia"
+
+
 def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
     """Three re-rankers trained for 2 steps on the small BEIR folder, every table written; --reuse neither trains
     nor scores again; a saved VarCrossEncoder with --steps 0 is evaluated as given, also zero-shot (--ood)."""
@@ -275,7 +295,12 @@ def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
     assert set(hard["hard_under"]) == {"CE", "BM25"} and set(hard["name"]) == set(SYSTEMS)
     assert hard["%no"].between(0, 100).all()
     robust = pd.read_csv(out / "robustness.csv")
-    assert list(dict.fromkeys(robust["perturbation"])) == ["clean", "RD", "RS", "SE", "SR", "WEI", "WES"]
+    if wordnet_available():
+        assert list(dict.fromkeys(robust["perturbation"])) == ["clean", "RD", "RS", "SE", "SR", "WEI", "WES"]
+    else:  # SR is skipped with a note, the other perturbations run
+        assert list(dict.fromkeys(robust["perturbation"])) == ["clean", "RD", "RS", "SE", "WEI", "WES"]
+        notes = json.loads((out / "summary.json").read_text())["data"]["notes"]
+        assert any(n.startswith("robustness: SR (WordNet synonym replacement) skipped") for n in notes), notes
     assert (robust["queries"] == 3).all() and robust["changed_queries"].between(0, 3).all()
     assert robust[["nDCG@10", "RR@10"]].apply(lambda c: c.between(0, 1)).all().all()
     clean = robust[robust["perturbation"] == "clean"]

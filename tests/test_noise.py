@@ -9,6 +9,7 @@ import pandas as pd
 import pyterrier as pt
 import pytest
 
+from pyterrier_prob.varce import noise as noise_module
 from pyterrier_prob.varce.hard_queries import hard_queries, hard_query_table, no_relevant_in_top, percent_no
 from pyterrier_prob.varce.noise import (
     ABBREVIATIONS,
@@ -16,8 +17,10 @@ from pyterrier_prob.varce.noise import (
     EmbeddingNeighbours,
     QueryNoise,
     WordNet,
+    all_noise,
     find_wordnet,
     spelling_dictionary,
+    wordnet_available,
 )
 
 TOPICS = pd.DataFrame(
@@ -35,12 +38,17 @@ TOPICS = pd.DataFrame(
 )
 
 
+NO_WORDNET = "no WordNet database on this machine (apt-get install wordnet-base, or set $WORDNET_DIR)"
+
+
 def _has_system_wordnet() -> bool:
-    try:
-        find_wordnet()
-    except FileNotFoundError:
-        return False
-    return True
+    return wordnet_available()
+
+
+@pytest.fixture
+def no_wordnet(monkeypatch):
+    """A machine without WordNet, whatever this one has: the default search path is empty."""
+    monkeypatch.setattr(noise_module, "_wordnet_search_path", lambda: [])
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +199,38 @@ def test_tiny_wordnet_reader(tiny_wordnet):
     assert wn.synonyms("xylophone") == []
 
 
-@pytest.mark.skipif(not _has_system_wordnet(), reason="no WordNet database (apt-get install wordnet-base)")
+def test_without_wordnet_every_other_noise_works(no_wordnet, neighbours):
+    assert not wordnet_available()
+    with pytest.raises(FileNotFoundError, match="WordNet is missing") as e:
+        find_wordnet()
+    assert "apt-get install wordnet-base" in str(e.value)
+    with pytest.raises(FileNotFoundError, match=r"QueryNoise\('SR'\): the synonym perturbation \(SR\)") as e:
+        QueryNoise("SR", 0)
+    assert "apt-get install wordnet-base" in str(e.value) and "(RD, RS, SE, WEI, WES) work without it" in str(e.value)
+    for kind in ("RD", "RS", "SE", "WEI", "WES"):
+        out = QueryNoise(kind, 7, embedding_model=neighbours)(TOPICS)
+        changed = [_check_one_word(ABBREVIATIONS[kind], a, b) for a, b in zip(out["query_0"], out["query"])]
+        assert sum(changed) >= 4, (kind, list(out["query"]))
+    with pytest.raises(FileNotFoundError, match="apt-get install wordnet-base"):
+        all_noise(0, embedding_model=neighbours)  # missing="raise" by default
+    with pytest.warns(UserWarning, match=r"all_noise: SR left out: .*apt-get install wordnet-base"):
+        five = all_noise(0, missing="warn", embedding_model=neighbours)
+    assert list(five) == ["RD", "RS", "SE", "WEI", "WES"]
+    assert list(all_noise(0, missing="skip", embedding_model=neighbours)) == list(five)
+    with pytest.raises(ValueError, match="missing must be"):
+        all_noise(0, missing="ignore")
+
+
+def test_wordnet_search_path_reads_the_environment(monkeypatch, tiny_wordnet, neighbours):
+    monkeypatch.setenv("WORDNET_DIR", str(tiny_wordnet))
+    assert find_wordnet() == tiny_wordnet and wordnet_available()
+    assert QueryNoise("SR", 0).perturb("fever", "q") in ("febrility", "pyrexia")
+    assert list(all_noise(0, embedding_model=neighbours)) == ["RD", "RS", "SE", "SR", "WEI", "WES"]
+    monkeypatch.setenv("WORDNET_DIR", str(tiny_wordnet / "missing"))
+    assert wordnet_available() == any(wordnet_available(d) for d in noise_module.WORDNET_DIRS)  # on to the next
+
+
+@pytest.mark.skipif(not _has_system_wordnet(), reason=NO_WORDNET)
 def test_system_wordnet():
     wn = WordNet()
     assert "pyrexia" in wn.synonyms("fever") and "kid" in wn.synonyms("children")

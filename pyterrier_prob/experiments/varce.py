@@ -52,7 +52,9 @@ BM25, ``pt.Experiment`` and the report come from :mod:`pyterrier_prob.experiment
    :func:`~pyterrier_prob.varce.all_noise` (RD, RS, SE, SR, WEI, WES) applied to a seeded subset of
    ``--robust-queries`` test queries; BM25 retrieves its top ``--robust-depth`` with the perturbed query and every
    re-ranker re-ranks them, so the table measures the whole pipeline; nDCG@10 against the clean queries (same
-   queries, same depth) and paired t-tests against CE under the same perturbation.
+   queries, same depth) and paired t-tests against CE under the same perturbation. SR needs WordNet
+   (``apt-get install wordnet-base``); without it SR is skipped with a note (:func:`build_noises`) and the other
+   perturbations run.
 
 Every re-ranker scores each distinct (collection, query, document) once (a per-model cache, kept under
 ``output/scores/`` for ``--reuse`` runs of the same models), so the clean robustness run and the risk sweep reuse
@@ -104,6 +106,7 @@ __all__ = [
     "PairScorer",
     "VarceJobConfig",
     "add_arguments",
+    "build_noises",
     "config_from_args",
     "ranked",
     "run",
@@ -1283,8 +1286,6 @@ def _robustness(
 ) -> tuple[pd.DataFrame, dict[str, list[list[str]]], list[str]]:
     """Table 4: the clean and perturbed runs of a seeded subset of the test queries (module docstring); ``prefetch``
     (the frozen recipe's :meth:`_PairFeatures.prefetch`) computes the backbone features of the new pairs first."""
-    from pyterrier_prob.varce import QueryNoise, all_noise
-
     notes: list[str] = []
     if cfg.robust_queries == 0 or not cfg.noise:
         return pd.DataFrame(), {}, notes
@@ -1296,16 +1297,11 @@ def _robustness(
         f"robustness: {len(sub)} {target.label} queries, {len(cfg.noise)} perturbations, "
         f"BM25 top {cfg.robust_depth} of the perturbed query",
     ):
-        try:
-            noises = all_noise(cfg.seed)
-        except (OSError, ValueError) as e:  # a missing resource (WordNet): build the others one by one
-            noises = {}
-            for abbr in NOISE_ORDER:
-                try:
-                    noises[abbr] = QueryNoise(abbr, cfg.seed)
-                except (OSError, ValueError) as e1:
-                    notes.append(f"robustness: {abbr} skipped ({e1})")
-            notes.append(f"robustness: all_noise failed ({e}); the perturbations that could be built were run")
+        noises, skipped = build_noises(cfg.noise, cfg.seed)
+        for note in skipped:
+            if h.verbose:
+                print(f"note: {note}", flush=True)
+            notes.append(note)
         kinds = [k for k in NOISE_ORDER if k in cfg.noise and k in noises]
         frames = {"clean": (sub, 0)}
         examples: dict[str, list[list[str]]] = {}
@@ -1335,6 +1331,27 @@ def _robustness(
             exp[f"{MEASURES[0]} drop"] = [clean_ndcg[n] - v for n, v in zip(exp["name"], exp[MEASURES[0]])]
             rows.append(exp)
     return pd.concat(rows, ignore_index=True), examples, notes
+
+
+def build_noises(kinds: Sequence[str], seed: int) -> tuple[dict[str, Any], list[str]]:
+    """The robustness table's perturbations (abbreviations of :data:`NOISE_ORDER`, in that order) and a note per
+    perturbation left out because its resource is missing -- SR without WordNet -- instead of failing the run."""
+    from pyterrier_prob.varce.noise import QueryNoise, wordnet_available
+
+    noises: dict[str, Any] = {}
+    notes: list[str] = []
+    for abbr in (k for k in NOISE_ORDER if k in kinds):
+        if abbr == "SR" and not wordnet_available():
+            notes.append(
+                "robustness: SR (WordNet synonym replacement) skipped: WordNet is missing; install it with "
+                "'apt-get install wordnet-base' (or set $WORDNET_DIR to a WordNet dict directory) to run it"
+            )
+            continue
+        try:
+            noises[abbr] = QueryNoise(abbr, seed)
+        except (OSError, ImportError) as e:  # another missing resource (NLPaug's misspelling dictionary)
+            notes.append(f"robustness: {abbr} skipped: {e}")
+    return noises, notes
 
 
 # --------------------------------------------------------------------------------------------------------------

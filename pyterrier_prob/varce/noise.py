@@ -34,7 +34,9 @@ Resources, all offline:
 * WordNet: the Princeton WordNet 3.0 database files (``index.*``/``data.*``/``*.exc``), read by a small
   reader here with WordNet's morphology (exception lists + suffix rules, as ``morphy``). Found in
   ``wordnet_dir``, ``$WORDNET_DIR``, Debian/Ubuntu's ``wordnet-base`` package (``/usr/share/wordnet``:
-  ``apt-get install wordnet-base``) or an unpacked NLTK ``corpora/wordnet``.
+  ``apt-get install wordnet-base``) or an unpacked NLTK ``corpora/wordnet``. WordNet is optional: only ``synonym``
+  (SR) needs it, every other perturbation works without it, and SR without it raises a ``FileNotFoundError`` saying
+  how to install it (:func:`wordnet_available` tells beforehand; ``all_noise(missing="skip")`` leaves SR out).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -61,6 +64,7 @@ __all__ = [
     "all_noise",
     "find_wordnet",
     "spelling_dictionary",
+    "wordnet_available",
 ]
 
 NOISE_TYPES: tuple[str, ...] = (
@@ -84,6 +88,8 @@ ABBREVIATIONS: dict[str, str] = {
 }
 """The paper's abbreviations (Table 4; the text also writes SP for spelling)."""
 
+_NO_WORDNET = ("RD", "RS", "SE", "WEI", "WES")  # the perturbations that do not need WordNet
+
 STOPWORDS: frozenset[str] = frozenset(
     """a an and are as at be by for from has have how i in is it its of on or that the this to was what when
     where which who why will with do does did can could should would my your their our there these those
@@ -99,6 +105,12 @@ WORDNET_DIRS: tuple[str, ...] = (
     "~/nltk_data/corpora/wordnet",
 )
 """Where :func:`find_wordnet` looks after ``wordnet_dir`` and ``$WORDNET_DIR``."""
+
+WORDNET_INSTALL = (
+    "install it with 'apt-get install wordnet-base' (Debian/Ubuntu, files in /usr/share/wordnet), or point "
+    "wordnet_dir= or $WORDNET_DIR at a WordNet 3.x dict directory (e.g. an unpacked NLTK corpora/wordnet)"
+)
+"""How to get WordNet, for the error messages."""
 
 _WORD = re.compile(r"^(\W*)(.*?)(\W*)$", re.UNICODE)
 _ALPHA = re.compile(r"[A-Za-z]")
@@ -149,23 +161,37 @@ def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
     return {k: tuple(sorted(v)) for k, v in out.items() if v}
 
 
+def _wordnet_search_path() -> list[str]:
+    """Where :func:`find_wordnet` looks when no ``wordnet_dir`` is given: ``$WORDNET_DIR``, then :data:`WORDNET_DIRS`.
+
+    Every default WordNet look-up goes through here (tests replace it to simulate a machine without WordNet).
+    """
+    env = os.environ.get("WORDNET_DIR")
+    return [*([env] if env else []), *WORDNET_DIRS]
+
+
 def find_wordnet(wordnet_dir: str | os.PathLike | None = None) -> Path:
-    """The directory of the Princeton WordNet database files, or a clear error saying how to get them."""
-    candidates = [wordnet_dir] if wordnet_dir is not None else [os.environ.get("WORDNET_DIR"), *WORDNET_DIRS]
+    """The directory of the Princeton WordNet database files, or a ``FileNotFoundError`` saying how to get them."""
+    candidates = [wordnet_dir] if wordnet_dir is not None else _wordnet_search_path()
     for c in candidates:
-        if c is None:
-            continue
         p = Path(c).expanduser()
         if (p / "index.noun").is_file() and (p / "data.noun").is_file():
             return p
         if (p / "dict" / "index.noun").is_file():
             return p / "dict"
-    where = str(wordnet_dir) if wordnet_dir is not None else ", ".join(["$WORDNET_DIR", *WORDNET_DIRS])
+    where = ", ".join(str(c) for c in candidates) or "(no directory to search)"
     raise FileNotFoundError(
-        f"no WordNet database (index.noun, data.noun, ...) in {where}: install Debian/Ubuntu's wordnet-base "
-        "(apt-get install wordnet-base, files in /usr/share/wordnet) or pass wordnet_dir= a WordNet 3.x dict "
-        "directory (e.g. an unpacked NLTK corpora/wordnet)"
+        f"WordNet is missing: no WordNet database (index.noun, data.noun, ...) in {where}; {WORDNET_INSTALL}"
     )
+
+
+def wordnet_available(wordnet_dir: str | os.PathLike | None = None) -> bool:
+    """Whether :func:`find_wordnet` finds a WordNet database (what the ``synonym`` perturbation needs)."""
+    try:
+        find_wordnet(wordnet_dir)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 _POS = ("noun", "verb", "adj", "adv")
@@ -260,7 +286,8 @@ class WordNet:
 
 
 @lru_cache(maxsize=2)
-def _wordnet(root: str | None) -> WordNet:
+def _wordnet(root: str) -> WordNet:
+    """The reader of the WordNet database in ``root`` (a directory :func:`find_wordnet` found), read once."""
     return WordNet(root)
 
 
@@ -404,7 +431,15 @@ class QueryNoise(pt.Transformer):
             else:
                 self._resource = EmbeddingNeighbours(embedding_model, top_k=top_k)
         elif self.kind == "synonym":
-            self._resource = _wordnet(self._wordnet_dir)
+            try:  # looked up on every construction (the reader is cached per directory)
+                root = find_wordnet(self._wordnet_dir)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(
+                    f"QueryNoise({kind!r}): the synonym perturbation (SR) replaces words by WordNet synonyms and "
+                    f"needs the WordNet database. {e}. The other perturbations ({', '.join(_NO_WORDNET)}) work "
+                    "without it."
+                ) from None
+            self._resource = _wordnet(str(root))
 
     def __repr__(self) -> str:
         return f"QueryNoise({self.kind!r}, seed={self.seed})"
@@ -501,8 +536,27 @@ class QueryNoise(pt.Transformer):
         return out
 
 
-def all_noise(seed: int = 0, **kwargs: Any) -> dict[str, QueryNoise]:
-    """``{abbreviation: QueryNoise}`` for the six perturbations of Table 4 (RD, RS, SE, SR, WEI, WES)."""
+def all_noise(seed: int = 0, *, missing: str = "raise", **kwargs: Any) -> dict[str, QueryNoise]:
+    """``{abbreviation: QueryNoise}`` for the six perturbations of Table 4 (RD, RS, SE, SR, WEI, WES).
+
+    Args:
+        seed: the seed of every perturbation.
+        missing: what to do when a perturbation's resource is missing (WordNet for SR): ``"raise"`` its
+            ``FileNotFoundError`` / ``ImportError`` (saying how to install it), ``"warn"`` leave the perturbation out
+            with a ``UserWarning`` naming it and the reason, ``"skip"`` leave it out silently.
+        **kwargs: passed to every :class:`QueryNoise` (``wordnet_dir``, ``embedding_model``, ...).
+    """
+    if missing not in ("raise", "warn", "skip"):
+        raise ValueError(f"missing must be 'raise', 'warn' or 'skip', got {missing!r}")
     names = {"RD": "random_delete", "RS": "random_swap", "SE": "spelling", "SR": "synonym"}
     names |= {"WEI": "wordemb_insert", "WES": "wordemb_substitute"}
-    return {abbr: QueryNoise(kind, seed, **kwargs) for abbr, kind in names.items()}
+    out: dict[str, QueryNoise] = {}
+    for abbr, kind in names.items():
+        try:
+            out[abbr] = QueryNoise(kind, seed, **kwargs)
+        except (FileNotFoundError, ImportError) as e:
+            if missing == "raise":
+                raise
+            if missing == "warn":
+                warnings.warn(f"all_noise: {abbr} left out: {e}", UserWarning, stacklevel=2)
+    return out
