@@ -6,6 +6,7 @@ The dot-product baselines of every experiment train with this loss under the sam
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
+from st_extensions.losses._checks import check_not_empty
 
 __all__ = ["MaskedMultipleNegativesRankingLoss"]
 
@@ -48,6 +50,10 @@ class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     ) -> None:
         super().__init__(model, scale=scale, gather_across_devices=gather_across_devices)
         self.judged = judged
+
+    def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
+        """The loss of a batch; a ``ValueError`` naming the loss for an empty batch, before the model is called."""
+        return super().forward(check_not_empty(type(self).__name__, sentence_features), labels)
 
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
         if len(embeddings) < 2:

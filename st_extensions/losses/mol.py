@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
+from st_extensions.losses._checks import check_not_empty
 from st_extensions.modules.mol import COMPONENTS_KEY, FEATURES_KEY, mutual_information_loss
 from st_extensions.mol import find_mol
 
@@ -131,7 +132,7 @@ class MoLLoss(nn.Module):
         the gates ``pi (B, C, P)``. With ``gather_across_devices`` under DDP the candidates are those of the global
         batch and anchor i's positive is candidate ``rank * B + i`` (:class:`st_extensions.distributed.GlobalBatch`).
         """
-        features = list(sentence_features)
+        features = check_not_empty("MoLLoss", sentence_features)
         if len(features) < 2:
             raise ValueError(f"MoLLoss needs (anchor, positive[, negative_1, ...]) columns, got {len(features)}")
         q, qf = self._encode(features[:1], "query")

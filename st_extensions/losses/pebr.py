@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from st_extensions.distributed import GlobalBatch, global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
+from st_extensions.losses._checks import check_not_empty
 from st_extensions.pebr import find_head
 
 PEBR_CITATION = """
@@ -66,6 +67,7 @@ class _PEBRLoss(nn.Module):
         and the anchors' distribution parameters ``(B, k)``. With ``gather_across_devices`` under DDP the candidates
         are those of the global batch, ``(B, W * B * (1 + n_neg))``, and anchor i's positive is candidate
         ``rank * B + i`` (:class:`st_extensions.distributed.GlobalBatch`)."""
+        sentence_features = check_not_empty(type(self).__name__, sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
         if len(embeddings) < 2:
             raise ValueError(

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs
+from st_extensions.losses._checks import check_not_empty
 from st_extensions.unierf import find_branches, parse_unierf_columns, unierf_columns
 
 UNIERF_CITATION = """
@@ -396,6 +397,7 @@ class UniERFLoss(nn.Module):
         anchors, tags = self._layout(len(features))
         if self._keep is not None:
             features = [f for f, keep in zip(features, self._keep) if keep]
+        features = check_not_empty("UniERFLoss", features)
         k = len(anchors)
         branch_emb = {
             branch: self.head.embed(self.model(f)["sentence_embedding"], branch)

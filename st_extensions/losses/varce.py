@@ -136,7 +136,9 @@ class VariationalBCELoss(nn.Module):
         """Clear errors for an empty batch, missing or non-numeric labels, and texts that are not str."""
         n = len(inputs[0])
         if n == 0:
-            raise ValueError("VariationalBCELoss got an empty batch (no (query, document) pairs): nothing to train on")
+            raise ValueError(
+                "VariationalBCELoss got an empty batch (0 rows: no (query, document) pairs): nothing to train on"
+            )
         if len(inputs[1]) != n:
             raise ValueError(f"VariationalBCELoss got {n} queries but {len(inputs[1])} documents")
         for column, texts in zip(("query", "document"), inputs):

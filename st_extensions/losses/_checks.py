@@ -1,0 +1,50 @@
+"""Input checks shared by the losses: a clear error for an empty batch, before anything reaches the model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+_ROW_KEYS = ("input_ids", "attention_mask")
+
+
+def feature_rows(features: Mapping[str, Any]) -> int | None:
+    """The number of rows (texts) in one column's features, as a model's ``preprocess`` returns them.
+
+    The first dimension of ``input_ids`` (else of the first tensor with a dimension; else the length of the first
+    list, e.g. the raw texts of a cache look-up); 0 for ``{}`` (what ``preprocess([])`` gives); ``None`` when the
+    features hold none of these (the row count is unknown, nothing is checked).
+    """
+    if not features:
+        return 0
+    values = [features[k] for k in _ROW_KEYS if k in features] + list(features.values())
+    for v in values:
+        if isinstance(v, Tensor) and v.dim() >= 1:
+            return int(v.shape[0])
+        if isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
+            return len(v)
+    return None
+
+
+def check_not_empty(loss: str, sentence_features: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``sentence_features`` as a list, or a ``ValueError`` naming ``loss`` if the batch (or a column) has 0 rows.
+
+    Called first in every loss's forward, so an empty batch fails here rather than deep inside the model.
+    """
+    features = list(sentence_features)
+    rows = [feature_rows(f) for f in features]
+    if features and all(r == 0 for r in rows):  # every column known to be empty
+        raise ValueError(
+            f"{loss} got an empty batch (0 rows in each of its {len(rows)} columns): nothing to compute a loss on; "
+            "check that the training dataset is not empty and that batches are not filtered down to nothing"
+        )
+    empty = [i for i, r in enumerate(rows) if r == 0]
+    if empty:
+        full = {i: r for i, r in enumerate(rows) if r}
+        other = f" while column {next(iter(full))} has {next(iter(full.values()))}" if full else ""
+        raise ValueError(
+            f"{loss} got an empty batch in column(s) {empty} (0 rows){other}: every column needs one text per row"
+        )
+    return features
