@@ -25,6 +25,8 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
+from pyterrier_prob.validation import EmptyRetrievalWarning
+
 STRATA: tuple[str, str, str] = ("head", "torso", "tail")
 """Stratum labels, most popular first (pEBR Sec. 4.2)."""
 
@@ -188,6 +190,14 @@ class Calibration:
     history: list[tuple[float, float]] = field(default_factory=list)
 
 
+def _quiet_run(run: Callable[[Any], Any], x: Any) -> Any:
+    """``run(x)`` without :class:`~pyterrier_prob.validation.EmptyRetrievalWarning`: the bisection's levels retrieve
+    nothing for most queries by design (the lower bracket), and a warning naming calibrate_mean_k would be noise."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmptyRetrievalWarning)
+        return run(x)
+
+
 class _CountingRun:
     """Calls ``run(x)``, turns each answer into per-query counts and keeps the qid universe."""
 
@@ -203,7 +213,7 @@ class _CountingRun:
         self.target = math.nan  # the frame of the call closest to it is kept
 
     def __call__(self, x: Any) -> float:
-        out = self.run(x)
+        out = _quiet_run(self.run, x)
         self.calls += 1
         frame = out if isinstance(out, pd.DataFrame) else None
         if isinstance(out, np.ndarray | list | tuple):
@@ -381,7 +391,7 @@ def calibrate_mean_k(
     frame = None
     if ev.frame is not None:
         if ev.frame_x != best:  # the qid universe grew after the frame was kept: fetch it again
-            frame = run(best)
+            frame = _quiet_run(run, best)
             ev.calls += 1
         else:
             frame = ev.frame
@@ -741,7 +751,7 @@ def table3_grid(
         qids = _topic_qids(topics) if topics is not None else None
     cols: dict[float, pd.Series] = {}
     for p in ps:
-        out = run_for_p(p)
+        out = _quiet_run(run_for_p, p)  # a sweep: its low levels may retrieve nothing by design
         if isinstance(out, np.ndarray | list | tuple):
             arr = _positional_counts(out, f"run_for_p({p!r})")
             if qids is None or len(arr) != len(qids):

@@ -260,3 +260,36 @@ def check_rows_match_query(
             kind=f"{column} shapes within a query",
         )
         check_same_per_query(frame, codes, first, column, vals, reference, owner, rows=rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# warnings about results
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class EmptyRetrievalWarning(UserWarning):
+    """A first-stage retrieval that returned no document for most of its queries (e.g. an uncalibrated CDF level).
+
+    Silence it with ``warnings.simplefilter("ignore", EmptyRetrievalWarning)``; :func:`~pyterrier_prob.evaluation.
+    calibrate_mean_k` does so while it searches for a level (its brackets retrieve nothing by design).
+    """
+
+
+def user_stacklevel(packages: Sequence[str] = ("pyterrier_prob", "pyterrier")) -> int:
+    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at the first frame outside
+    ``packages`` (the user's code), however deep the pipeline that reached it (``retriever(frame)``,
+    ``pipeline(frame)``, ``pt.Experiment``)."""
+    import os
+    import sys
+
+    dirs = tuple(
+        os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+        for name in packages
+        if (m := sys.modules.get(name)) is not None and getattr(m, "__file__", None)
+    )
+    frame = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -6,6 +6,7 @@ cutoff against the distributions of st_extensions and, for BetaNCE, the closed f
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -23,6 +24,8 @@ from pyterrier_prob import (
     count_above,
     threshold_search,
 )
+from pyterrier_prob.evaluation import calibrate_mean_k
+from pyterrier_prob.validation import EmptyRetrievalWarning
 from st_extensions import BetaCosine, ExpCosine, build_pebr_model, encode_queries
 
 N, DIM, NQ = 2000, 32, 20
@@ -110,6 +113,7 @@ def test_cdf_cutoff_equals_brute_force(data, index, family, dim, make):
     assert set(out.columns) >= set(cols)  # query columns carried into the result
 
 
+@pytest.mark.filterwarnings("ignore::pyterrier_prob.validation.EmptyRetrievalWarning")  # p = 0.2: 19 of 20 empty
 def test_beta_cutoff_closed_form_and_p(data, index):
     tau = np.exp(np.random.default_rng(3).uniform(np.log(0.3), np.log(1.2), NQ))
     frame = query_frame(data, query_temp=tau)
@@ -268,6 +272,58 @@ def test_empty_frames(data, index, name):
     assert len(r) == 0 and {"qid", "docno", "score", "rank"} <= set(r.columns)
     inputs = pt.inspect.transformer_inputs(retriever)
     assert any("query_vec" in cols and "docno" not in cols for cols in inputs)
+
+
+def _empty_warnings(record):
+    return [w for w in record if issubclass(w.category, EmptyRetrievalWarning)]
+
+
+def _n_empty(data, tau, p):
+    t = expected_thresholds("beta", None, {"query_temp": tau}, p)
+    return int(((data["cos"] >= t[:, None]).sum(axis=1) == 0).sum())
+
+
+def test_cdf_cutoff_warns_when_most_queries_retrieve_nothing(data, index):
+    """tau = 0.01 puts t_q at cos ~ 0.986 at p = 0.5 (nothing above it), tau = 1 at cos = 0 (many documents)."""
+    tau = np.where(np.arange(NQ) < 15, 0.01, 1.0)
+    assert _n_empty(data, tau, 0.5) == 15
+    frame = query_frame(data, query_temp=tau)
+    with pytest.warns(EmptyRetrievalWarning) as record:
+        out = CDFCutoffRetriever(index, p=0.5)(frame)
+    assert out["qid"].nunique() == 5
+    (w,) = _empty_warnings(record)
+    assert issubclass(w.category, UserWarning)
+    message = str(w.message)
+    assert message.startswith("CDFCutoffRetriever: 15 of 20 queries retrieved no document at level p=0.5")
+    assert "pyterrier_prob.evaluation.calibrate_mean_k" in message and "RecallTargetCutoff" in message
+    assert "pyterrier_prob.pebr.rlt" in message
+    assert w.filename == __file__  # points at the caller, not at pyterrier_prob
+    # through a pipeline (pyterrier's composition) it still points at the caller
+    with pytest.warns(EmptyRetrievalWarning) as record:
+        (pt.apply.generic(lambda df: df) >> CDFCutoffRetriever(index, p=0.5))(frame)
+    assert [w.filename for w in _empty_warnings(record)] == [__file__]
+
+
+def test_cdf_cutoff_does_not_warn_otherwise(data, index):
+    half = np.where(np.arange(NQ) < 10, 0.01, 1.0)
+    assert _n_empty(data, half, 0.5) == 10
+    few = query_frame(data, query_temp=np.full(NQ, 0.01)).iloc[:4]
+    assert _n_empty(data, np.full(NQ, 0.01), 0.5) == NQ
+    all_empty = query_frame(data, query_temp=np.full(NQ, 0.01))
+    cand = TopKRetriever(index, num_results=5)(all_empty)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EmptyRetrievalWarning)
+        assert CDFCutoffRetriever(index, p=0.5)(query_frame(data, query_temp=half))["qid"].nunique() == 10  # half
+        assert len(CDFCutoffRetriever(index, p=0.5)(few)) == 0  # 4 queries: fewer than 5
+        assert len(CDFCutoffRetriever(index, p=0.5)(cand)) == 0  # re-ranking, not a first stage
+        assert len(ScoreCutoffRetriever(index, threshold=0.99)(all_empty)) == 0  # only the CDF cutoff warns
+        assert len(TopKRetriever(index, num_results=3)(all_empty)) == 3 * NQ
+        # calibration searches levels that retrieve nothing (the lower bracket) without warning
+        mid = query_frame(data, query_temp=np.full(NQ, 0.5))
+        cal = calibrate_mean_k(lambda p: CDFCutoffRetriever(index, p=p)(mid), 5, 1e-6, 1 - 1e-6, topics=mid)
+        assert cal.achieved and cal.iterations > 2
+    with pytest.warns(EmptyRetrievalWarning, match="20 of 20 queries"):  # the lower bracket, outside calibration
+        CDFCutoffRetriever(index, p=1e-6)(mid)
 
 
 def test_errors(data, index, tmp_path):

@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import warnings
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,7 @@ from pyterrier_prob.index.exact import (
 from pyterrier_prob.index.search import Searcher
 from pyterrier_prob.pebr.encoders import PARAM_COLUMNS
 from pyterrier_prob.validation import (
+    EmptyRetrievalWarning,
     check_ids,
     check_rows_match_query,
     check_same_per_query,
@@ -76,14 +78,18 @@ from pyterrier_prob.validation import (
     float_column,
     row_namer,
     stack_arrays,
+    user_stacklevel,
 )
 from st_extensions.distributions import BetaCosine, ExpCosine
 
 _RERANK_ROWS = 65536  # candidate rows scored at once in re-ranking mode
+EMPTY_WARN_MIN_QUERIES = 5
+"""A CDF cutoff warns when more than half of the queries of a first-stage call, and at least this many, get nothing."""
 
 __all__ = [
     "CDFCutoffRetriever",
     "CutoffHits",
+    "EmptyRetrievalWarning",
     "ScoreCutoffRetriever",
     "TopKRetriever",
     "count_above",
@@ -200,12 +206,18 @@ class _CutoffRetriever(pt.Transformer):
         t = self._thresholds(inp)
         if self.searcher is None:
             hits = threshold_search(
-                self.index, Q, t, self.num_results, batch_size=self.batch_size, doc_batch_size=DOC_BATCH,
+                self.index,
+                Q,
+                t,
+                self.num_results,
+                batch_size=self.batch_size,
+                doc_batch_size=DOC_BATCH,
                 verbose=self.verbose,
             )
         else:
             hits = self.searcher.search(Q, t, self.num_results)
         counts = hits.counts
+        self._check_counts(counts)
         total = int(hits.offsets[-1])
         out = inp.iloc[np.repeat(np.arange(len(inp)), counts)].reset_index(drop=True)
         return out.assign(
@@ -214,6 +226,9 @@ class _CutoffRetriever(pt.Transformer):
             score=hits.scores,
             rank=np.arange(total, dtype=np.int64) - np.repeat(hits.offsets[:-1], counts),
         )
+
+    def _check_counts(self, counts: np.ndarray) -> None:
+        """A look at the per-query result counts of one first-stage call (nothing here; see CDFCutoffRetriever)."""
 
     # ---- the query side of the input frame -------------------------------------------------------------------
     def _param_columns(self) -> list[str]:
@@ -307,7 +322,11 @@ class CDFCutoffRetriever(_CutoffRetriever):
 
     A share p of the relevant-item law lies above t_q (default p = 0.5, Sec. 4.1.2); larger p, lower
     thresholds, deeper lists. Each query gets its own depth, capped at ``num_results`` (the highest-scoring
-    kept documents; ``None``: no cap).
+    kept documents; ``None``: no cap). A level that fits the model is best chosen on dev queries, with
+    :func:`pyterrier_prob.evaluation.calibrate_mean_k` (a mean depth) or
+    :class:`~pyterrier_prob.pebr.rlt.RecallTargetCutoff` (a recall target). When more than half of the queries of a
+    first-stage call (at least five) retrieve nothing, an :class:`~pyterrier_prob.validation.EmptyRetrievalWarning`
+    (a ``UserWarning``) says so.
 
     Args:
         index: a :class:`~pyterrier_prob.DenseIndex` or :class:`pyterrier_dr.FlexIndex`.
@@ -391,6 +410,22 @@ class CDFCutoffRetriever(_CutoffRetriever):
 
     def _thresholds(self, queries: pd.DataFrame) -> np.ndarray:
         return np.asarray(self.distribution(queries).cutoff(self.p), dtype=np.float64).reshape(-1)
+
+    def _check_counts(self, counts: np.ndarray) -> None:
+        """Warn (:class:`~pyterrier_prob.validation.EmptyRetrievalWarning`) when more than half of the queries of a
+        first-stage call (at least :data:`EMPTY_WARN_MIN_QUERIES`) retrieve nothing: the level p is uncalibrated."""
+        n = len(counts)
+        empty = int(np.count_nonzero(np.asarray(counts) == 0))
+        if n >= EMPTY_WARN_MIN_QUERIES and 2 * empty > n:
+            warnings.warn(
+                f"CDFCutoffRetriever: {empty} of {n} queries retrieved no document at level p={self.p:g} (the "
+                f"{self.family!r} law puts their thresholds t_q above every document's cosine). An "
+                "uncalibrated p rarely fits a model: pick it on dev queries with "
+                "pyterrier_prob.evaluation.calibrate_mean_k (the level at which the mean depth is k) or cut a deeper "
+                "ranking with RecallTargetCutoff (pyterrier_prob.pebr.rlt; the level that meets a recall target)",
+                EmptyRetrievalWarning,
+                stacklevel=user_stacklevel(),
+            )
 
 
 class ScoreCutoffRetriever(_CutoffRetriever):
