@@ -120,6 +120,12 @@ CONFIGS_ANN = [
     ("TopKAvg 500 IVF np32", "topk_avg", None, 500, IVF_MEAN | {"nprobe": 32}),
     ("TopKAvg 1000 IVF np32", "topk_avg", None, 1000, IVF_MEAN | {"nprobe": 32}),
     ("TopKAvg 2000 IVF np64", "topk_avg", None, 2000, IVF_MEAN | {"nprobe": 64}),
+    ("TopKAvg 500 IVF np128", "topk_avg", None, 500, IVF_MEAN | {"nprobe": 128}),
+    ("TopKAvg 500 IVF np256", "topk_avg", None, 500, IVF_MEAN | {"nprobe": 256}),
+    ("TopKAvg 1000 IVF np128", "topk_avg", None, 1000, IVF_MEAN | {"nprobe": 128}),
+    ("TopKAvg 500 IVF1024 np64", "topk_avg", None, 500, IVF_MEAN | {"nlist": 1024, "nprobe": 64}),
+    ("TopKPerEmbd 100 IVF-SQ8 np16", "topk_per_embedding", 100, None, IVF_COMP | {"nprobe": 16}),
+    ("TopKPerEmbd 200 IVF-SQ8 np8", "topk_per_embedding", 200, None, IVF_COMP | {"nprobe": 8}),
     ("TopKPerEmbd 200 IVF-SQ8 np16", "topk_per_embedding", 200, None, IVF_COMP | {"nprobe": 16}),
     ("CombTopK 50_1000 IVF-SQ8 np16", "comb_topk", 50, 1000, IVF_COMP | {"nprobe": 16}),
 ]
