@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from pyterrier_prob.console import library_bars
 from st_extensions.frozen import CachedEmbeddings
 
 __all__ = ["COMPLETE", "MODES", "Recipe", "complete_checkpoints", "fine_tune", "head_learning_rates", "text_columns"]
@@ -388,7 +389,9 @@ def fine_tune(
         if recipe.mode == "frozen":
             from st_extensions.frozen import cached_model
 
-            trained = cached_model(model, _texts_of(train), show_progress_bar=show_progress, cache=encoder_cache)
+            # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
+            encode_bar = show_progress and library_bars()
+            trained = cached_model(model, _texts_of(train), show_progress_bar=encode_bar, cache=encoder_cache)
         elif recipe.mode == "partial":
             from st_extensions.partial import partial_model
 
@@ -436,7 +439,8 @@ def fine_tune(
                 **_ddp_arguments(),
             )
             # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
-            quiet = contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(io.StringIO())
+            shown = show_progress and library_bars()
+            quiet = contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO())
             with quiet:
                 trainer = _trainer_class(Trainer)(model=trained, args=args, train_dataset=train, loss=loss)
             trainer.real_model = model

@@ -784,15 +784,12 @@ def _json_default(o: Any) -> Any:
 
 def _silence_library_bars() -> None:
     """transformers' and huggingface_hub's own bars (loading weights, writing shards) are not stages: hide them; and
-    ir_datasets' INFO lines (which file it opens)."""
-    import logging
+    ir_datasets' INFO lines (which file it opens) -- unless the command line asked for ``--verbose``
+    (:mod:`pyterrier_prob.console`)."""
+    from pyterrier_prob import console
 
-    from huggingface_hub.utils import disable_progress_bars
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    disable_progress_bars()
-    logging.getLogger("ir_datasets").setLevel(logging.WARNING)
+    if not console.verbose():
+        console.quiet_libraries()
 
 
 def _position_limit(model: Any) -> int | None:

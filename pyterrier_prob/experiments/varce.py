@@ -89,6 +89,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pyterrier_prob.console import library_bars
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
@@ -864,6 +865,7 @@ def _negative_sources(
             start, _ = h.train("dense-untrained", lambda: SentenceTransformer(base, device="cpu"), None, None)
         encoder = ProbBiEncoder(start, batch_size=64, verbose=False)
         dense = h.dense_index("dense-untrained", encoder, coll)
+        dense.verbose = library_bars()  # pyterrier-dr's inner "NumpyRetriever scoring" bar (not at default verbosity)
         stages["dense"] = encoder.query_encoder() >> dense.np_retriever(num_results=k)
     return stages
 

@@ -1,0 +1,86 @@
+"""The command line's console: our own progress bars and the final table, the libraries' chatter only on request.
+
+At default verbosity ``pyterrier-prob <paper>`` calls :func:`setup_console` (``verbose=False``), which silences what
+the libraries print on their own: ir_datasets' ``[INFO]`` lines (its loggers go to WARNING), Hugging Face's
+"Loading weights" / download bars, the inner bars of sentence-transformers (``encode``'s "Batches", the model card's
+"Computing widget examples" while a trainer is made; see :func:`library_bars`) and torch's harmless ``pin_memory``
+warning on a machine without an accelerator (:data:`PIN_MEMORY_WARNING`). ``pyterrier-prob <paper> --verbose``
+calls ``setup_console(verbose=True)``, which keeps (or restores) all of them.
+
+Used as a library (no command line), nothing here runs and every library prints as it does by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+__all__ = ["PIN_MEMORY_WARNING", "library_bars", "quiet_ir_datasets", "quiet_libraries", "setup_console", "verbose"]
+
+PIN_MEMORY_WARNING = r"'pin_memory' argument is set as true but no accelerator is found"
+"""The start of torch's DataLoader warning on a machine without a GPU (harmless: memory is simply not pinned)."""
+
+_VERBOSE: bool | None = None  # None: not configured (a library user), else the command line's --verbose
+
+
+def verbose() -> bool:
+    """Whether the command line asked for ``--verbose`` (every library message and bar kept)."""
+    return _VERBOSE is True
+
+
+def library_bars() -> bool:
+    """Whether the libraries' inner progress bars show (sentence-transformers' encode "Batches", the model card's
+    "Computing widget examples", pyterrier-dr's scoring bar) where our code would otherwise show them: False only
+    after :func:`setup_console` at default verbosity."""
+    return _VERBOSE is not False
+
+
+def quiet_ir_datasets(level: int = logging.WARNING) -> None:
+    """Set ir_datasets' loggers (names ``ir_datasets``, ``ir_datasets.*``) to ``level``.
+
+    ir_datasets sets its logger to INFO the first time it logs, so the logger is made here first (through
+    ``ir_datasets.log.easy().logger()``, which does that once) and its level set after.
+    """
+    try:
+        import ir_datasets
+
+        ir_datasets.log.easy().logger()
+    except (ImportError, AttributeError):  # another ir_datasets layout: the level below still applies
+        pass
+    names = {"ir_datasets", *(n for n in logging.root.manager.loggerDict if n.startswith("ir_datasets."))}
+    for name in names:
+        logging.getLogger(name).setLevel(level)
+
+
+def _hf_progress_bars(enabled: bool) -> None:
+    """transformers' and huggingface_hub's own bars (loading weights, downloads, writing shards)."""
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    if enabled:
+        hf_logging.enable_progress_bar()
+        enable_progress_bars()
+    else:
+        hf_logging.disable_progress_bar()
+        disable_progress_bars()
+
+
+def quiet_libraries() -> None:
+    """Hide the Hugging Face bars (loading weights, downloads) and ir_datasets' INFO lines: what the experiment
+    harness does for every run unless the command line asked for ``--verbose``."""
+    _hf_progress_bars(False)
+    quiet_ir_datasets(logging.WARNING)
+
+
+def setup_console(verbose: bool = False) -> None:
+    """Configure the console of one command-line run (module docstring): quiet libraries, or with ``verbose`` every
+    library message and bar kept (also undoing an earlier quiet call in the same process)."""
+    global _VERBOSE
+    _VERBOSE = bool(verbose)
+    if verbose:
+        quiet_ir_datasets(logging.INFO)  # ir_datasets' own default
+        _hf_progress_bars(True)
+        warnings.filterwarnings("default", message=PIN_MEMORY_WARNING, category=UserWarning)
+    else:
+        quiet_libraries()
+        warnings.filterwarnings("ignore", message=PIN_MEMORY_WARNING, category=UserWarning)
