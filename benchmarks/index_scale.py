@@ -153,14 +153,20 @@ def range_recall(got, want) -> float:
     return found / total if total else 1.0
 
 
-def depth_shift(exact, Q: np.ndarray, t: np.ndarray, target: float, depth_cap: int) -> float:
-    """The constant c with mean_q |{d : s >= t_q + c}| = target, from each query's exact top ``depth_cap``."""
+def depth_shifts(exact, Q: np.ndarray, t: np.ndarray, targets: list[int], depth_cap: int) -> tuple[dict, float]:
+    """Per target, the constant c with mean_q |{d : s >= t_q + c}| = target (from each query's exact top
+    ``depth_cap``), and each query's depth at its unshifted threshold (capped at ``depth_cap``)."""
     hits = exact.search(Q, -np.inf, depth_cap)
     scores = [hits.scores[hits.offsets[i] : hits.offsets[i + 1]] for i in range(len(Q))]
 
     def mean_depth(c: float) -> float:
         return float(np.mean([np.count_nonzero(s >= t[i] + c) for i, s in enumerate(scores)]))
 
+    raw = np.array([np.count_nonzero(s >= t[i]) for i, s in enumerate(scores)])
+    return {target: _bisect(mean_depth, target, depth_cap) for target in targets}, raw
+
+
+def _bisect(mean_depth, target: float, depth_cap: int) -> float:
     lo, hi = -1.0, 1.0
     for _ in range(50):
         mid = (lo + hi) / 2
@@ -189,8 +195,19 @@ def run_size(args, n: int, side: dict, rows: list) -> dict:
     t_model = side["t"][: args.queries]
     exact = make_searcher(vecs, "exact")
     log("calibrating the depth shift on the exact scan")
-    shifts = {depth: depth_shift(exact, Q, t_model, depth, args.depth_cap) for depth in args.target_depths}
-    settings = {"pebr_t": t_model} | {f"pebr_t_depth{depth}": t_model + c for depth, c in shifts.items()}
+    shifts, raw_depth = depth_shifts(exact, Q, t_model, args.target_depths, args.depth_cap)
+    log(f"  the model's thresholds: mean depth {raw_depth.mean():.0f}, largest {raw_depth.max()} (capped)")
+    settings = {f"pebr_t_depth{depth}": t_model + c for depth, c in shifts.items()}
+    skipped = None
+    if raw_depth.max() < args.depth_cap:
+        settings = {"pebr_t": t_model} | settings
+    else:  # some query's own threshold admits more than depth_cap documents: a scan of the collection, not a search
+        n_over = int((raw_depth >= args.depth_cap).sum())
+        skipped = (
+            f"pebr_t (the model's thresholds unshifted): {n_over} of {len(raw_depth)} queries admit more than "
+            f"{args.depth_cap} documents; not measured"
+        )
+        log(skipped)
 
     cache = os.path.join(args.workdir, f"faiss-{n}")
     nlist = args.nlist or (4096 if n <= 2_000_000 else 8192)
@@ -233,6 +250,8 @@ def run_size(args, n: int, side: dict, rows: list) -> dict:
         log(f"  batch {bi + 1}/{nb} done")
 
     out = {"n_docs": n, "collection": kind, "generate_s": round(gen_s, 1), "queries": int(len(Q)), "shift_c": shifts}
+    if skipped:
+        out["skipped"] = skipped
     exact_mem = int(vecs.nbytes)
     depth = {sn: float(np.mean([len(x) for x in truth[("exact", None, sn)]])) for sn in ["topk", *settings]}
     out["mean_exact_depth"] = depth
