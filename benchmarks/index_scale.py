@@ -210,7 +210,7 @@ def run_size(args, n: int, side: dict, rows: list) -> dict:
         log(skipped)
 
     cache = os.path.join(args.workdir, f"faiss-{n}")
-    nlist = args.nlist or (4096 if n <= 2_000_000 else 8192)
+    nlist = args.nlist
     backends = []
     specs = [("ivf_sq8", {"nlist": nlist, "train_size": min(n, 64 * nlist), "range_slack": args.slack})]
     if kind == "perturbed":
@@ -300,13 +300,13 @@ def main() -> None:
     ap.add_argument("--model", default=os.path.join(PEBR, "models", "pebr"))
     ap.add_argument("--queries", type=int, default=160, help="nfcorpus/test queries measured (of 323)")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--nlist", type=int, default=None, help="IVF lists (default 4096 at 1M, 8192 at 10M)")
+    ap.add_argument("--nlist", type=int, default=4096, help="IVF lists")
     ap.add_argument("--nprobes", default="16,32,64,128,256,512")
     ap.add_argument("--ef-searches", default="128,512,2048")
     ap.add_argument("--margins", default="0.05,0.1,0.15,0.2,0.25", help="probe_margin grid of IVF range search")
     ap.add_argument("--min-nprobe", type=int, default=4, help="nprobe (the minimum) with probe_margin")
-    ap.add_argument("--hnsw-m", type=int, default=16)
-    ap.add_argument("--hnsw-efc", type=int, default=40)
+    ap.add_argument("--hnsw-m", type=int, default=32)
+    ap.add_argument("--hnsw-efc", type=int, default=80)
     ap.add_argument("--no-hnsw", action="store_true")
     ap.add_argument("--slack", type=float, default=0.02, help="range_slack of the SQ8 candidate search")
     ap.add_argument("--target-depths", default="100,1000", help="mean exact depths of the shifted thresholds")

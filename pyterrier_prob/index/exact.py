@@ -1,8 +1,9 @@
 """The exact, exhaustive search of a dense index: ``Top_K({d : cos(q, d) >= t_q})`` per query.
 
 This is the reference every approximate backend of :mod:`pyterrier_prob.index.search` is measured against, and the
-search pEBR's cutoff retrievers (``shared/papers/pebr.md``, Sec. 4.1.2 and Appendix A's ``S_{t,K}``), MoL's
-candidate stages and UniERF's branches run by default. Per query block and document chunk one BLAS
+search pEBR's cutoff retrievers (``shared/papers/pebr.md``, Sec. 4.1.2 and Appendix A's ``S_{t,K}``) and UniERF's
+branches run by default (MoL's exhaustive candidate stages are blocked torch scans of its own; its approximate ones
+go through :mod:`pyterrier_prob.index.search`). Per query block and document chunk one BLAS
 ``Q_b @ D_c^T``, a vectorised ``>= t_q`` mask (in threads), and -- with a cap K -- each query's threshold raised
 to the K-th best score seen so far (a lower bound of its final K-th best), so that later chunks keep few
 candidates. No Python loop runs over documents. Scores are cosines: query vectors are L2-normalised here, and
@@ -34,6 +35,7 @@ __all__ = [
     "doc_scale",
     "docnos_of",
     "f32_ceil",
+    "n_threads",
     "query_matrix",
     "search_vectors",
     "threshold_search",
@@ -70,7 +72,8 @@ class CutoffHits:
         return np.diff(self.offsets)
 
 
-def _n_threads() -> int:
+def n_threads() -> int:
+    """CPU threads this process may use (its affinity), at most 16."""
     try:
         n = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux
@@ -180,7 +183,7 @@ class _Masker:
     """``flatnonzero(S >= t[:, None])``, split over row slices in threads for large score matrices."""
 
     def __init__(self) -> None:
-        self.n = _n_threads()
+        self.n = n_threads()
         self.pool = ThreadPoolExecutor(self.n) if self.n > 1 else None
 
     def __enter__(self) -> _Masker:

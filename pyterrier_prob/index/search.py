@@ -72,6 +72,7 @@ from pyterrier_prob.index.exact import (
     check_thresholds,
     doc_scale,
     f32_ceil,
+    n_threads,
     search_vectors,
 )
 
@@ -124,13 +125,6 @@ def import_faiss() -> Any:
             stacklevel=2,
         )
     return faiss
-
-
-def _n_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return os.cpu_count() or 1
 
 
 def _query_rows(queries: Any, dim: int) -> np.ndarray:
@@ -432,7 +426,7 @@ class FaissSearcher(Searcher):
             lims, D, ids = index.range_search(Q[i : i + 1], float(radius[i]))
             return D, ids
 
-        n = _n_threads()
+        n = n_threads()
         if n > 1 and Q.shape[0] > 1:
             with ThreadPoolExecutor(n) as pool:
                 parts = list(pool.map(one, range(Q.shape[0])))
