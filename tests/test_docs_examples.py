@@ -1,0 +1,76 @@
+"""Every python block of README.md and docs/*.md runs as a user would copy it.
+
+Each block is written to a file in a fresh temporary folder and run there in its own Python process, so a block
+cannot lean on another block's names or files; it must exit with status 0 within the timeout. Blocks in other
+languages (bash commands, tables) are not run.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+TIMEOUT_S = 600
+#: The most training steps a block may ask for: the examples train on an explicit small budget.
+MAX_STEPS = 200
+
+
+def python_blocks(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line of the opening fence, code)`` of every fenced python block of a Markdown file."""
+    text = path.read_text(encoding="utf8")
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in FENCE.finditer(text)]
+
+
+BLOCKS = [
+    pytest.param(code, id=f"{path.relative_to(ROOT)}:{line}") for path in PAGES for line, code in python_blocks(path)
+]
+
+
+def test_collector_finds_the_blocks(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("text\n```python\nx = 1\n```\n\n```bash\nls\n```\n```python\ny = 2\nprint(y)\n```\n")
+    assert python_blocks(page) == [(2, "x = 1\n"), (9, "y = 2\nprint(y)\n")]
+
+
+def test_readme_has_one_example_per_paper():
+    code = "\n".join(c for _, c in python_blocks(ROOT / "README.md"))
+    for name in ("CDFCutoffRetriever", "MoLRetriever", "VarCrossEncoderReranker", "MultiBranchRetriever"):
+        assert name in code, f"no README python block uses {name}"
+
+
+@pytest.mark.parametrize("code", [p.values[0] for p in BLOCKS], ids=[p.id for p in BLOCKS])
+def test_training_budget_is_explicit_and_small(code):
+    if "fine_tune(" not in code:
+        return
+    steps = [int(s) for s in re.findall(r"\bsteps=(\d+)", code)]
+    assert steps, "a block that trains must state its steps (Recipe(steps=...))"
+    assert max(steps) <= MAX_STEPS, f"a block trains {max(steps)} steps; the examples stay at <= {MAX_STEPS}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", [p.values[0] for p in BLOCKS], ids=[p.id for p in BLOCKS])
+def test_block_runs_as_copied(code, tmp_path):
+    script = tmp_path / "block.py"
+    script.write_text(code, encoding="utf8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)  # the installed package, as a user has it
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the block ran past {TIMEOUT_S} s; its stderr:\n{(e.stderr or b'')[-4000:]!r}")
+    wall = time.perf_counter() - start
+    print(f"wall time {wall:.1f} s")
+    assert proc.returncode == 0, (
+        f"exit status {proc.returncode} after {wall:.1f} s\n--- stdout ---\n{proc.stdout[-3000:]}"
+        f"\n--- stderr ---\n{proc.stderr[-6000:]}"
+    )
