@@ -45,6 +45,19 @@ def test_readme_has_one_example_per_paper():
         assert name in code, f"no README python block uses {name}"
 
 
+@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
+def test_no_issue_numbers_in_user_facing_text(path):
+    found = re.findall(r"(?i)\b(?:issue|PR|pull request)\s*#\d+", path.read_text(encoding="utf8"))
+    assert not found, f"{path.name} refers to {found}: a reader cannot look those up"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
+def test_relative_links_resolve(path):
+    text = path.read_text(encoding="utf8")
+    for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
+        assert (path.parent / target).exists(), f"{path.name} links to {target}, which does not exist"
+
+
 @pytest.mark.parametrize("code", [p.values[0] for p in BLOCKS], ids=[p.id for p in BLOCKS])
 def test_training_budget_is_explicit_and_small(code):
     if "fine_tune(" not in code:
