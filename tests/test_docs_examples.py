@@ -1,8 +1,9 @@
 """Every python block of README.md and docs/*.md runs as a user would copy it.
 
 Each block is written to a file in a fresh temporary folder and run there in its own Python process, so a block
-cannot lean on another block's names or files; it must exit with status 0 within the timeout. Blocks in other
-languages (bash commands, tables) are not run.
+cannot lean on another block's names or files; it must exit with status 0 within the timeout, and a first stage
+that retrieves nothing for most queries (``EmptyRetrievalWarning``) is an error. Blocks in other languages (bash
+commands, tables) are not run.
 """
 
 import os
@@ -67,21 +68,46 @@ def test_training_budget_is_explicit_and_small(code):
     assert max(steps) <= MAX_STEPS, f"a block trains {max(steps)} steps; the examples stay at <= {MAX_STEPS}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("code", [p.values[0] for p in BLOCKS], ids=[p.id for p in BLOCKS])
-def test_block_runs_as_copied(code, tmp_path):
-    script = tmp_path / "block.py"
+def run_block(code: str, folder: pathlib.Path) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``code`` as ``folder/block.py`` in its own Python process, from ``folder``; the process and its wall time.
+
+    An :class:`~pyterrier_prob.validation.EmptyRetrievalWarning` (a first stage that retrieved nothing for most
+    queries) is an error there: an example must return results.
+    """
+    script = folder / "block.py"
     script.write_text(code, encoding="utf8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)  # the installed package, as a user has it
+    # the block runs as a script (runpy, __main__) once the warning filter is set (-W cannot name our class)
+    runner = (
+        "import runpy, sys, warnings\n"
+        "from pyterrier_prob.validation import EmptyRetrievalWarning\n"
+        "warnings.simplefilter('error', EmptyRetrievalWarning)\n"
+        "sys.argv = [sys.argv[1]]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    command = [sys.executable, "-c", runner, str(script)]
     start = time.perf_counter()
+    proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return proc, time.perf_counter() - start
+
+
+def test_an_empty_first_stage_fails_the_block(tmp_path):
+    ok, _ = run_block("print('fine')\n", tmp_path)
+    assert ok.returncode == 0 and ok.stdout == "fine\n"
+    code = "import warnings\nfrom pyterrier_prob.validation import EmptyRetrievalWarning\n"
+    code += "warnings.warn(EmptyRetrievalWarning('20 of 20 queries retrieved nothing'))\n"
+    failed, _ = run_block(code, tmp_path)
+    assert failed.returncode != 0 and "20 of 20 queries retrieved nothing" in failed.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code", [p.values[0] for p in BLOCKS], ids=[p.id for p in BLOCKS])
+def test_block_runs_as_copied(code, tmp_path):
     try:
-        proc = subprocess.run(
-            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
+        proc, wall = run_block(code, tmp_path)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the block ran past {TIMEOUT_S} s; its stderr:\n{(e.stderr or b'')[-4000:]!r}")
-    wall = time.perf_counter() - start
     print(f"wall time {wall:.1f} s")
     assert proc.returncode == 0, (
         f"exit status {proc.returncode} after {wall:.1f} s\n--- stdout ---\n{proc.stdout[-3000:]}"
