@@ -85,7 +85,7 @@ def bm25_candidates(coll: Any, topics: Any, depth: int, index_dir: str) -> Any:
     """BM25's top ``depth`` (PISA, built once under ``index_dir``; its log beside it) with ``query`` and ``text``."""
     from pyterrier_pisa import PisaIndex
 
-    from pyterrier_prob.experiments.harness import native_output_to
+    from pyterrier_prob.console import native_output_to
 
     index = PisaIndex(index_dir, text_field="text", threads=2)
     log = f"{index_dir.rstrip(os.sep)}.log"

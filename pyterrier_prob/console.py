@@ -7,15 +7,29 @@ the libraries print on their own: ir_datasets' ``[INFO]`` lines (its loggers go 
 warning on a machine without an accelerator (:data:`PIN_MEMORY_WARNING`). ``pyterrier-prob <paper> --verbose``
 calls ``setup_console(verbose=True)``, which keeps (or restores) all of them.
 
-Used as a library (no command line), nothing here runs and every library prints as it does by default.
+Used as a library, nothing here runs unless asked and every library prints as it does by default; a script or a
+notebook that wants the command line's quiet console calls ``setup_console()`` itself, and wraps native code that
+prints on its own (PISA's indexer) in :func:`native_output_to`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import warnings
+from collections.abc import Iterator, Sequence
 
-__all__ = ["PIN_MEMORY_WARNING", "library_bars", "quiet_ir_datasets", "quiet_libraries", "setup_console", "verbose"]
+__all__ = [
+    "PIN_MEMORY_WARNING",
+    "library_bars",
+    "native_output_to",
+    "quiet_ir_datasets",
+    "quiet_libraries",
+    "setup_console",
+    "verbose",
+]
 
 PIN_MEMORY_WARNING = r"'pin_memory' argument is set as true but no accelerator is found"
 """The start of torch's DataLoader warning on a machine without a GPU (harmless: memory is simply not pinned)."""
@@ -84,3 +98,22 @@ def setup_console(verbose: bool = False) -> None:
     else:
         quiet_libraries()
         warnings.filterwarnings("ignore", message=PIN_MEMORY_WARNING, category=UserWarning)
+
+
+@contextlib.contextmanager
+def native_output_to(path: str, fds: Sequence[int] = (2,)) -> Iterator[None]:
+    """Send file descriptors ``fds`` (where native libraries such as PISA print) to ``path`` for the duration."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(fd) for fd in fds]
+    try:
+        with open(path, "ab") as log:
+            for fd in fds:
+                os.dup2(log.fileno(), fd)
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, s in zip(fds, saved):
+            os.dup2(s, fd)
+            os.close(s)

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,6 +46,7 @@ from pyterrier_prob.collections import (
     source_splits,
     split_topics,
 )
+from pyterrier_prob.console import native_output_to
 
 __all__ = [
     "CommonConfig",
@@ -250,25 +250,6 @@ class Data:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text.removeprefix("irds:")).strip("-") or "collection"
-
-
-@contextlib.contextmanager
-def native_output_to(path: str, fds: Sequence[int] = (2,)) -> Iterator[None]:
-    """Send file descriptors ``fds`` (where native libraries such as PISA print) to ``path`` for the duration."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(fd) for fd in fds]
-    try:
-        with open(path, "ab") as log:
-            for fd in fds:
-                os.dup2(log.fileno(), fd)
-            yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        for fd, s in zip(fds, saved):
-            os.dup2(s, fd)
-            os.close(s)
 
 
 def p_mark(p: float | None) -> str:
