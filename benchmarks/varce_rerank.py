@@ -2,10 +2,12 @@
 scifact/test and Cranfield (zero-shot), BM25's top 100 and top 20, paired t-tests against BM25 and against CE.
 
 Runs ``pyterrier-prob varce`` with the recipe below (partial fine-tuning of the top 2 of MiniLM's 6 layers with the
-lower layers' pair states cached, 128 tokens, negatives from BM25 and the untrained dense model, dev learning curves,
-the best dev point kept), then writes ``benchmarks/results/varce_rerank.json``: a list ``rows`` (``collection``,
-``depth``, ``system``, ``queries``, ``nDCG@10``, ``p_vs_bm25``, ``p_vs_CE``) and the learning curves, the lambda of the
-risk-aware ranking chosen on dev, the uncertainty statistics and the training rows' description.
+lower layers' pair states cached, 128 tokens, positives and negatives from the same candidate pool -- the judged
+documents and the negatives both among BM25's and the untrained dense model's top 100, the best of the recipe probes
+on dev -- dev learning curves, the best dev point kept), then writes ``benchmarks/results/varce_rerank.json``: a
+list ``rows`` (``collection``, ``depth``, ``system``, ``queries``, ``nDCG@10``, ``p_vs_bm25``, ``p_vs_CE``) and the
+learning curves, the lambda of the risk-aware ranking chosen on dev, the uncertainty statistics and the training
+rows' description.
 
     python benchmarks/varce_rerank.py --output runs/varce            # trains (resumable: run it again after a cut)
     python benchmarks/varce_rerank.py --output runs/varce            # again: reuses the models and the scores
@@ -29,6 +31,7 @@ RECIPE = [
     "--dataset", "irds:beir/nfcorpus",
     "--recipe", "partial", "--train-layers", "2",
     "--steps", "1000", "--batch-size", "16", "--lr", "1e-4", "--max-seq-length", "128",
+    "--positive-depth", "100", "--pool-depth", "100",
     "--depth", "100", "--extra-depths", "20",
     "--dev-queries", "50", "--dev-depth", "20", "--dev-every", "100",
     "--robust-queries", "0",
