@@ -153,7 +153,9 @@ def range_recall(got, want) -> float:
     return found / total if total else 1.0
 
 
-def depth_shifts(exact, Q: np.ndarray, t: np.ndarray, targets: list[int], depth_cap: int) -> tuple[dict, float]:
+def depth_shifts(
+    exact, Q: np.ndarray, t: np.ndarray, targets: list[int], depth_cap: int
+) -> tuple[dict[int, float], np.ndarray]:
     """Per target, the constant c with mean_q |{d : s >= t_q + c}| = target (from each query's exact top
     ``depth_cap``), and each query's depth at its unshifted threshold (capped at ``depth_cap``)."""
     hits = exact.search(Q, -np.inf, depth_cap)
