@@ -261,6 +261,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             test={m: round(_mean(per_query[m]), 4) for m in MEASURES},
             per_query=per_query,
         )
+        if a.save_model:  # the best-dev weights, as an ordinary sentence-transformers model (no cache needed)
+            model.save(a.save_model)
+            row["model"] = a.save_model
     _dump(a.out, row)
     print(json.dumps({k: v for k, v in row.items() if k != "per_query"}), flush=True)
     return row
@@ -418,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--workdir", default="outputs/recipe_modes")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--out", required=True)
+    r.add_argument("--save-model", default=None, help="save the best-dev model to this folder (e.g. a distillation teacher)")
     t = sub.add_parser("table")
     t.add_argument("rows", nargs="+")
     t.add_argument("--out", default="benchmarks/results/recipe_modes.json")

@@ -35,6 +35,7 @@ class DevCurve(TrainerCallback):
         path: the curve's JSON file (None: memory only; then a resume starts afresh).
         keep_best: restore the best point's trainable parameters at the end of training.
         evaluate_at_start: also evaluate before the first step (step 0: the untrained start).
+        patience: stop training after this many evaluations without a better dev value (None: never).
     """
 
     def __init__(
@@ -44,9 +45,13 @@ class DevCurve(TrainerCallback):
         path: str | os.PathLike | None = None,
         keep_best: bool = True,
         evaluate_at_start: bool = True,
+        patience: int | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be an int >= 1, got {every!r}")
+        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
+            raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
+        self.patience = patience
         self.every, self.evaluate = every, evaluate
         self.path = os.fspath(path) if path is not None else None
         self.keep_best, self.evaluate_at_start = bool(keep_best), bool(evaluate_at_start)
@@ -97,6 +102,10 @@ class DevCurve(TrainerCallback):
         step = int(state.global_step)
         if model is not None and (step % self.every == 0 or step == state.max_steps):
             self._record(step, model)
+            best = self.best_point()
+            if self.patience is not None and best is not None:
+                if sum(p["step"] > best["step"] for p in self.points) >= self.patience:
+                    control.should_training_stop = True
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if not self.keep_best or model is None:

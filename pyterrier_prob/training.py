@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from pyterrier_prob.console import library_bars
+from st_extensions.cross_encoder.split import SplitTransformer, split_state_cache
 from st_extensions.frozen import CachedEmbeddings
 
 __all__ = ["COMPLETE", "MODES", "Recipe", "complete_checkpoints", "fine_tune", "head_learning_rates", "text_columns"]
@@ -392,6 +393,18 @@ def fine_tune(
             # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
             encode_bar = show_progress and library_bars()
             trained = cached_model(model, _texts_of(train), show_progress_bar=encode_bar, cache=encoder_cache)
+        elif recipe.mode == "partial" and isinstance(model[0], SplitTransformer):
+            # a split-attention cross-encoder: its lower layers read each text alone, so they are cached per text
+            # (not per pair) and the joint top layers and the head train on them
+            if recipe.train_layers != model[0].joint_layers:
+                raise ValueError(
+                    f"a SplitTransformer with {model[0].joint_layers} joint layers trains those under 'partial': "
+                    f"got train_layers={recipe.train_layers}"
+                )
+            trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
+            folder = state_cache or os.path.join(output_dir or tmp, "states")
+            texts = list(dict.fromkeys(t for pair in _pairs_of(train) for t in pair))
+            split_state_cache(model, folder, texts, show_progress_bar=show_progress)
         elif recipe.mode == "partial":
             from st_extensions.partial import partial_model
 

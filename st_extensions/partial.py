@@ -157,12 +157,15 @@ def layer_attention_mask(backbone: Any, hidden_states: Tensor, attention_mask: T
     return create_bidirectional_mask(config=backbone.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
 
 
-def run_top_layers(backbone: Any, hidden_states: Tensor, attention_mask: Tensor, start: int) -> Tensor:
-    """``backbone``'s layers ``start..L-1`` on ``hidden_states`` (the states entering layer ``start``), as
-    ``BertEncoder.forward`` runs them for an encoder (no cross-attention, no cache): the last hidden state, (B, T, H).
-    Layers that return a tuple (older transformers 5 releases) give their first element."""
+def run_top_layers(
+    backbone: Any, hidden_states: Tensor, attention_mask: Tensor, start: int, stop: int | None = None
+) -> Tensor:
+    """``backbone``'s layers ``start..stop-1`` (default: to the last) on ``hidden_states`` (the states entering layer
+    ``start``), as ``BertEncoder.forward`` runs them for an encoder (no cross-attention, no cache): the output of
+    layer ``stop - 1``, (B, T, H). Layers that return a tuple (older transformers 5 releases) give their first
+    element."""
     mask = layer_attention_mask(backbone, hidden_states, attention_mask)
-    for layer in backbone.encoder.layer[start:]:
+    for layer in backbone.encoder.layer[start:stop]:
         out = layer(hidden_states, attention_mask=mask)
         hidden_states = out[0] if isinstance(out, tuple) else out
     return hidden_states

@@ -165,6 +165,9 @@ class VarceJobConfig(CommonConfig):
         extra_depths: shallower re-ranking depths also reported, from the same scores (BM25's top k re-ranked).
         positive_depth: train only on the judged-relevant documents that a negative source ranks in its top k (the
             candidates a re-ranker sees; None: every judged-relevant document).
+        teacher: distil the re-rankers from a fine-tuned bi-encoder fused with BM25 instead of training them on the
+            labels (:mod:`pyterrier_prob.experiments.varce_distill`): a saved bi-encoder's folder, or ``"partial"``
+            to fine-tune one first (the MNRL baseline, top ``train_layers`` layers, into ``output/teacher/model``).
     """
 
     output: str = "outputs/varce"
@@ -187,6 +190,7 @@ class VarceJobConfig(CommonConfig):
     dev_queries: int = 100
     dev_depth: int = 30
     dev_every: int | None = None
+    teacher: str | None = None
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
@@ -275,6 +279,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     c.add_argument("--dev-queries", type=int, default=d.dev_queries, help="seeded dev queries (0: no curve)")
     c.add_argument("--dev-depth", type=int, default=d.dev_depth, help="BM25 depth re-ranked per dev query")
     c.add_argument("--dev-every", type=int, default=d.dev_every, help="steps between dev points (default: steps/10)")
+    t = ap.add_argument_group("distillation")
+    t.add_argument(
+        "--teacher",
+        default=d.teacher,
+        help="distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first) fused "
+        "with BM25, into split-attention students (default: train on the labels)",
+    )
 
 
 def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
@@ -299,10 +310,15 @@ def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
         dev_queries=a.dev_queries,
         dev_depth=a.dev_depth,
         dev_every=a.dev_every,
+        teacher=a.teacher,
     )
 
 
 def run(cfg: VarceJobConfig) -> dict[str, Any]:
+    if cfg.teacher:
+        from pyterrier_prob.experiments import varce_distill
+
+        return varce_distill.run(varce_distill.config_from_varce(cfg))
     return run_varce_job(cfg)
 
 

@@ -4,7 +4,7 @@ from st_extensions.losses.mnrl import MaskedMultipleNegativesRankingLoss
 from st_extensions.losses.mol import MoLLoss
 from st_extensions.losses.pebr import BetaMLELoss, BetaNCELoss, ExpNCELoss
 from st_extensions.losses.unierf import UniERFLoss
-from st_extensions.losses.varce import VariationalBCELoss
+from st_extensions.losses.varce import VariationalBCELoss, VariationalMarginMSELoss
 
 __all__ = [
     "BetaMLELoss",
@@ -14,4 +14,5 @@ __all__ = [
     "MoLLoss",
     "UniERFLoss",
     "VariationalBCELoss",
+    "VariationalMarginMSELoss",
 ]

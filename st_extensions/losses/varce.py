@@ -184,3 +184,114 @@ class VariationalBCELoss(nn.Module):
     @property
     def citation(self) -> str:
         return VARCE_CITATION
+
+
+class VariationalMarginMSELoss(nn.Module):
+    """Margin-MSE distillation of a VarCrossEncoder (Hofstätter et al., 2020) with the variational head kept.
+
+    For a query and documents ``d_0, d_1, ..., d_n`` with teacher scores ``t_0, ..., t_n``, the head gives each pair's
+    score moments E[s_j] = mu_j^T W + b and Var[s_j] = W^T Sigma_j W (Eq. 22-23). The loss is
+
+        mean_j (E[s_0] - E[s_j] - (t_0 - t_j))^2                                   (Margin-MSE on E[s], as the CE)
+        + nll_weight * mean_j NLL(t_0 - t_j | N(E[s_0] - E[s_j], Var[s_0] + Var[s_j]))   (the margin's likelihood)
+        + beta * mean_pairs KL(N(mu, Sigma) || N(0, I))                               (Eq. 10, 17)
+
+    The first term trains the ranking exactly as sentence-transformers' ``MarginMSELoss`` trains a plain
+    cross-encoder. The second is the teacher margin's Gaussian log-likelihood under the model's own score
+    distribution (the latents integrated out in closed form, Eq. 22-23), with the mean and the decoder W detached: it
+    trains only the variance, which so grows where the student cannot follow the teacher and shrinks where it can.
+    A sampled-score data term with a fixed observation noise (Eq. 10 with a Gaussian or, to second order, a BCE
+    likelihood) has an optimal Sigma that does not depend on the pair, which is why it learns a near-constant std[s].
+
+    Args:
+        model: a :class:`~st_extensions.cross_encoder.VarCrossEncoder`.
+        beta: weight of the KL term (Eq. 10).
+        nll_weight: weight of the margin's likelihood term.
+
+    Requirements:
+        1. The model ends in a :class:`~st_extensions.cross_encoder.VariationalHead`.
+        2. Teacher scores for every document of a row.
+
+    Inputs:
+        +------------------------------------------------+----------------------------------------+
+        | Inputs                                         | Labels                                 |
+        +================================================+========================================+
+        | (query, document_0, document_1, ..., document_n) | [t(q, d_0), t(q, d_1), ..., t(q, d_n)] |
+        +------------------------------------------------+----------------------------------------+
+
+    Example:
+        ::
+
+            from datasets import Dataset
+            from sentence_transformers.cross_encoder import CrossEncoderTrainer
+            from st_extensions.cross_encoder import build_var_cross_encoder
+            from st_extensions.losses import VariationalMarginMSELoss
+
+            model = build_var_cross_encoder(variant="MEANVAR")
+            train = Dataset.from_dict({
+                "query": ["what are pandas?"],
+                "document_0": ["Pandas are a kind of bear."],
+                "document_1": ["Pandas are a kind of fish."],
+                "label": [[2.1, -0.4]],
+            })
+            CrossEncoderTrainer(model=model, train_dataset=train, loss=VariationalMarginMSELoss(model)).train()
+    """
+
+    def __init__(self, model: CrossEncoder, beta: float = 1e-7, nll_weight: float = 1.0) -> None:
+        super().__init__()
+        if not isinstance(model, CrossEncoder):
+            raise ValueError(f"VariationalMarginMSELoss expects a VarCrossEncoder, got {type(model)}")
+        self.head = find_var_head(model)
+        for name, value in (("beta", beta), ("nll_weight", nll_weight)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        self.model = model
+        self.beta = float(beta)
+        self.nll_weight = float(nll_weight)
+
+    def moments(self, pairs: list[tuple[str, str]], prompt: str | None = None, task: str | None = None) -> tuple:
+        """(E[s], Var[s] with W detached, KL per pair) of ``pairs``, each ``(batch,)``."""
+        features = batch_to_device(self.model.preprocess(pairs, prompt=prompt, task=task), self.model.device)
+        out = self.model(features)
+        mean, var = out[MEAN_KEY], out[VAR_KEY]
+        w = self.head.decoder.weight.detach()
+        return self.head.decoder(mean).view(-1), (var @ (w * w).T).view(-1), gaussian_kl(mean, var)
+
+    def forward(
+        self, inputs: list[list[str]], labels: Tensor, prompt: str | None = None, task: str | None = None
+    ) -> Tensor:
+        if len(inputs) < 3:
+            raise ValueError(
+                f"VariationalMarginMSELoss expects (query, document_0, document_1, ...) columns, got {len(inputs)}"
+            )
+        n = len(inputs[0])
+        if n == 0:
+            raise ValueError("VariationalMarginMSELoss got an empty batch (0 rows): nothing to train on")
+        labels = torch.stack(labels) if isinstance(labels, list) else torch.as_tensor(labels)
+        if labels.shape != (n, len(inputs) - 1):
+            raise ValueError(
+                f"VariationalMarginMSELoss expects labels of shape {(n, len(inputs) - 1)} (a teacher score per "
+                f"document), got {tuple(labels.shape)}"
+            )
+        labels = labels.to(self.model.device).float()
+        moments = [self.moments(list(zip(inputs[0], docs)), prompt, task) for docs in inputs[1:]]
+        mean = torch.stack([m[0] for m in moments], dim=1)  # (B, n+1)
+        var = torch.stack([m[1] for m in moments], dim=1)
+        kl = torch.stack([m[2] for m in moments], dim=1)
+        margin = mean[:, :1] - mean[:, 1:]
+        target = labels[:, :1] - labels[:, 1:]
+        loss = (margin - target).pow(2).mean()
+        if self.nll_weight:
+            spread = (var[:, :1] + var[:, 1:]).clamp_min(1e-8)
+            residual = (margin.detach() - target).pow(2)
+            loss = loss + self.nll_weight * 0.5 * (residual / spread + torch.log(spread)).mean()
+        if self.beta:
+            loss = loss + self.beta * kl.mean()
+        return loss
+
+    def get_config_dict(self) -> dict[str, Any]:
+        return {"beta": self.beta, "nll_weight": self.nll_weight}
+
+    @property
+    def citation(self) -> str:
+        return VARCE_CITATION

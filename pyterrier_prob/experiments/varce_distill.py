@@ -1,0 +1,516 @@
+"""``pyterrier-prob varce --teacher``: cross-encoders distilled from the strongest ranker we can build, as BM25
+re-rankers in domain and zero-shot.
+
+Stages (each a function, reusing what an earlier run in the same output folder made):
+
+1. :func:`bm25_runs`: PISA BM25 for the training queries (deep, to score every pool candidate) and the evaluated
+   queries (the re-ranked depth).
+2. :func:`teacher_stage`: the teacher bi-encoder's embeddings, its fusion weight with BM25 chosen on dev
+   (:func:`~pyterrier_prob.varce.distill.choose_teacher`), the training pools with teacher scores.
+3. :func:`train_students`: the CE and the VarCEs, split-attention students started from the teacher
+   (:func:`~st_extensions.cross_encoder.split.build_split_cross_encoder`), trained on the same Margin-MSE rows,
+   steps and budget under the partial recipe (the joint layers and the head; the lower layers cached per text),
+   dev nDCG@10 every ``dev_every`` steps, the best dev point kept.
+4. :func:`score_stage`: each student's E[s] (and std[s]) for the re-ranked candidates of every collection.
+5. :func:`report`: nDCG@10 with paired t-tests against BM25 and the CE, the teacher's rows, calibration (ECE,
+   reliability), the spread of std[s], risk-aware lambda chosen on dev, whether uncertain queries are hard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pyterrier_prob.atomic import atomic_write, make_dirs
+from pyterrier_prob.collections import load_collection
+from pyterrier_prob.console import native_output_to
+from pyterrier_prob.varce import calibration as cal
+from pyterrier_prob.varce import distill
+from pyterrier_prob.varce.rerank import risk_adjusted
+
+STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
+RISKS = (0.0, 0.25, 0.5, 1.0, 2.0)
+
+
+@dataclass
+class DistillConfig:
+    """What a distillation run does; written into its summary."""
+
+    output: str
+    teacher: str
+    dataset: str = "irds:beir/nfcorpus"
+    ood: tuple[str, ...] = ("irds:beir/scifact", "irds:cranfield")
+    depth: int = 100
+    pool_depth: int = 100
+    bm25_train_depth: int = 1000
+    steps: int = 1000
+    batch_size: int = 16
+    negatives: int = 3
+    learning_rate: float = 1e-4
+    joint_layers: int = 2
+    init_cross_bias: float = -4.0
+    max_seq_length: int = 128
+    beta: float = 1e-7
+    dev_queries: int = 100
+    dev_depth: int = 30
+    dev_every: int = 100
+    patience: int = 3
+    students: tuple[str, ...] = tuple(STUDENTS)
+    seed: int = 0
+    checkpoint_every: int = 100
+    base_model: str | None = None
+    teacher_steps: int = 3000
+    teacher_layers: int = 2
+    teacher_dev_every: int = 200
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.output, *parts)
+
+
+def _write_json(path: str, data: Any) -> None:
+    make_dirs(os.path.dirname(path))
+    atomic_write(path, json.dumps(data, indent=1, default=float))
+
+
+# ------------------------------------------------------------------------------------------------ 1. BM25
+def bm25_run(cfg: DistillConfig, spec: str, topics: pd.DataFrame, k: int, tag: str) -> pd.DataFrame:
+    """BM25's top ``k`` (PISA) of ``topics`` on collection ``spec``, cached as ``bm25/<slug>-<tag>.parquet``."""
+    from pyterrier_pisa import PisaIndex
+
+    slug = spec.replace("irds:", "").replace("/", "_")
+    path = cfg.path("bm25", f"{slug}-{tag}-{k}.parquet")
+    if os.path.isfile(path):
+        return pd.read_parquet(path)
+    index_path = cfg.path("bm25", f"{slug}.pisa")
+    make_dirs(cfg.path("bm25"))
+    index = PisaIndex(index_path, text_field="text", threads=1)
+    with native_output_to(f"{index_path}.log", fds=(1, 2)):
+        if not index.built():
+            index.index(load_collection(spec).corpus_iter())
+        run = index.bm25(num_results=k)(topics[["qid", "query"]])
+    run = run[["qid", "docno", "score", "rank"]].astype({"qid": str, "docno": str})
+    atomic_write(path, lambda f: run.to_parquet(f))
+    return run
+
+
+# ------------------------------------------------------------------------------------------------ 2. teacher
+def build_teacher(cfg: DistillConfig) -> str:
+    """The teacher's folder: ``cfg.teacher`` itself, or for ``"partial"`` the MNRL bi-encoder fine-tuned on the
+    training split (top ``teacher_layers`` layers, query-balanced batches, judged negatives masked), dev nDCG@10 by
+    exact search every ``teacher_dev_every`` steps, the best dev point kept; trained once into
+    ``output/teacher/model`` (resumable) and reused."""
+    if cfg.teacher != "partial":
+        if not os.path.isfile(os.path.join(cfg.teacher, "modules.json")):
+            raise FileNotFoundError(f"--teacher {cfg.teacher!r} is not a saved sentence-transformers model folder")
+        return cfg.teacher
+    folder = cfg.path("teacher", "model")
+    if os.path.isfile(os.path.join(folder, "modules.json")):
+        return folder
+    from pyterrier_prob.curves import DevCurve
+    from pyterrier_prob.data import judged_pairs, training_pairs
+    from pyterrier_prob.training import Recipe, fine_tune
+    from st_extensions.loading import load_model
+    from st_extensions.losses import MaskedMultipleNegativesRankingLoss
+
+    coll = load_collection(cfg.dataset)
+    model = load_model(cfg.base_model) if cfg.base_model else load_model(_default_path())
+    model.max_seq_length = cfg.max_seq_length
+    corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
+    docnos = list(corpus)
+    dev, qrels = coll.topics("dev").astype({"qid": str}), coll.qrels("dev").astype({"qid": str, "docno": str})
+
+    def evaluate(m: Any) -> float:
+        q = distill.encode(m, dev["query"].tolist(), query=True)
+        d = distill.encode(m, [corpus[x] for x in docnos])
+        run = distill.dense_run(dev, q, docnos, d, 100)
+        return float(distill.ndcg_at_10(run, qrels, "dense", qids=dev["qid"].tolist()).mean())
+
+    recipe = Recipe(
+        mode="partial",
+        steps=cfg.teacher_steps,
+        batch_size=32,
+        learning_rate=5e-5,
+        seed=cfg.seed,
+        train_layers=cfg.teacher_layers,
+        checkpoint_every=cfg.teacher_dev_every,
+    )
+    curve = DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience)
+    fine_tune(
+        model,
+        MaskedMultipleNegativesRankingLoss(model, judged=judged_pairs(coll, "train")),
+        training_pairs(coll, "train", seed=cfg.seed),
+        recipe,
+        output_dir=cfg.path("runs", "teacher"),
+        resume=True,
+        desc="teacher",
+        callbacks=[curve],
+        state_cache=cfg.path("teacher", "states"),
+    )
+    model.save(folder)
+    return folder
+
+
+def _default_path() -> str:
+    from st_extensions.defaults import default_model_path
+
+    return str(default_model_path())
+
+
+@dataclass
+class Side:
+    """One collection's texts and the teacher's embeddings of them."""
+
+    spec: str
+    corpus: dict[str, str]
+    topics: dict[str, pd.DataFrame]
+    qrels: dict[str, pd.DataFrame]
+    docnos: list[str]
+    d_emb: np.ndarray
+    q_emb: dict[str, np.ndarray]
+
+
+def load_side(cfg: DistillConfig, teacher: Any, spec: str, splits: tuple[str, ...]) -> Side:
+    coll = load_collection(spec)
+    corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
+    docnos = list(corpus)
+    slug = spec.replace("irds:", "").replace("/", "_")
+    d_emb = distill.encode(teacher, [corpus[d] for d in docnos], cfg.path("teacher", f"{slug}-docs.npy"))
+    topics = {s: coll.topics(s).astype({"qid": str}) for s in splits}
+    qrels = {s: coll.qrels(s).astype({"qid": str, "docno": str}) for s in splits}
+    q_emb = {
+        s: distill.encode(teacher, topics[s]["query"].tolist(), cfg.path("teacher", f"{slug}-{s}.npy"), query=True)
+        for s in splits
+    }
+    return Side(spec, corpus, topics, qrels, docnos, d_emb, q_emb)
+
+
+def candidates(cfg: DistillConfig, side: Side, split: str) -> pd.DataFrame:
+    """BM25's top ``depth`` of a split with the teacher's cosine: ``qid, docno, bm25, dense, query, text``."""
+    topics = side.topics[split]
+    run = bm25_run(cfg, side.spec, topics, cfg.depth, split).rename(columns={"score": "bm25"})
+    run = distill.add_cosines(run, topics["qid"].tolist(), side.q_emb[split], side.docnos, side.d_emb)
+    queries = dict(zip(topics["qid"], topics["query"]))
+    return run.assign(query=run["qid"].map(queries), text=run["docno"].map(side.corpus))
+
+
+def teacher_stage(cfg: DistillConfig, teacher: Any, side: Side) -> dict[str, Any]:
+    """Choose the fusion weight on dev; build the training pools with teacher scores (cached)."""
+    dev = candidates(cfg, side, "dev")
+    chosen = distill.choose_teacher(dev, side.qrels["dev"])
+    pool_path = cfg.path("teacher", f"pool-a{chosen['alpha']}-d{cfg.pool_depth}.parquet")
+    if os.path.isfile(pool_path):
+        pool = pd.read_parquet(pool_path)
+    else:
+        topics = side.topics["train"]
+        bm25 = bm25_run(cfg, side.spec, topics, cfg.bm25_train_depth, "train")
+        dense = distill.dense_run(topics, side.q_emb["train"], side.docnos, side.d_emb, cfg.pool_depth)
+        pool = distill.candidate_pool(bm25, dense, cfg.pool_depth)
+        pool = distill.add_cosines(pool, topics["qid"].tolist(), side.q_emb["train"], side.docnos, side.d_emb)
+        pool["teacher"] = distill.teacher_scores(pool, chosen["alpha"])
+        atomic_write(pool_path, lambda f: pool.to_parquet(f))
+    return {"alpha": chosen["alpha"], "dev": chosen["dev"], "pool": pool}
+
+
+# ------------------------------------------------------------------------------------------------ 3. students
+def _dev_evaluator(cfg: DistillConfig, side: Side) -> tuple[Any, pd.DataFrame]:
+    """nDCG@10 of a model re-ranking BM25's top ``dev_depth`` of ``dev_queries`` seeded dev queries."""
+    dev = candidates(cfg, side, "dev")
+    rng = np.random.default_rng(cfg.seed)
+    qids = sorted(dev["qid"].unique())
+    keep = set(rng.choice(qids, size=min(cfg.dev_queries, len(qids)), replace=False).tolist())
+    sub = dev[dev["qid"].isin(keep) & (dev["rank"] < cfg.dev_depth)].reset_index(drop=True)
+
+    def evaluate(model: Any) -> float:
+        mean, _ = distill.score_pairs(model, sub["query"].tolist(), sub["text"].tolist())
+        return float(distill.ndcg_at_10(sub.assign(score=mean), side.qrels["dev"]).mean())
+
+    return evaluate, sub
+
+
+def build_student(cfg: DistillConfig, name: str) -> Any:
+    from st_extensions.cross_encoder.split import build_split_cross_encoder
+
+    return build_split_cross_encoder(
+        cfg.teacher,
+        joint_layers=cfg.joint_layers,
+        init_cross_bias=cfg.init_cross_bias,
+        variant=STUDENTS[name],
+        max_seq_length=cfg.max_seq_length,
+    )
+
+
+def train_students(cfg: DistillConfig, side: Side, rows: Any) -> dict[str, Any]:
+    """Train (or load, when saved by an earlier run) every student on the same rows, steps and budget."""
+    import torch
+    from sentence_transformers.cross_encoder.losses import MarginMSELoss
+
+    from pyterrier_prob.curves import DevCurve
+    from pyterrier_prob.training import Recipe, fine_tune
+    from st_extensions.cross_encoder.split import split_state_cache
+    from st_extensions.loading import load_model
+    from st_extensions.losses import VariationalMarginMSELoss
+
+    evaluate, _ = _dev_evaluator(cfg, side)
+    models, curves = {}, {}
+    for name in cfg.students:
+        folder = cfg.path("models", name)
+        curve_path = cfg.path("curves", f"{name}.json")
+        if os.path.isfile(os.path.join(folder, "modules.json")):
+            model = load_model(folder)
+        else:
+            torch.manual_seed(cfg.seed)
+            model = build_student(cfg, name)
+            loss = MarginMSELoss(model) if STUDENTS[name] is None else VariationalMarginMSELoss(model, beta=cfg.beta)
+            recipe = Recipe(
+                mode="partial",
+                steps=cfg.steps,
+                batch_size=cfg.batch_size,
+                learning_rate=cfg.learning_rate,
+                seed=cfg.seed,
+                train_layers=cfg.joint_layers,
+                checkpoint_every=cfg.checkpoint_every,
+            )
+            curve = DevCurve(cfg.dev_every, evaluate, curve_path, patience=cfg.patience)
+            t0 = time.perf_counter()
+            fine_tune(
+                model,
+                loss,
+                rows,
+                recipe,
+                output_dir=cfg.path("runs", name),
+                resume=True,
+                desc=name,
+                callbacks=[curve],
+                state_cache=cfg.path("states"),
+            )
+            model[0].state_cache = None
+            model.save(folder)
+            _write_json(os.path.join(folder, "training.json"), {"train_wall_s": time.perf_counter() - t0})
+        split_state_cache(model, cfg.path("states"))
+        models[name] = model
+        with open(curve_path, encoding="utf8") as f:
+            curves[name] = json.load(f)
+    return {"models": models, "curves": curves}
+
+
+# ------------------------------------------------------------------------------------------------ 4. scoring
+def score_stage(cfg: DistillConfig, models: dict[str, Any], name: str, cand: pd.DataFrame) -> pd.DataFrame:
+    """``cand`` with ``<model>`` (E[s]) and ``<model>_std`` columns for every student (cached per collection)."""
+    path = cfg.path("scores", f"{name}.parquet")
+    done = pd.read_parquet(path) if os.path.isfile(path) else cand[["qid", "docno"]].copy()
+    for m, model in models.items():
+        if m in done.columns:
+            continue
+        mean, std = distill.score_pairs(model, cand["query"].tolist(), cand["text"].tolist())
+        done[m] = mean
+        if std is not None:
+            done[f"{m}_std"] = std
+        make_dirs(cfg.path("scores"))
+        atomic_write(path, lambda f: done.to_parquet(f))
+    return cand.merge(done, on=["qid", "docno"], how="left")
+
+
+# ------------------------------------------------------------------------------------------------ 5. report
+def _p(a: pd.Series, b: pd.Series) -> float | None:
+    from scipy.stats import ttest_rel
+
+    if a is b or np.allclose(a.to_numpy(), b.loc[a.index].to_numpy()):
+        return None
+    return float(ttest_rel(a.to_numpy(), b.loc[a.index].to_numpy()).pvalue)
+
+
+def system_scores(frame: pd.DataFrame, alpha: float, students: list[str]) -> dict[str, np.ndarray]:
+    """Each system's score per candidate: BM25, the teacher (fused and bi-encoder alone), every student."""
+    out = {
+        "BM25": frame["bm25"].to_numpy(),
+        "Teacher (bi-encoder)": frame["dense"].to_numpy(),
+        f"Teacher (bi-encoder + BM25, alpha {alpha})": distill.teacher_scores(frame, alpha),
+    }
+    out.update({s: frame[s].to_numpy() for s in students})
+    return out
+
+
+def rerank_rows(
+    cfg: DistillConfig, frame: pd.DataFrame, qrels: pd.DataFrame, alpha: float, spec: str, qids: list[str]
+) -> tuple:
+    """Rows (collection, depth, system, queries, nDCG@10, p_vs_bm25, p_vs_CE) over all ``qids`` (a query BM25
+    retrieves nothing for scores 0 for every system) and the per-query values."""
+    students = [s for s in cfg.students if s in frame.columns]
+    per_query = {
+        name: distill.ndcg_at_10(frame.assign(score=score), qrels, qids=qids)
+        for name, score in system_scores(frame, alpha, students).items()
+    }
+    rows = []
+    for name, values in per_query.items():
+        rows.append(
+            {
+                "collection": spec,
+                "depth": cfg.depth,
+                "system": name,
+                "queries": int(len(values)),
+                "nDCG@10": float(values.mean()),
+                "p_vs_bm25": _p(values, per_query["BM25"]) if name != "BM25" else None,
+                "p_vs_CE": _p(values, per_query["CE"]) if "CE" in per_query and name != "CE" else None,
+            }
+        )
+    return rows, per_query
+
+
+def calibration_stage(
+    dev: pd.DataFrame, test: pd.DataFrame, dev_qrels: pd.DataFrame, test_qrels: pd.DataFrame, students: list[str]
+) -> dict[str, Any]:
+    """Platt map per student fitted on the dev pairs, ECE and the reliability curve on the test pairs."""
+
+    def labels(frame: pd.DataFrame, qrels: pd.DataFrame) -> np.ndarray:
+        rel = qrels[qrels["label"] > 0][["qid", "docno"]].assign(rel=1)
+        return frame[["qid", "docno"]].merge(rel, how="left", on=["qid", "docno"])["rel"].fillna(0).to_numpy()
+
+    y_dev, y_test = labels(dev, dev_qrels), labels(test, test_qrels)
+    out = {}
+    for s in students:
+        std_col = f"{s}_std"
+        std_dev = dev[std_col].to_numpy() if std_col in dev else None
+        std_test = test[std_col].to_numpy() if std_col in test else None
+        platt = cal.fit_platt(dev[s].to_numpy(), y_dev, std_dev)
+        prob = cal.relevance_probability(test[s].to_numpy(), platt, std_test)
+        entry = {
+            "platt": platt,
+            "ece": cal.expected_calibration_error(prob, y_test),
+            "reliability": cal.reliability_curve(prob, y_test).to_dict("list"),
+        }
+        if std_test is not None:  # the same map without the uncertainty: what integrating it out changes
+            prob_mean = cal.relevance_probability(test[s].to_numpy(), cal.fit_platt(dev[s].to_numpy(), y_dev))
+            entry["ece_without_std"] = cal.expected_calibration_error(prob_mean, y_test)
+        out[s] = entry
+    return out
+
+
+def uncertainty_stage(
+    frame: pd.DataFrame,
+    dev: pd.DataFrame,
+    qrels: pd.DataFrame,
+    dev_qrels: pd.DataFrame,
+    students: list[str],
+    per_query: dict[str, pd.Series],
+) -> dict[str, Any]:
+    """For every VarCE: spread of std[s], lambda of the risk-aware ranking chosen on dev and its test value, and
+    whether uncertain queries are the hard ones."""
+    out = {}
+    for s in students:
+        std_col = f"{s}_std"
+        if std_col not in frame:
+            continue
+        dev_values = {
+            lam: float(
+                distill.ndcg_at_10(
+                    dev.assign(score=risk_adjusted(dev[s].to_numpy(), dev[std_col].to_numpy(), lam)), dev_qrels
+                ).mean()
+            )
+            for lam in RISKS
+        }
+        lam = max(dev_values, key=lambda x: (dev_values[x], -x))
+        test_values = distill.ndcg_at_10(
+            frame.assign(score=risk_adjusted(frame[s].to_numpy(), frame[std_col].to_numpy(), lam)), qrels
+        )
+        out[s] = {
+            "spread": cal.uncertainty_spread(frame["qid"].to_numpy(), frame[std_col].to_numpy()),
+            "risk_dev": dev_values,
+            "risk_chosen": lam,
+            "risk_test": float(test_values.mean()),
+            "risk_p_vs_lambda0": _p(test_values, per_query[s]),
+            "hard_queries": cal.uncertain_queries_are_hard(
+                frame.assign(score=frame[s], std=frame[std_col]), per_query[s]
+            ),
+        }
+    return out
+
+
+def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
+    """All the stages; writes ``summary.json`` and ``results.md`` into ``cfg.output`` and returns the summary."""
+    from sentence_transformers import SentenceTransformer
+
+    make_dirs(cfg.output)
+    cfg.teacher = build_teacher(cfg)
+    teacher = SentenceTransformer(cfg.teacher, device="cpu")
+    teacher.max_seq_length = cfg.max_seq_length
+    log(f"teacher {cfg.teacher}: embeddings of {cfg.dataset}")
+    side = load_side(cfg, teacher, cfg.dataset, ("train", "dev", "test"))
+    chosen = teacher_stage(cfg, teacher, side)
+    log(f"teacher fusion weight chosen on dev: alpha {chosen['alpha']} ({chosen['dev'][chosen['alpha']]:.4f})")
+    pool = chosen["pool"]
+    queries = dict(zip(side.topics["train"]["qid"], side.topics["train"]["query"]))
+    rows = distill.distillation_rows(
+        pool, queries, side.corpus, cfg.steps * cfg.batch_size, negatives=cfg.negatives, seed=cfg.seed
+    )
+    trained = train_students(cfg, side, rows)
+    models = trained["models"]
+    students = list(models)
+    rows_out, per_query_all, calibration, uncertainty = [], {}, {}, {}
+    dev_cand = candidates(cfg, side, "dev")
+    _, dev_sub = _dev_evaluator(cfg, side)
+    dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
+    targets = [(cfg.dataset, side, "test")]
+    for spec in cfg.ood:
+        targets.append((spec, load_side(cfg, teacher, spec, ("test",)), "test"))
+    for spec, s, split in targets:
+        log(f"re-ranking BM25's top {cfg.depth} of {spec} ({split})")
+        cand = candidates(cfg, s, split)
+        scored = score_stage(cfg, models, f"{spec.replace('irds:', '').replace('/', '_')}-{split}", cand)
+        r, per_query = rerank_rows(cfg, scored, s.qrels[split], chosen["alpha"], spec, s.topics[split]["qid"].tolist())
+        per_query_all[spec] = per_query
+        if spec == cfg.dataset:
+            calibration = calibration_stage(dev_scored, scored, side.qrels["dev"], s.qrels[split], students)
+            for row in r:
+                if row["system"] in calibration:
+                    row["ece"] = calibration[row["system"]]["ece"]
+        uncertainty[spec] = uncertainty_stage(
+            scored, dev_scored, s.qrels[split], side.qrels["dev"], students, per_query
+        )
+        rows_out.extend(r)
+    summary = {
+        "config": asdict(cfg),
+        "teacher": {
+            "alpha": chosen["alpha"],
+            "dev_nDCG@10_by_alpha": chosen["dev"],
+            "pool_pairs": int(len(pool)),
+            "pool_queries": int(pool["qid"].nunique()),
+        },
+        "rows": rows_out,
+        "dev_curves": trained["curves"],
+        "calibration": calibration,
+        "uncertainty": uncertainty,
+        "dev_candidates": int(len(dev_cand)),
+    }
+    _write_json(cfg.path("summary.json"), summary)
+    return summary
+
+
+def config_from_varce(cfg: Any) -> DistillConfig:
+    """The distillation settings of a ``pyterrier-prob varce --teacher ...`` run (its shared options mapped)."""
+    return DistillConfig(
+        output=cfg.output,
+        teacher=cfg.teacher,
+        dataset=cfg.dataset,
+        ood=tuple(cfg.ood),
+        depth=cfg.depth,
+        pool_depth=cfg.pool_depth,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        negatives=cfg.negatives,
+        learning_rate=cfg.lr,
+        joint_layers=cfg.train_layers or 2,
+        max_seq_length=cfg.max_seq_length,
+        beta=cfg.beta,
+        dev_queries=cfg.dev_queries,
+        dev_depth=cfg.dev_depth,
+        dev_every=cfg.dev_every or max(1, cfg.steps // 10),
+        seed=cfg.seed,
+        checkpoint_every=cfg.checkpoint_every or max(1, cfg.steps // 10),
+        base_model=cfg.model,
+    )

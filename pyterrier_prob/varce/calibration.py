@@ -1,0 +1,104 @@
+"""How far a re-ranker's scores are probabilities, and whether its uncertainty is used.
+
+* :func:`fit_platt` / :func:`relevance_probability`: a score -> P(relevant) map fitted on dev pairs (Platt scaling,
+  a logistic regression on the score); for a VarCrossEncoder the Gaussian score is integrated out with the probit
+  approximation ``E[sigmoid(a s + b)] ~ sigmoid((a mu + b) / sqrt(1 + pi a^2 sigma^2 / 8))`` (MacKay, 1992), so a
+  pair the model is unsure of gets a probability nearer 1/2.
+* :func:`expected_calibration_error` over equal-mass bins and :func:`reliability_curve` (Guo et al., ICML 2017).
+* :func:`uncertainty_spread` (std[s] between pairs, between queries, within queries) and
+  :func:`uncertain_queries_are_hard` (Spearman's rho of a query's mean std[s] over its top 10 with its nDCG@10).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import optimize, stats
+
+__all__ = [
+    "expected_calibration_error",
+    "fit_platt",
+    "relevance_probability",
+    "reliability_curve",
+    "uncertain_queries_are_hard",
+    "uncertainty_spread",
+]
+
+
+def relevance_probability(score: np.ndarray, platt: tuple[float, float], std: np.ndarray | None = None) -> np.ndarray:
+    """P(relevant) of each pair: ``sigmoid(a s + b)``, or with ``std`` (a Gaussian score) the probit approximation
+    of its expectation over ``s ~ N(score, std^2)``."""
+    a, b = platt
+    logit = a * np.asarray(score, np.float64) + b
+    if std is not None:
+        logit = logit / np.sqrt(1.0 + math.pi * (a * np.asarray(std, np.float64)) ** 2 / 8.0)
+    return 1.0 / (1.0 + np.exp(-logit))
+
+
+def fit_platt(score: np.ndarray, label: np.ndarray, std: np.ndarray | None = None) -> tuple[float, float]:
+    """``(a, b)`` maximising the Bernoulli likelihood of ``label`` (1 relevant, 0 not) under
+    :func:`relevance_probability` (with ``std``: the Gaussian score integrated out, as it will be applied)."""
+    y = np.asarray(label, np.float64)
+    if y.min() == y.max():
+        raise ValueError("fit_platt needs relevant and non-relevant pairs (the labels are all equal)")
+
+    def nll(theta: np.ndarray) -> float:
+        p = np.clip(relevance_probability(score, (theta[0], theta[1]), std), 1e-12, 1 - 1e-12)
+        return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+    s = np.asarray(score, np.float64)
+    start = np.array([1.0 / max(float(s.std()), 1e-6), -float(s.mean()) / max(float(s.std()), 1e-6)])
+    res = optimize.minimize(nll, start, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 4000})
+    return float(res.x[0]), float(res.x[1])
+
+
+def reliability_curve(prob: np.ndarray, label: np.ndarray, bins: int = 15) -> pd.DataFrame:
+    """Equal-mass bins of the predicted probability: ``count, mean_prob, frac_relevant`` per bin."""
+    p, y = np.asarray(prob, np.float64), np.asarray(label, np.float64)
+    if len(p) != len(y) or len(p) == 0:
+        raise ValueError(f"prob and label must be non-empty and of one length, got {len(p)} and {len(y)}")
+    order = np.argsort(p, kind="stable")
+    parts = np.array_split(order, min(bins, len(p)))
+    return pd.DataFrame(
+        {
+            "count": [len(i) for i in parts],
+            "mean_prob": [float(p[i].mean()) for i in parts],
+            "frac_relevant": [float(y[i].mean()) for i in parts],
+        }
+    )
+
+
+def expected_calibration_error(prob: np.ndarray, label: np.ndarray, bins: int = 15) -> float:
+    """ECE over equal-mass bins: sum_b (n_b / n) |mean prob_b - fraction relevant_b| (Guo et al., 2017)."""
+    curve = reliability_curve(prob, label, bins)
+    return float((curve["count"] / curve["count"].sum() * (curve["mean_prob"] - curve["frac_relevant"]).abs()).sum())
+
+
+def uncertainty_spread(qids: np.ndarray, std: np.ndarray) -> dict[str, float]:
+    """How much std[s] varies: its 5/50/95% over pairs, the sd of the per-query means, the mean within-query
+    coefficient of variation, and the share of std[s]'s variance that lies between queries."""
+    frame = pd.DataFrame({"qid": qids, "std": np.asarray(std, np.float64)})
+    per_query = frame.groupby("qid")["std"]
+    means = per_query.mean()
+    total = float(frame["std"].var(ddof=0))
+    return {
+        "p05": float(np.percentile(frame["std"], 5)),
+        "p50": float(np.percentile(frame["std"], 50)),
+        "p95": float(np.percentile(frame["std"], 95)),
+        "sd_between_queries": float(means.std(ddof=0)),
+        "cv_within_query": float((per_query.std(ddof=0) / means).mean()),
+        "share_between_queries": float(means.reindex(frame["qid"]).var(ddof=0) / total) if total > 0 else 0.0,
+    }
+
+
+def uncertain_queries_are_hard(run: pd.DataFrame, ndcg: pd.Series, top: int = 10) -> dict[str, Any]:
+    """Spearman's rho (and p) of each query's mean std[s] over its ``top`` ranked pairs with its nDCG@10.
+    ``run``: ``qid, score, std`` (ranked by ``score`` within each query)."""
+    ranked = run.sort_values(["qid", "score"], ascending=[True, False], kind="stable")
+    mean_std = ranked[ranked.groupby("qid").cumcount() < top].groupby("qid")["std"].mean()
+    common = mean_std.index.intersection(ndcg.index)
+    rho, p = stats.spearmanr(mean_std.loc[common], ndcg.loc[common])
+    return {"rho": float(rho), "p": float(p), "queries": int(len(common))}

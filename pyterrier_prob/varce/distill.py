@@ -1,0 +1,193 @@
+"""Distilling a strong ranker into cross-encoders: candidate pools, teacher scores, Margin-MSE rows, scoring.
+
+The teacher is a fine-tuned bi-encoder, optionally fused with BM25 by per-query z-scores
+(``alpha * z(cos) + (1 - alpha) * z(BM25)``, :func:`pyterrier_prob.fusion.interpolate`), ``alpha`` chosen on dev
+(:func:`choose_teacher`). Its scores are computed once for the training queries' candidate pools (BM25's top
+``depth`` and the teacher's own top ``depth``, :func:`candidate_pool`), and rows of one query and ``1 + negatives``
+of its pool's documents with their teacher scores (:func:`distillation_rows`) train a cross-encoder with
+sentence-transformers' ``MarginMSELoss`` (Hofstätter et al., 2020) or a VarCrossEncoder with
+:class:`~st_extensions.losses.VariationalMarginMSELoss`. Functions here take and return plain frames so a notebook,
+the command line and the benchmark share one code path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from datasets import Dataset
+
+from pyterrier_prob.fusion import interpolate
+
+__all__ = [
+    "ALPHAS",
+    "add_cosines",
+    "candidate_pool",
+    "choose_teacher",
+    "dense_run",
+    "distillation_rows",
+    "encode",
+    "ndcg_at_10",
+    "score_pairs",
+    "teacher_scores",
+]
+
+#: the fusion weights of the bi-encoder searched on dev (1: the bi-encoder alone, 0: BM25 alone)
+ALPHAS: tuple[float, ...] = tuple(round(a, 1) for a in np.linspace(0.0, 1.0, 11))
+
+
+def encode(model: Any, texts: Sequence[str], path: str | None = None, *, query: bool = False) -> np.ndarray:
+    """L2-normalised float32 embeddings of ``texts`` by a bi-encoder, cached in ``path`` (``.npy``) when given."""
+    if path is not None and os.path.isfile(path):
+        cached = np.load(path)
+        if cached.shape[0] == len(texts):
+            return cached
+    fn = model.encode_query if query else model.encode_document
+    emb = np.asarray(fn(list(texts), batch_size=64, normalize_embeddings=True, convert_to_numpy=True), np.float32)
+    if path is not None:
+        from pyterrier_prob.atomic import atomic_write
+
+        atomic_write(path, lambda f: np.save(f, emb))
+    return emb
+
+
+def dense_run(
+    queries: pd.DataFrame, q_emb: np.ndarray, docnos: Sequence[str], d_emb: np.ndarray, k: int
+) -> pd.DataFrame:
+    """Exact top ``k`` by cosine (faiss ``IndexFlatIP`` over unit vectors): ``qid, docno, dense``, each query's best
+    first."""
+    import faiss
+
+    index = faiss.IndexFlatIP(d_emb.shape[1])
+    index.add(np.ascontiguousarray(d_emb, dtype=np.float32))
+    scores, ids = index.search(np.ascontiguousarray(q_emb, dtype=np.float32), min(k, len(docnos)))
+    docnos = np.asarray(docnos, dtype=object)
+    return pd.DataFrame(
+        {
+            "qid": np.repeat(queries["qid"].to_numpy(), ids.shape[1]),
+            "docno": docnos[ids.reshape(-1)],
+            "dense": scores.reshape(-1).astype(np.float64),
+        }
+    )
+
+
+def candidate_pool(bm25: pd.DataFrame, dense: pd.DataFrame, depth: int) -> pd.DataFrame:
+    """The union of BM25's and the dense model's top ``depth`` per query: ``qid, docno, bm25``.
+
+    ``bm25`` (``qid, docno, score``, each query's best first) should reach deeper than ``depth`` so that a dense-only
+    candidate has its BM25 score; a candidate BM25 does not retrieve at all matches no query term and gets 0.
+    ``dense`` is a ``qid, docno, dense`` run (each query's best first). Add the cosines with :func:`add_cosines`."""
+    b = bm25.rename(columns={"score": "bm25"})[["qid", "docno", "bm25"]]
+    top_b = b[b.groupby("qid").cumcount() < depth]
+    top_d = dense[dense.groupby("qid").cumcount() < depth][["qid", "docno"]]
+    keys = pd.concat([top_b[["qid", "docno"]], top_d]).drop_duplicates()
+    pool = keys.merge(b, on=["qid", "docno"], how="left")
+    pool["bm25"] = pool["bm25"].fillna(0.0)
+    return pool.sort_values(["qid", "docno"], kind="stable").reset_index(drop=True)
+
+
+def add_cosines(
+    frame: pd.DataFrame, qids: Sequence[str], q_emb: np.ndarray, docnos: Sequence[str], d_emb: np.ndarray
+) -> pd.DataFrame:
+    """``frame`` with column ``dense``: the cosine of each row's query and document unit embeddings."""
+    q_row = pd.Series(np.arange(len(qids)), index=pd.Index(qids)).reindex(frame["qid"]).to_numpy()
+    d_row = pd.Series(np.arange(len(docnos)), index=pd.Index(docnos)).reindex(frame["docno"]).to_numpy()
+    for name, rows, col in (("query", q_row, "qid"), ("document", d_row, "docno")):
+        bad = np.flatnonzero(np.isnan(rows.astype(float)))
+        if len(bad):
+            raise ValueError(f"no {name} embedding for {col} {frame[col].iloc[bad[0]]!r}")
+    q_row, d_row = q_row.astype(np.int64), d_row.astype(np.int64)
+    dense = np.einsum("ij,ij->i", q_emb[q_row], d_emb[d_row]).astype(np.float64)
+    return frame.assign(dense=dense)
+
+
+def teacher_scores(pool: pd.DataFrame, alpha: float) -> np.ndarray:
+    """``alpha * z(dense) + (1 - alpha) * z(bm25)`` with per-query z-scores over each query's candidates."""
+    return interpolate(pool["qid"], pool["bm25"], pool["dense"], alpha)
+
+
+def ndcg_at_10(
+    run: pd.DataFrame, qrels: pd.DataFrame, score: str = "score", qids: Sequence[str] | None = None
+) -> pd.Series:
+    """Per-query nDCG@10 (ir_measures) of ``run`` ranked by column ``score``, for every query of ``qids`` (default:
+    those of ``run``); a query with no candidate or no judged-relevant document scores 0, as in ``pt.Experiment``."""
+    import ir_measures
+
+    q = qrels.astype({"qid": str, "docno": str})
+    qrel = [ir_measures.Qrel(a, b, int(c)) for a, b, c in q[["qid", "docno", "label"]].itertuples(index=False)]
+    scored = [
+        ir_measures.ScoredDoc(str(a), str(b), float(c))
+        for a, b, c in run[["qid", "docno", score]].itertuples(index=False)
+    ]
+    values = {m.query_id: m.value for m in ir_measures.iter_calc([ir_measures.nDCG @ 10], qrel, scored)}
+    qids = pd.unique(run["qid"].astype(str)) if qids is None else [str(q) for q in qids]
+    return pd.Series([float(values.get(qid, 0.0)) for qid in qids], index=qids, name="nDCG@10")
+
+
+def choose_teacher(pool: pd.DataFrame, qrels: pd.DataFrame, alphas: Sequence[float] = ALPHAS) -> dict[str, Any]:
+    """The fusion weight with the best mean nDCG@10 over ``pool``'s queries (dev; the smallest among ties) and
+    every weight's value: ``{"alpha", "dev": {alpha: nDCG@10}}``."""
+    dev = {float(a): float(ndcg_at_10(pool.assign(t=teacher_scores(pool, a)), qrels, "t").mean()) for a in alphas}
+    best = max(dev, key=lambda a: (dev[a], -a))
+    return {"alpha": best, "dev": dev}
+
+
+def distillation_rows(
+    pool: pd.DataFrame,
+    queries: dict[str, str],
+    texts: dict[str, str],
+    n_rows: int,
+    *,
+    negatives: int = 3,
+    top: int = 10,
+    seed: int = 0,
+) -> Dataset:
+    """Margin-MSE rows ``query, document_0, ..., document_<negatives>, label`` (label: the teacher's scores).
+
+    Rows come in rounds, each a shuffled pass over the pool's queries (one row per query, so a batch repeats a
+    query only across a round's boundary). ``document_0`` is drawn from the query's ``top`` candidates by teacher
+    score, the others uniformly from the rest of its pool: the margins then span the pairs a re-ranker must order
+    at the top and those it must push down. ``pool`` needs ``qid, docno, teacher``.
+    """
+    if n_rows < 1 or negatives < 1 or top < 1:
+        raise ValueError(f"n_rows, negatives and top must be >= 1, got {n_rows}, {negatives}, {top}")
+    rng = np.random.default_rng(seed)
+    ranked = pool.sort_values(["qid", "teacher"], ascending=[True, False], kind="stable")
+    groups = {
+        qid: (g["docno"].to_numpy(), g["teacher"].to_numpy())
+        for qid, g in ranked.groupby("qid", sort=True)
+        if len(g) > top
+    }
+    missing = [q for q in groups if q not in queries]
+    if missing:
+        raise ValueError(f"no query text for qid {missing[0]!r}")
+    qids = sorted(groups)
+    cols: dict[str, list[Any]] = {"query": [], **{f"document_{j}": [] for j in range(negatives + 1)}, "label": []}
+    while len(cols["query"]) < n_rows:
+        for qid in rng.permutation(qids):
+            docnos, scores = groups[qid]
+            first = int(rng.integers(0, top))
+            rest = rng.choice(np.arange(top, len(docnos)), size=negatives, replace=len(docnos) - top < negatives)
+            picked = [first, *rest.tolist()]
+            cols["query"].append(queries[qid])
+            for j, i in enumerate(picked):
+                cols[f"document_{j}"].append(texts[docnos[i]])
+            cols["label"].append([float(scores[i]) for i in picked])
+            if len(cols["query"]) == n_rows:
+                break
+    return Dataset.from_dict(cols)
+
+
+def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], batch_size: int = 64) -> tuple:
+    """``(E[s], std[s])`` of a VarCrossEncoder for each (query, document) pair, ``(scores, None)`` for a plain
+    cross-encoder (its logits)."""
+    pairs = list(zip(queries, documents))
+    if not pairs:
+        return np.zeros(0, np.float32), None
+    if hasattr(model, "head") and type(model).__name__ == "VarCrossEncoder":
+        mean, std = model.predict(pairs, batch_size=batch_size, return_std=True)
+        return np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    return np.asarray(model.predict(pairs, batch_size=batch_size), np.float32), None

@@ -1,0 +1,219 @@
+"""Distillation into split-attention cross-encoders: the model, the VarCE distillation loss, pools and rows, the
+calibration and uncertainty measures, training under the partial recipe."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from pyterrier_prob.fusion import interpolate
+from pyterrier_prob.varce import calibration as cal
+from pyterrier_prob.varce import distill
+from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
+from st_extensions.loading import load_model
+from st_extensions.losses import VariationalMarginMSELoss
+
+PAIRS = [
+    ("what is diabetes", "Diabetes is a disease of high blood sugar caused by insulin problems."),
+    ("vitamin d and bones", "Pandas are bears that eat bamboo in China."),
+    ("statins heart", "Statins lower cholesterol and reduce heart attack risk in adults with high LDL levels."),
+]
+
+
+@pytest.fixture(scope="module")
+def bi_encoder(minilm_path):
+    return SentenceTransformer(minilm_path, device="cpu")
+
+
+def test_closed_cross_attention_is_the_bi_encoder(minilm_path, bi_encoder):
+    """With query-document attention shut (a very negative cross bias) the split model scores scale * cosine of the
+    bi-encoder it was built from, for the CE and both VarCEs (E[s])."""
+    q = bi_encoder.encode([p[0] for p in PAIRS], normalize_embeddings=True)
+    d = bi_encoder.encode([p[1] for p in PAIRS], normalize_embeddings=True)
+    expected = 20.0 * (q * d).sum(1)
+    for variant in (None, "VAR", "MEANVAR"):
+        model = build_split_cross_encoder(minilm_path, init_cross_bias=-1e4, variant=variant, scale=20.0)
+        np.testing.assert_allclose(model.predict(PAIRS), expected, atol=1e-4)
+
+
+def test_open_cross_attention_changes_scores(minilm_path):
+    closed = build_split_cross_encoder(minilm_path, init_cross_bias=-1e4).predict(PAIRS)
+    opened = build_split_cross_encoder(minilm_path, init_cross_bias=0.0).predict(PAIRS)
+    assert np.abs(closed - opened).max() > 0.1
+
+
+def test_cached_lower_layers_match_and_round_trip(minilm_path, tmp_path):
+    model = build_split_cross_encoder(minilm_path, init_cross_bias=-3.0, variant="MEANVAR")
+    with torch.no_grad():
+        model[0].cross_bias.copy_(torch.tensor([-2.5, -1.0]))
+    mean, std = model.predict(PAIRS, return_std=True)
+    cache = split_state_cache(model, str(tmp_path / "states"), [t for p in PAIRS for t in p])
+    assert len(cache) == 6
+    cached_mean, cached_std = model.predict(PAIRS, return_std=True)
+    np.testing.assert_allclose(cached_mean, mean, atol=2e-3)  # fp16 states
+    np.testing.assert_allclose(cached_std, std, atol=1e-4)
+    # the lower layers are frozen, the joint ones and the cross bias train
+    backbone = model[0].auto_model
+    assert not any(p.requires_grad for p in backbone.encoder.layer[3].parameters())
+    assert all(p.requires_grad for p in backbone.encoder.layer[4].parameters())
+    assert model[0].cross_bias.requires_grad
+    model[0].state_cache = None
+    model.save(str(tmp_path / "m"))
+    loaded = load_model(str(tmp_path / "m"))
+    assert type(loaded).__name__ == "VarCrossEncoder"
+    torch.testing.assert_close(loaded[0].cross_bias, model[0].cross_bias)
+    loaded_mean, loaded_std = loaded.predict(PAIRS, return_std=True)
+    np.testing.assert_allclose(loaded_mean, mean, atol=1e-5)
+    np.testing.assert_allclose(loaded_std, std, atol=1e-6)
+
+
+def test_split_model_checks(minilm_path, tmp_path):
+    with pytest.raises(ValueError, match="joint_layers"):
+        build_split_cross_encoder(minilm_path, joint_layers=7)
+    with pytest.raises(ValueError, match="init_cross_bias"):
+        build_split_cross_encoder(minilm_path, init_cross_bias=1.0)
+    model = build_split_cross_encoder(minilm_path)
+    model[0].state_cache = None
+    model.save(str(tmp_path / "m"))
+    (tmp_path / "m" / "split_attention.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="split_attention.safetensors"):
+        load_model(str(tmp_path / "m"))
+
+
+def test_variational_margin_mse_loss(minilm_path):
+    """Margin-MSE on E[s], the margin's Gaussian NLL under Var[s] (mean and W detached) and beta * KL."""
+    torch.manual_seed(0)
+    model = build_split_cross_encoder(minilm_path, init_cross_bias=-4.0, variant="MEANVAR", init_log_var=-1.0)
+    loss_fn = VariationalMarginMSELoss(model, beta=0.5, nll_weight=2.0)
+    queries = [p[0] for p in PAIRS]
+    docs0, docs1 = [p[1] for p in PAIRS], [p[1] for p in PAIRS[::-1]]
+    labels = torch.tensor([[2.0, -1.0], [0.5, 0.0], [1.0, 1.5]])
+    loss = loss_fn([queries, docs0, docs1], labels)
+    m0, v0, kl0 = loss_fn.moments(list(zip(queries, docs0)))
+    m1, v1, kl1 = loss_fn.moments(list(zip(queries, docs1)))
+    margin, target = m0 - m1, labels[:, 0] - labels[:, 1]
+    mse = (margin - target).pow(2).mean()
+    nll = 0.5 * ((margin - target).pow(2) / (v0 + v1) + torch.log(v0 + v1)).mean()
+    expected = mse + 2.0 * nll + 0.5 * torch.cat([kl0, kl1]).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    # the likelihood term trains the variance only: with it alone the decoder gets no gradient
+    model.zero_grad()
+    only_nll = VariationalMarginMSELoss(model, beta=0.0, nll_weight=1.0)
+    (only_nll([queries, docs0, docs1], labels) - (m0 - m1 - target).pow(2).mean().detach()).backward()
+    head = model.head
+    assert head.var_branch.weight.grad is not None and head.var_branch.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="labels of shape"):
+        loss_fn([queries, docs0, docs1], torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="empty batch"):
+        loss_fn([[], [], []], torch.zeros(0, 2))
+
+
+def test_candidate_pool_and_teacher_scores():
+    bm25 = pd.DataFrame({"qid": ["1"] * 4, "docno": ["a", "b", "c", "d"], "score": [9.0, 8.0, 7.0, 6.0]})
+    dense = pd.DataFrame({"qid": ["1"] * 3, "docno": ["e", "a", "c"], "dense": [0.9, 0.8, 0.1]})
+    pool = distill.candidate_pool(bm25, dense, depth=2)
+    assert sorted(pool["docno"]) == ["a", "b", "e"]  # BM25 top 2 (a, b) and dense top 2 (e, a)
+    assert dict(zip(pool["docno"], pool["bm25"])) == {"a": 9.0, "b": 8.0, "e": 0.0}  # e: no BM25 match
+    q_emb = np.array([[1.0, 0.0]])
+    d_emb = np.array([[0.6, 0.8], [1.0, 0.0], [0.0, 1.0]])
+    pool = distill.add_cosines(pool, ["1"], q_emb, ["a", "b", "e"], d_emb)
+    assert dict(zip(pool["docno"], pool["dense"])) == {"a": 0.6, "b": 1.0, "e": 0.0}
+    np.testing.assert_allclose(
+        distill.teacher_scores(pool, 0.3), interpolate(pool["qid"], pool["bm25"], pool["dense"], 0.3)
+    )
+    with pytest.raises(ValueError, match="no document embedding for docno 'zz'"):
+        distill.add_cosines(pool.assign(docno=["a", "b", "zz"]), ["1"], q_emb, ["a", "b", "e"], d_emb)
+
+
+def test_choose_teacher_picks_the_better_signal():
+    # query 1: BM25 puts the relevant doc last, the dense score first -> alpha 1 is best
+    pool = pd.DataFrame(
+        {"qid": ["1"] * 3, "docno": ["r", "x", "y"], "bm25": [1.0, 5.0, 4.0], "dense": [0.9, 0.1, 0.2]}
+    )
+    qrels = pd.DataFrame({"qid": ["1"], "docno": ["r"], "label": [1]})
+    chosen = distill.choose_teacher(pool, qrels, alphas=(0.0, 0.5, 1.0))
+    assert chosen["alpha"] == 0.5  # the smallest weight among ties that ranks r first
+    assert chosen["dev"][0.0] < chosen["dev"][0.5] == chosen["dev"][1.0] == 1.0
+
+
+def test_distillation_rows():
+    rng = np.random.default_rng(0)
+    pool = pd.DataFrame(
+        {
+            "qid": np.repeat(["1", "2", "3"], 20),
+            "docno": [f"d{i}" for i in range(60)],
+            "teacher": rng.normal(size=60),
+        }
+    )
+    texts = {f"d{i}": f"text {i}" for i in range(60)}
+    rows = distill.distillation_rows(pool, {"1": "q1", "2": "q2", "3": "q3"}, texts, 7, negatives=3, top=5)
+    assert len(rows) == 7 and rows.column_names == ["query", *[f"document_{j}" for j in range(4)], "label"]
+    assert sorted(rows["query"][:3]) == ["q1", "q2", "q3"]  # a round visits every query once
+    by_text = dict(zip((texts[d] for d in pool["docno"]), pool["teacher"]))
+    for row in rows:
+        q = row["query"][1]
+        top5 = set(pool[pool["qid"] == q].nlargest(5, "teacher")["docno"].map(texts))
+        assert row["document_0"] in top5
+        assert all(row[f"document_{j}"] not in top5 for j in (1, 2, 3))
+        assert row["label"] == pytest.approx([by_text[row[f"document_{j}"]] for j in range(4)])
+
+
+def test_ece_and_platt():
+    prob = np.array([0.1, 0.1, 0.9, 0.9])
+    label = np.array([0, 1, 1, 1])
+    # two equal-mass bins: |0.1 - 0.5| and |0.9 - 1.0|, each half the pairs
+    assert cal.expected_calibration_error(prob, label, bins=2) == pytest.approx(0.5 * 0.4 + 0.5 * 0.1)
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=20000)
+    y = rng.random(20000) < 1 / (1 + np.exp(-(2.0 * s - 1.0)))
+    a, b = cal.fit_platt(s, y)
+    assert a == pytest.approx(2.0, abs=0.1) and b == pytest.approx(-1.0, abs=0.1)
+    p_sure = cal.relevance_probability(np.array([3.0]), (a, b))
+    p_unsure = cal.relevance_probability(np.array([3.0]), (a, b), std=np.array([2.0]))
+    assert 0.5 < p_unsure[0] < p_sure[0]  # integrating a Gaussian score out moves the probability towards 1/2
+
+
+def test_uncertainty_spread_and_hard_queries():
+    qids = np.array(["a", "a", "b", "b"])
+    spread = cal.uncertainty_spread(qids, np.array([1.0, 1.0, 3.0, 3.0]))
+    assert spread["sd_between_queries"] == pytest.approx(1.0)
+    assert spread["cv_within_query"] == 0.0 and spread["share_between_queries"] == pytest.approx(1.0)
+    run = pd.DataFrame({"qid": list("aabbcc"), "score": [2, 1, 2, 1, 2, 1], "std": [1, 1, 2, 2, 3, 3.0]})
+    ndcg = pd.Series([0.9, 0.5, 0.1], index=list("abc"))
+    out = cal.uncertain_queries_are_hard(run, ndcg)
+    assert out["rho"] == pytest.approx(-1.0) and out["queries"] == 3
+
+
+@pytest.mark.slow
+def test_fine_tune_split_student_under_partial(minilm_path, tmp_path):
+    """fine_tune trains a split student's joint layers, cross bias and head on per-text cached states; the lower
+    layers stay as they were; a train_layers other than the joint layers is refused."""
+    from sentence_transformers.cross_encoder.losses import MarginMSELoss
+
+    from pyterrier_prob.training import Recipe, fine_tune
+
+    model = build_split_cross_encoder(minilm_path, init_cross_bias=-4.0)
+    lower = {k: v.clone() for k, v in model[0].auto_model.encoder.layer[0].state_dict().items()}
+    joint = {k: v.clone() for k, v in model[0].auto_model.encoder.layer[5].state_dict().items()}
+    from datasets import Dataset
+
+    rows = Dataset.from_dict(
+        {
+            "query": [p[0] for p in PAIRS] * 2,
+            "document_0": [p[1] for p in PAIRS] * 2,
+            "document_1": [p[1] for p in PAIRS[::-1]] * 2,
+            "label": [[1.0, 0.0]] * 6,
+        }
+    )
+    with pytest.raises(ValueError, match="joint layers"):
+        fine_tune(model, MarginMSELoss(model), rows, Recipe(mode="partial", steps=2, batch_size=3, train_layers=1))
+    recipe = Recipe(mode="partial", steps=2, batch_size=3, train_layers=2, learning_rate=1e-3)
+    fine_tune(model, MarginMSELoss(model), rows, recipe, state_cache=str(tmp_path / "s"), show_progress=False)
+    after_lower = model[0].auto_model.encoder.layer[0].state_dict()
+    after_joint = model[0].auto_model.encoder.layer[5].state_dict()
+    assert all(torch.equal(lower[k], after_lower[k]) for k in lower)
+    assert any(not torch.equal(joint[k], after_joint[k]) for k in joint)
+    assert float(model[0].cross_bias.detach()[0]) != -4.0
