@@ -28,7 +28,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 
 from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead
-from st_extensions.cross_encoder.split import SegmentInteraction, SplitTransformer
+from st_extensions.cross_encoder.split import LinearScoreHead, SegmentInteraction, SplitTransformer
 from st_extensions.modules import LinearAdapter, MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.modules.safetensors_module import check_safetensors_file
 
@@ -52,6 +52,7 @@ register_module(MultiBranchQueryEncoder)
 register_module(LinearAdapter)
 register_module(SplitTransformer)
 register_module(SegmentInteraction)
+register_module(LinearScoreHead)
 
 #: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
 #: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).

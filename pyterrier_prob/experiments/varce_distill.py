@@ -55,6 +55,7 @@ class DistillConfig:
     learning_rate: float = 1e-4
     joint_layers: int = 2
     init_cross_bias: float = -4.0
+    scale: float = 10.0
     max_seq_length: int = 128
     beta: float = 1e-7
     dev_queries: int = 100
@@ -241,6 +242,7 @@ def build_student(cfg: DistillConfig, name: str) -> Any:
         joint_layers=cfg.joint_layers,
         init_cross_bias=cfg.init_cross_bias,
         variant=STUDENTS[name],
+        scale=cfg.scale,
         max_seq_length=cfg.max_seq_length,
     )
 
@@ -488,11 +490,58 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
         "dev_candidates": int(len(dev_cand)),
     }
     _write_json(cfg.path("summary.json"), summary)
+    atomic_write(cfg.path("results.md"), markdown(summary))
+    log(markdown(summary))
     return summary
+
+
+def _fmt_p(p: float | None) -> str:
+    return "–" if p is None else f"{p:.2g}"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The re-ranking table (nDCG@10, p vs BM25 / p vs CE per collection), the students' ECE and the teacher's
+    choice, as generated from the run's summary."""
+    rows = pd.DataFrame(summary["rows"])
+    specs = list(dict.fromkeys(rows["collection"]))
+    head = ["system", *[f"{c} ({int(rows[rows.collection == c].queries.iloc[0])} q.)" for c in specs]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for system in dict.fromkeys(rows["system"]):
+        cells = [system]
+        for c in specs:
+            r = rows[(rows.collection == c) & (rows.system == system)]
+            if r.empty:
+                cells.append("–")
+                continue
+            r = r.iloc[0]
+            cells.append(f"{r['nDCG@10']:.4f} ({_fmt_p(r['p_vs_bm25'])} / {_fmt_p(r['p_vs_CE'])})")
+        lines.append("| " + " | ".join(cells) + " |")
+    depth = int(rows["depth"].iloc[0])
+    teacher = summary["teacher"]
+    text = [
+        f"BM25's top {depth} re-ranked, nDCG@10 (p vs BM25 / p vs CE, paired t-tests over all queries):",
+        "",
+        *lines,
+        "",
+        f"Teacher: the bi-encoder fused with BM25 at alpha {teacher['alpha']} (chosen on dev: "
+        + ", ".join(f"{a}: {v:.4f}" for a, v in teacher["dev_nDCG@10_by_alpha"].items())
+        + ").",
+    ]
+    if summary.get("calibration"):
+        text += ["", "Expected calibration error on the test pairs (Platt map fitted on dev pairs):", ""]
+        for name, c in summary["calibration"].items():
+            extra = f" (without std[s]: {c['ece_without_std']:.4f})" if "ece_without_std" in c else ""
+            text.append(f"- {name}: ECE {c['ece']:.4f}{extra}")
+    return "\n".join(text) + "\n"
 
 
 def config_from_varce(cfg: Any) -> DistillConfig:
     """The distillation settings of a ``pyterrier-prob varce --teacher ...`` run (its shared options mapped)."""
+    if cfg.recipe != "partial":
+        raise ValueError(
+            f"--teacher trains split-attention students under --recipe partial (their joint top layers on lower "
+            f"layers cached per text), got --recipe {cfg.recipe}"
+        )
     return DistillConfig(
         output=cfg.output,
         teacher=cfg.teacher,

@@ -33,7 +33,14 @@ from st_extensions.cross_encoder.model import VarCrossEncoder
 from st_extensions.defaults import default_model_path
 from st_extensions.partial import LayerStateCache, check_partial_transformer, run_top_layers
 
-__all__ = ["SegmentInteraction", "SplitTransformer", "build_split_cross_encoder", "split_state_cache"]
+__all__ = [
+    "CrossAttentionBias",
+    "LinearScoreHead",
+    "SegmentInteraction",
+    "SplitTransformer",
+    "build_split_cross_encoder",
+    "split_state_cache",
+]
 
 QUERY_MASK = "query_token_mask"
 BIAS_FILE = "split_attention.safetensors"
@@ -43,6 +50,25 @@ def _pair(x: Any) -> tuple[str, str]:
     if isinstance(x, str) or len(x) != 2:
         raise ValueError(f"a cross-encoder input is a (query, document) pair, got {x!r:.80}")
     return str(x[0]), str(x[1])
+
+
+class CrossAttentionBias(nn.Module):
+    """Per joint layer, the additive attention logit between a query token and a document token (learned; 0 is plain
+    joint attention, a very negative value keeps the two texts apart as in the bi-encoder the model started from).
+    New parameters: they train at their own ``learning_rate`` (:func:`pyterrier_prob.training.head_learning_rates`)."""
+
+    learning_rate: float = 1e-2
+
+    def __init__(self, layers: int, init: float) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.full((layers,), float(init)))
+
+
+class LinearScoreHead(Dense):
+    """The plain cross-encoder's linear ranker on the pair feature (sentence-transformers' ``Dense(d, 1)`` writing
+    ``"scores"``), declaring the learning rate of new parameters (the VarCE head's)."""
+
+    learning_rate: float = VariationalHead.learning_rate
 
 
 class SplitTransformer(Transformer):
@@ -80,14 +106,12 @@ class SplitTransformer(Transformer):
             raise ValueError(f"init_cross_bias must be a finite value <= 0, got {init_cross_bias!r}")
         self.joint_layers = joint_layers
         self.init_cross_bias = float(init_cross_bias)
-        #: per joint layer, the additive attention logit between a query token and a document token (learned; 0 is
-        #: plain joint attention, very negative keeps the two texts apart as in the bi-encoder it started from)
-        self.cross_bias = nn.Parameter(torch.full((joint_layers,), self.init_cross_bias))
+        self.cross = CrossAttentionBias(joint_layers, self.init_cross_bias)
         self.state_cache: LayerStateCache | None = None
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
         super().save(output_path, *args, safe_serialization=safe_serialization, **kwargs)
-        save_file({"cross_bias": self.cross_bias.detach().cpu().contiguous()}, os.path.join(output_path, BIAS_FILE))
+        save_file({"cross_bias": self.cross.bias.detach().cpu().contiguous()}, os.path.join(output_path, BIAS_FILE))
 
     @classmethod
     def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> SplitTransformer:
@@ -96,10 +120,10 @@ class SplitTransformer(Transformer):
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: the SplitTransformer's learned cross-attention bias")
         bias = load_file(path)["cross_bias"]
-        if bias.shape != module.cross_bias.shape:
+        if bias.shape != module.cross.bias.shape:
             raise ValueError(f"{path} holds {tuple(bias.shape)} biases, the config says {module.joint_layers} layers")
         with torch.no_grad():
-            module.cross_bias.copy_(bias)
+            module.cross.bias.copy_(bias)
         return module
 
     @property
@@ -162,7 +186,7 @@ class SplitTransformer(Transformer):
         hidden = torch.cat([q, d], dim=1)
         cross = (is_query[:, :, None] != is_query[:, None, :]).unsqueeze(1).to(hidden.dtype)  # (B, 1, T, T)
         padding = torch.zeros_like(mask, dtype=hidden.dtype).masked_fill(mask == 0, torch.finfo(hidden.dtype).min)
-        for bias, layer in zip(self.cross_bias, self.auto_model.encoder.layer[self.split_layer :]):
+        for bias, layer in zip(self.cross.bias, self.auto_model.encoder.layer[self.split_layer :]):
             out = layer(hidden, attention_mask=cross * bias.to(hidden.dtype) + padding[:, None, None, :])
             hidden = out[0] if isinstance(out, tuple) else out
         features["token_embeddings"] = hidden
@@ -248,7 +272,7 @@ def build_split_cross_encoder(
     transformer.auto_model.config.num_labels = 1
     pool = SegmentInteraction(dim)
     if variant is None:
-        head = Dense(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
+        head = LinearScoreHead(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
         with torch.no_grad():
             head.linear.weight.fill_(scale / dim)
             head.linear.bias.zero_()
