@@ -7,7 +7,8 @@ teacher: the lower 4 of MiniLM's 6 layers read query and document apart and are 
 across both and train with the head; Margin-MSE rows from the training queries' BM25 + teacher top-100 pools; dev
 learning curves with patience, the best dev point kept), then writes ``benchmarks/results/varce_rerank.json``: a list
 ``rows`` (``collection``, ``depth``, ``system``, ``queries``, ``nDCG@10``, ``p_vs_bm25``, ``p_vs_CE``, and ``ece`` for
-the re-rankers on nfcorpus), the dev curves, the teacher's choice on dev, calibration and uncertainty.
+the re-rankers on nfcorpus), the dev curves, the teacher's choice on dev, calibration and uncertainty, and
+``benchmarks/results/varce_reliability.png`` (the reliability diagram of the nfcorpus/test pairs).
 
     python benchmarks/varce_rerank.py --output runs/varce-distill                      # fine-tunes the teacher too
     python benchmarks/varce_rerank.py --output runs/varce-distill --teacher PATH       # a teacher trained before
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,6 +70,9 @@ def main() -> int:
     with open(a.out, "w", encoding="utf8") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {a.out}")
+    plot = os.path.join(a.output, "reliability.png")
+    if os.path.isfile(plot):  # the reliability diagram of the nfcorpus/test pairs, beside the JSON
+        shutil.copyfile(plot, os.path.join(os.path.dirname(os.path.abspath(a.out)), "varce_reliability.png"))
     return 0
 
 

@@ -196,3 +196,25 @@ def truncation_curves_plot(
     fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, path, dpi=dpi)
+
+
+def reliability_plot(calibration: Mapping[str, Mapping], path: str | os.PathLike | None = None) -> Figure:
+    """Reliability diagram (Guo et al., ICML 2017): per re-ranker, the fraction of relevant pairs against the mean
+    predicted P(relevant) in equal-mass bins (``calibration[name]["reliability"]``, as
+    :func:`pyterrier_prob.varce.calibration.reliability_curve` gives it), its ECE in the legend; the diagonal is
+    perfect calibration. Saved as PNG at ``path`` when given."""
+    fig = Figure(figsize=(4.8, 4.4))
+    ax = fig.add_subplot()
+    ax.plot([0, 1], [0, 1], color="0.7", lw=1, ls="--")
+    for name, entry in calibration.items():
+        curve = entry["reliability"]
+        ax.plot(curve["mean_prob"], curve["frac_relevant"], marker="o", ms=3, label=f"{name} (ECE {entry['ece']:.3f})")
+    ax.set_xlabel("predicted P(relevant)")
+    ax.set_ylabel("fraction judged relevant")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if path is not None:
+        save_figure(fig, path)
+    return fig

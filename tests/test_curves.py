@@ -80,3 +80,24 @@ def test_a_fresh_run_starts_a_new_curve(tmp_path):
 def test_bad_every():
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         DevCurve(0, _dev)
+
+
+def test_patience_stops_after_evaluations_without_a_better_point():
+    model = _Model()
+    curve = DevCurve(1, _dev, patience=2)
+    state = SimpleNamespace(global_step=0, max_steps=10)
+    control = SimpleNamespace(should_training_stop=False)
+    curve.on_train_begin(None, state, control, model=model)
+    stopped_at = None
+    for step in range(1, 11):
+        with torch.no_grad():
+            model.w += 1.0
+        state.global_step = step
+        curve.on_step_end(None, state, control, model=model)
+        if control.should_training_stop:
+            stopped_at = step
+            break
+    # dev peaks at step 3 (w[0] = 3); steps 4 and 5 are worse: the second of them stops the run
+    assert stopped_at == 5 and curve.best_point()["step"] == 3
+    with pytest.raises(ValueError, match="patience"):
+        DevCurve(1, _dev, patience=0)

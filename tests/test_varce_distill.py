@@ -218,3 +218,19 @@ def test_fine_tune_split_student_under_partial(minilm_path, tmp_path):
     assert all(torch.equal(lower[k], after_lower[k]) for k in lower)
     assert any(not torch.equal(joint[k], after_joint[k]) for k in joint)
     assert float(model[0].cross.bias.detach()[0]) != -4.0
+
+
+def test_varce_command_maps_to_the_distillation(tmp_path):
+    from pyterrier_prob.cli import build_parser
+    from pyterrier_prob.experiments import varce, varce_distill
+
+    a = build_parser("varce").parse_args(
+        ["--teacher", "T", "--recipe", "partial", "--train-layers", "1", "--steps", "50", "--output", str(tmp_path)]
+    )
+    cfg = varce_distill.config_from_varce(varce.config_from_args(a))
+    assert (cfg.teacher, cfg.joint_layers, cfg.steps, cfg.dev_every, cfg.checkpoint_every) == ("T", 1, 50, 5, 5)
+    frozen = build_parser("varce").parse_args(["--teacher", "T", "--output", str(tmp_path)])
+    with pytest.raises(ValueError, match="--recipe partial"):
+        varce_distill.config_from_varce(varce.config_from_args(frozen))
+    with pytest.raises(FileNotFoundError, match="not a saved sentence-transformers model"):
+        varce_distill.build_teacher(cfg)

@@ -418,7 +418,9 @@ def uncertainty_stage(
         }
         lam = max(dev_values, key=lambda x: (dev_values[x], -x))
         test_values = distill.ndcg_at_10(
-            frame.assign(score=risk_adjusted(frame[s].to_numpy(), frame[std_col].to_numpy(), lam)), qrels
+            frame.assign(score=risk_adjusted(frame[s].to_numpy(), frame[std_col].to_numpy(), lam)),
+            qrels,
+            qids=per_query[s].index.tolist(),  # every query, as the rows (no candidate: 0)
         )
         out[s] = {
             "spread": cal.uncertainty_spread(frame["qid"].to_numpy(), frame[std_col].to_numpy()),
@@ -490,6 +492,10 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
         "dev_candidates": int(len(dev_cand)),
     }
     _write_json(cfg.path("summary.json"), summary)
+    if calibration:
+        from pyterrier_prob.plots import reliability_plot
+
+        reliability_plot(calibration, cfg.path("reliability.png"))
     atomic_write(cfg.path("results.md"), markdown(summary))
     log(markdown(summary))
     return summary
