@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--workdir", default="outputs/recipe_modes")
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--out", required=True)
-    r.add_argument("--save-model", default=None, help="save the best-dev model to this folder (e.g. a distillation teacher)")
+    r.add_argument(
+        "--save-model", default=None, help="save the best-dev model to this folder (e.g. a distillation teacher)"
+    )
     t = sub.add_parser("table")
     t.add_argument("rows", nargs="+")
     t.add_argument("--out", default="benchmarks/results/recipe_modes.json")

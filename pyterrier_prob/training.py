@@ -470,6 +470,8 @@ def fine_tune(
                 if recipe.mode == "partial":  # the lower layers were frozen for the run only
                     for p in model.parameters():
                         p.requires_grad_(trainable.get(id(p), p.requires_grad))
+                    if isinstance(model[0], SplitTransformer) and not (state_cache or output_dir):
+                        model[0].state_cache = None  # its folder is the temporary one, removed below
     model.eval()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 

@@ -218,6 +218,10 @@ def test_fine_tune_split_student_under_partial(minilm_path, tmp_path):
     assert all(torch.equal(lower[k], after_lower[k]) for k in lower)
     assert any(not torch.equal(joint[k], after_joint[k]) for k in joint)
     assert float(model[0].cross.bias.detach()[0]) != -4.0
+    # without a cache folder the states live in a temporary folder: the model is left without the cache
+    fine_tune(model, MarginMSELoss(model), rows, recipe, show_progress=False)
+    assert model[0].state_cache is None
+    assert model.predict(PAIRS[:1]).shape == (1,)
 
 
 def test_varce_command_maps_to_the_distillation(tmp_path):
