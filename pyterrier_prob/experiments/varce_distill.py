@@ -456,7 +456,6 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
     models = trained["models"]
     students = list(models)
     rows_out, per_query_all, calibration, uncertainty = [], {}, {}, {}
-    dev_cand = candidates(cfg, side, "dev")
     _, dev_sub = _dev_evaluator(cfg, side)
     dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
     targets = [(cfg.dataset, side, "test")]
@@ -489,7 +488,7 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
         "dev_curves": trained["curves"],
         "calibration": calibration,
         "uncertainty": uncertainty,
-        "dev_candidates": int(len(dev_cand)),
+        "dev_candidates": int(len(dev_sub)),
     }
     _write_json(cfg.path("summary.json"), summary)
     if calibration:

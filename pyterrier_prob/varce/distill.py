@@ -187,7 +187,9 @@ def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], ba
     pairs = list(zip(queries, documents))
     if not pairs:
         return np.zeros(0, np.float32), None
-    if hasattr(model, "head") and type(model).__name__ == "VarCrossEncoder":
+    from st_extensions.cross_encoder import VarCrossEncoder
+
+    if isinstance(model, VarCrossEncoder):
         mean, std = model.predict(pairs, batch_size=batch_size, return_std=True)
         return np.asarray(mean, np.float32), np.asarray(std, np.float32)
     return np.asarray(model.predict(pairs, batch_size=batch_size), np.float32), None
