@@ -176,6 +176,19 @@ class Recipe:
         if not isinstance(self.checkpoint_limit, int) or self.checkpoint_limit < 1:
             raise ValueError(f"Recipe.checkpoint_limit must be an int >= 1, got {self.checkpoint_limit!r}")
 
+    def describe(self) -> str:
+        """One sentence saying what trains under this recipe, for reports (generated, never written by hand)."""
+        what = {
+            "frozen": "only the added modules train, on the encoder's outputs computed once",
+            "partial": f"the top {self.train_layers} transformer layer(s), the pooling and the added modules train "
+            "on the lower layers' states computed once",
+            "full": "every parameter trains",
+        }[self.mode]
+        return (
+            f"**{self.mode}** -- {what}; {self.steps} steps of {self.batch_size} at lr {self.learning_rate:g}"
+            f"{'' if self.head_learning_rate is None else f' (added modules at {self.head_learning_rate:g})'}."
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """The recipe as JSON-ready values (what :meth:`save` writes)."""
         return asdict(self)
