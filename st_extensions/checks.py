@@ -50,7 +50,9 @@ def finite_float(
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
     if ok:
         v = float(value)
-        ok = (low is None or (v > low if low_open else v >= low)) and (high is None or (v < high if high_open else v <= high))
+        ok = (low is None or (v > low if low_open else v >= low)) and (
+            high is None or (v < high if high_open else v <= high)
+        )
     if not ok:
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else f"{high:g}"
