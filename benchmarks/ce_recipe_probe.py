@@ -62,12 +62,13 @@ def probe(a: argparse.Namespace) -> None:
     from pyterrier_prob import ProbBiEncoder
     from pyterrier_prob.collections import load_collection
     from pyterrier_prob.curves import DevCurve
-    from pyterrier_prob.experiments.varce import CE_HEAD_PARAMETERS, _eval_queries
+    from pyterrier_prob.experiments.varce_train import CE_HEAD_PARAMETERS
     from pyterrier_prob.fusion import interpolate
     from pyterrier_prob.index import DenseIndex
     from pyterrier_prob.training import Recipe, fine_tune
     from pyterrier_prob.varce import per_query
     from pyterrier_prob.varce.data import cross_encoder_training_data, groups_for
+    from pyterrier_prob.varce.data import evaluated_queries as _eval_queries
     from st_extensions import default_model_path
     from st_extensions.cross_encoder.frozen import build_cross_encoder
 

@@ -177,7 +177,7 @@ def main() -> None:
         TopKRetriever,
         threshold_search,
     )
-    from pyterrier_prob.pebr.cutoff import DOC_BATCH, QUERY_BATCH
+    from pyterrier_prob.index.exact import DOC_BATCH, QUERY_BATCH
     from st_extensions import BetaCosine
 
     load_before = os.getloadavg()[0]  # other jobs on the machine show here

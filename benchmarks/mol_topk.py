@@ -623,7 +623,39 @@ def index_bytes(path: str) -> int:
 # ------------------------------------------------------------------------------------------------------------
 
 
+def markdown_table(path: str) -> str:
+    """The docs' table of a results file: one row per (size, method), the speed-up over the batches both ran."""
+    with open(path) as f:
+        result = json.load(f)
+    lines = [
+        "| documents | method | candidate stage | relative HR@10 | HR@100 | latency / 32 queries: median (p90) "
+        "| × brute force, same batches (batches) | candidate-stage memory |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for setting in result["settings"]:
+        for r in setting["rows"]:
+            s = r["searcher"]
+            if r["method"] == "brute_force":
+                stage = "— (MoL on every document)"
+            elif s is None:
+                stage = "exhaustive scan (flat)"
+            else:
+                stage = f"{s['backend']}, {s['nlist']} lists, nprobe {s['nprobe']}"
+            sp, lat = r["speedup_vs_brute_force"], r["latency_ms"]
+            method = r["label"].split(" IVF")[0]
+            lines.append(
+                f"| {setting['n_docs']:,} | {method} | {stage} | {r['relative_hr']['10']:.3f} "
+                f"| {r['relative_hr']['100']:.3f} | {lat['median'] / 1000:.3f} s ({lat['p90'] / 1000:.2f} s) "
+                f"| {sp['median_of_per_batch_ratios']:.1f}× ({sp['paired_batches']}) "
+                f"| {r['memory']['bytes'] / 2**30:.2f} GiB |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--table"]:  # python benchmarks/mol_topk.py --table RESULTS.json
+        print(markdown_table(sys.argv[2]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help=f"a fine-tuned MoL model (default {os.path.relpath(REAL_MODEL, ROOT)}, if there)")
     ap.add_argument("--no-own-model", action="store_true", help="skip the model fine-tuned here (d_P = --train-dim)")

@@ -14,43 +14,21 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-#: Public names, imported on first use (``import pyterrier_prob`` stays cheap for the command line).
-_EXPORTS: dict[str, str] = {
-    "ProbBiEncoder": "pyterrier_prob.pebr",
-    "DenseIndex": "pyterrier_prob.index",
-    "CDFCutoffRetriever": "pyterrier_prob.pebr",
-    "RecallTargetCutoff": "pyterrier_prob.pebr",
-    "CalibratedLaw": "pyterrier_prob.pebr.calibration",
-    "ScoreCutoffRetriever": "pyterrier_prob.pebr",
-    "TopKRetriever": "pyterrier_prob.pebr",
-    "threshold_search": "pyterrier_prob.index",
-    "count_above": "pyterrier_prob.index",
-    "make_searcher": "pyterrier_prob.index",
-    "merge_runs": "pyterrier_prob.index",
-    "ShardedSearcher": "pyterrier_prob.index",
-    "MoLIndex": "pyterrier_prob.mol",
-    "MoLEncoder": "pyterrier_prob.mol",
-    "MoLRetriever": "pyterrier_prob.mol",
-    "MoLReranker": "pyterrier_prob.mol",
-    "VarCrossEncoderReranker": "pyterrier_prob.varce",
-    "ScoreInterpolation": "pyterrier_prob.fusion",
-    "QueryNoise": "pyterrier_prob.varce",
-    "NOISE_TYPES": "pyterrier_prob.varce",
-    "all_noise": "pyterrier_prob.varce",
-    "percent_no": "pyterrier_prob.varce",
-    "no_relevant_in_top": "pyterrier_prob.varce",
-    "hard_queries": "pyterrier_prob.varce",
-    "hard_query_table": "pyterrier_prob.varce",
-    "MultiBranchRetriever": "pyterrier_prob.unierf",
-    "UniERFEncoder": "pyterrier_prob.unierf",
-    "TriggerText": "pyterrier_prob.unierf",
-    "branch_quotas": "pyterrier_prob.unierf",
-    "merge_branch_lists": "pyterrier_prob.unierf",
-    "unierf_training_data": "pyterrier_prob.unierf",
-    "load_collection": "pyterrier_prob.collections",
-    "fine_tune": "pyterrier_prob.training",
-    "Recipe": "pyterrier_prob.training",
+_PUBLIC: dict[str, str] = {  # module -> the names it gives to ``pyterrier_prob``
+    "pyterrier_prob.pebr": "ProbBiEncoder CDFCutoffRetriever RecallTargetCutoff ScoreCutoffRetriever TopKRetriever",
+    "pyterrier_prob.pebr.calibration": "CalibratedLaw",
+    "pyterrier_prob.index": "DenseIndex threshold_search count_above make_searcher merge_runs ShardedSearcher",
+    "pyterrier_prob.mol": "MoLIndex MoLEncoder MoLRetriever MoLReranker",
+    "pyterrier_prob.varce": "VarCrossEncoderReranker QueryNoise NOISE_TYPES all_noise percent_no no_relevant_in_top "
+    "hard_queries hard_query_table",
+    "pyterrier_prob.fusion": "ScoreInterpolation",
+    "pyterrier_prob.unierf": "MultiBranchRetriever UniERFEncoder TriggerText branch_quotas merge_branch_lists "
+    "unierf_training_data UniERFDataConfig",
+    "pyterrier_prob.collections": "load_collection",
+    "pyterrier_prob.training": "fine_tune Recipe",
 }
+#: Public names, imported on first use (``import pyterrier_prob`` stays cheap for the command line).
+_EXPORTS: dict[str, str] = {name: module for module, names in _PUBLIC.items() for name in names.split()}
 
 __all__ = ["__version__", *_EXPORTS]
 

@@ -1,24 +1,13 @@
 """The one atomic writer of pyterrier-prob: index directories, model folders, tables and plots.
 
-Everything is first written beside its target (a hidden temporary file or directory in the same folder, so the
-final rename stays on one file system), flushed and fsynced, then renamed into place. On any error or interruption
-the temporary is removed and the target is left as it was. What we create is readable by others: files 0644 and
-folders 0755 (``tempfile`` would make them 0600 / 0700).
-
-Replacing a directory (:func:`atomic_directory` with ``overwrite=True``) never leaves the path without a complete
-version:
-
-* where the kernel can swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)`` on ext4, xfs, btrfs, tmpfs,
-  ...; macOS ``renamex_np(RENAME_SWAP)``) the new directory and the old one trade places in one step, so the path
-  holds the old version until the instant it holds the new one;
-* elsewhere the old version is first renamed to a hidden ``.<name>.old-<pid>-<tag>`` sibling and the new one
-  renamed into place; a writer killed between those two renames leaves the path missing for a moment, and
-  :func:`recover_directory` (which the index and model loaders call) moves the previous version back.
-
-Temporaries are named ``.<name>.tmp-<pid>-<tag>`` / ``.<name>.old-<pid>-<tag>``, and their writer holds an
-advisory lock (``flock``) on them while it lives. A temporary whose lock is free and whose writer is gone (its pid
-is dead, or it is older than a few seconds) is stale: the next writer of the same path, and every
-:func:`recover_directory`, removes it.
+Everything is written beside its target (a hidden temporary in the same folder), flushed, fsynced and renamed into
+place; on any error the temporary is removed and the target left as it was. Files are 0644, folders 0755. Replacing a
+directory (:func:`atomic_directory`, ``overwrite=True``) never leaves the path without a complete version: the two
+trade places in one step where the kernel can swap paths (Linux ``renameat2(RENAME_EXCHANGE)``, macOS
+``renamex_np(RENAME_SWAP)``); elsewhere the old one is first renamed to ``.<name>.old-<pid>-<tag>``, and
+:func:`recover_directory` (which the loaders call) moves it back after a writer killed between the two renames.
+Temporaries (``.<name>.tmp-<pid>-<tag>``, ``.<name>.old-...``) are flock-ed by their writer while it lives; one whose
+lock is free and whose writer is gone (dead pid, or older than a few seconds) is stale and removed by the next writer.
 """
 
 from __future__ import annotations
@@ -80,10 +69,9 @@ def make_dirs(path: str | os.PathLike) -> Path:
 
 def _lock(fd: int) -> None:
     """Take an exclusive advisory lock on ``fd`` (silently nothing where flock is not supported)."""
-    if fcntl is None:  # pragma: no cover
-        return
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def _open_locked(path: Path) -> int | None:
@@ -128,23 +116,20 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
-        return True
+    except OSError:  # PermissionError: alive, another user's
+        pass
     return True
 
 
 def _temporaries(path: Path) -> list[tuple[Path, str, int | None]]:
     """``(temporary, "tmp" | "old", writer pid or None)`` for every hidden temporary of ``path``."""
-    out = []
     try:
-        entries = list(os.scandir(path.parent))
+        matches = [(e.path, _TEMP_RE.match(e.name)) for e in os.scandir(path.parent)]
     except OSError:
-        return out
-    for entry in entries:
-        m = _TEMP_RE.match(entry.name)
-        if m and m["name"] == path.name:
-            out.append((Path(entry.path), m["kind"], int(m["pid"]) if m["pid"] else None))
-    return out
+        return []
+    return [
+        (Path(p), m["kind"], int(m["pid"]) if m["pid"] else None) for p, m in matches if m and m["name"] == path.name
+    ]
 
 
 def _is_stale(temp: Path, pid: int | None) -> bool:
@@ -172,16 +157,9 @@ def _remove(p: Path) -> None:
 
 
 def recover_directory(path: str | os.PathLike) -> bool:
-    """Make ``path`` loadable again after a killed writer, and remove the stale temporaries of ``path``.
-
-    When ``path`` is missing and a writer died between moving the previous version aside and renaming the new one
-    into place (possible only where the file system cannot swap two paths atomically), the previous version is moved
-    back. A writer that is alive and between those renames is waited for (up to a second). Loaders call this before
-    opening; it is cheap (one listing of the parent folder) and never raises for lack of permission.
-
-    Returns:
-        Whether a previous version was moved back to ``path``.
-    """
+    """Make ``path`` loadable again after a writer killed between its two renames (the previous version moved back;
+    a live writer waited for up to a second) and remove stale temporaries; whether a version was moved back. Loaders
+    call this before opening: one listing of the parent folder, never raising for lack of permission."""
     path = Path(path)
     recovered = False
     deadline = time.monotonic() + 1.0
@@ -209,10 +187,8 @@ def recover_directory(path: str | os.PathLike) -> bool:
 
 
 def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
-    """Remove the hidden temporaries of ``path`` that their (killed) writers left; returns what was removed.
-
-    A previous version (``.old-*``) is kept while ``path`` itself is missing: :func:`recover_directory` moves it back.
-    """
+    """Remove (and return) the temporaries of ``path`` that killed writers left; a previous version (``.old-*``) is
+    kept while ``path`` is missing (:func:`recover_directory` moves it back)."""
     path = Path(path)
     removed = []
     for temp, kind, pid in _temporaries(path):
@@ -244,16 +220,13 @@ def _exchange(a: Path, b: Path) -> bool:
             _libc = False
     if _libc is False:
         return False
-    fa, fb = os.fsencode(a), os.fsencode(b)
-    if sys.platform == "linux":
-        fn = getattr(_libc, "renameat2", None)
-        if fn is None:  # pragma: no cover - glibc < 2.28
-            return False
+    linux, fa, fb = sys.platform == "linux", os.fsencode(a), os.fsencode(b)
+    fn = getattr(_libc, "renameat2" if linux else "renamex_np", None)  # macOS: renamex_np
+    if fn is None:  # pragma: no cover - glibc < 2.28
+        return False
+    if linux:
         res = fn(_AT_FDCWD, fa, _AT_FDCWD, fb, ctypes.c_uint(_RENAME_EXCHANGE))
     else:  # pragma: no cover - macOS
-        fn = getattr(_libc, "renamex_np", None)
-        if fn is None:
-            return False
         res = fn(fa, fb, ctypes.c_uint(_RENAME_SWAP))
     if res == 0:
         return True
@@ -296,13 +269,8 @@ def _temp_name(path: Path, kind: str) -> Path:
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes]], Any]) -> str:
-    """Write ``data`` to ``path`` atomically (mode 0644); returns the path.
-
-    Args:
-        path: target file; its folder is created (0755) if missing.
-        data: text (written as UTF-8), bytes, or a callable that writes into the binary file object it is given
-            (e.g. ``lambda f: fig.savefig(f, format="png")``).
-    """
+    """Write ``data`` -- text (UTF-8), bytes or a callable writing into the binary file it is given (``lambda f:
+    fig.savefig(f, format="png")``) -- to ``path`` atomically (0644, its folder made if missing); returns the path."""
     path = Path(path)
     make_dirs(path.parent)
     clean_stale_temporaries(path)
@@ -327,13 +295,10 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes
 
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Build a directory in a hidden sibling and rename it to ``path`` when the ``with`` block succeeds.
+    """Build a directory in a hidden sibling, renamed to ``path`` when the ``with`` block succeeds (0755 / 0644).
 
-    With ``overwrite`` an existing ``path`` is replaced without a moment in which the path holds no complete
-    version (atomic swap, or -- where the file system cannot swap -- a previous version that
-    :func:`recover_directory` moves back after a kill); without it, ``FileExistsError`` is raised (checked before
-    and after the block). Stale temporaries of killed writers of ``path`` are removed first. Files written into the
-    yielded folder should be closed by the end of the block; the folder and everything in it are made 0755 / 0644.
+    ``overwrite`` replaces an existing ``path`` with no moment without a complete version (see the module
+    docstring); otherwise ``FileExistsError`` (checked before and after the block). Close files by the block's end.
     """
     path = Path(path)
     if path.exists() and not overwrite:

@@ -1,14 +1,16 @@
 """The ``pyterrier-prob`` command: one subcommand per paper's experiment, on any collection.
 
 ``pyterrier-prob pebr|mol|varce|unierf [options]`` runs :mod:`pyterrier_prob.experiments.<paper>`; each has its own
-``--help``. Plain ``pyterrier-prob [options]`` runs the pEBR experiment. At default verbosity the console shows our
-progress bars and the final table only; ``--verbose`` keeps the libraries' own output (:mod:`pyterrier_prob.console`).
+``--help``, and ``pyterrier-prob --help`` lists them. Plain ``pyterrier-prob [options]`` runs the pEBR experiment. At
+default verbosity the console shows our progress bars and the final table only; ``--verbose`` keeps the libraries'
+own output (:mod:`pyterrier_prob.console`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 
 from pyterrier_prob.console import setup_console
@@ -21,19 +23,50 @@ PAPERS = {
     "varce": "pyterrier_prob.experiments.varce",
     "unierf": "pyterrier_prob.experiments.unierf",
 }
+#: Subcommand -> the line ``pyterrier-prob --help`` lists it with.
+COMMANDS = {
+    "pebr": "pEBR: probabilistic bi-encoder; CDF cutoff against top-k and score cutoff at matched mean depth",
+    "mol": "Mixture-of-Logits: learned similarity against the dot-product bi-encoder, and its gate",
+    "varce": "VarCrossEncoder: uncertainty-aware cross-encoder re-ranking of BM25 candidates",
+    "unierf": "UniERF: two-branch query towers, merged recall at budget B, Table 2 ablation, branch overlap",
+}
 DEFAULT = "pebr"
 
 
-def build_parser(paper: str = DEFAULT) -> argparse.ArgumentParser:
-    """The parser of one subcommand (``pyterrier-prob <paper>``)."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help followed by its default, once: not when the help already says it, nor for a default of
+    None or False (a flag, or an option that is off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text
+        if action.default is False:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser(paper: str = DEFAULT, commands: bool = False) -> argparse.ArgumentParser:
+    """The parser of one subcommand (``pyterrier-prob <paper>``); with ``commands``, that of plain
+    ``pyterrier-prob``: the list of subcommands, then the options of the one it runs (``paper``)."""
     mod = importlib.import_module(PAPERS[paper])
-    others = ", ".join(f"'pyterrier-prob {p} --help'" for p in PAPERS)
-    ap = argparse.ArgumentParser(
-        prog=f"pyterrier-prob {paper}",
-        description=mod.DESCRIPTION,
-        epilog=f"Experiments: {', '.join(PAPERS)} (plain 'pyterrier-prob' runs '{DEFAULT}'). See {others}.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    if commands:
+        width = max(map(len, COMMANDS))
+        listing = "\n".join(f"  {name:<{width}}  {line}" for name, line in COMMANDS.items())
+        kwargs = {
+            "prog": "pyterrier-prob",
+            "usage": f"pyterrier-prob [{{{','.join(PAPERS)}}}] [options]",
+            "description": f"commands ('pyterrier-prob <command> --help' for each one's options):\n{listing}\n\n"
+            f"Without a command, 'pyterrier-prob [options]' runs {paper}, with these options.",
+        }
+    else:
+        kwargs = {
+            "prog": f"pyterrier-prob {paper}",
+            "description": mod.DESCRIPTION,
+            "epilog": f"Experiments: {', '.join(PAPERS)} (plain 'pyterrier-prob' runs '{DEFAULT}'; "
+            "'pyterrier-prob --help' lists them).",
+        }
+    ap = argparse.ArgumentParser(formatter_class=HelpFormatter, **kwargs)
     mod.add_arguments(ap)
     ap.add_argument(
         "--verbose",
@@ -47,12 +80,15 @@ def build_parser(paper: str = DEFAULT) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``pyterrier-prob [paper] [options]``; the exit status (2 for a bad setting or input, with a message)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    paper = argv.pop(0) if argv and argv[0] in PAPERS else DEFAULT
-    a = build_parser(paper).parse_args(argv)
+    command = shlex.join(["pyterrier-prob", *argv])
+    named = bool(argv) and argv[0] in PAPERS
+    paper = argv.pop(0) if named else DEFAULT
+    a = build_parser(paper, commands=not named).parse_args(argv)
     setup_console(verbose=a.verbose)  # our bars and the table only, unless --verbose
     mod = importlib.import_module(PAPERS[paper])
     try:
         cfg = mod.config_from_args(a)
+        cfg.command = command
         cfg.check()
     except ValueError as e:
         print(f"pyterrier-prob {paper}: {e}", file=sys.stderr)

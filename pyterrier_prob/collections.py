@@ -1,24 +1,8 @@
-"""Test collections from three sources, with their splits discovered rather than assumed.
-
-:func:`load_collection` takes
-
-* an **ir_datasets id** (``irds:beir/nfcorpus``, ``irds:cranfield``; the ``irds:`` prefix is optional): the splits
-  are the registered sub-datasets with queries and qrels (``beir/nfcorpus/{train,dev,test}``); a dataset that has
-  queries and qrels itself and no such sub-datasets is one split named ``test``; an id that names a split
-  (``irds:beir/nfcorpus/test``) is that one split of its parent's corpus;
-* a **BEIR folder**: ``corpus.jsonl`` (``_id``, ``title``, ``text``), ``queries.jsonl`` (``_id``, ``text``) and
-  ``qrels/<split>.tsv`` (``query-id``, ``corpus-id``, ``score``, with a header line); each qrels file is a split,
-  whose topics are the queries it judges (as BEIR's own loader does);
-* a **TREC folder**: topics files (TREC SGML ``<top>``/``<num>``/``<title>``, TREC XML ``<topic number=..>``, or
-  ``qid<TAB>query`` lines), qrels files (``qid iter docno label``) and a corpus (``*.jsonl`` with ``docno``/
-  ``doc_id``/``_id`` and ``text`` [+ ``title``], or ``*.tsv`` of ``docno<TAB>text``). A file is a topics file if its
-  name contains ``topics`` or ``queries``, a qrels file if it contains ``qrels``; the rest of its name is the split
-  (``topics.train.txt`` and ``train.qrels`` -> ``train``; a bare ``topics.txt`` + ``qrels.txt`` -> ``test``).
+"""Test collections from an ir_datasets id, a BEIR folder or a TREC folder, with their splits discovered.
 
 Every source gives the same :class:`Collection`: ``splits``, ``topics(split)`` (``qid, query``), ``qrels(split)``
-(``qid, docno, label``), ``corpus_iter()`` (``docno, text``: title then body, as the encoders see it) and
-``doc_texts(docnos)``. Errors name the file, the line and what is wrong.
-"""
+(``qid, docno, label``), ``corpus_iter()`` (``docno, text``: title then body) and ``doc_texts(docnos)``. The layouts and
+the split rules: README, "Collections". Errors name the file, the line and what is wrong."""
 
 from __future__ import annotations
 
@@ -27,12 +11,16 @@ import json
 import os
 import random
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import ir_datasets
 import pandas as pd
+import pyterrier as pt
+
+from pyterrier_prob.validation import choice, finite_float
 
 __all__ = [
     "Collection",
@@ -63,25 +51,20 @@ class Collection:
     name: str
     splits: tuple[str, ...]
 
-    def _check_split(self, split: str) -> None:
-        if split not in self.splits:
-            raise ValueError(f"{self.name} has no split {split!r}; its splits are {list(self.splits)}")
+    def _split_frame(self, split: str, read: Callable[[str], pd.DataFrame], what: str) -> pd.DataFrame:
+        choice(f"{self.name} split", split, self.splits)
+        frame = read(split)
+        if frame.empty:
+            raise ValueError(f"{self.name}: split {split!r} has no {what}")
+        return frame.reset_index(drop=True)
 
     def topics(self, split: str) -> pd.DataFrame:
         """``qid, query`` (strings) of a split."""
-        self._check_split(split)
-        t = self._topics(split)
-        if t.empty:
-            raise ValueError(f"{self.name}: split {split!r} has no queries")
-        return t.reset_index(drop=True)
+        return self._split_frame(split, self._topics, "queries")
 
     def qrels(self, split: str) -> pd.DataFrame:
         """``qid, docno, label`` of a split (``label`` an int)."""
-        self._check_split(split)
-        q = self._qrels(split)
-        if q.empty:
-            raise ValueError(f"{self.name}: split {split!r} has no qrels")
-        return q.reset_index(drop=True)
+        return self._split_frame(split, self._qrels, "qrels")
 
     def corpus_iter(self) -> Iterator[dict[str, str]]:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -105,17 +88,13 @@ class Collection:
         return f"{type(self).__name__}({self.name!r}, splits={list(self.splits)})"
 
 
-# --------------------------------------------------------------------------------------------------------------
-# ir_datasets
-# --------------------------------------------------------------------------------------------------------------
+# --- ir_datasets ------------------------------------------------------------------------------------------------
 
 
 class IrdsCollection(Collection):
     """An ir_datasets dataset and its judged sub-datasets (module docstring)."""
 
     def __init__(self, dataset_id: str) -> None:
-        import ir_datasets
-
         name = dataset_id.removeprefix("irds:").strip("/")
         try:
             ds = ir_datasets.load(name)
@@ -143,8 +122,6 @@ class IrdsCollection(Collection):
         self.splits = tuple(self._split_ids)
 
     def _ds(self, split: str):
-        import ir_datasets
-
         return ir_datasets.load(self._split_ids[split])
 
     def _topics(self, split: str) -> pd.DataFrame:
@@ -156,21 +133,15 @@ class IrdsCollection(Collection):
         return pd.DataFrame(rows, columns=["qid", "docno", "label"])
 
     def corpus_iter(self) -> Iterator[dict[str, str]]:
-        import ir_datasets
-
         for doc in ir_datasets.load(self._docs_id).docs_iter():
             yield {"docno": str(doc.doc_id), "text": doc_text(getattr(doc, "title", ""), getattr(doc, "text", ""))}
 
     def doc_texts(self, docnos: Iterable[str]) -> dict[str, str]:
-        import ir_datasets
-
         docs = ir_datasets.load(self._docs_id).docs_store().get_many(set(docnos))
         return {k: doc_text(getattr(d, "title", ""), getattr(d, "text", "")) for k, d in docs.items()}
 
     @cached_property
     def num_docs(self) -> int:
-        import ir_datasets
-
         return int(ir_datasets.load(self._docs_id).docs_count())
 
 
@@ -178,23 +149,30 @@ def _judged(ds) -> bool:
     return ds.has_queries() and ds.has_qrels()
 
 
-# --------------------------------------------------------------------------------------------------------------
-# local folders
-# --------------------------------------------------------------------------------------------------------------
+# --- local folders ----------------------------------------------------------------------------------------------
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of the non-blank lines of a text file."""
+    with open(path, encoding="utf8") as f:
+        yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+
+
+def _tsv_rows(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, fields)`` of the non-empty rows of a tab-separated file (no quoting)."""
+    with open(path, encoding="utf8", newline="") as f:
+        yield from ((n, row) for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1) if row)
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}, line {n}: expected a JSON object, got {type(obj).__name__}")
-            yield n, obj
+    for n, line in _lines(path):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {n}: not valid JSON ({e.msg})") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}, line {n}: expected a JSON object, got {type(obj).__name__}")
+        yield n, obj
 
 
 def _field(obj: dict, names: tuple[str, ...], path: Path, n: int, what: str) -> str:
@@ -214,13 +192,12 @@ def _jsonl_corpus(path: Path) -> Iterator[dict[str, str]]:
 
 
 def _tsv_corpus(path: Path) -> Iterator[dict[str, str]]:
-    with open(path, encoding="utf8", newline="") as f:
-        for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
-            if not row or (n == 1 and row[0].lower() in ("docno", "doc_id", "id", "_id")):
-                continue
-            if len(row) < 2:
-                raise ValueError(f"{path}, line {n}: expected docno<TAB>text, got {len(row)} field")
-            yield {"docno": row[0], "text": doc_text(row[2] if len(row) > 2 else None, row[1])}
+    for n, row in _tsv_rows(path):
+        if n == 1 and row[0].lower() in ("docno", "doc_id", "id", "_id"):
+            continue
+        if len(row) < 2:
+            raise ValueError(f"{path}, line {n}: expected docno<TAB>text, got {len(row)} field")
+        yield {"docno": row[0], "text": doc_text(row[2] if len(row) > 2 else None, row[1])}
 
 
 class BeirCollection(Collection):
@@ -250,13 +227,12 @@ class BeirCollection(Collection):
     def _qrels(self, split: str) -> pd.DataFrame:
         path = self._qrels_files[split]
         rows = []
-        with open(path, encoding="utf8", newline="") as f:
-            for n, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE), 1):
-                if not row or (n == 1 and not _is_int(row[-1])):
-                    continue  # the header (query-id corpus-id score)
-                if len(row) not in (3, 4) or not _is_int(row[-1]):
-                    raise ValueError(f"{path}, line {n}: expected query-id<TAB>corpus-id<TAB>score, got {row}")
-                rows.append((row[0], row[-2], int(row[-1])))
+        for n, row in _tsv_rows(path):
+            if n == 1 and not _is_int(row[-1]):
+                continue  # the header (query-id corpus-id score)
+            if len(row) not in (3, 4) or not _is_int(row[-1]):
+                raise ValueError(f"{path}, line {n}: expected query-id<TAB>corpus-id<TAB>score, got {row}")
+            rows.append((row[0], row[-2], int(row[-1])))
         return pd.DataFrame(rows, columns=["qid", "docno", "label"])
 
     def _topics(self, split: str) -> pd.DataFrame:
@@ -329,8 +305,6 @@ class TrecCollection(Collection):
         self.splits = tuple(splits)
 
     def _topics(self, split: str) -> pd.DataFrame:
-        import pyterrier as pt
-
         path = self._topic_files[split]
         head = path.read_text(encoding="utf8", errors="replace")[:4096].lower()
         if "<top>" in head:
@@ -339,16 +313,13 @@ class TrecCollection(Collection):
             t = pt.io.read_topics(str(path), format="trecxml")
         else:
             rows = []
-            with open(path, encoding="utf8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    qid, sep, query = line.rstrip("\n").partition("\t")
-                    if not sep:
-                        qid, sep, query = line.strip().partition(" ")
-                    if not sep or not query.strip():
-                        raise ValueError(f"{path}, line {n}: expected qid<TAB>query, got {line.strip()[:80]!r}")
-                    rows.append((qid.strip(), query.strip()))
+            for n, line in _lines(path):
+                qid, sep, query = line.rstrip("\n").partition("\t")
+                if not sep:
+                    qid, sep, query = line.strip().partition(" ")
+                if not sep or not query.strip():
+                    raise ValueError(f"{path}, line {n}: expected qid<TAB>query, got {line.strip()[:80]!r}")
+                rows.append((qid.strip(), query.strip()))
             t = pd.DataFrame(rows, columns=["qid", "query"])
         t = t[["qid", "query"]].astype(str)
         dup = t["qid"][t["qid"].duplicated()].tolist()
@@ -359,14 +330,11 @@ class TrecCollection(Collection):
     def _qrels(self, split: str) -> pd.DataFrame:
         path = self._qrels_files[split]
         rows = []
-        with open(path, encoding="utf8") as f:
-            for n, line in enumerate(f, 1):
-                parts = line.split()
-                if not parts:
-                    continue
-                if len(parts) != 4 or not _is_int(parts[3]):
-                    raise ValueError(f"{path}, line {n}: expected 'qid iter docno label', got {line.strip()[:80]!r}")
-                rows.append((parts[0], parts[2], int(parts[3])))
+        for n, line in _lines(path):
+            parts = line.split()
+            if len(parts) != 4 or not _is_int(parts[3]):
+                raise ValueError(f"{path}, line {n}: expected 'qid iter docno label', got {line.strip()[:80]!r}")
+            rows.append((parts[0], parts[2], int(parts[3])))
         return pd.DataFrame(rows, columns=["qid", "docno", "label"])
 
     def corpus_iter(self) -> Iterator[dict[str, str]]:
@@ -387,19 +355,12 @@ def load_collection(spec: str | os.PathLike | Collection) -> Collection:
     raise ValueError(f"{spec!r} is neither an ir_datasets id nor a folder (BEIR or TREC layout)")
 
 
-# --------------------------------------------------------------------------------------------------------------
-# splits of an experiment
-# --------------------------------------------------------------------------------------------------------------
+# --- splits of an experiment ------------------------------------------------------------------------------------
 
 
 def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Split a topics frame into two disjoint seeded parts: ``(calibration, evaluation)``.
-
-    The first part has ``round(fraction * n)`` queries (at least 1, leaving at least 1); the order of each part
-    follows the input. Used when a collection has no dev split: to hold out train queries as dev
-    (:class:`HeldOutCollection`), or, with no train split either, to calibrate on one half of the test queries and
-    report on the other.
-    """
+    """Split a topics frame into two disjoint seeded parts ``(calibration, evaluation)``, input order kept; the first
+    has ``round(fraction * n)`` queries (at least 1, leaving at least 1). For collections without a dev split."""
     n = len(topics)
     if n < 2:
         raise ValueError(f"need at least 2 queries to split into calibration and evaluation halves, got {n}")
@@ -410,23 +371,14 @@ def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> 
 
 
 class HeldOutCollection(Collection):
-    """``base`` with one split divided by a seeded draw of its queries into a fit part and a held-out dev part.
-
-    For a collection with a train split and no dev split (``irds:beir/scifact``): the experiment trains on
-    ``<source>-fit``, calibrates and makes its dev-side choices on ``<source>-dev`` (queries it never trained on),
-    and reports on the whole test split. The other splits and the corpus are ``base``'s; ``name`` is ``base``'s too,
-    so indexes of the corpus are shared with runs on ``base``.
-
-    Args:
-        base: the collection.
-        source: the split to divide (usually ``"train"``).
-        fraction: share of ``source``'s queries held out as dev (``round(fraction * n)``, at least 1, leaving 1).
-        seed: seed of the draw (:func:`split_topics`).
-    """
+    """``base`` with split ``source`` divided by a seeded draw into ``<source>-fit`` and a held-out ``<source>-dev``
+    (``fraction`` of its queries, :func:`split_topics`): for a collection with train and no dev split. The other splits,
+    the corpus and ``name`` (so shared indexes) are ``base``'s."""
 
     def __init__(self, base: Collection, source: str = "train", fraction: float = 0.25, seed: int = 0) -> None:
-        if not 0 < fraction < 1:
-            raise ValueError(f"the held-out share of {source!r} must be in (0, 1), got {fraction}")
+        finite_float(
+            f"fraction (the held-out share of {source!r})", fraction, low=0, high=1, low_open=True, high_open=True
+        )
         topics = base.topics(source)
         if len(topics) < 2:
             raise ValueError(f"{base.name}/{source} has {len(topics)} query: too few to hold out a dev part")
@@ -439,17 +391,18 @@ class HeldOutCollection(Collection):
         self._qids = {self.fit_split: set(fit["qid"]), self.dev_split: set(dev["qid"])}
         self.splits = tuple(s for s in base.splits if s != source) + (self.fit_split, self.dev_split)
 
-    def _topics(self, split: str) -> pd.DataFrame:
+    def _part(self, split: str, read: Callable[[str], pd.DataFrame]) -> pd.DataFrame:
+        """``read(split)`` of ``base``, or for the fit / dev part the rows of ``source`` with the part's queries."""
         if split not in self._qids:
-            return self.base.topics(split)
-        t = self.base.topics(self.source)
-        return t[t["qid"].isin(self._qids[split])]
+            return read(split)
+        frame = read(self.source)
+        return frame[frame["qid"].isin(self._qids[split])]
+
+    def _topics(self, split: str) -> pd.DataFrame:
+        return self._part(split, self.base.topics)
 
     def _qrels(self, split: str) -> pd.DataFrame:
-        if split not in self._qids:
-            return self.base.qrels(split)
-        q = self.base.qrels(self.source)
-        return q[q["qid"].isin(self._qids[split])]
+        return self._part(split, self.base.qrels)
 
     def corpus_iter(self) -> Iterator[dict[str, str]]:
         return self.base.corpus_iter()
@@ -460,6 +413,14 @@ class HeldOutCollection(Collection):
     @cached_property
     def num_docs(self) -> int:
         return self.base.num_docs
+
+
+def _named_splits(collection: Collection, **named: str | None) -> tuple[str, ...]:
+    """The collection's splits, after checking that every split named explicitly (``--<role>-split``) is one."""
+    for role, value in named.items():
+        if value is not None and value not in collection.splits:
+            raise ValueError(f"--{role}-split {value!r}: {collection.name} has splits {list(collection.splits)}")
+    return collection.splits
 
 
 @dataclass
@@ -475,16 +436,9 @@ class SplitChoice:
 def choose_splits(
     collection: Collection, train: str | None = None, dev: str | None = None, test: str | None = None
 ) -> SplitChoice:
-    """Pick train / dev / test among the collection's discovered splits; explicit names win.
-
-    ``test``: the split named ``test``, else the only split, else an error listing them. ``train``: ``train`` if
-    present (else None: nothing to fine-tune on). ``dev``: the first of dev/validation/valid/val present (else
-    None: the experiment harness then holds out train queries, :class:`HeldOutCollection`, or half of test).
-    """
-    s = collection.splits
-    for name, value in (("train", train), ("dev", dev), ("test", test)):
-        if value is not None and value not in s:
-            raise ValueError(f"--{name}-split {value!r}: {collection.name} has splits {list(s)}")
+    """Pick train / dev / test among the collection's splits; explicit names win. ``test``: ``test``, else the only
+    split; ``train``: ``train`` if present; ``dev``: the first of dev/validation/valid/val present (each else None)."""
+    s = _named_splits(collection, train=train, dev=dev, test=test)
     if test is None:
         if "test" in s:
             test = "test"
@@ -507,10 +461,7 @@ def source_splits(
 ) -> tuple[str | None, str | None]:
     """Train and dev splits of a collection used only as a training source (zero-shot transfer): explicit names
     win, else ``train`` and the first of dev/validation/valid/val that it has (each None when absent)."""
-    s = collection.splits
-    for name, value in (("train", train), ("dev", dev)):
-        if value is not None and value not in s:
-            raise ValueError(f"--{name}-split {value!r}: {collection.name} has splits {list(s)}")
+    s = _named_splits(collection, train=train, dev=dev)
     train = train or ("train" if "train" in s else None)
     dev = dev or next((d for d in _DEV_NAMES if d in s), None)
     if train is not None and train == dev:

@@ -1,19 +1,15 @@
 """Score interpolation of a re-ranker with its first stage: ``alpha * z(re-ranker) + (1 - alpha) * z(first stage)``.
 
 A re-ranker trained on little data often orders a first stage's candidates worse than the first stage itself, yet
-carries a signal that the first stage lacks; the usual remedy is to interpolate the two scores (e.g. BM25 with a
-BERT re-ranker or a dense retriever). Scores on different scales are first standardised within each query
-(z-scores: mean 0, standard deviation 1 over that query's candidates), so that ``alpha`` means the same for every
-query and every model. ``alpha = 1`` is the re-ranker alone, ``alpha = 0`` the first stage's order.
+carries a signal the first stage lacks; the usual remedy is to interpolate the two scores, each standardised within
+its query (z-scores), so that ``alpha`` means the same for every query and model (1: the re-ranker alone, 0: the
+first stage's order). ``alpha`` is a hyperparameter: choose it on dev queries (:func:`choose_alpha`)::
 
     pipeline = bm25 % 100 >> text_loader >> ScoreInterpolation(reranker, alpha=0.3)
-
-``alpha`` is a hyperparameter: choose it on dev queries (:func:`choose_alpha`), never on the reported ones.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,12 +17,14 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
+from pyterrier_prob.validation import probability
+
 __all__ = ["ALPHAS", "ScoreInterpolation", "choose_alpha", "interpolate", "zscore_per_query"]
 
 
 def zscore_per_query(qids: Sequence[Any] | pd.Series, scores: Sequence[float] | np.ndarray) -> np.ndarray:
-    """``scores`` standardised within each query: (s - mean) / sd over the query's rows (population sd); a query
-    with one row or constant scores gets 0 for each of them. Raises ValueError on a non-finite score."""
+    """``scores`` standardised within each query (population sd; 0 for a query of constant scores); ValueError on
+    a non-finite score."""
     s = np.asarray(scores, dtype=np.float64)
     q = pd.Series(np.asarray(qids, dtype=object))
     if len(q) != len(s):
@@ -42,12 +40,6 @@ def zscore_per_query(qids: Sequence[Any] | pd.Series, scores: Sequence[float] | 
     return np.where(sd > 0, z, 0.0)
 
 
-def _check_alpha(alpha: Any) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-    return float(alpha)
-
-
 def interpolate(
     qids: Sequence[Any] | pd.Series,
     first: Sequence[float] | np.ndarray,
@@ -56,37 +48,23 @@ def interpolate(
 ) -> np.ndarray:
     """``alpha * z(second) + (1 - alpha) * z(first)``, each standardised within its query (:func:`zscore_per_query`);
     ``first`` is the first stage's score, ``second`` the re-ranker's."""
-    alpha = _check_alpha(alpha)
+    alpha = probability("alpha", alpha)
     return alpha * zscore_per_query(qids, second) + (1.0 - alpha) * zscore_per_query(qids, first)
 
 
-def _ranked(frame: pd.DataFrame, score: np.ndarray) -> pd.DataFrame:
-    out = frame.assign(score=score)
-    out = out.sort_values(["qid", "score"], ascending=[True, False], kind="stable").reset_index(drop=True)
-    out["rank"] = out.groupby("qid").cumcount()
-    return out
-
-
 class ScoreInterpolation(pt.Transformer):
-    """Runs ``reranker`` on a first stage's candidates and ranks them by ``alpha * z(reranker's score) +
-    (1 - alpha) * z(incoming score)`` (z within each query, :func:`zscore_per_query`).
+    """Runs ``reranker`` (which must score every candidate) on a first stage's ``qid, docno, score`` and ranks by
+    ``alpha * z(reranker's score) + (1 - alpha) * z(incoming score)`` (z within each query).
 
-    Input: a result frame with ``qid, docno, score`` (the first stage's score) and whatever ``reranker`` needs.
-    Output: the reranker's rows and columns with ``first_score`` (the incoming score), ``reranker_score`` (the
-    reranker's), ``score`` (the interpolation) and ``rank`` (from 0), each query's best first (ties keep the
-    reranker's order). The reranker must return every candidate it was given (a re-ranker, not a retriever).
-
-    Args:
-        reranker: a PyTerrier transformer that re-scores the candidates (e.g. a CrossEncoder or
-            :class:`~pyterrier_prob.varce.VarCrossEncoderReranker`).
-        alpha: the re-ranker's weight in [0, 1] (1: the re-ranker alone; 0: the first stage's order).
+    Output: the reranker's rows with ``first_score``, ``reranker_score``, ``score`` (the interpolation) and ``rank``
+    (from 0), each query's best first (ties keep the reranker's order).
     """
 
     def __init__(self, reranker: pt.Transformer, alpha: float) -> None:
         if not isinstance(reranker, pt.Transformer):
             raise TypeError(f"reranker must be a pyterrier Transformer, got {type(reranker).__name__}")
         self.reranker = reranker
-        self.alpha = _check_alpha(alpha)
+        self.alpha = probability("alpha", alpha)
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         missing = [c for c in ("qid", "docno", "score") if c not in inp.columns]
@@ -106,8 +84,9 @@ class ScoreInterpolation(pt.Transformer):
                 "ScoreInterpolation needs a re-ranker that scores every candidate"
             )
         out = out.rename(columns={"score": "reranker_score"})
-        fused = interpolate(out["qid"], out["first_score"], out["reranker_score"], self.alpha)
-        return _ranked(out, fused)
+        out = out.assign(score=interpolate(out["qid"], out["first_score"], out["reranker_score"], self.alpha))
+        out = out.sort_values(["qid", "score"], ascending=[True, False], kind="stable").reset_index(drop=True)
+        return out.assign(rank=out.groupby("qid").cumcount())
 
     def __repr__(self) -> str:
         return f"ScoreInterpolation({self.reranker!r}, alpha={self.alpha:g})"
@@ -124,6 +103,6 @@ def choose_alpha(
     smaller alpha) and every value tried."""
     if not alphas:
         raise ValueError("alphas is empty")
-    values = {_check_alpha(a): float(evaluate(float(a))) for a in alphas}
+    values = {probability("alpha", a): float(evaluate(float(a))) for a in alphas}
     best = max(values, key=lambda a: (values[a], -a))
     return best, values

@@ -1,9 +1,6 @@
-"""Plots of the pEBR dynamic-retrieval study (Sec. 4.4.2): Figure 2 histogram and Table 3 curves; and the PIT /
-reliability plot of per-query cosine laws before and after calibration (issue #13).
-
-Figures are drawn on a bare :class:`matplotlib.figure.Figure` (Agg canvas, no pyplot state, no display
-needed) and written by the one atomic writer, :func:`pyterrier_prob.atomic.save_figure` (0644).
-"""
+"""Plots of the pEBR study (Sec. 4.4.2: Figure 2, Table 3), of PIT / reliability before and after calibration (issue
+#13) and of truncation curves; drawn on a bare :class:`matplotlib.figure.Figure`, written by
+:func:`pyterrier_prob.atomic.save_figure`."""
 
 from __future__ import annotations
 
@@ -16,6 +13,7 @@ from matplotlib.figure import Figure
 
 from pyterrier_prob.atomic import save_figure
 from pyterrier_prob.evaluation import StrataLike, _strata_series, _stratum_order, retrieved_counts
+from pyterrier_prob.validation import choice
 
 _COLOURS = {"head": "tab:red", "torso": "tab:orange", "tail": "tab:blue", "all": "tab:gray"}
 
@@ -30,49 +28,29 @@ def retrieved_count_histogram(
     layout: str = "panels",
     dpi: int = 120,
 ) -> str:
-    """Histogram of the number of documents retrieved per query, per head/torso/tail stratum -- pEBR Figure 2.
+    """Histogram of the documents retrieved per query, per head/torso/tail stratum -- pEBR Figure 2 (Sec. 4.4.2).
 
-    The paper cuts off at CDF value 0.985 and finds head queries spread over [500, 1500] while torso and tail
-    queries pile up at small counts (Sec. 4.4.2). Every stratified query is counted, 0 for a query with no
-    rows; all panels share the same bin edges.
-
-    Args:
-        counts_by_qid: qid-indexed counts, a ``{qid: count}`` mapping, or a result frame (counted per ``qid``).
-        strata: from :func:`pyterrier_prob.evaluation.assign_strata` (or a qid -> stratum Series/mapping).
-        path: PNG file to write.
-        title: figure title.
-        bins: number of bins or explicit edges.
-        layout: ``"panels"`` (one panel per stratum, shared axes) or ``"overlay"`` (step histograms on one axes).
-        dpi: resolution.
-
-    Returns:
-        ``path`` as a string.
-    """
-    if layout not in ("panels", "overlay"):
-        raise ValueError(f"layout must be 'panels' or 'overlay', got {layout!r}")
+    ``counts_by_qid``: qid-indexed counts, a mapping or a result frame; every query of ``strata`` counts (0 without
+    rows); shared bin edges. ``layout``: ``"panels"`` (one per stratum) or ``"overlay"``. Returns ``path``."""
+    choice("layout", layout, ("panels", "overlay"))
     s = _strata_series(strata)
     counts = retrieved_counts(counts_by_qid, s.index)
     order = _stratum_order(s.to_numpy())
     edges = np.histogram_bin_edges(counts.to_numpy(dtype=float), bins=bins)
-    if layout == "panels":
-        fig = Figure(figsize=(4.0 * len(order), 3.6), layout="constrained")
+    panels = layout == "panels"
+    fig = Figure(figsize=(4.0 * len(order), 3.6) if panels else (6.4, 4.2), layout="constrained")
+    if panels:
         axes = fig.subplots(1, len(order), sharex=True, sharey=True, squeeze=False)[0]
     else:
-        fig = Figure(figsize=(6.4, 4.2), layout="constrained")
-        ax = fig.subplots()
-        axes = [ax] * len(order)
+        axes = [fig.subplots()] * len(order)
     for ax, stratum in zip(axes, order):
         c = counts[s == stratum].to_numpy()
         label = f"{stratum} (n={len(c)}, mean={c.mean():.1f})"
-        colour = _COLOURS.get(str(stratum))
-        if layout == "panels":
-            ax.hist(c, bins=edges, color=colour, alpha=0.85)
-            ax.set_title(label)
-        else:
-            ax.hist(c, bins=edges, histtype="step", linewidth=1.8, color=colour, label=label)
-        ax.set_xlabel("retrieved documents per query")
-    axes[0].set_ylabel("number of queries")
-    if layout == "overlay":
+        style = {"alpha": 0.85} if panels else {"histtype": "step", "linewidth": 1.8, "label": label}
+        ax.hist(c, bins=edges, color=_COLOURS.get(str(stratum)), **style)
+        ax.set(xlabel="retrieved documents per query", title=label if panels else "")
+    axes[0].set(ylabel="number of queries")
+    if not panels:
         axes[0].legend()
     fig.suptitle(title)
     return save_figure(fig, path, dpi)
@@ -94,18 +72,11 @@ def table3_plot(
     fig = Figure(figsize=(6.4, 4.2), layout="constrained")
     ax = fig.subplots()
     for stratum, row in grid.iterrows():
-        ax.plot(
-            ps[order],
-            row.to_numpy(dtype=float)[order],
-            marker="o",
-            label=str(stratum),
-            color=_COLOURS.get(str(stratum)),
-        )
+        label = str(stratum)
+        ax.plot(ps[order], row.to_numpy(dtype=float)[order], marker="o", label=label, color=_COLOURS.get(label))
     if logy and (grid.to_numpy() > 0).all():
         ax.set_yscale("log")
-    ax.set_xlabel("cutoff CDF value p")
-    ax.set_ylabel("mean retrieved documents per query")
-    ax.set_title(title)
+    ax.set(xlabel="cutoff CDF value p", ylabel="mean retrieved documents per query", title=title)
     ax.legend()
     return save_figure(fig, path, dpi)
 
@@ -120,23 +91,9 @@ def pit_plot(
 ) -> str:
     """PIT histogram and reliability curve of per-query cosine laws, e.g. before and after calibration (issue #13).
 
-    For a law F_q that describes the cosines of q's relevant documents, the PIT values F_q(cos(q, d+)) are uniform
-    on [0, 1] (:func:`pyterrier_prob.pebr.calibration.pit_values`). Left: histogram of the PIT values (density; the
-    dotted line 1 is uniform). Right: reliability curve, the share of PIT values <= u against u (the empirical CDF;
-    the diagonal is calibrated): above the diagonal, relevant documents lie lower than the law says, so the pEBR
-    cutoff ``F_q^{-1}(1 - p)`` keeps fewer than a share p of them. Each legend entry gives n, the Kolmogorov-Smirnov
-    distance D to the uniform law and the share of values below 0.01.
-
-    Args:
-        pits: label -> PIT values, e.g. ``{"before (model law)": pit0, "after (calibrated)": pit1}``.
-        path: PNG file to write.
-        title: figure title.
-        bins: histogram bins on [0, 1].
-        dpi: resolution.
-
-    Returns:
-        ``path`` as a string.
-    """
+    ``pits``: label -> PIT values (:func:`pyterrier_prob.pebr.calibration.pit_values`). Left: their density (dotted:
+    uniform); right: their empirical CDF (diagonal: calibrated; above it the pEBR cutoff keeps fewer than a share p).
+    The legend gives n, the KS distance D and the share below 0.01. Returns ``path``."""
     if not isinstance(pits, Mapping) or not pits:
         raise ValueError("pits must be a non-empty mapping label -> PIT values")
     clean = {}
@@ -158,16 +115,11 @@ def pit_plot(
         ax_hist.hist(u, bins=edges, density=True, histtype="step", linewidth=1.8, color=colour, label=legend)
         ax_rel.plot(grid, np.searchsorted(u, grid, side="right") / n, color=colour, linewidth=1.8, label=legend)
     ax_hist.axhline(1.0, color="black", linestyle=":", linewidth=1.0)
-    ax_hist.set_xlim(0.0, 1.0)
-    ax_hist.set_xlabel("PIT value F_q(cos(q, d+))")
-    ax_hist.set_ylabel("density")
+    ax_hist.set(xlim=(0, 1), xlabel="PIT value F_q(cos(q, d+))", ylabel="density")
     ax_hist.set_title("PIT histogram (uniform = calibrated)")
     ax_rel.plot([0.0, 1.0], [0.0, 1.0], color="black", linestyle="--", linewidth=1.0, label="calibrated")
-    ax_rel.set_xlim(0.0, 1.0)
-    ax_rel.set_ylim(0.0, 1.0)
-    ax_rel.set_xlabel("nominal level u")
+    ax_rel.set(xlim=(0, 1), ylim=(0, 1), xlabel="nominal level u", title="reliability curve")
     ax_rel.set_ylabel("share of relevant pairs with PIT <= u")
-    ax_rel.set_title("reliability curve")
     ax_rel.legend(fontsize="small", loc="lower right")
     fig.suptitle(title)
     return save_figure(fig, path, dpi)
@@ -188,9 +140,7 @@ def truncation_curves_plot(
         for rule, frame in curves.items():
             f = frame[frame["mean_depth"] > 0]
             ax.plot(f["mean_depth"], f[col], marker="o", markersize=3, label=rule)
-        ax.set_xscale("log")
-        ax.set_xlabel("mean documents kept per query")
-        ax.set_ylabel(label)
+        ax.set(xscale="log", xlabel="mean documents kept per query", ylabel=label)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(title)
@@ -209,10 +159,7 @@ def reliability_plot(calibration: Mapping[str, Mapping], path: str | os.PathLike
     for name, entry in calibration.items():
         curve = entry["reliability"]
         ax.plot(curve["mean_prob"], curve["frac_relevant"], marker="o", ms=3, label=f"{name} (ECE {entry['ece']:.3f})")
-    ax.set_xlabel("predicted P(relevant)")
-    ax.set_ylabel("fraction judged relevant")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
+    ax.set(xlabel="predicted P(relevant)", ylabel="fraction judged relevant", xlim=(0, 1), ylim=(0, 1))
     ax.legend(fontsize=8)
     fig.tight_layout()
     if path is not None:

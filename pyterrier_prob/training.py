@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import os
 import re
 import tempfile
@@ -16,15 +15,25 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+from sentence_transformers import (
+    CrossEncoder,
+    SentenceTransformer,
+    SentenceTransformerTrainer,
+    SentenceTransformerTrainingArguments,
+)
+from sentence_transformers.cross_encoder import CrossEncoderTrainer, CrossEncoderTrainingArguments
 from torch import nn
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from pyterrier_prob.console import library_bars
+from st_extensions.checks import choice, finite_float, non_negative_int, positive_int
+from st_extensions.cross_encoder.frozen import cached_cross_encoder
 from st_extensions.cross_encoder.split import SplitTransformer, split_state_cache
-from st_extensions.frozen import CachedEmbeddings
+from st_extensions.frozen import CachedEmbeddings, cached_model
+from st_extensions.partial import partial_model
+from st_extensions.sampler import QueryBalancedBatchSampler
 
 __all__ = ["COMPLETE", "MODES", "Recipe", "complete_checkpoints", "fine_tune", "head_learning_rates", "text_columns"]
 
@@ -103,78 +112,97 @@ def _loss_on(loss: nn.Module, model: nn.Module, stand_in: nn.Module):
 
 
 MODES = ("frozen", "partial", "full")
+"""The fine-tuning recipes (:attr:`Recipe.mode`), the one list of them."""
 
 #: name of the file a checkpoint folder gets once every part of it is written (the marker of a complete checkpoint)
 COMPLETE = "checkpoint_complete.json"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
 
 
 @dataclass
 class Recipe:
     """Everything that decides how a model is fine-tuned, in one object (written beside every trained model).
 
-    Attributes:
-        mode: ``"frozen"``: only the modules a method adds train, on the encoder's pooled outputs computed once
-            (:mod:`st_extensions.frozen`); ``"partial"``: the top ``train_layers`` transformer layers, the pooling and
-            the added modules train on the lower layers' hidden states computed once and cached as fp16 memmaps
-            (:mod:`st_extensions.partial`); ``"full"``: every parameter trains (the GPU path).
-        steps: optimiser steps.
-        batch_size: training rows per step and device (the global batch is ``batch_size`` times the world size).
-        learning_rate: the encoder's rate (partial, full).
-        module_learning_rates: module class name -> rate, overriding the rate a module's builder declared
-            (e.g. ``{"LinearAdapter": 0.0}`` keeps the adapter as built).
-        head_learning_rate: one rate for every added module instead of their declared ones (None: declared).
-        learning_rate_mapping: regex on parameter names -> rate; overrides all of the above.
-        warmup_ratio: linear warm-up over this share of the steps.
-        seed: seed of the trainer, the batch sampler and the model's initialisation by the experiments.
-        train_layers: partial only: how many of the top transformer layers train (1 .. the model's layer count).
-        checkpoint_every: write a checkpoint every this many steps (0: none); needs an output folder.
-        checkpoint_limit: keep at most this many checkpoints (the newest).
-        gather_across_devices: the in-batch losses gather the candidates of every device (DDP), so each anchor sees
-            the negatives of the global batch (see the losses' ``gather_across_devices``).
+    Each field's ``help`` (its metadata) says what it does; the command line's options are made from them
+    (:func:`pyterrier_prob.experiments.harness.add_options`). The global batch is ``batch_size`` times
+    the world size; ``learning_rate_mapping`` (regex on parameter names -> rate) overrides every other rate.
     """
 
-    mode: str = "frozen"
-    steps: int = 1000
-    batch_size: int = 64
-    learning_rate: float = 5e-5
-    module_learning_rates: dict[str, float] = field(default_factory=dict)
-    head_learning_rate: float | None = None
-    learning_rate_mapping: dict[str, float] = field(default_factory=dict)
-    warmup_ratio: float = 0.1
-    seed: int = 0
-    train_layers: int | None = None
-    checkpoint_every: int = 0
-    checkpoint_limit: int = 2
-    gather_across_devices: bool = False
+    mode: str = field(
+        default="frozen",
+        metadata=_help(
+            "frozen: train only the modules a method adds, on the encoder's pooled outputs computed once "
+            "(fast, CPU); partial: also the top train_layers transformer layers, on the lower layers' hidden "
+            "states cached once (fp16 memmaps); full: fine-tune every parameter (GPU)"
+        ),
+    )
+    steps: int = field(default=1000, metadata=_help("optimiser steps per model"))
+    batch_size: int = field(default=64, metadata=_help("training rows per step and device (>= 2)"))
+    learning_rate: float = field(default=5e-5, metadata=_help("learning rate of the encoder (partial, full)"))
+    module_learning_rates: dict[str, float] = field(
+        default_factory=dict,
+        metadata=_help("module class name -> rate, overriding the rate its builder declared (0: kept as built)"),
+    )
+    head_learning_rate: float | None = field(
+        default=None, metadata=_help("one rate for every added module instead of their declared ones")
+    )
+    learning_rate_mapping: dict[str, float] = field(default_factory=dict, metadata=_help("regex -> rate"))
+    warmup_ratio: float = field(default=0.1, metadata=_help("linear warm-up over this share of the steps"))
+    seed: int = field(
+        default=0, metadata=_help("seed of the trainer, the batch sampler and the models' initialisation")
+    )
+    train_layers: int | None = field(
+        default=None, metadata=_help("partial only: how many of the top transformer layers train")
+    )
+    checkpoint_every: int = field(
+        default=0, metadata=_help("write a checkpoint every this many steps (0: none; needs an output folder)")
+    )
+    checkpoint_limit: int = field(default=2, metadata=_help("checkpoints kept per model (the newest)"))
+    gather_across_devices: bool = field(
+        default=False,
+        metadata=_help("the in-batch losses gather the candidates of every device (DDP): global-batch negatives"),
+    )
 
     def __post_init__(self) -> None:
         self.check()
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first field out of range."""
-        if self.mode not in MODES:
-            raise ValueError(f"Recipe.mode must be one of {MODES}, got {self.mode!r}")
-        if not isinstance(self.steps, int) or self.steps <= 0:
-            raise ValueError(f"Recipe.steps must be an int > 0, got {self.steps!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 2:
-            raise ValueError(f"Recipe.batch_size must be an int >= 2, got {self.batch_size!r}")
-        for name in ("learning_rate", "warmup_ratio"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"Recipe.{name} must be a finite number >= 0, got {value!r}")
-        if not self.warmup_ratio < 1:
-            raise ValueError(f"Recipe.warmup_ratio must be below 1, got {self.warmup_ratio}")
-        if self.mode == "partial":
-            if not isinstance(self.train_layers, int) or self.train_layers < 1:
-                raise ValueError(
-                    f"Recipe.train_layers must be an int >= 1 under mode 'partial', got {self.train_layers!r}"
-                )
+        """Raise ``ValueError`` naming the first field out of range (the one validation of a recipe)."""
+        choice("Recipe.mode", self.mode, MODES)
+        positive_int("Recipe.steps", self.steps)
+        positive_int("Recipe.batch_size", self.batch_size, minimum=2)
+        finite_float("Recipe.learning_rate", self.learning_rate, low=0.0)
+        finite_float("Recipe.warmup_ratio", self.warmup_ratio, low=0.0, high=1.0, high_open=True)
+        if self.caches_states:
+            positive_int("Recipe.train_layers (mode 'partial')", self.train_layers)
         elif self.train_layers is not None:
             raise ValueError(f"Recipe.train_layers is for mode 'partial' only (mode {self.mode!r})")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"Recipe.checkpoint_every must be an int >= 0, got {self.checkpoint_every!r}")
-        if not isinstance(self.checkpoint_limit, int) or self.checkpoint_limit < 1:
-            raise ValueError(f"Recipe.checkpoint_limit must be an int >= 1, got {self.checkpoint_limit!r}")
+        non_negative_int("Recipe.checkpoint_every", self.checkpoint_every)
+        positive_int("Recipe.checkpoint_limit", self.checkpoint_limit)
+
+    @property
+    def caches_features(self) -> bool:
+        """Whether only the added modules train, on the encoder's outputs computed once (mode ``frozen``): the
+        encoder is never updated, so its outputs can be cached and shared by every system of a run."""
+        return self.mode == "frozen"
+
+    @property
+    def caches_states(self) -> bool:
+        """Whether the lower layers' hidden states are cached and the top ``train_layers`` train (mode ``partial``)."""
+        return self.mode == "partial"
+
+    @property
+    def trains_encoder(self) -> bool:
+        """Whether (some of) the encoder's own layers train (modes ``partial`` and ``full``)."""
+        return self.mode != "frozen"
+
+    @property
+    def label(self) -> str:
+        """A few words for progress lines: the mode, and the layers that train under ``partial``."""
+        return self.mode + (f", top {self.train_layers} layers" if self.caches_states else "")
 
     def describe(self) -> str:
         """One sentence saying what trains under this recipe, for reports (generated, never written by hand)."""
@@ -346,7 +374,10 @@ def fine_tune(
     keys with which the losses mask judged-relevant in-batch negatives).
 
     Modes: ``frozen`` trains only the added modules on the encoder's outputs of every training text computed once
-    (:func:`st_extensions.frozen.cached_model`; ``encoder_cache`` reuses and extends a cache of the same encoder);
+    (:func:`st_extensions.frozen.cached_model`; for a cross-encoder its head on the backbone's [CLS] features of every
+    training pair, :func:`st_extensions.cross_encoder.frozen.cached_cross_encoder`; ``encoder_cache`` reuses and
+    extends a cache of the same encoder, a :class:`~st_extensions.cross_encoder.frozen.CachedPairFeatures` for a
+    cross-encoder);
     ``partial`` trains the top ``recipe.train_layers`` layers, pooling and added modules on the lower layers'
     hidden states cached once in ``state_cache`` (a folder, reused across runs; default: under ``output_dir``, or
     a temporary folder; :func:`st_extensions.partial.partial_model`); ``full`` trains everything. In every mode the
@@ -370,10 +401,6 @@ def fine_tune(
     Returns:
         The logged training loss of every step (a resumed run: those its checkpoint recorded, then its own).
     """
-    from sentence_transformers import CrossEncoder
-
-    from st_extensions.sampler import QueryBalancedBatchSampler
-
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
     recipe.check()
@@ -384,14 +411,8 @@ def fine_tune(
     if recipe.gather_across_devices:
         _gather(loss)
     cross = isinstance(model, CrossEncoder)
-    trained: nn.Module = model
     if cross:
-        if recipe.mode == "frozen":
-            raise ValueError("mode 'frozen' is for SentenceTransformer models (the VarCE head: varce.frozen)")
-        from sentence_transformers.cross_encoder import CrossEncoderTrainer as Trainer
-        from sentence_transformers.cross_encoder import CrossEncoderTrainingArguments as Arguments
-
-        sampler = {}
+        Trainer, Arguments, sampler = CrossEncoderTrainer, CrossEncoderTrainingArguments, {}
     else:
         Trainer, Arguments = SentenceTransformerTrainer, SentenceTransformerTrainingArguments
         sampler = {"batch_sampler": QueryBalancedBatchSampler}
@@ -399,34 +420,10 @@ def fine_tune(
         train = train.select_columns(keep)
     # which checkpoint to resume from (or a refusal, for another recipe) before any cache is built
     checkpoint = _resume_point(output_dir, recipe) if resume else None
+    trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
     with tempfile.TemporaryDirectory() as tmp:
-        if recipe.mode == "frozen":
-            from st_extensions.frozen import cached_model
-
-            # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
-            encode_bar = show_progress and library_bars()
-            trained = cached_model(model, _texts_of(train), show_progress_bar=encode_bar, cache=encoder_cache)
-        elif recipe.mode == "partial" and isinstance(model[0], SplitTransformer):
-            # a split-attention cross-encoder: its lower layers read each text alone, so they are cached per text
-            # (not per pair) and the joint top layers and the head train on them
-            if recipe.train_layers != model[0].joint_layers:
-                raise ValueError(
-                    f"a SplitTransformer with {model[0].joint_layers} joint layers trains those under 'partial': "
-                    f"got train_layers={recipe.train_layers}"
-                )
-            trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
-            folder = state_cache or os.path.join(output_dir or tmp, "states")
-            texts = list(dict.fromkeys(t for pair in _pairs_of(train) for t in pair))
-            split_state_cache(model, folder, texts, show_progress_bar=show_progress)
-        elif recipe.mode == "partial":
-            from st_extensions.partial import partial_model
-
-            trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
-            folder = state_cache or os.path.join(output_dir or tmp, "states")
-            texts = _pairs_of(train) if cross else _texts_of(train)
-            trained = partial_model(
-                model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show_progress
-            )
+        folder = state_cache or os.path.join(output_dir or tmp, "states")
+        trained = _stand_in(model, train, recipe, cross, folder, encoder_cache, show_progress)
         run_dir = output_dir or os.path.join(tmp, "run")
         if output_dir and not resume:
             _clear_checkpoints(run_dir)
@@ -435,58 +432,106 @@ def fine_tune(
             recipe.save(os.path.join(run_dir, "recipe.json"))
         swap = _loss_on(loss, model, trained) if trained is not model else contextlib.nullcontext()
         with swap:
-            # names as the trainer sees them, through the (swapped) loss
-            mapping = head_learning_rates(model, loss, recipe.module_learning_rates, recipe.head_learning_rate)
-            mapping.update(recipe.learning_rate_mapping)
-            saving = (
-                {
-                    "save_strategy": "steps",
-                    "save_steps": recipe.checkpoint_every,
-                    "save_total_limit": recipe.checkpoint_limit,
-                }
-                if recipe.checkpoint_every
-                else {"save_strategy": "no"}
-            )
-            args = Arguments(
-                output_dir=run_dir,
-                max_steps=recipe.steps,
-                per_device_train_batch_size=recipe.batch_size,
-                learning_rate=recipe.learning_rate,
-                learning_rate_mapping=mapping,
-                warmup_steps=recipe.warmup_ratio,  # a float below 1 is a ratio of the steps (transformers >= 5)
-                seed=recipe.seed,
-                report_to="none",
-                **saving,
-                logging_steps=1,
-                disable_tqdm=True,
-                **sampler,
-                dataloader_drop_last=True,
-                dataloader_pin_memory=torch.cuda.is_available(),
-                **_ddp_arguments(),
-            )
-            # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
-            shown = show_progress and library_bars()
-            quiet = contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO())
-            with quiet:
-                trainer = _trainer_class(Trainer)(model=trained, args=args, train_dataset=train, loss=loss)
-            trainer.real_model = model
-            for cb in (PrinterCallback, ProgressCallback):
-                trainer.remove_callback(cb)
+            trainer = _trainer(Trainer, Arguments, model, trained, loss, train, recipe, run_dir, sampler, show_progress)
             trainer.add_callback(_LossBar(show_progress, desc))
-            trainer.add_callback(_MarkComplete())
-            trainer.add_callback(_SamplerEpoch())
             for cb in callbacks:
                 trainer.add_callback(cb)
             try:
                 trainer.train(resume_from_checkpoint=checkpoint)
             finally:
-                if recipe.mode == "partial":  # the lower layers were frozen for the run only
+                if recipe.caches_states:  # the lower layers were frozen for the run only
                     for p in model.parameters():
                         p.requires_grad_(trainable.get(id(p), p.requires_grad))
                     if isinstance(model[0], SplitTransformer) and not (state_cache or output_dir):
                         model[0].state_cache = None  # its folder is the temporary one, removed below
     model.eval()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _stand_in(
+    model: nn.Module,
+    train: Dataset,
+    recipe: Recipe,
+    cross: bool,
+    folder: str,
+    encoder_cache: Any,
+    show_progress: bool,
+) -> nn.Module:
+    """What the trainer trains under ``recipe``: ``model`` itself (full), or a stand-in on inputs computed once --
+    the encoder's outputs (frozen), the lower layers' states cached in ``folder`` (partial)."""
+    if recipe.mode == "frozen":
+        # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
+        bar = show_progress and library_bars()
+        if cross:  # the head on the backbone's [CLS] features of every training pair, computed once
+            return cached_cross_encoder(model, _pairs_of(train), cache=encoder_cache, show_progress_bar=bar)
+        return cached_model(model, _texts_of(train), show_progress_bar=bar, cache=encoder_cache)
+    if recipe.mode == "partial" and isinstance(model[0], SplitTransformer):
+        # a split-attention cross-encoder: its lower layers read each text alone, so they are cached per text
+        # (not per pair) and the joint top layers and the head train on them
+        if recipe.train_layers != model[0].joint_layers:
+            raise ValueError(
+                f"a SplitTransformer with {model[0].joint_layers} joint layers trains those under 'partial': "
+                f"got train_layers={recipe.train_layers}"
+            )
+        texts = list(dict.fromkeys(t for pair in _pairs_of(train) for t in pair))
+        split_state_cache(model, folder, texts, show_progress_bar=show_progress)
+        return model
+    if recipe.mode == "partial":
+        texts = _pairs_of(train) if cross else _texts_of(train)
+        return partial_model(model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show_progress)
+    return model
+
+
+def _trainer(
+    trainer_class: type,
+    arguments_class: type,
+    model: nn.Module,
+    trained: nn.Module,
+    loss: nn.Module,
+    train: Dataset,
+    recipe: Recipe,
+    run_dir: str,
+    sampler: Mapping[str, Any],
+    show_progress: bool,
+) -> Any:
+    """The trainer of :func:`fine_tune`: ``trained`` (the model or its stand-in on cached inputs) under ``recipe``
+    (learning rates through :func:`head_learning_rates`, checkpoints, seed), saving ``model`` itself in its
+    checkpoints; our callbacks (complete-checkpoint marker, sampler epoch) instead of transformers' printers."""
+    # names as the trainer sees them, through the (swapped) loss
+    mapping = head_learning_rates(model, loss, recipe.module_learning_rates, recipe.head_learning_rate)
+    mapping.update(recipe.learning_rate_mapping)
+    saving = (
+        {"save_strategy": "steps", "save_steps": recipe.checkpoint_every, "save_total_limit": recipe.checkpoint_limit}
+        if recipe.checkpoint_every
+        else {"save_strategy": "no"}
+    )
+    args = arguments_class(
+        output_dir=run_dir,
+        max_steps=recipe.steps,
+        per_device_train_batch_size=recipe.batch_size,
+        learning_rate=recipe.learning_rate,
+        learning_rate_mapping=mapping,
+        warmup_steps=recipe.warmup_ratio,  # a float below 1 is a ratio of the steps (transformers >= 5)
+        seed=recipe.seed,
+        report_to="none",
+        **saving,
+        logging_steps=1,
+        disable_tqdm=True,
+        **sampler,
+        dataloader_drop_last=True,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        **_ddp_arguments(),
+    )
+    # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
+    shown = show_progress and library_bars()
+    with contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO()):
+        trainer = _trainer_class(trainer_class)(model=trained, args=args, train_dataset=train, loss=loss)
+    trainer.real_model = model
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    trainer.add_callback(_MarkComplete())
+    trainer.add_callback(_SamplerEpoch())
+    return trainer
 
 
 def _ddp_arguments() -> dict[str, Any]:

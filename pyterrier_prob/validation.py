@@ -1,14 +1,14 @@
-"""Input checks shared by the indexers, encoders, retrievers and re-rankers.
+"""Input checks shared by the indexers, encoders, retrievers and re-rankers: the one place to import checks from.
 
-A bad input ends in one clear error naming the column and the row (with its qid / docno) instead of a deep numpy /
-sentence-transformers error or a silently wrong result: missing (None / NaN) ids and texts, vectors stored as text
-(after a CSV round trip), misshapen or non-finite vectors, rows of one qid carrying different query vectors. Fast
-paths are vectorised; the per-row diagnosis runs only once a check has failed.
-"""
+A bad input ends in one clear error naming the column and the row (qid / docno): missing ids and texts, vectors stored
+as text, misshapen or non-finite vectors, one qid with different query vectors. Fast paths are vectorised; the per-row
+diagnosis runs only after a failure. Argument checks are re-exported from :mod:`st_extensions.checks`."""
 
 from __future__ import annotations
 
 import operator
+import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -16,7 +16,26 @@ import numpy as np
 import pandas as pd
 from pandas.api.types import infer_dtype
 
+from st_extensions.checks import (  # noqa: F401 -- re-exported: pyterrier_prob imports every check from here
+    choice,
+    finite_float,
+    is_int,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
+
 _KEY_COLUMNS = ("qid", "docno")
+
+
+def require_columns(frame: Any, columns: Iterable[str], what: str, hint: str = "") -> None:
+    """``frame`` is a DataFrame with ``columns``; else a TypeError / ValueError naming ``what`` and the missing ones."""
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{what} must be a pandas DataFrame, got {type(frame).__name__}")
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{what} lacks column(s) {missing}; it has {list(frame.columns)}{hint}")
 
 
 def row_namer(frame: pd.DataFrame, keys: tuple[str, ...] = _KEY_COLUMNS) -> Callable[[int], str]:
@@ -83,18 +102,9 @@ def stack_arrays(
     shape: tuple[int, ...] | None = None,
     kind: str = "shapes",
 ) -> np.ndarray:
-    """Stack one array per row into float32 ``(n, *shape)``; a ValueError naming the column and row of a missing,
-    textual (e.g. after a CSV round trip), non-numeric, misshapen or non-finite value.
-
-    Args:
-        values: the per-row values (a list, or an object array).
-        column: the column (or record field) they come from.
-        name: ``i -> description of row i`` (:func:`row_namer`).
-        owner: who checks (named first in the message).
-        ndim: dimensions of each row's array (1: vectors, 2: component matrices).
-        shape: each row's shape when known from earlier rows (else: that of the first row).
-        kind: what differs when shapes do, for the message ("inconsistent vector dimensions").
-    """
+    """Stack one array per row into float32 ``(n, *shape)``; a ValueError naming ``column`` and the row (``name(i)``) of
+    a missing, textual, non-numeric, misshapen or non-finite value. ``ndim``: of each row's array; ``shape``: known from
+    earlier rows (else the first row's); ``kind``: what differs when shapes do, for the message."""
     n = len(values)
     if not n:
         return np.zeros((0, *(shape or (0,) * ndim)), np.float32)
@@ -195,15 +205,7 @@ def check_same_per_query(
     rows: np.ndarray | None = None,
 ) -> None:
     """Every row of a qid carries its query's value of ``column``; a ValueError naming the qid, rows and column.
-
-    Args:
-        frame: the input frame (for the qid in the message).
-        codes, first: from :func:`first_rows`.
-        column: the column compared.
-        values: the values of ``rows`` (all rows by default), one per row, stacked.
-        reference: each query's value (that of its first row), stacked; compared exactly (nan equals nan).
-        rows: the rows ``values`` belong to.
-    """
+    ``values`` are those of ``rows`` (default all), ``reference`` each query's first-row value (nan equals nan)."""
     rows = np.arange(len(codes)) if rows is None else rows
     if not rows.size:
         return
@@ -235,12 +237,8 @@ def check_rows_match_query(
     owner: str,
     ndim: int = 1,
 ) -> None:
-    """Every row of a qid carries the same array in ``column`` as the qid's first row (``reference``: the first
-    rows' arrays, stacked, one per query); a ValueError naming the qid, the two rows and the column otherwise.
-
-    Rows holding the very object of their query's first row (as the encoders write them) are not compared; the
-    others are stacked in chunks, so that memory stays bounded on large candidate frames.
-    """
+    """Every row of a qid carries the same array in ``column`` as its first row (``reference``, one per query); rows
+    holding the very same object are skipped, the rest compared in chunks (bounded memory)."""
     rest = np.flatnonzero(first[codes] != np.arange(len(codes)))
     if not rest.size:
         return
@@ -262,26 +260,23 @@ def check_rows_match_query(
         check_same_per_query(frame, codes, first, column, vals, reference, owner, rows=rows)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# warnings about results
-# ---------------------------------------------------------------------------------------------------------------
+# --- results ----------------------------------------------------------------------------------------------------
+
+
+def empty_results(frame: pd.DataFrame, **columns: Any) -> pd.DataFrame:
+    """``frame`` (no rows) with a first stage's result columns ``docno, docid, score, rank``, typed, plus ``columns``
+    (name -> dtype): what a retriever returns for an empty query frame."""
+    typed = {"docno": object, "docid": np.int64, "score": np.float32, "rank": np.int64, **columns}
+    return frame.assign(**{c: pd.Series(dtype=d) for c, d in typed.items()})
 
 
 class EmptyRetrievalWarning(UserWarning):
-    """A first-stage retrieval that returned no document for most of its queries (e.g. an uncalibrated CDF level).
-
-    Silence it with ``warnings.simplefilter("ignore", EmptyRetrievalWarning)``; :func:`~pyterrier_prob.evaluation.
-    calibrate_mean_k` does so while it searches for a level (its brackets retrieve nothing by design).
-    """
+    """A first-stage retrieval that returned no document for most of its queries (e.g. an uncalibrated CDF level);
+    :func:`~pyterrier_prob.evaluation.calibrate_mean_k` silences it while it searches."""
 
 
 def user_stacklevel(packages: Sequence[str] = ("pyterrier_prob", "pyterrier")) -> int:
-    """The ``stacklevel`` that makes a ``warnings.warn`` in the calling function point at the first frame outside
-    ``packages`` (the user's code), however deep the pipeline that reached it (``retriever(frame)``,
-    ``pipeline(frame)``, ``pt.Experiment``)."""
-    import os
-    import sys
-
+    """The ``stacklevel`` pointing a warning at the first frame outside ``packages`` (the user's code)."""
     dirs = tuple(
         os.path.dirname(os.path.abspath(m.__file__)) + os.sep
         for name in packages

@@ -9,6 +9,7 @@ from st_extensions.distributions import BetaCosine, ExpCosine
 from st_extensions.loading import load_model
 from st_extensions.modules import MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.mol import build_mol_model, encode_components, find_mol
+from st_extensions.partial import LayerStateCache, PartialTransformer, partial_model
 from st_extensions.pebr import build_pebr_model, encode_queries, query_distribution
 from st_extensions.unierf import (
     branch_text,
@@ -22,8 +23,10 @@ from st_extensions.unierf import (
 __all__ = [
     "BetaCosine",
     "ExpCosine",
+    "LayerStateCache",
     "MixtureOfLogits",
     "MultiBranchQueryEncoder",
+    "PartialTransformer",
     "QueryDistributionHead",
     "VarCrossEncoder",
     "branch_text",
@@ -39,10 +42,7 @@ __all__ = [
     "find_branches",
     "find_mol",
     "load_model",
+    "partial_model",
     "query_distribution",
     "unierf_columns",
 ]
-
-from st_extensions.partial import LayerStateCache, PartialTransformer, partial_model  # noqa: E402
-
-__all__ += ["LayerStateCache", "PartialTransformer", "partial_model"]

@@ -1,4 +1,4 @@
-"""The one atomic file writer of :mod:`st_extensions` (which knows nothing of PyTerrier, so it cannot use
+"""The atomic file writer and the file lock of :mod:`st_extensions` (which knows nothing of PyTerrier, so it cannot use
 :mod:`pyterrier_prob.atomic`): caches and their indexes are replaced whole or not at all."""
 
 from __future__ import annotations
@@ -6,10 +6,15 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO
 
-__all__ = ["atomic_write"]
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
+
+__all__ = ["atomic_write", "locked"]
 
 
 def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
@@ -28,3 +33,23 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def locked(path: str, *, shared: bool = False) -> Iterator[None]:
+    """A POSIX flock on the file ``path`` for the block: exclusive (the file is created if missing), or shared, for a
+    reader, which takes no lock where it cannot open the file (a read-only folder: nobody writes there). A no-op
+    where flock is missing."""
+    try:
+        fd = os.open(path, os.O_RDONLY) if shared else os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        if not shared:
+            raise
+        fd = None
+    try:
+        if fd is not None and fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock

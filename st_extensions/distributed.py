@@ -1,25 +1,9 @@
 """In-batch losses across devices (DDP): the global batch one rank's loss sees, and the collectives it needs.
 
-Under DDP (the sentence-transformers trainer under accelerate / torchrun) every rank computes the loss of its own
-rows and the gradients are averaged over the ranks, so the objective is ``mean_r loss_r``. A loss with
-``gather_across_devices=True`` makes that mean equal to the loss a single process would compute on the global batch
-(rank 0's rows, then rank 1's, ...), as sentence-transformers' ``MultipleNegativesRankingLoss(...,
-gather_across_devices=True)`` does:
-
-* the anchors stay local; the candidates (every positive, then every hard-negative column) are all-gathered with
-  gradients (:meth:`GlobalBatch.candidates`), column by column, so they are in the single process's order;
-* anchor ``i`` of rank ``r`` is row ``r * B + i`` of the global batch: its target (:meth:`GlobalBatch.targets`) and
-  the diagonal its judged-negative mask must spare (:attr:`GlobalBatch.offset`);
-* the ``label`` keys are gathered without gradient (:meth:`GlobalBatch.labels`), so the masks are built over the
-  global batch;
-* a mean over anchors is the local mean (every rank has B rows); a mean over a masked set of pairs, whose size
-  differs between ranks, is ``world_size * local sum / global count`` (:meth:`GlobalBatch.mean`); a non-linear
-  function of a global mean takes the mean from a differentiable all-reduce (:func:`all_reduce_sum`).
-
-Gradients flow through ``torch.distributed.nn`` collectives (the backward of an all-gather sums every rank's
-gradient of its slice), so after DDP's averaging the gradient is the single process's. Without an initialised
-``torch.distributed``, or with one process, nothing is gathered and the losses compute exactly what they do with
-``gather_across_devices=False``.
+With ``gather_across_devices=True`` the mean of the ranks' losses is the one-process loss on the global batch, as
+``MultipleNegativesRankingLoss(..., gather_across_devices=True)``: candidates all-gathered with gradients
+(:meth:`GlobalBatch.candidates`), targets and masks offset by the rank, masked means over the global count
+(:meth:`GlobalBatch.mean`). Without an initialised ``torch.distributed`` nothing is gathered (``docs/recipes.md``).
 """
 
 from __future__ import annotations
@@ -85,13 +69,8 @@ def _autograd_collectives() -> Iterator[None]:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient.
-
-    The backward of ``torch.distributed.nn.all_gather`` on gloo receives each slice's gradient into
-    ``torch.empty_like(grad)``, which keeps a permuted layout (e.g. the gradient of an ``einsum`` operand), and the
-    scatter then fills it as if it were contiguous: the gradients come back scrambled (the loss is right, the
-    gradients of a 3-d candidate tensor are not; gloo's scatter ignores strides, pytorch/pytorch#24836, #192920).
-    Making them contiguous first avoids it (and NCCL refuses non-contiguous tensors).
+    """Identity whose backward hands on a contiguous gradient: gloo's all_gather backward scatters a permuted-layout
+    gradient as if contiguous, scrambling it (pytorch/pytorch#24836, #192920); NCCL refuses it.
     """
 
     @staticmethod
@@ -143,12 +122,8 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class GlobalBatch:
-    """One rank's view of the global batch of an in-batch loss (see the module docstring).
-
-    Attributes:
-        size: B, this rank's rows (every rank has as many: the all-gather needs it).
-        world_size: the number of ranks whose rows form the global batch (1: no gathering).
-        rank: this rank; its rows are rows ``rank * B .. rank * B + B - 1`` of the global batch.
+    """One rank's view of the global batch: ``size`` B rows per rank, ``world_size`` ranks (1: no gathering), ``rank``,
+    whose rows are ``rank * B .. rank * B + B - 1`` of the global batch.
     """
 
     size: int
@@ -164,11 +139,6 @@ class GlobalBatch:
     def offset(self) -> int:
         """The global row of this rank's first anchor."""
         return self.rank * self.size
-
-    @property
-    def global_size(self) -> int:
-        """The rows of the global batch."""
-        return self.world_size * self.size
 
     def targets(self, device: torch.device | str | None = None) -> Tensor:
         """The column of each local anchor's positive among the gathered candidates: ``offset + arange(B)``."""

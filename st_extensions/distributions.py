@@ -1,40 +1,23 @@
 """Per-query laws of the query/relevant-item cosine similarity and the cutoffs they give (pEBR).
 
-pEBR (``shared/papers/pebr.md``) gives every query q a law for the cosine similarity x in [-1, 1] between
-q and its relevant items, and retrieves for q the items whose cosine is above a threshold read off the
-law's CDF F_q (Sec. 3.2.1, Sec. 3.2.2, Sec. 4.4.2, Appendix A):
-
-* :class:`ExpCosine`, the truncated exponential law of ExpNCE, density proportional to ``exp(x / tau)``
-  (Sec. 3.2.1);
-* :class:`BetaCosine`, the Beta law of BetaNCE moved to [-1, 1], density proportional to
-  ``((1 + x) / 2) ** (alpha - 1) * ((1 - x) / 2) ** (beta - 1)`` (Sec. 3.2.2; after BetaNCE training
-  alpha = 1 / tau_q and beta = 1, Eq. 3).
-
-Each comes in two geometries. With ``dim=None`` the density above is the law of x itself (Sec. 3.2). With
-``dim=n`` (the embedding dimension) it is the density h of a q-isotropic law on the unit sphere of R^n with
-respect to the cosine, and the law of x carries the surface factor of the sphere (Appendix A, Eq. 4):
-
-    P(x < t) = int_{-1}^t h(x) (1 - x^2)^((n - 3) / 2) dx / int_{-1}^1 h(x) (1 - x^2)^((n - 3) / 2) dx.
-
-Parameters are a scalar (one law) or a 1-D array with one value per query (Q laws). The cutoff keeping the
-share p of a query's relevant-item law is ``t_q = F_q^{-1}(1 - p)`` (:meth:`cutoff`): the items with
-``cos(q, d) >= t_q`` are retrieved, and a larger p gives a lower threshold and retrieves more items (Table 3:
-p = 0.99 retrieves more than p = 0.4).
-
-Everything is numpy/scipy, vectorised over queries, and exact up to floating point except the
-sphere-corrected exponential law, which is computed by a quadrature accurate to about 1e-14 (see
-:class:`ExpCosine`).
+pEBR (``shared/papers/pebr.md``) gives every query q a law of the cosine x in [-1, 1] to its relevant items and
+retrieves the items above ``t_q = F_q^{-1}(1 - p)`` (:meth:`~_CosineLaw.cutoff`, Sec. 3.2, 4.4.2):
+:class:`ExpCosine` (ExpNCE, density ~ ``exp(x / tau)``, Sec. 3.2.1) and :class:`BetaCosine` (BetaNCE, a Beta law
+moved to [-1, 1], Sec. 3.2.2). ``dim=None`` is the 1-D law; ``dim=n`` Appendix A's sphere-corrected law (Eq. 4).
+Parameters are a scalar or one per query; numpy/scipy, vectorised, exact up to floating point except the
+sphere-corrected exponential law (a quadrature, about 1e-14). The geometry and accuracy are in ``docs/pebr.md``.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from functools import cached_property
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from scipy import special
+
+from st_extensions.checks import positive_int
 
 __all__ = ["BetaCosine", "ExpCosine"]
 
@@ -43,9 +26,7 @@ FloatOrArray = float | NDArray[np.float64]
 _LOG2 = math.log(2.0)
 
 
-# --------------------------------------------------------------------------------------------------------
-# validation and broadcasting helpers
-# --------------------------------------------------------------------------------------------------------
+# ---- validation and broadcasting helpers ---------------------------------------------------------------
 
 
 def _as_param(value: ArrayLike, name: str) -> NDArray[np.float64]:
@@ -69,16 +50,6 @@ def _as_param(value: ArrayLike, name: str) -> NDArray[np.float64]:
     return arr
 
 
-def _check_dim(dim: object) -> int | None:
-    if dim is None:
-        return None
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-        raise ValueError(f"dim must be None or an integer >= 2 (the embedding dimension), got {dim!r}")
-    if int(dim) < 2:
-        raise ValueError(f"dim must be None or an integer >= 2 (the embedding dimension), got {dim!r}")
-    return int(dim)
-
-
 def _scalar_or_array(arr: NDArray[np.float64]) -> FloatOrArray:
     return float(arr) if arr.ndim == 0 else arr
 
@@ -96,7 +67,7 @@ class _CosineLaw:
     _dim: int | None
 
     def __init__(self, dim: int | None) -> None:
-        self._dim = _check_dim(dim)
+        self._dim = positive_int("dim", dim, allow_none=True, minimum=2)
 
     # ---- properties ---------------------------------------------------------------------------------------
     @property
@@ -126,11 +97,9 @@ class _CosineLaw:
 
     # ---- broadcasting -------------------------------------------------------------------------------------
     def _align(self, values: ArrayLike, name: str) -> tuple[NDArray[np.float64], tuple[int, ...]]:
-        """Validate ``values`` and return it with the shape the parameters must take to broadcast against it.
-
-        Scalar parameters broadcast like numpy. Per-query parameters of length Q accept a scalar (result of
-        shape (Q,)), an array of shape (Q,) (one value per query) or (Q, K, ...) (K values per query: the
-        leading axis indexes the queries); any other shape is a ValueError.
+        """``values`` validated, and the shape the parameters take to broadcast against it: scalar parameters as numpy;
+        Q per-query parameters accept a scalar, (Q,) or (Q, K, ...) (leading axis = queries), anything else a
+        ValueError.
         """
         try:
             v = np.asarray(values, dtype=np.float64)
@@ -172,33 +141,20 @@ class _CosineLaw:
         return _out(np.exp(self._logpdf(v, pshape)))
 
     def cdf(self, t: ArrayLike) -> FloatOrArray:
-        """F_q(t) = P(x <= t): the share of q's relevant items with cosine at most ``t``.
-
-        Sec. 3.2.1 / 3.2.2 (``dim=None``) or Eq. 4 (``dim=n``); 0 below -1 and 1 above 1.
-
-        ``t`` is a scalar, an array of shape (Q,) (one value per query) or (Q, K) (K values per query) for
-        per-query parameters, or any shape for scalar parameters.
-        """
+        """F_q(t) = P(x <= t) (Sec. 3.2.1 / 3.2.2; Eq. 4 with ``dim``): 0 below -1, 1 above 1; shapes: ``_align``."""
         v, pshape = self._finite(t, "t")
         return _out(np.clip(self._cdf(v, pshape), 0.0, 1.0))
 
     def ppf(self, q: ArrayLike) -> FloatOrArray:
-        """Quantile function F_q^{-1}(q) for ``q`` in [0, 1], with ppf(0) = -1 and ppf(1) = 1.
-
-        Shapes as in :meth:`cdf`.
-        """
+        """Quantile function F_q^{-1}(q) for ``q`` in [0, 1], ppf(0) = -1, ppf(1) = 1; shapes as in :meth:`cdf`."""
         v, pshape = self._probabilities(q)
         out = np.clip(self._ppf(v, pshape), -1.0, 1.0)
         out = np.where(v == 0.0, -1.0, np.where(v == 1.0, 1.0, out))
         return _out(out)
 
     def cutoff(self, p: ArrayLike) -> FloatOrArray:
-        """Per-query cosine threshold keeping the share ``p`` of the query's relevant-item law.
-
-        ``t_q = F_q^{-1}(1 - p) = ppf(1 - p)``, so that ``P(x >= t_q) = p`` (Sec. 4.4.2): retrieving the items
-        with ``cos(q, d) >= t_q`` keeps a share p of q's relevant items. A larger p gives a lower threshold
-        and retrieves more items (Table 3: p = 0.99 retrieves more than p = 0.4). ``p`` must lie strictly
-        inside (0, 1); shapes as in :meth:`cdf`.
+        """Per-query threshold ``t_q = ppf(1 - p)``, so ``P(x >= t_q) = p`` (Sec. 4.4.2): a larger ``p`` in (0, 1) keeps
+        more items (Table 3).
         """
         v, _ = self._align(p, "p")
         if not np.all((v > 0.0) & (v < 1.0)):  # also rejects nan
@@ -226,9 +182,7 @@ def _fmt(arr: NDArray[np.float64]) -> str:
     return f"array of {arr.size} values in [{arr.min():.6g}, {arr.max():.6g}]"
 
 
-# --------------------------------------------------------------------------------------------------------
-# ExpNCE: truncated exponential law
-# --------------------------------------------------------------------------------------------------------
+# ---- ExpNCE: truncated exponential law -----------------------------------------------------------------
 
 
 def _exp_cdf_1d(t: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -238,10 +192,8 @@ def _exp_cdf_1d(t: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.
 
 
 def _exp_ppf_1d(q: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Inverse of :func:`_exp_cdf_1d`: 1 + tau log(q + (1 - q) e^{-2/tau}).
-
-    The logarithm is taken as a log-sum-exp for tau < 1 (absolute error ~ tau eps) and as
-    log1p((1 - q) expm1(-2/tau)) for tau >= 1 (keeps its precision as tau grows).
+    """Inverse of :func:`_exp_cdf_1d`: 1 + tau log(q + (1 - q) e^{-2/tau}), via log-sum-exp for tau < 1, log1p for tau
+    >= 1.
     """
     with np.errstate(divide="ignore", invalid="ignore"):
         small = np.logaddexp(np.log(q), np.log1p(-q) - 2.0 / tau)
@@ -255,10 +207,7 @@ def _log_cosh(s: NDArray[np.float64]) -> NDArray[np.float64]:
 
 
 def _bsearch(edges: NDArray[np.float64], rows: NDArray[np.intp], v: NDArray[np.float64]) -> NDArray[np.intp]:
-    """For each point i, the largest j in [0, P - 1] with ``edges[rows[i], j] <= v[i]`` (0 if none).
-
-    ``edges`` has shape (R, P + 1) and non-decreasing rows; a vectorised binary search over all points.
-    """
+    """Per point i the largest j in [0, P - 1] with ``edges[rows[i], j] <= v[i]`` (0 if none), vectorised."""
     lo = np.zeros(v.shape, dtype=np.intp)
     hi = np.full(v.shape, edges.shape[1] - 1, dtype=np.intp)
     while True:
@@ -272,39 +221,11 @@ def _bsearch(edges: NDArray[np.float64], rows: NDArray[np.intp], v: NDArray[np.f
 
 
 class _ExpSphereQuadrature:
-    """CDF and quantiles of the density proportional to exp(x / tau) (1 - x^2)^m on [-1, 1], m >= -1/2.
+    """CDF and quantiles of the density ~ exp(x / tau) (1 - x^2)^m on [-1, 1], m >= -1/2 (Appendix A, m = (n - 3) / 2).
 
-    This is the sphere-corrected ExpNCE law of Appendix A (m = (n - 3) / 2), i.e. the law of the cosine
-    between the mean direction and a von Mises-Fisher vector with concentration kappa = 1 / tau on the
-    sphere of R^n. One row per tau; everything is vectorised over rows and points.
-
-    Method. Substitute x = tanh(s): (1 - x^2) = sech^2(s) and dx = sech^2(s) ds, so
-
-        int_{-1}^{t} e^{x/tau} (1 - x^2)^m dx = e^{1/tau} int_{-inf}^{artanh t} e^{G(s)} ds,
-        G(s) = (tanh(s) - 1) / tau - (2m + 2) log cosh(s),
-
-    an integrand that is smooth and analytic in a strip around the real line, decays exponentially at both
-    ends and has no endpoint singularity (for every m >= -1/2, including the (1 - x)^m behaviour at x = 1
-    when m is not an integer), and whose shape in s stays the same as tau -> 0 (a Gumbel-like peak near
-    s = log(2 / tau) / 2). G is unimodal with its mode at s* = artanh(x*), x* = 1 / (c + sqrt(c^2 + 1)),
-    c = (m + 1) tau; 1 - tanh(s) = 2 expit(-2 s) is computed without cancellation, so nothing overflows
-    or loses precision for large 1 / tau. Per row:
-
-    1. the interval [s_lo, s_hi] where G(s) - G(s*) >= -60 is found by doubling then bisection (the mass
-       outside it is below ~1e-25 of the total and is dropped: the CDF is 0 left of it and 1 right of it);
-    2. [s_lo, s*] and [s*, s_hi] are each cut into equal panels and every panel is integrated with
-       Gauss-Legendre (``numpy.polynomial.legendre.leggauss``), which gives the cumulative panel masses
-       (in units of e^{G(s*)}: no overflow);
-    3. CDF(t) = cumulative mass up to the panel holding artanh(t) + a Gauss-Legendre integral over the part
-       of that panel left of artanh(t), divided by the total (clamped to the panel's cumulative range,
-       which makes the CDF exactly monotone across panels);
-    4. the quantile is found in the panel bracketing q by safeguarded Newton on s (the s-density as
-       derivative, bisection whenever a step leaves the bracket), to |ds| <= 4e-15 (1 + |s|).
-
-    Accuracy (measured against mpmath 30-digit quadratures of Eq. 4, for n in {2, 4, 8, 128, 1024, 4096} and
-    tau in {1e-3, 0.01, 0.3, 5, 1e3}, and against a 16x finer version of itself): absolute CDF error
-    <= 3e-14, ``|cdf(ppf(q)) - q| <= 6e-14``. The one limit is the float grid of x itself: for n = 2 the
-    density is unbounded at +-1 and up to ~1e-8 of the mass can lie within one float spacing of +-1.
+    Substituting x = tanh(s) gives a smooth unimodal integrand e^{G(s)}, integrated per row by Gauss-Legendre panels
+    either side of its mode (mass below e^-60 of the peak dropped); quantiles by safeguarded Newton in the bracketing
+    panel. The method and its accuracy against mpmath: ``docs/pebr.md``.
     """
 
     def __init__(
@@ -445,30 +366,11 @@ class _ExpSphereQuadrature:
 
 
 class ExpCosine(_CosineLaw):
-    """Truncated exponential law of the cosine (ExpNCE, Sec. 3.2.1), one temperature per query.
+    """Truncated exponential law of the cosine (ExpNCE, Sec. 3.2.1), temperature ``tau`` > 0 scalar or one per query.
 
-    ``dim=None``: density ``exp(x / tau) / (tau (e^{1/tau} - e^{-1/tau}))`` on [-1, 1], with the closed-form
-    CDF of Sec. 3.2.1, ``F(t) = (e^{t/tau} - e^{-1/tau}) / (e^{1/tau} - e^{-1/tau})``, evaluated as
-    ``exp((t - 1) / tau) expm1(-(t + 1) / tau) / expm1(-2 / tau)`` (no overflow for any tau > 0), and its
-    inverse ``1 + tau log(q + (1 - q) e^{-2/tau})`` in log space.
-
-    ``dim=n``: Appendix A's sphere-corrected law (Eq. 4) with h(x) = exp(x / tau): density proportional to
-    ``exp(x / tau) (1 - x^2)^((n - 3) / 2)``, the cosine marginal of a von Mises-Fisher law on the sphere of
-    R^n with concentration 1 / tau. n = 3 is the 1-D law again (closed form). For other n there is no
-    usable closed form (the one for odd n alternates in sign, Appendix A), and instead of Appendix A's
-    500-point grid with linear interpolation the CDF and quantiles are computed per query, vectorised, by a
-    composite Gauss-Legendre quadrature in s = artanh(x) with a safeguarded Newton inversion (method in
-    :class:`_ExpSphereQuadrature`): absolute CDF error <= 3e-14 (against mpmath) for n from 2 to 4096 and
-    tau from 1e-3 to 1e3, and no overflow, nan or inf for tau from 1e-12 to 1e12. The quadrature table is
-    built once per instance, on first use (about 60 ms for 1000 queries; cdf/ppf of 1000 points then take
-    about 1 ms). n = 2 (the circle, density unbounded at +-1) is supported.
-
-    Args:
-        tau: temperature tau_q > 0, a scalar or one per query (1-D array of length Q).
-        dim: ``None`` (1-D law of Sec. 3.2) or the embedding dimension n >= 2 (Appendix A).
-
-    ``cutoff(p) = ppf(1 - p)`` is the cosine threshold keeping the share p of the query's relevant-item
-    law: a larger p retrieves more items.
+    ``dim=None``: density ``exp(x / tau) / (tau (e^{1/tau} - e^{-1/tau}))`` on [-1, 1], CDF and inverse overflow-free.
+    ``dim=n >= 2``: Appendix A's law (Eq. 4), ~ ``exp(x / tau) (1 - x^2)^((n - 3) / 2)`` (vMF cosine marginal);
+    n = 3 is closed form, other n use :class:`_ExpSphereQuadrature` (built on first use).
     """
 
     def __init__(self, tau: ArrayLike, dim: int | None = None) -> None:
@@ -525,31 +427,15 @@ class ExpCosine(_CosineLaw):
         return self._table.ppf(rows, flat).reshape(q.shape)
 
 
-# --------------------------------------------------------------------------------------------------------
-# BetaNCE: Beta law on [-1, 1]
-# --------------------------------------------------------------------------------------------------------
+# ---- BetaNCE: Beta law on [-1, 1] ----------------------------------------------------------------------
 
 
 class BetaCosine(_CosineLaw):
-    """Beta law of the cosine moved to [-1, 1] (BetaNCE, Sec. 3.2.2), parameters per query.
+    """Beta law of the cosine moved to [-1, 1] (BetaNCE, Sec. 3.2.2); ``alpha``, ``beta`` > 0 scalars or one per query.
 
-    ``dim=None``: density ``((1 + x) / 2)^(alpha - 1) ((1 - x) / 2)^(beta - 1) / (2 B(alpha, beta))``, i.e.
-    z = (1 + x) / 2 ~ Beta(alpha, beta), with CDF the regularised incomplete Beta function
-    ``I_z(alpha, beta)`` (Sec. 3.2.2; ``scipy.special.betainc``, quantiles by ``betaincinv``). After
-    BetaNCE training alpha = 1 / tau_q and beta = 1 (Eq. 3, :meth:`from_temperature`); where beta = 1 the
-    closed forms F = z^alpha and z = q^(1/alpha) are used (and F = 1 - (1 - z)^beta where alpha = 1).
-
-    ``dim=n``: Appendix A's sphere-corrected law (Eq. 4) with h the density above: the sphere factor
-    (1 - x^2)^((n - 3) / 2) = 4^m z^m (1 - z)^m folds into the exponents, so z ~ Beta(alpha + (n - 3) / 2,
-    beta + (n - 3) / 2) (Appendix A's complete/incomplete Beta integrals) and the same functions apply
-    (:attr:`z_params`). For n = 2 this needs alpha, beta > 1/2.
-
-    Args:
-        alpha, beta: Beta parameters > 0, scalars or one per query (1-D arrays of one length Q).
-        dim: ``None`` (1-D law of Sec. 3.2) or the embedding dimension n >= 2 (Appendix A).
-
-    ``cutoff(p) = ppf(1 - p)`` is the cosine threshold keeping the share p of the query's relevant-item
-    law: a larger p retrieves more items.
+    ``dim=None``: z = (1 + x) / 2 ~ Beta(alpha, beta) (after BetaNCE alpha = 1 / tau_q, beta = 1, Eq. 3:
+    :meth:`from_temperature`). ``dim=n >= 2`` (Eq. 4): z ~ Beta(alpha + (n - 3) / 2, beta + (n - 3) / 2)
+    (:attr:`z_params`; n = 2 needs alpha, beta > 1/2).
     """
 
     def __init__(self, alpha: ArrayLike, beta: ArrayLike = 1.0, dim: int | None = None) -> None:

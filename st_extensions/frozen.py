@@ -1,27 +1,26 @@
 """Frozen-encoder training: a method's own modules trained on cached encoder outputs, each text encoded once.
 
-A model here is a frozen *prefix* of sentence-transformers modules (``Transformer``, ``Pooling``, ``Normalize``,
-...) followed by the modules a method adds (a :class:`~st_extensions.modules.LinearAdapter`, the pEBR
-:class:`~st_extensions.modules.QueryDistributionHead`, a ``"heads"`` :class:`~st_extensions.modules.MixtureOfLogits`,
-the UniERF :class:`~st_extensions.modules.MultiBranchQueryEncoder`). :func:`cached_model` encodes every training text
-once with the prefix and returns a model made of :class:`CachedEmbeddings` (a look-up of those outputs) and the very
-same added modules (shared, not copied): training it with the usual losses and trainer trains the full model's
-added modules in place, at a few milliseconds a step instead of a forward and backward pass of the encoder. The full
-model then saves, loads and encodes exactly as a fully fine-tuned one.
+:func:`cached_model` encodes every text once with the sentence-transformers prefix and returns a model of
+:class:`CachedEmbeddings` and the very same added modules (adapter, pEBR head, ``"heads"`` MoL, UniERF branches),
+so training it trains the full model's modules in place.
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule
 from torch import Tensor
 
-from st_extensions.defaults import default_model_path
+from st_extensions.atomic import atomic_write
+from st_extensions.defaults import base_modules
 from st_extensions.modules.adapter import LinearAdapter
 
 __all__ = [
@@ -29,17 +28,15 @@ __all__ = [
     "build_adapter_model",
     "cached_model",
     "encode_prefix",
+    "evaluating",
     "frozen_prefix_length",
     "prefix_model",
 ]
 
 
 class CachedEmbeddings(InputModule):
-    """Input module standing in for a frozen encoder prefix: returns the cached pooled embedding of each text.
-
-    ``preprocess`` maps each text to its row in the table; an unknown text is encoded by ``encoder`` (the frozen
-    prefix, a SentenceTransformer) and added, or, without one, raises ``KeyError`` naming it. ``forward`` writes
-    ``features["sentence_embedding"]``. A stand-in for training and for encoding many texts once: it cannot be saved.
+    """Input module standing in for a frozen encoder prefix: writes each text's cached pooled embedding as
+    ``sentence_embedding``; unknown texts are encoded by ``encoder`` and added (without one: ``KeyError``). Not savable.
     """
 
     save_in_root = False
@@ -63,7 +60,7 @@ class CachedEmbeddings(InputModule):
         if self.encoder[0] is not None:
             new = self.missing(inputs)
             if new:
-                self.extend(new, _encode(self.encoder[0], new))
+                self.extend(new, self.encode_new(new))
         try:
             ids = [self.index[t] for t in inputs]
         except KeyError as e:
@@ -75,6 +72,10 @@ class CachedEmbeddings(InputModule):
     def forward(self, features: dict[str, Any], **kwargs) -> dict[str, Any]:
         features["sentence_embedding"] = self.table[features["input_ids"][:, 0].to(self.table.device)]
         return features
+
+    def encode_new(self, texts: Sequence[str]) -> Tensor:
+        """The embeddings of ``texts`` by ``encoder`` (the frozen prefix)."""
+        return _encode(self.encoder[0], texts)
 
     def missing(self, texts: Sequence[str]) -> list[str]:
         """The distinct texts of ``texts`` that are not cached yet."""
@@ -90,12 +91,6 @@ class CachedEmbeddings(InputModule):
 
     def save_cache(self, path: str) -> None:
         """Write the cache to ``path`` (safetensors: the table, and the texts as JSON metadata), atomically."""
-        import json
-
-        from safetensors.torch import save
-
-        from st_extensions.atomic import atomic_write
-
         texts = sorted(self.index, key=self.index.get)
         data = save({"table": self.table.contiguous()}, metadata={"texts": json.dumps(texts)})
         atomic_write(path, lambda f: f.write(data))
@@ -103,10 +98,6 @@ class CachedEmbeddings(InputModule):
     @classmethod
     def load_cache(cls, path: str) -> CachedEmbeddings:
         """Read a cache written by :meth:`save_cache` (safetensors, never pickle)."""
-        import json
-
-        from safetensors import safe_open
-
         with safe_open(path, framework="pt") as f:
             texts = json.loads(f.metadata()["texts"])
             table = f.get_tensor("table")
@@ -120,12 +111,8 @@ class CachedEmbeddings(InputModule):
 
 
 def frozen_prefix_length(model: SentenceTransformer, require_added: bool = True) -> int:
-    """Number of leading sentence-transformers modules (the encoder) before the first module a method added
-    (``require_added=False``: a model with no added module is all prefix).
-
-    Raises:
-        ValueError: nothing to train (no added module), no encoder prefix, or an added module that reads the
-            encoder's token outputs (a ``"tokens"`` MixtureOfLogits), which cached pooled embeddings cannot feed.
+    """Number of leading modules (the encoder) before the first module a method added (``require_added=False``: all of
+    a model without one). ValueError: nothing to train, no prefix, or an added module reading token outputs.
     """
     modules = list(model)
     k = 0
@@ -145,14 +132,22 @@ def frozen_prefix_length(model: SentenceTransformer, require_added: bool = True)
     return k
 
 
-def _encode(prefix: SentenceTransformer, texts: Sequence[str], batch_size: int = 64, show: bool = False) -> Tensor:
-    was_training = prefix.training
-    prefix.eval()
+@contextlib.contextmanager
+def evaluating(*modules: torch.nn.Module) -> Iterator[None]:
+    """``modules`` in eval mode for the block, each put back in its own mode afterwards."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
     try:
-        with torch.inference_mode():
-            out = prefix.encode(list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show)
+        yield
     finally:
-        prefix.train(was_training)
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+def _encode(prefix: SentenceTransformer, texts: Sequence[str], batch_size: int = 64, show: bool = False) -> Tensor:
+    with evaluating(prefix), torch.inference_mode():
+        out = prefix.encode(list(texts), batch_size=batch_size, convert_to_tensor=True, show_progress_bar=show)
     return out.float().cpu().clone()
 
 
@@ -179,41 +174,24 @@ def cached_model(
 ) -> SentenceTransformer:
     """A model of :class:`CachedEmbeddings` for ``texts`` and ``model``'s added modules (shared, not copied).
 
-    Args:
-        model: the full model (encoder prefix + added modules, see :func:`frozen_prefix_length`).
-        texts: every text the training (or evaluation) will feed (duplicates are fine).
-        batch_size: encoding batch size.
-        show_progress_bar: show the encoding bar.
-        cache: a cache of the same encoder to reuse (and extend with the texts it lacks); it must come from this
-            model's encoder prefix (e.g. from another model built on the same base), or results are wrong.
-
-    The returned model encodes any text: texts not cached are encoded by ``model``'s prefix on first use.
+    ``cache``: one from this model's encoder prefix to reuse and extend (another encoder's gives wrong results). Texts
+    not cached are encoded by ``model``'s prefix on first use.
     """
     k = frozen_prefix_length(model, require_added=False)
-    if cache is None:
-        texts = list(dict.fromkeys(texts))
-        embeddings = encode_prefix(model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar)
-        cache = CachedEmbeddings(texts, embeddings, encoder=prefix_model(model, require_added=False))
-    else:
-        new = cache.missing(texts)
-        if new:
-            cache.extend(new, encode_prefix(model, new, batch_size=batch_size, show_progress_bar=show_progress_bar))
-        if cache.encoder[0] is None:
-            cache.encoder[0] = prefix_model(model, require_added=False)
+    prefix = prefix_model(model, require_added=False)
+    cache = CachedEmbeddings([], torch.zeros(0), encoder=prefix) if cache is None else cache
+    if cache.encoder[0] is None:
+        cache.encoder[0] = prefix
+    new = cache.missing(texts)
+    if new:
+        cache.extend(new, _encode(prefix, new, batch_size, show_progress_bar))
     return SentenceTransformer(modules=[cache, *list(model)[k:]], device=str(model.device))
 
 
-def build_adapter_model(base_model: str | SentenceTransformer | None = None, device: str | None = None):
+def build_adapter_model(
+    base_model: str | SentenceTransformer | None = None, device: str | None = None
+) -> SentenceTransformer:
     """The dot-product baseline of the frozen-encoder recipe: ``base_model`` + :class:`LinearAdapter` (a residual,
     zero-initialised linear map shared by queries and documents), which starts exactly as ``base_model``."""
-    if base_model is None:
-        base_model = default_model_path()
-    if isinstance(base_model, str):
-        from st_extensions.loading import load_model
-
-        base_model = load_model(base_model, device=device)
-    dim = base_model.get_embedding_dimension()
-    if dim is None:
-        raise ValueError("cannot tell the base model's embedding dimension")
-    modules = [copy.deepcopy(m) for m in base_model]
-    return SentenceTransformer(modules=[*modules, LinearAdapter(dim)], device=device or str(base_model.device))
+    modules, dim, device = base_modules(base_model, device)
+    return SentenceTransformer(modules=[*modules, LinearAdapter(dim)], device=device)

@@ -1,11 +1,8 @@
 """Judged-relevant (query, document) pairs, for masking false negatives out of in-batch contrastive losses.
 
-In-batch negatives are the other rows' positives. On a collection with broad queries many of them are judged
-relevant to the anchor (7.6% on nfcorpus/train with uniformly drawn pairs), and an InfoNCE-type loss then pushes
-relevant documents away. The training rows carry a ``label`` column ``[query key, document key]``
-(:func:`text_key` of the two texts, so the keys survive the trainer's collator as an ``int64`` tensor); a loss
-given a :class:`JudgedPairs` removes candidate ``j`` from anchor ``i``'s softmax when the training qrels judge
-``j``'s document relevant to ``i``'s query (:meth:`JudgedPairs.mask`).
+On broad collections many in-batch negatives are judged relevant to the anchor (7.6% on nfcorpus/train). Rows carry
+``label = [query key, document key]`` (:func:`text_key`, int64 through the collator); a loss given a
+:class:`JudgedPairs` drops those candidates from the anchor's softmax (:meth:`JudgedPairs.mask`).
 """
 
 from __future__ import annotations
@@ -36,11 +33,7 @@ def _pair_key(q: Tensor, d: Tensor) -> Tensor:
 
 
 class JudgedPairs:
-    """A set of judged-relevant (query text, document text) pairs, looked up by :func:`text_key`.
-
-    Args:
-        pairs: ``(query text, document text)`` pairs judged relevant (any positive label).
-    """
+    """A set of judged-relevant (query text, document text) ``pairs``, looked up by :func:`text_key`."""
 
     def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
         keys = [(text_key(q), text_key(d)) for q, d in pairs]
@@ -59,14 +52,9 @@ class JudgedPairs:
     def mask(
         self, labels: Tensor | None, n_candidates: int, offset: int = 0, n_anchors: int | None = None
     ) -> Tensor | None:
-        """``(n_anchors, n_candidates)`` bool: True where candidate ``j < B`` (row ``j``'s positive) is judged relevant
-        to the query of anchor ``i`` -- row ``offset + i`` of the batch -- and ``j != offset + i``; hard-negative
-        columns (``j >= B``) are never masked.
-
-        ``labels`` is the batch's ``label`` tensor ``(B, 2)`` of :func:`pair_labels`; ``None`` (no label column)
-        gives ``None``: nothing is masked. By default the anchors are all B rows (``offset=0``); a loss that gathers
-        the candidates across devices passes the global batch's labels, its anchors' first global row as
-        ``offset`` and its local batch size as ``n_anchors`` (:class:`st_extensions.distributed.GlobalBatch`).
+        """``(n_anchors, n_candidates)`` bool: candidate ``j < B`` judged relevant to anchor ``i`` (batch row ``offset +
+        i``), ``j != offset + i``; hard-negative columns never. ``labels`` ``(B, 2)`` of :func:`pair_labels` (``None``:
+        ``None``); a gathering loss passes global labels, its first row as ``offset`` and local size as ``n_anchors``.
         """
         if labels is None:
             return None

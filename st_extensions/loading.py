@@ -1,15 +1,9 @@
 """A guarded model loader: our own Module classes are allowed, any other foreign class is refused.
 
-sentence-transformers >= 6 imports a module class from outside ``sentence_transformers.*`` only with
-``trust_remote_code=True``, which would also allow any other class (or a repository's own modeling code).
-:func:`load_model` reads the model's ``modules.json`` (and a Router's ``router_config.json``), checks every
-class reference, and resolves ours to the already-imported classes of this package, so
-``trust_remote_code`` stays ``False`` for everything else.
-
-It also keeps the promise that weights are loaded from safetensors only and loaded whole: a model folder holding
-pickled weights (``pytorch_model.bin``, ...) without safetensors ones is refused, a truncated safetensors file is
-named before anything reads it, and an encoder whose config declares weights that the checkpoint lacks (more layers
-than saved, say) raises instead of running with randomly initialised layers.
+:func:`load_model` checks every class reference of a saved model's ``modules.json`` (and a Router's
+``router_config.json``) and resolves ours (:func:`register_module`) to this package's classes, so
+``trust_remote_code`` stays ``False`` for everything else. Weights are loaded from safetensors only and whole:
+pickled weights, a truncated safetensors file and a checkpoint lacking weights its config declares are refused.
 """
 
 from __future__ import annotations
@@ -26,37 +20,35 @@ from typing import Any
 
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
+from transformers import PreTrainedModel
 
-from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead
-from st_extensions.cross_encoder.split import LinearScoreHead, SegmentInteraction, SplitTransformer
+from st_extensions.atomic import fcntl
 from st_extensions.modules import LinearAdapter, MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.modules.safetensors_module import check_safetensors_file
 
 #: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
-#: ``trust_remote_code``. Later modules of this package register here.
+#: ``trust_remote_code``: the classes of :mod:`st_extensions.modules` and those that register themselves
+#: (the cross-encoder modules, registered when :mod:`st_extensions.cross_encoder` is imported, as it is by
+#: ``import st_extensions``).
 ALLOWED_MODULES: dict[str, type[nn.Module]] = {}
+#: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
+#: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).
+MODEL_CLASSES: dict[str, type] = {}
 
 
-def register_module(cls: type[nn.Module]) -> type[nn.Module]:
-    """Allow ``cls``, one of ours, in :func:`load_model` under the reference ``model.save`` writes for it."""
+def register_module(cls: type[nn.Module], model_class: type | None = None) -> type[nn.Module]:
+    """Allow ``cls``, one of ours, in :func:`load_model` under the reference ``model.save`` writes for it; a model
+    holding it loads as ``model_class`` when given (e.g. a VariationalHead: ``VarCrossEncoder``)."""
     if not cls.__module__.startswith("st_extensions."):
         raise ValueError(f"only st_extensions classes can be registered, got {cls.__module__}.{cls.__name__}")
     ALLOWED_MODULES[f"{cls.__module__}.{cls.__name__}"] = cls
+    if model_class is not None:
+        MODEL_CLASSES[f"{cls.__module__}.{cls.__name__}"] = model_class
     return cls
 
 
-register_module(QueryDistributionHead)
-register_module(MixtureOfLogits)
-register_module(VariationalHead)
-register_module(MultiBranchQueryEncoder)
-register_module(LinearAdapter)
-register_module(SplitTransformer)
-register_module(SegmentInteraction)
-register_module(LinearScoreHead)
-
-#: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
-#: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).
-MODEL_CLASSES: dict[str, type] = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VarCrossEncoder}
+for _cls in (QueryDistributionHead, MixtureOfLogits, MultiBranchQueryEncoder, LinearAdapter):
+    register_module(_cls)
 
 
 def _module_types(path: str) -> list[tuple[str, str]]:
@@ -136,11 +128,6 @@ def _record_missing_weights() -> Iterator[list[tuple[str, str, list[str]]]]:
     """Collect ``(model class, checkpoint, missing keys)`` of every transformers model loaded in the block (in this
     thread): transformers only logs the keys it initialised at random because the checkpoint lacks them."""
     global _hook_users
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover
-        yield []
-        return
     records: list[tuple[str, str, list[str]]] = []
     original = PreTrainedModel.__dict__.get("_finalize_model_loading")
     if not isinstance(original, staticmethod):  # pragma: no cover - another transformers version: nothing to hook
@@ -212,10 +199,8 @@ def _recover_previous_version(path: str) -> None:
 def _held(path: str, pid: int | None) -> bool:
     """Whether a live writer still holds ``path`` (its flock; without flock, its pid; else a short grace time)."""
     try:
-        import fcntl
-
-        fd = os.open(path, os.O_RDONLY)
-    except (ImportError, OSError):
+        fd = os.open(path, os.O_RDONLY) if fcntl is not None else None
+    except OSError:
         fd = None
     if fd is not None:
         try:
@@ -242,25 +227,13 @@ def _held(path: str, pid: int | None) -> bool:
 
 
 def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -> SentenceTransformer | CrossEncoder:
-    """Load a saved model that may contain this package's Modules, refusing any other foreign class.
+    """Load a saved model (local folder) that may contain this package's Modules, refusing any other foreign class.
 
-    Args:
-        path: a local directory written by ``model.save(...)`` / the trainer.
-        cross_encoder: load as a :class:`~sentence_transformers.CrossEncoder`; by default a model whose
-            ``config_sentence_transformers.json`` says ``"model_type": "CrossEncoder"`` is one. A model holding
-            a module listed in :data:`MODEL_CLASSES` loads as that class (a VariationalHead: ``VarCrossEncoder``).
-        **kwargs: passed to the model class (``device``, ``model_kwargs``, ...); ``trust_remote_code``
-            is not accepted.
-
-    Returns:
-        The loaded model, with our modules resolved to the classes of this package.
-
-    Raises:
-        ValueError: the model references a module class that is neither ``sentence_transformers.*`` nor
-            one of ours (listed in :data:`ALLOWED_MODULES`), needs repository code, or is not a saved model; a
-            folder of it holds pickled weights (:data:`PICKLED_WEIGHTS`) without safetensors ones; a safetensors
-            file is truncated or corrupt (named); or the config declares weights that the checkpoint lacks
-            (named), which transformers would initialise at random and only log.
+    ``cross_encoder``: load as a CrossEncoder (default: as its config says); a module in :data:`MODEL_CLASSES` picks
+    that class (a VariationalHead: ``VarCrossEncoder``). ``**kwargs`` go to the class; ``trust_remote_code`` is refused.
+    ValueError: a module class neither ``sentence_transformers.*`` nor in :data:`ALLOWED_MODULES`, repository code, not
+    a saved model, only pickled weights (:data:`PICKLED_WEIGHTS`), a truncated / corrupt safetensors file, or declared
+    weights the checkpoint lacks (which transformers would initialise at random and only log).
     """
     if "trust_remote_code" in kwargs:
         raise ValueError("load_model does not take trust_remote_code: it allows our own module classes only")

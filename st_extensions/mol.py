@@ -1,25 +1,24 @@
-"""Mixture-of-Logits models: build a SentenceTransformer with a MoL head, encode component embeddings.
-
-Ding & Zhai, *Retrieval with Learned Similarities* (WWW'25, ``../shared/papers/mixture-of-logits.txt``):
-queries and documents are mapped to P_q and P_x L2-normalised component embeddings (Sec. 2.2, App. A.2),
-scored by the gated sum of their P = P_q * P_x inner products (Eq. 1-2) with a learned gate (App. A.3).
-The maths and the gate live in :class:`~st_extensions.modules.MixtureOfLogits`; training in
-:class:`~st_extensions.losses.MoLLoss`.
-"""
+"""Mixture-of-Logits models (Ding & Zhai, ``../shared/papers/mixture-of-logits.txt``): build a SentenceTransformer
+with a MoL head, encode the component embeddings (Sec. 2.2, Eq. 2). The maths and the gate live in
+:class:`~st_extensions.modules.MixtureOfLogits`, training in :class:`~st_extensions.losses.MoLLoss`."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Literal, overload
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.util import batch_to_device
+from tokenizers import AddedToken
 from tqdm.autonotebook import trange
 
+from st_extensions.checks import choice, positive_int
 from st_extensions.defaults import default_model_path
+from st_extensions.loading import load_model
 from st_extensions.modules.mol import (
     COMPONENT_SOURCES,
     COMPONENTS_KEY,
@@ -47,16 +46,23 @@ def find_mol(model: torch.nn.Module) -> MixtureOfLogits:
     return heads[0]
 
 
+@contextmanager
+def inference(module: Any) -> Iterator[None]:
+    """``torch.inference_mode`` with ``module`` (a model or MoL-like object) in eval mode, its mode restored after."""
+    training = getattr(module, "training", None)
+    if training and callable(getattr(module, "eval", None)):
+        module.eval()
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        if training and callable(getattr(module, "train", None)):
+            module.train(True)
+
+
 def _add_aggregation_tokens(transformer: torch.nn.Module, tokens: list[str], seed: int) -> int:
-    """Add ``tokens`` to the (copied) encoder's tokenizer and input embeddings; returns their position.
-
-    The new embedding rows are drawn (seeded) from a normal with the vocabulary embeddings' per-dimension
-    mean and standard deviation, like transformers' mean-resizing with a diagonal covariance. (Copies of the
-    ``[CLS]`` embedding, even noisy ones, make BERT-like encoders output near-identical vectors at all the
-    aggregation positions, so the P components would start as one.)
-    """
-    from tokenizers import AddedToken
-
+    """Add ``tokens`` to the (copied) encoder's tokenizer and input embeddings, drawn (seeded) from the vocabulary's
+    per-dimension mean and std (``docs/mol.md``); returns their position."""
     tokenizer = getattr(transformer, "tokenizer", None)
     auto_model = getattr(transformer, "auto_model", None)
     if tokenizer is None or auto_model is None or getattr(tokenizer, "backend_tokenizer", None) is None:
@@ -81,62 +87,44 @@ def _add_aggregation_tokens(transformer: torch.nn.Module, tokens: list[str], see
     return offset
 
 
+def _token_settings(transformer: torch.nn.Module, pq: int, px: int, max_positions: int | None, seed: int) -> dict:
+    """The ``MoLConfig`` fields of ``component_source="tokens"``, once the tokens are added to the encoder."""
+    positions = max_positions if max_positions is not None else transformer.max_seq_length
+    if positions is None:
+        raise ValueError("cannot tell the encoder's max_seq_length: pass max_positions")
+    if pq + px >= positions:
+        raise ValueError(f"{pq} + {px} aggregation tokens do not fit in inputs of {positions} tokens")
+    query_tokens, doc_tokens = aggregation_token_names(pq, px)
+    offset = _add_aggregation_tokens(transformer, query_tokens + doc_tokens, seed)
+    tokens = dict(query_tokens=query_tokens, doc_tokens=doc_tokens)
+    return dict(token_dim=transformer.get_embedding_dimension(), max_positions=positions, token_offset=offset, **tokens)
+
+
 def build_mol_model(
     base_model: str | SentenceTransformer | None = None,
     num_query_components: int = 4,
     num_doc_components: int = 4,
     component_dim: int | None = None,
     component_source: ComponentSource = "tokens",
-    gate_hidden_dim: int | None = None,
-    gate_features: bool = False,
-    head_init: str = "orthogonal",
-    pooling_init_logit: float = 8.0,
-    max_positions: int | None = None,
+    *,
     seed: int = 0,
     device: str | None = None,
+    **settings: Any,
 ) -> SentenceTransformer:
-    """A SentenceTransformer ending in a :class:`MixtureOfLogits` head (Sec. 2, 2.2; App. A.2, A.3).
+    """A SentenceTransformer ending in a :class:`MixtureOfLogits` head (Sec. 2.2; App. A.2, A.3).
 
-    Args:
-        base_model: a model name or path (default: the packaged all-MiniLM-L6-v2) or a SentenceTransformer
-            whose modules are deep-copied (the new model shares no weights, and no tokenizer, with it).
-        num_query_components: P_q.
-        num_doc_components: P_x.
-        component_dim: d_P (default: the encoder's hidden size for ``"tokens"``, the embedding dimension for
-            ``"heads"``).
-        component_source: ``"tokens"``: P_q + P_x special aggregation tokens are added to the tokenizer,
-            placed after ``[CLS]`` in every input, and read by parameterised pooling (App. A.2);
-            ``"heads"``: linear heads on the pooled embedding (encoder unchanged).
-        gate_hidden_dim: hidden width of the gating MLP (default ``max(16, 2 P)``).
-        gate_features: also feed the query's and document's pooled embeddings to the gate (App. A.3); the
-            retriever then needs them too (``encode_components(..., return_features=True)``).
-        head_init: ``"heads"`` only: ``"orthogonal"`` or ``"identity"`` (every component starts as the pooled
-            embedding plus a little noise, so the untrained MoL scores as the base model; needs d_P = embedding
-            dimension, the default), see :class:`MixtureOfLogits`.
-        pooling_init_logit: initial logit of each component's own aggregation token in the position pooling.
-        max_positions: longest input the position pooling covers (default: the model's ``max_seq_length``).
-        seed: seeds the initialisation of the new token embeddings and of the head.
-        device: where to put the model.
-
-    Returns:
-        The model. ``encode_query`` / ``encode_document`` (and :func:`encode_components`) add
-        ``"mol_components"``; ``sentence_embedding`` stays the base model's pooled embedding (which, with
-        ``"tokens"``, now also sees the aggregation tokens).
-
-    Raises:
-        ValueError: non-positive counts or dimensions, an unknown source, or a base model already with MoL.
-    """
-    if component_source not in COMPONENT_SOURCES:
-        raise ValueError(f"component_source must be one of {COMPONENT_SOURCES}, got {component_source!r}")
-    for name, value in (("num_query_components", num_query_components), ("num_doc_components", num_doc_components)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if base_model is None:
-        base_model = default_model_path()
-    if isinstance(base_model, str):
-        from st_extensions.loading import load_model
-
-        base_model = load_model(base_model, device=device)
+    ``base_model``: a name or path (default: the packaged all-MiniLM-L6-v2) or a SentenceTransformer, deep-copied
+    (no shared weights or tokenizer). ``component_dim`` d_P defaults to the encoder's hidden size (``"tokens"``:
+    P_q + P_x aggregation tokens added after ``[CLS]`` and pooled, App. A.2) or the embedding dimension (``"heads"``:
+    linear heads on the pooled embedding). ``seed`` seeds the new token embeddings and the head. ``**settings``:
+    further :class:`~st_extensions.modules.mol.MoLConfig` fields (``gate_hidden_dim``, ``gate_features``,
+    ``head_init``, ``pooling_init_logit``, ``max_positions``). ``encode_query`` / ``encode_document`` add
+    ``"mol_components"``."""
+    choice("component_source", component_source, COMPONENT_SOURCES)
+    pq = positive_int("num_query_components", num_query_components)
+    px = positive_int("num_doc_components", num_doc_components)
+    if not isinstance(base_model, SentenceTransformer):
+        base_model = load_model(base_model or default_model_path(), device=device)
     if any(isinstance(m, MixtureOfLogits) for m in base_model.modules()):
         raise ValueError("base_model already has a MixtureOfLogits head")
     embedding_dim = base_model.get_embedding_dimension()
@@ -144,66 +132,13 @@ def build_mol_model(
         raise ValueError("cannot tell the base model's embedding dimension")
     modules = [copy.deepcopy(m) for m in base_model]
     torch.manual_seed(seed)  # the head's orthogonal initialisations
-    head_kwargs: dict = {}
+    default_dim = embedding_dim
     if component_source == "tokens":
-        transformer = modules[0]
-        token_dim = transformer.get_embedding_dimension()
-        positions = max_positions if max_positions is not None else transformer.max_seq_length
-        if positions is None:
-            raise ValueError("cannot tell the encoder's max_seq_length: pass max_positions")
-        if num_query_components + num_doc_components >= positions:
-            raise ValueError(
-                f"{num_query_components} + {num_doc_components} aggregation tokens do not fit in inputs of "
-                f"{positions} tokens"
-            )
-        query_tokens, doc_tokens = aggregation_token_names(num_query_components, num_doc_components)
-        offset = _add_aggregation_tokens(transformer, query_tokens + doc_tokens, seed)
-        head_kwargs = dict(
-            token_dim=token_dim,
-            max_positions=positions,
-            token_offset=offset,
-            query_tokens=query_tokens,
-            doc_tokens=doc_tokens,
-            pooling_init_logit=pooling_init_logit,
-        )
-        default_dim = token_dim
-    else:
-        default_dim = embedding_dim
-    head = MixtureOfLogits(
-        num_query_components=num_query_components,
-        num_doc_components=num_doc_components,
-        component_dim=default_dim if component_dim is None else component_dim,
-        embedding_dim=embedding_dim,
-        component_source=component_source,
-        gate_hidden_dim=gate_hidden_dim,
-        gate_features=gate_features,
-        **({"head_init": head_init} if component_source == "heads" else {}),
-        **head_kwargs,
-    )
+        settings.update(_token_settings(modules[0], pq, px, settings.pop("max_positions", None), seed))
+        default_dim = settings["token_dim"]
+    dim = default_dim if component_dim is None else component_dim
+    head = MixtureOfLogits(pq, px, dim, embedding_dim, component_source, **settings)
     return SentenceTransformer(modules=[*modules, head], device=device or str(base_model.device))
-
-
-@overload
-def encode_components(
-    model: SentenceTransformer,
-    texts: Sequence[str],
-    task: Task,
-    batch_size: int = ...,
-    show_progress_bar: bool | None = ...,
-    return_features: Literal[False] = ...,
-) -> np.ndarray: ...
-
-
-@overload
-def encode_components(
-    model: SentenceTransformer,
-    texts: Sequence[str],
-    task: Task,
-    batch_size: int = ...,
-    show_progress_bar: bool | None = ...,
-    *,
-    return_features: Literal[True],
-) -> tuple[np.ndarray, np.ndarray | None]: ...
 
 
 def encode_components(
@@ -214,54 +149,29 @@ def encode_components(
     show_progress_bar: bool | None = None,
     return_features: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray | None]:
-    """Component embeddings of queries (f_pq) or documents (g_px), L2-normalised (Eq. 2).
-
-    Args:
-        model: a model with a :class:`MixtureOfLogits` (see :func:`build_mol_model`).
-        texts: query or document texts.
-        task: ``"query"`` or ``"document"`` (the model's prompt of that name, if any, is applied as by
-            ``encode_query`` / ``encode_document``).
-        batch_size: encoding batch size (inputs are length-sorted, as in ``model.encode``).
-        show_progress_bar: show a progress bar.
-        return_features: also return the gate's side features (App. A.3).
-
-    Returns:
-        ``components`` of shape ``(N, P, d_P)`` float32 with unit-norm rows (P = P_q for queries, P_x for
-        documents), ordered as ``texts``; with ``return_features=True``, ``(components, features)`` where
-        ``features`` is the model's pooled ``sentence_embedding`` ``(N, embedding_dim)`` float32 if the gate uses
-        side features (``find_mol(model).gate_features``), else ``None``. Pass them as ``q_features`` /
-        ``x_features`` to :meth:`MixtureOfLogits.score_all` and friends.
-    """
-    if task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    """``(N, P, d_P)`` float32 unit-norm components (Eq. 2) of queries (f_pq, ``task="query"``) or documents (g_px,
+    ``"document"``; the model's prompt of that name applied), ordered as ``texts``. With ``return_features``:
+    ``(components, features)``, the gate's side features (pooled ``sentence_embedding``, App. A.3) or ``None``
+    when the gate reads none."""
+    choice("task", task, TASKS)
+    batch_size = positive_int("batch_size", batch_size)
     mol = find_mol(model)
     texts = list(texts)
     count = mol.num_query_components if task == "query" else mol.num_doc_components
     want_features = return_features and mol.gate_features
-    comps: list[torch.Tensor] = []
-    feats: list[torch.Tensor] = []
+    comps, feats = [], []
     order = np.argsort([-len(t) for t in texts], kind="stable")
     prompt = (getattr(model, "prompts", None) or {}).get(task) or None
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            for start in trange(0, len(texts), batch_size, desc="Batches", disable=not show_progress_bar):
-                batch = [texts[i] for i in order[start : start + batch_size]]
-                features = batch_to_device(model.preprocess(batch, prompt=prompt, task=task), model.device)
-                out = model(features, task=task)
-                comps.append(out[COMPONENTS_KEY].float().cpu())
-                if want_features:
-                    feats.append(out[FEATURES_KEY].float().cpu())
-    finally:
-        model.train(was_training)
+    with inference(model):
+        for start in trange(0, len(texts), batch_size, desc="Batches", disable=not show_progress_bar):
+            batch = [texts[i] for i in order[start : start + batch_size]]
+            out = model(batch_to_device(model.preprocess(batch, prompt=prompt, task=task), model.device), task=task)
+            comps.append(out[COMPONENTS_KEY].float().cpu())
+            if want_features:
+                feats.append(out[FEATURES_KEY].float().cpu())
     inverse = np.argsort(order, kind="stable")
     components = torch.cat(comps).numpy()[inverse] if comps else np.zeros((0, count, mol.component_dim), np.float32)
     if not return_features:
         return components
-    if not want_features:
-        return components, None
-    features_np = torch.cat(feats).numpy()[inverse] if feats else np.zeros((0, mol.embedding_dim), np.float32)
-    return components, features_np
+    features = torch.cat(feats).numpy()[inverse] if feats else np.zeros((0, mol.embedding_dim), np.float32)
+    return components, features if want_features else None

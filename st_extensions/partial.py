@@ -1,19 +1,8 @@
 """Partial fine-tuning: the top N transformer layers train on the lower layers' hidden states, computed once per text.
 
-A model here starts with a sentence-transformers ``Transformer`` whose backbone is a BERT encoder (``BertModel``, L
-layers), e.g. [Transformer, Pooling, Normalize, added modules...] or a cross-encoder [Transformer, Pooling(cls), head].
-Under the partial recipe the embeddings and the lower L - N layers stay frozen: :class:`LayerStateCache` runs them
-once per distinct text (or (query, document) pair for a cross-encoder), in eval mode, and stores the hidden states
-*entering* layer L - N, padding dropped, as one ragged fp16 file on disk (a ``np.memmap``) with an index.
-:func:`partial_model` returns a training stand-in whose input module, :class:`PartialTransformer`, rebuilds a padded
-batch from that cache and runs the top N layers of the very same ``Transformer`` module (shared, not copied), writing
-``token_embeddings`` and ``attention_mask`` as the ``Transformer`` would; the pooling and the added modules follow,
-also shared. Training the stand-in with the usual trainer, losses and batch sampler trains the real model in place;
-the model then saves, loads and encodes as any sentence-transformers model: no cache is needed.
-
-Differences from full training with the lower layers frozen, by construction: the frozen part runs in eval mode
-(no dropout in the embeddings and lower layers; the top layers keep their dropout in training), and the top layers
-read the fp16-rounded states (``dtype="float32"`` stores them exactly, at twice the disk).
+:class:`LayerStateCache` keeps the states entering layer L - N of each distinct text (or pair) on disk (fp16 memmap);
+:func:`partial_model`'s :class:`PartialTransformer` runs the top N layers of the very same module on them, so training
+trains the real model in place. Cache format and differences from full training: ``docs/recipes.md``.
 """
 
 from __future__ import annotations
@@ -34,20 +23,20 @@ import torch
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.base.model import BaseModel
 from sentence_transformers.base.modules import InputModule, Transformer
+from sentence_transformers.util import batch_to_device
 from torch import Tensor
+from tqdm.autonotebook import tqdm
+from transformers.masking_utils import create_bidirectional_mask
+from transformers.models.bert.modeling_bert import BertModel
 
-from st_extensions.atomic import atomic_write
+from st_extensions.atomic import atomic_write, locked
+from st_extensions.checks import choice, is_int, positive_int
+from st_extensions.frozen import evaluating
 
 __all__ = [
-    "LayerStateCache",
-    "PartialTransformer",
-    "check_partial_transformer",
-    "layer_attention_mask",
-    "partial_model",
-    "predict_sharing_layers",
-    "run_top_layers",
-    "state_fingerprint",
-]
+    "LayerStateCache", "PartialTransformer", "check_layers", "check_partial_transformer", "freeze_lower_layers",
+    "layer_attention_mask", "pair_key", "partial_model", "run_top_layers", "state_fingerprint", "states_entering",
+]  # fmt: skip
 
 FORMAT = "st_extensions.partial/layer-states"
 VERSION = 1
@@ -68,21 +57,11 @@ Key = str | tuple[str, str]
 
 
 def check_partial_transformer(module: Any) -> Any:
-    """Check that ``module`` (a model's first module) is a ``Transformer`` the partial recipe can split, and return
-    its backbone (a ``transformers`` ``BertModel``).
+    """The backbone (``BertModel``) of ``module``, checked to be a ``Transformer`` the partial recipe can split.
 
-    Raises:
-        ValueError: ``module`` is not a sentence-transformers ``Transformer`` (e.g. a ``Router``), not a torch
-            feature-extraction text model writing ``token_embeddings`` from ``last_hidden_state`` (a
-            sequence-classification CrossEncoder keeps its classifier inside the backbone: build a cross-encoder
-            with a separate head, ``st_extensions.cross_encoder.frozen.build_cross_encoder`` or
-            ``build_var_cross_encoder``), its backbone is not a ``BertModel`` encoder (decoders, cross-attention and
-            other architectures are not handled), its inputs are unpadded (flash-attention flattening), padded on
-            the left, or tokenised per task (``query_length`` / ``document_length`` / ``query_expansion``), or it
-            returns every layer's hidden states.
+    ValueError otherwise: not a torch feature-extraction ``Transformer`` writing ``token_embeddings`` from
+    ``last_hidden_state``, not BERT, unpadded or left-padded inputs, per-task tokenisation, all hidden states returned.
     """
-    from transformers.models.bert.modeling_bert import BertModel
-
     if not isinstance(module, Transformer):
         raise ValueError(
             "partial training needs a model whose first module is a sentence-transformers Transformer, got "
@@ -132,38 +111,35 @@ def _num_layers(backbone: Any) -> int:
     return len(backbone.encoder.layer)
 
 
-def _check_train_layers(train_layers: Any, num_layers: int) -> int:
-    if isinstance(train_layers, bool) or not isinstance(train_layers, (int, np.integer)):
-        raise ValueError(f"train_layers must be an int in 1..{num_layers} (the model has L={num_layers} layers)")
-    if not 1 <= int(train_layers) <= num_layers:
-        raise ValueError(
-            f"train_layers must be in 1..{num_layers} (the model has L={num_layers} layers), got {train_layers}"
-        )
-    return int(train_layers)
+def check_layers(name: str, value: Any, low: int, high: int, num_layers: int) -> int:
+    """``value`` as an int in ``low..high`` (layers of an encoder of ``num_layers``), else a ValueError naming it."""
+    if not is_int(value) or not low <= int(value) <= high:
+        raise ValueError(f"{name} must be an int in {low}..{high} (the model has L={num_layers} layers), got {value!r}")
+    return int(value)
+
+
+def freeze_lower_layers(backbone: Any, frozen: int) -> None:
+    """Turn off the gradients of ``backbone``'s embeddings and lower ``frozen`` layers (left so afterwards)."""
+    for module in (backbone.embeddings, *backbone.encoder.layer[:frozen]):
+        module.requires_grad_(False)
 
 
 # ----------------------------------------------------------------------------------------------- the layers' maths
 
 
 def layer_attention_mask(backbone: Any, hidden_states: Tensor, attention_mask: Tensor) -> Any:
-    """The attention mask ``backbone`` (a ``BertModel`` encoder, never a decoder: :func:`check_partial_transformer`)
-    hands its layers for a padded batch: transformers' ``create_bidirectional_mask`` for the configured attention
-    implementation (a boolean or additive 4-D mask, or ``None`` for sdpa without padding), which is what
-    ``BertModel._create_attention_masks`` builds for an encoder; called directly because that private method's
-    signature differs between transformers 5 releases. ``hidden_states`` (B, T, H) gives the dtype, device and
-    length, ``attention_mask`` is the 2-D (B, T) padding mask."""
-    from transformers.masking_utils import create_bidirectional_mask
-
+    """The mask a ``BertModel`` encoder hands its layers for a padded (B, T) ``attention_mask``
+    (``create_bidirectional_mask``, called directly: ``BertModel._create_attention_masks``' signature varies in v5).
+    """
     return create_bidirectional_mask(config=backbone.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
 
 
 def run_top_layers(
     backbone: Any, hidden_states: Tensor, attention_mask: Tensor, start: int, stop: int | None = None
 ) -> Tensor:
-    """``backbone``'s layers ``start..stop-1`` (default: to the last) on ``hidden_states`` (the states entering layer
-    ``start``), as ``BertEncoder.forward`` runs them for an encoder (no cross-attention, no cache): the output of
-    layer ``stop - 1``, (B, T, H). Layers that return a tuple (older transformers 5 releases) give their first
-    element."""
+    """``backbone``'s layers ``start..stop-1`` on the states entering layer ``start``, as ``BertEncoder.forward`` runs
+    them for an encoder: the output of layer ``stop - 1``, (B, T, H) (a tuple output gives its first element).
+    """
     mask = layer_attention_mask(backbone, hidden_states, attention_mask)
     for layer in backbone.encoder.layer[start:stop]:
         out = layer(hidden_states, attention_mask=mask)
@@ -175,39 +151,33 @@ class _Stop(Exception):
     pass
 
 
-@contextlib.contextmanager
-def _states_entering(backbone: Any, layer: int) -> Iterator[list[Tensor]]:
-    """Within the block, a forward of ``backbone`` stops (raises :class:`_Stop`) on reaching layer ``layer``,
-    leaving the hidden states that enter it in the yielded list."""
+def states_entering(transformer: Transformer, features: dict[str, Any], layer: int) -> Tensor:
+    """The hidden states entering layer ``layer`` of ``transformer``'s backbone for the tokenised ``features``: a
+    forward stopped on reaching that layer (a pre-hook raises there)."""
     captured: list[Tensor] = []
 
     def hook(module: Any, args: tuple) -> None:
         captured.append(args[0])
         raise _Stop
 
-    handle = backbone.encoder.layer[layer].register_forward_pre_hook(hook)
+    handle = transformer.auto_model.encoder.layer[layer].register_forward_pre_hook(hook)
     try:
-        yield captured
+        with contextlib.suppress(_Stop):
+            transformer(features)
     finally:
         handle.remove()
+    if not captured:
+        raise RuntimeError(f"layer {layer} of the backbone was never reached")
+    return captured[0]
 
 
 # ------------------------------------------------------------------------------------------------------ fingerprint
 
 
 _CONFIG_KEYS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_attention_heads",
-    "intermediate_size",
-    "hidden_act",
-    "layer_norm_eps",
-    "max_position_embeddings",
-    "type_vocab_size",
-    "position_embedding_type",
-    "pad_token_id",
-)
+    "model_type", "vocab_size", "hidden_size", "num_attention_heads", "intermediate_size", "hidden_act",
+    "layer_norm_eps", "max_position_embeddings", "type_vocab_size", "position_embedding_type", "pad_token_id",
+)  # fmt: skip
 
 
 def _tokenizer_description(tokenizer: Any) -> Any:
@@ -235,10 +205,7 @@ def state_fingerprint(transformer: Transformer, frozen_layers: int) -> str:
         "frozen_layers": frozen_layers,
     }
     h.update(json.dumps(described, sort_keys=True, default=str).encode())
-    named = [(f"embeddings.{n}", t) for n, t in backbone.embeddings.state_dict().items()]
-    for i in range(frozen_layers):
-        named += [(f"layer.{i}.{n}", t) for n, t in backbone.encoder.layer[i].state_dict().items()]
-    for name, t in named:
+    for name, t in _frozen_tensors(backbone, frozen_layers):
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
@@ -248,30 +215,19 @@ def state_fingerprint(transformer: Transformer, frozen_layers: int) -> str:
 def _weights_token(transformer: Transformer, frozen_layers: int) -> tuple:
     """A cheap token that changes when a frozen weight is replaced or modified in place (storage and version
     counter of each tensor): the full :func:`state_fingerprint` is recomputed only when it changes."""
-    backbone = transformer.auto_model
-    tensors = list(backbone.embeddings.state_dict().values())
+    tensors = _frozen_tensors(transformer.auto_model, frozen_layers)
+    return tuple((t.data_ptr(), t._version, t.dtype, str(t.device)) for _, t in tensors)
+
+
+def _frozen_tensors(backbone: Any, frozen_layers: int) -> list[tuple[str, Tensor]]:
+    """(name, tensor) of the state of ``backbone``'s embeddings and lower ``frozen_layers`` layers."""
+    named = [(f"embeddings.{n}", t) for n, t in backbone.embeddings.state_dict().items()]
     for i in range(frozen_layers):
-        tensors += list(backbone.encoder.layer[i].state_dict().values())
-    return tuple((t.data_ptr(), t._version, t.dtype, str(t.device)) for t in tensors)
+        named += [(f"layer.{i}.{n}", t) for n, t in backbone.encoder.layer[i].state_dict().items()]
+    return named
 
 
 # ------------------------------------------------------------------------------------------------------ the cache
-
-
-@contextlib.contextmanager
-def _locked(folder: str) -> Iterator[None]:
-    """An exclusive lock on ``folder`` (flock on its lock file; a no-op where flock is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not posix
-        yield
-        return
-    with open(os.path.join(folder, LOCK), "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _encode_key(key: Key) -> bytes:
@@ -283,59 +239,31 @@ def _decode_key(raw: bytes, pairs: bool) -> Key:
     return tuple(json.loads(text)) if pairs else text
 
 
+def pair_key(x: Any) -> tuple[str, str]:
+    """A cross-encoder input (a tuple or list) as the hashable ``(query, document)`` its caches are keyed by."""
+    if isinstance(x, str) or not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise ValueError(f"a cross-encoder input is a (query, document) pair, got {x!r:.80}")
+    if not all(isinstance(t, str) for t in x):
+        raise ValueError(f"a (query, document) pair holds two strings, got {x!r:.80}")
+    return (x[0], x[1])
+
+
 def _as_key(x: Any, pairs: bool) -> Key:
     if pairs:
-        if isinstance(x, str) or not isinstance(x, (tuple, list)) or len(x) != 2:
-            raise ValueError(f"a cross-encoder input is a (query, document) pair, got {x!r:.80}")
-        if not all(isinstance(t, str) for t in x):
-            raise ValueError(f"a (query, document) pair holds two strings, got {x!r:.80}")
-        return (x[0], x[1])
+        return pair_key(x)
     if not isinstance(x, str):
         raise ValueError(f"the partial-training cache holds texts (str), got {type(x).__name__}: {x!r:.80}")
     return x
 
 
 class LayerStateCache:
-    """The hidden states entering layer ``frozen_layers`` of a BERT ``Transformer``, per distinct text (or
-    (query, document) pair), in a folder on disk, reused across runs.
+    """The hidden states entering layer ``frozen_layers`` of a BERT ``Transformer`` per distinct text (or (query,
+    document) pair, ``pairs``) in a folder on disk (``None``: temporary), reused across runs; ``dtype`` float16 or
+    float32.
 
-    What is cached, per key (a text, or a pair tokenised together as a cross-encoder does): the token ids the
-    ``Transformer`` gives it (truncated at its ``max_seq_length``; padding dropped) and the hidden states that enter
-    layer ``frozen_layers`` (the output of the embeddings and of layers ``0..frozen_layers-1``, computed in eval mode,
-    so without dropout), one row of ``hidden_size`` values per token. Files in the folder:
-
-    - ``meta.json``: format, the model's name or path, the :func:`state_fingerprint` (tokenizer, settings and the
-      frozen weights), ``max_seq_length``, ``num_layers`` (L), ``frozen_layers`` (L - N), ``train_layers`` (N),
-      ``hidden_size``, ``dtype`` and the key kind (``"text"`` or ``"pair"``);
-    - ``states.bin``: every key's states, one after the other, ``(total tokens, hidden_size)`` of ``dtype``
-      (fp16 by default), read through ``np.memmap``;
-    - ``tokens.bin``: the token ids, int32, one per row of ``states.bin``;
-    - ``keys.bin``: the keys, UTF-8 (a pair as a JSON list), one after the other;
-    - ``rows.bin``: per key, int64, where its key ends in ``keys.bin`` and where its tokens end in ``states.bin``;
-    - ``index.json``: how many keys, tokens and key bytes are committed (the commit point).
-
-    Disk size: at most ``n_keys * max_seq_length * hidden_size * 2`` bytes of states in fp16 (4 in fp32), plus 4
-    bytes of token id per token, 16 bytes per key and the keys' text; e.g. 100k documents of 128 tokens at hidden
-    size 384 take 9.8 GB. Memory holds a dict key -> row and the row offsets; states are read per batch.
-
-    Writes are atomic: ``meta.json`` and ``index.json`` are written to a temporary file and renamed over the old
-    one (``os.replace``); the data files are append-only: new keys are appended (and fsynced) before the new
-    ``index.json``, which alone says how much of each file is valid, replaces the old one, so a reader (or a crashed
-    writer) never sees a half-written key, and a commit costs the new keys only. What a crashed writer left beyond
-    the committed counts is dropped by the next one. Writers take a lock on the folder; a cache sees what another
-    committed when it opens or extends. Don't rebuild (``overwrite``) a folder another process is using.
-
-    Args:
-        folder: the cache folder (created if missing). ``None``: a temporary folder removed with this object.
-        transformer: the ``Transformer`` whose lower layers compute missing states (the *encoder*); ``None`` opens
-            an existing cache read-only (a key it lacks raises ``KeyError``).
-        frozen_layers: L - N, the layer whose input is cached (with ``transformer``: required).
-        pairs: keys are (query, document) pairs (a cross-encoder) rather than texts.
-        dtype: ``"float16"`` (default) or ``"float32"`` storage.
-        overwrite: a folder holding a cache of other settings (another model, ``max_seq_length``, layer, dtype or key
-            kind) is emptied and rebuilt; by default that is a ``ValueError``.
-        batch_size: keys per forward pass when computing states.
-        show_progress_bar: show a bar while computing states.
+    Per key the token ids (padding dropped) and the states, computed in eval mode by ``transformer`` (``None``: opened
+    read-only, a missing key raises ``KeyError``). ``overwrite`` rebuilds a folder of other settings (else ValueError);
+    don't rebuild one another process uses. File format and crash safety: ``docs/recipes.md``.
     """
 
     def __init__(
@@ -350,11 +278,8 @@ class LayerStateCache:
         batch_size: int = 32,
         show_progress_bar: bool = False,
     ) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.batch_size = batch_size
+        choice("dtype", dtype, DTYPES)
+        self.batch_size = positive_int("batch_size", batch_size)
         self.show_progress_bar = show_progress_bar
         #: while computing, the index is committed about this often (so an interrupted run keeps most of its work)
         self.commit_seconds = 60.0
@@ -375,9 +300,7 @@ class LayerStateCache:
         else:
             backbone = check_partial_transformer(transformer)
             num_layers = _num_layers(backbone)
-            if frozen_layers is None or not 0 <= int(frozen_layers) < num_layers:
-                raise ValueError(f"frozen_layers must be in 0..{num_layers - 1} (L={num_layers}), got {frozen_layers}")
-            frozen_layers = int(frozen_layers)
+            frozen_layers = check_layers("frozen_layers", frozen_layers, 0, num_layers - 1, num_layers)
             wanted = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -392,7 +315,7 @@ class LayerStateCache:
                 "keys": "pair" if pairs else "text",
             }
             os.makedirs(self.folder, exist_ok=True)
-            with _locked(self.folder):
+            with locked(os.path.join(self.folder, LOCK)):
                 found = self._read_meta()
                 differ = self._differences(found, wanted) if found is not None else {}
                 if differ and not overwrite:
@@ -412,8 +335,6 @@ class LayerStateCache:
         self._np_dtype = np.dtype(self.meta["dtype"])
         self._reset()
         self._load_index()
-
-    # ---- meta / files
 
     @staticmethod
     def _differences(found: dict, wanted: dict) -> dict[str, tuple]:
@@ -448,6 +369,11 @@ class LayerStateCache:
             counts = json.load(f)
         return int(counts["keys"]), int(counts["tokens"]), int(counts["key_bytes"])
 
+    def _sizes(self, n_keys: int, n_tokens: int, n_key_bytes: int) -> dict[str, int]:
+        """The bytes of each data file that ``n_keys`` keys of ``n_tokens`` tokens and ``n_key_bytes`` take."""
+        states = n_tokens * self.hidden_size * self._np_dtype.itemsize
+        return {STATES: states, TOKENS: n_tokens * 4, KEYS: n_key_bytes, ROWS: n_keys * 16}
+
     def _reset(self) -> None:
         self._rows: dict[Key, int] = {}
         self._offsets = np.zeros(1, np.int64)  # token offsets of the rows, n_keys + 1
@@ -463,14 +389,7 @@ class LayerStateCache:
         n_keys, n_tokens, n_key_bytes = self._read_index()
         if n_keys < len(self._rows):
             self._reset()
-        hidden, item = self.hidden_size, self._np_dtype.itemsize
-        sizes = {
-            STATES: n_tokens * hidden * item,
-            TOKENS: n_tokens * 4,
-            KEYS: n_key_bytes,
-            ROWS: n_keys * 16,
-        }
-        for name, needed in sizes.items():
+        for name, needed in self._sizes(n_keys, n_tokens, n_key_bytes).items():
             have = os.path.getsize(os.path.join(self.folder, name))
             if have < needed:
                 raise ValueError(f"{name} in {self.folder!r} is shorter than its index says ({have} < {needed} bytes)")
@@ -492,11 +411,9 @@ class LayerStateCache:
             raise ValueError(f"the index of the layer-state cache in {self.folder!r} is inconsistent")
         if n_tokens and (self._states is None or len(self._states) != n_tokens):
             self._states = np.memmap(
-                os.path.join(self.folder, STATES), dtype=self._np_dtype, mode="r", shape=(n_tokens, hidden)
+                os.path.join(self.folder, STATES), dtype=self._np_dtype, mode="r", shape=(n_tokens, self.hidden_size)
             )
             self._ids = np.memmap(os.path.join(self.folder, TOKENS), dtype=np.int32, mode="r", shape=(n_tokens,))
-
-    # ---- properties
 
     @property
     def frozen_layers(self) -> int:
@@ -532,8 +449,6 @@ class LayerStateCache:
             f"{self.meta['num_layers']}, {self.meta['dtype']}, {self.nbytes() / 2**20:.1f} MiB in {self.folder!r})"
         )
 
-    # ---- look-up and extension
-
     def missing(self, keys: Iterable[Any]) -> list[Key]:
         """The distinct keys of ``keys`` not cached yet, in first-seen order."""
         return [k for k in dict.fromkeys(_as_key(x, self.pairs) for x in keys) if k not in self._rows]
@@ -546,17 +461,17 @@ class LayerStateCache:
             return 0
         if self.encoder is None:
             raise KeyError(f"not in the layer-state cache and no encoder to compute it: {new[0]!r:.100}")
-        if self._checked != (id(self.encoder), _weights_token(self.encoder, self.frozen_layers)):
-            fingerprint = state_fingerprint(self.encoder, self.frozen_layers)
-            self._checked = (id(self.encoder), _weights_token(self.encoder, self.frozen_layers))
-        else:
-            fingerprint = self.fingerprint
+        checked = (id(self.encoder), _weights_token(self.encoder, self.frozen_layers))
+        fingerprint = (
+            self.fingerprint if checked == self._checked else state_fingerprint(self.encoder, self.frozen_layers)
+        )
+        self._checked = checked
         if fingerprint != self.fingerprint or self.encoder.max_seq_length != self.max_seq_length:
             raise ValueError(
                 "the encoder no longer matches the layer-state cache (its frozen weights, tokenizer or "
                 "max_seq_length changed since the cache was opened)"
             )
-        with _locked(self.folder):
+        with locked(os.path.join(self.folder, LOCK)):
             self._load_index()  # another writer may have committed meanwhile
             new = [k for k in new if k not in self._rows]
             if not new:
@@ -569,16 +484,13 @@ class LayerStateCache:
         keys = [_as_key(x, self.pairs) for x in keys]
         if self.encoder is not None:
             self.extend(keys)
-        out = []
-        for k in keys:
-            row = self._rows.get(k)
-            if row is None:
-                raise KeyError(
-                    "not in the layer-state cache (was it in the training data?) and no encoder to compute it: "
-                    f"{k!r:.100}"
-                )
-            out.append(row)
-        return out
+        lacking = [k for k in keys if k not in self._rows]
+        if lacking:
+            raise KeyError(
+                "not in the layer-state cache (was it in the training data?) and no encoder to compute it: "
+                f"{lacking[0]!r:.100}"
+            )
+        return [self._rows[k] for k in keys]
 
     def token_ids(self, row: int) -> np.ndarray:
         """The cached token ids of key ``row`` (no padding)."""
@@ -607,53 +519,32 @@ class LayerStateCache:
             out[i, : lengths[i]] = self.states(int(row))
         return out
 
-    # ---- computing
-
-    def _compute(self, keys: Sequence[Key]) -> Iterator[tuple[list[int], list[np.ndarray], list[np.ndarray]]]:
-        """Per batch (longest keys first): (positions in ``keys``, token ids, states) of its keys."""
-        from tqdm.autonotebook import tqdm
-
+    def _compute(self, keys: Sequence[Key]) -> Iterator[list[tuple[int, np.ndarray, np.ndarray]]]:
+        """Per batch (longest keys first): (position in ``keys``, token ids, states) of each of its keys."""
         transformer = self.encoder
-        backbone = transformer.auto_model
-        device = next(backbone.parameters()).device
+        device = next(transformer.auto_model.parameters()).device
         order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
-        was_training = transformer.training
-        transformer.eval()
-        try:
-            with tqdm(total=len(keys), desc="layer states", disable=not self.show_progress_bar) as bar:
-                for start in range(0, len(keys), self.batch_size):
-                    idx = [int(i) for i in order[start : start + self.batch_size]]
-                    features = transformer.preprocess([keys[i] for i in idx])
-                    if "attention_mask" not in features or "input_ids" not in features:
-                        raise ValueError("the Transformer's preprocess gave no input_ids / attention_mask")
-                    mask = features["attention_mask"].bool()
-                    ids = features["input_ids"]
-                    features = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in features.items()}
-                    with torch.inference_mode(), _states_entering(backbone, self.frozen_layers) as captured:
-                        with contextlib.suppress(_Stop):
-                            transformer(features)
-                    if not captured:
-                        raise RuntimeError(f"layer {self.frozen_layers} of the backbone was never reached")
-                    hidden = captured[0].float().cpu()
-                    yield (
-                        idx,
-                        [ids[j][mask[j]].numpy().astype(np.int32) for j in range(len(idx))],
-                        [hidden[j][mask[j]].numpy().astype(self._np_dtype) for j in range(len(idx))],
-                    )
-                    bar.update(len(idx))
-        finally:
-            transformer.train(was_training)
+        bar = tqdm(total=len(keys), desc="layer states", disable=not self.show_progress_bar)
+        with evaluating(transformer), bar, torch.inference_mode():
+            for start in range(0, len(keys), self.batch_size):
+                idx = [int(i) for i in order[start : start + self.batch_size]]
+                features = transformer.preprocess([keys[i] for i in idx])
+                if "attention_mask" not in features or "input_ids" not in features:
+                    raise ValueError("the Transformer's preprocess gave no input_ids / attention_mask")
+                mask, ids = features["attention_mask"].bool(), features["input_ids"]
+                hidden = states_entering(transformer, batch_to_device(features, device), self.frozen_layers)
+                hidden = hidden.float().cpu()
+                yield [
+                    (i, ids[j][mask[j]].numpy().astype(np.int32), hidden[j][mask[j]].numpy().astype(self._np_dtype))
+                    for j, i in enumerate(idx)
+                ]
+                bar.update(len(idx))
 
     def _append(self, keys: list[Key]) -> None:
         """Append ``keys``' states (in the order computed: longest first) and commit them, at the end and about
         every ``commit_seconds`` of computing (the caller holds the lock and has caught up with the index)."""
         n_tokens = int(self._offsets[-1])
-        committed = {
-            STATES: n_tokens * self.hidden_size * self._np_dtype.itemsize,
-            TOKENS: n_tokens * 4,
-            KEYS: self._key_bytes,
-            ROWS: len(self._rows) * 16,
-        }
+        committed = self._sizes(len(self._rows), n_tokens, self._key_bytes)
         with contextlib.ExitStack() as stack:
             files = {name: stack.enter_context(open(os.path.join(self.folder, name), "r+b")) for name in DATA_FILES}
             for name, f in files.items():
@@ -661,8 +552,8 @@ class LayerStateCache:
                 f.seek(committed[name])
             counts = [len(self._rows), n_tokens, self._key_bytes]
             pending, last = 0, time.monotonic()
-            for positions, tok, states in self._compute(keys):
-                for p, t, s in zip(positions, tok, states):
+            for batch in self._compute(keys):
+                for p, t, s in batch:
                     raw = _encode_key(keys[p])
                     files[STATES].write(np.ascontiguousarray(s).tobytes())
                     files[TOKENS].write(np.ascontiguousarray(t, dtype=np.int32).tobytes())
@@ -690,22 +581,12 @@ class LayerStateCache:
 
 
 class PartialTransformer(InputModule):
-    """Input module standing in for a BERT ``Transformer`` during partial training: the lower layers' states come
-    from a :class:`LayerStateCache`, the top layers are the ``Transformer``'s own (shared, not copied).
+    """Input module standing in for a BERT ``Transformer`` in partial training: the lower layers' states come from a
+    :class:`LayerStateCache`, the top layers are the ``Transformer``'s own (shared, not copied).
 
-    ``preprocess(texts)`` (pairs for a cross-encoder) maps each key to its cache row, computing the states of keys
-    not cached yet when the cache holds its encoder (else ``KeyError`` naming the key), and gives ``input_ids`` (the
-    cached token ids, right-padded), ``attention_mask`` and the rows. ``forward`` rebuilds the padded batch of cached
-    states (cast to the backbone's dtype, float32 normally), builds the layers' attention mask as ``BertModel`` does
-    (:func:`layer_attention_mask`), runs layers ``frozen_layers..L-1`` of the ``Transformer``'s backbone and writes
-    ``features["token_embeddings"]`` (at padded positions: the top layers' outputs of zero states, which pooling
-    masks out). Prompts, per-call ``processing_kwargs`` and a ``max_length`` other than the cache's are refused:
-    the cached states are those of the texts as tokenised when cached. A training-time stand-in: it cannot be saved
-    (save the model it was made from).
-
-    Args:
-        transformer: the model's ``Transformer`` (its backbone's top layers run here and train in place).
-        cache: the lower layers' states; made with this ``transformer`` (same :func:`state_fingerprint`).
+    ``preprocess`` maps keys to cache rows (right-padded token ids and mask); ``forward`` runs layers
+    ``frozen_layers..L-1`` and writes ``token_embeddings``. Prompts, ``processing_kwargs`` and another ``max_length``
+    are refused. It cannot be saved (save the model it was made from).
     """
 
     save_in_root = False
@@ -769,19 +650,12 @@ class PartialTransformer(InputModule):
             return {"unpaired_texts": inputs}  # e.g. the model card measuring one column: nothing to score
         rows = self.cache.rows(inputs)
         lengths = self.cache.lengths(rows)
-        length = int(lengths.max())
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+        input_ids = torch.full((len(rows), int(lengths.max())), self.tokenizer.pad_token_id or 0, dtype=torch.long)
         for i, row in enumerate(rows):
             input_ids[i, : lengths[i]] = torch.from_numpy(self.cache.token_ids(row).astype(np.int64))
-            attention_mask[i, : lengths[i]] = 1
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "cache_rows": torch.tensor(rows, dtype=torch.long),
-            "modality": "text",
-        }
+        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(lengths)[:, None]).long()
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "cache_rows": rows_t, "modality": "text"}
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if "unpaired_texts" in features:
@@ -821,39 +695,14 @@ def partial_model(
     encode_missing: bool = True,
 ) -> SentenceTransformer | CrossEncoder:
     """The partial-training stand-in of ``model``: [:class:`PartialTransformer`, ``model``'s other modules...], all
-    shared with ``model`` (training it trains ``model`` in place).
+    shared with ``model``, so training it trains ``model`` in place (which then saves and loads with no cache).
 
-    Freezes ``model``'s backbone embeddings and lower ``L - train_layers`` layers (``requires_grad=False``, left so
-    afterwards); the top ``train_layers`` layers, the pooling and the added modules keep their ``requires_grad``.
-    After training, ``model`` is an ordinary sentence-transformers model: ``model.save(path)`` then
-    ``SentenceTransformer(path)`` / ``st_extensions.loading.load_model(path)`` need no cache.
-
-    Args:
-        model: a SentenceTransformer ([Transformer, Pooling, ..., added modules]) or a CrossEncoder with a separate
-            head ([Transformer, Pooling, head], e.g. a VarCrossEncoder); its Transformer's backbone a ``BertModel``
-            (:func:`check_partial_transformer`).
-        train_layers: N, the number of top layers that train, 1..L.
-        texts: every text (for a CrossEncoder: every (query, document) pair) the training will feed; their states
-            are computed now (the others on first use, unless ``encode_missing`` is false). Duplicates are fine.
-        cache: a :class:`LayerStateCache` to use (built for this model's frozen part: same fingerprint,
-            ``max_seq_length`` and layer; else ``ValueError``); extended with the texts it lacks.
-        cache_dir: the cache folder (reused when it holds a cache of the same settings, extended with the texts it
-            lacks); ``None`` (and no ``cache``): a temporary folder removed with the stand-in's cache.
-        batch_size: texts per forward pass when computing states.
-        show_progress_bar: show the bar while computing states.
-        dtype: storage of a new cache, ``"float16"`` or ``"float32"``.
-        overwrite: rebuild a ``cache_dir`` that holds a cache of other settings (default: ``ValueError``).
-        encode_missing: texts not in the cache are computed on first use (the cache holds ``model``'s
-            Transformer); ``False``: they raise ``KeyError`` (the cache is then read-only for the stand-in).
-
-    Returns:
-        A model of ``model``'s class (a CrossEncoder keeps its ``activation_fn``) whose ``encode`` / ``predict``
-        give ``model``'s outputs up to the storage rounding, and which the usual trainers and losses train.
-
-    Raises:
-        ValueError: ``train_layers`` not in 1..L; a model the recipe cannot split (see
-            :func:`check_partial_transformer`; a CrossEncoder without a head after its Transformer); a cache of
-            other settings.
+    Freezes ``model``'s embeddings and lower ``L - train_layers`` layers (left so). ``model``: a SentenceTransformer or
+    a CrossEncoder with a separate head, BERT backbone. ``texts`` (pairs for a CrossEncoder) are cached now, others on
+    first use unless ``encode_missing=False`` (then ``KeyError``). ``cache``: a :class:`LayerStateCache` of this model's
+    frozen part, else one in ``cache_dir`` (``None``: temporary) with ``dtype`` / ``overwrite`` as in the cache. Returns
+    a model of ``model``'s class (a CrossEncoder keeps its ``activation_fn``) giving its outputs up to the storage
+    rounding.
     """
     modules = list(model)
     if not modules:
@@ -861,8 +710,7 @@ def partial_model(
     transformer = modules[0]
     backbone = check_partial_transformer(transformer)
     num_layers = _num_layers(backbone)
-    n = _check_train_layers(train_layers, num_layers)
-    frozen = num_layers - n
+    frozen = num_layers - check_layers("train_layers", train_layers, 1, num_layers, num_layers)
     pairs = isinstance(model, CrossEncoder)
     if pairs and len(modules) < 2:
         raise ValueError("partial training of a CrossEncoder needs a head after its Transformer (Pooling + head)")
@@ -870,148 +718,39 @@ def partial_model(
         raise ValueError(
             f"partial training handles SentenceTransformer and CrossEncoder models, got {type(model).__name__}"
         )
-    if cache is not None:
-        if cache_dir is not None and os.path.abspath(os.fspath(cache_dir)) != os.path.abspath(cache.folder):
-            raise ValueError(f"cache (in {cache.folder!r}) and cache_dir={os.fspath(cache_dir)!r} disagree: pass one")
-        problems = []
-        if cache.pairs != pairs:
-            problems.append(f"keys are {'pairs' if cache.pairs else 'texts'}, the model needs the other")
-        if cache.frozen_layers != frozen:
-            problems.append(f"it caches the input of layer {cache.frozen_layers}, train_layers={n} needs {frozen}")
-        if cache.max_seq_length != transformer.max_seq_length:
-            problems.append(f"max_seq_length {cache.max_seq_length} != the model's {transformer.max_seq_length}")
-        if not problems and cache.fingerprint != state_fingerprint(transformer, frozen):
-            problems.append("it was computed with other frozen weights or another tokenizer")
-        if problems:
-            raise ValueError("the layer-state cache does not fit this model: " + "; ".join(problems))
-        cache._checked = (id(transformer), _weights_token(transformer, frozen))
-        if encode_missing and cache.encoder is None:
-            cache.encoder = transformer
-        elif not encode_missing:
-            cache.encoder = None
+    if cache is None:
+        cache = LayerStateCache(cache_dir, transformer, frozen, pairs=pairs, dtype=dtype, overwrite=overwrite)
     else:
-        cache = LayerStateCache(
-            cache_dir,
-            transformer,
-            frozen,
-            pairs=pairs,
-            dtype=dtype,
-            overwrite=overwrite,
-            batch_size=batch_size,
-            show_progress_bar=show_progress_bar,
-        )
+        _check_cache_fits(cache, cache_dir, transformer, pairs, frozen)
     cache.batch_size, cache.show_progress_bar = batch_size, show_progress_bar
-    if cache.encoder is None:
-        cache.encoder = transformer  # compute the given texts now
-        try:
-            cache.extend(texts)
-        finally:
-            cache.encoder = None
-    else:
+    cache.encoder = transformer  # computes the given texts now
+    try:
         cache.extend(texts)
+    finally:
         if not encode_missing:
             cache.encoder = None
-    for p in backbone.embeddings.parameters():
-        p.requires_grad_(False)
-    for layer in backbone.encoder.layer[:frozen]:
-        for p in layer.parameters():
-            p.requires_grad_(False)
+    freeze_lower_layers(backbone, frozen)
     stand_in_modules = [PartialTransformer(transformer, cache), *modules[1:]]
     if pairs:
         return type(model)(modules=stand_in_modules, device=str(model.device), activation_fn=model.activation_fn)
     return SentenceTransformer(modules=stand_in_modules, device=str(model.device))
 
 
-# ------------------------------------------------------------------------------------- scoring with shared layers
-
-
-def predict_sharing_layers(
-    models: Sequence[CrossEncoder],
-    pairs: Sequence[Any],
-    frozen_layers: int,
-    *,
-    batch_size: int = 32,
-    show_progress_bar: bool = False,
-) -> list[tuple[np.ndarray, np.ndarray | None]]:
-    """Score ``pairs`` with several cross-encoders that share their embeddings and lower ``frozen_layers`` layers
-    (e.g. a CrossEncoder and VarCrossEncoders fine-tuned from one backbone under the partial recipe): each batch runs
-    the shared lower layers once and every model's own top layers and head on their output. The result is each
-    model's ``predict`` (its logits ``scores``, no activation) computed in fp32, up to float rounding; for a model
-    whose head writes a score variance (a VarCrossEncoder, Eq. 23) its standard deviation too.
-
-    Args:
-        models: cross-encoders whose first module is a BERT ``Transformer`` (:func:`check_partial_transformer`)
-            with the same :func:`state_fingerprint` at ``frozen_layers`` (same tokenizer, settings and lower
-            weights), each followed by its pooling and head.
-        pairs: (query, document) pairs.
-        frozen_layers: how many lower layers the models share (L - the partial recipe's ``train_layers``).
-        batch_size: pairs per forward pass.
-        show_progress_bar: a bar over the pairs.
-
-    Returns:
-        Per model, ``(scores, stds)``: float32 arrays in the order of ``pairs``; ``stds`` None for a model without a
-        score variance.
-
-    Raises:
-        ValueError: no model, a model that cannot be split, or models whose lower layers differ.
-    """
-    from tqdm.autonotebook import tqdm
-
-    from st_extensions.cross_encoder.head import SCORE_VAR_KEY
-
-    models = list(models)
-    if not models:
-        raise ValueError("predict_sharing_layers needs at least one model")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    transformers = [list(m)[0] for m in models]
-    for t in transformers:
-        check_partial_transformer(t)
-    num_layers = _num_layers(transformers[0].auto_model)
-    if isinstance(frozen_layers, bool) or not isinstance(frozen_layers, (int, np.integer)):
-        raise ValueError(f"frozen_layers must be an int in 0..{num_layers - 1}, got {frozen_layers!r}")
-    frozen = int(frozen_layers)
-    if not 0 <= frozen < num_layers:
-        raise ValueError(f"frozen_layers must be in 0..{num_layers - 1} (the models have {num_layers} layers)")
-    prints = [state_fingerprint(t, frozen) for t in transformers]
-    differ = [i for i, p in enumerate(prints) if p != prints[0]]
-    if differ:
-        raise ValueError(
-            f"models {differ} do not share the embeddings, lower {frozen} layers, tokenizer or settings of model 0: "
-            "score them separately"
-        )
-    keys = [_as_key(p, True) for p in pairs]
-    n = len(keys)
-    scores = [np.empty(n, np.float32) for _ in models]
-    variances: list[np.ndarray | None] = [None] * len(models)
-    first, backbone0 = transformers[0], transformers[0].auto_model
-    device = next(backbone0.parameters()).device
-    order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
-    states = [m.training for m in models]
-    for m in models:
-        m.eval()
-    try:
-        with torch.inference_mode(), tqdm(total=n, desc="scoring", disable=not show_progress_bar) as bar:
-            for start in range(0, n, batch_size):
-                idx = order[start : start + batch_size]
-                features = first.preprocess([keys[i] for i in idx])
-                features = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in features.items()}
-                mask = features["attention_mask"]
-                with _states_entering(backbone0, frozen) as captured, contextlib.suppress(_Stop):
-                    first(dict(features))
-                hidden = captured[0]
-                for j, (model, t) in enumerate(zip(models, transformers)):
-                    out = dict(features)
-                    out[t.module_output_name] = run_top_layers(t.auto_model, hidden, mask, frozen)
-                    for module in list(model)[1:]:
-                        out = module(out)
-                    scores[j][idx] = out["scores"].float().reshape(-1).cpu().numpy()
-                    if SCORE_VAR_KEY in out:
-                        if variances[j] is None:
-                            variances[j] = np.empty(n, np.float32)
-                        variances[j][idx] = out[SCORE_VAR_KEY].float().reshape(-1).cpu().numpy()
-                bar.update(len(idx))
-    finally:
-        for m, was in zip(models, states):
-            m.train(was)
-    return [(s, None if v is None else np.sqrt(np.clip(v, 0.0, None))) for s, v in zip(scores, variances)]
+def _check_cache_fits(
+    cache: LayerStateCache, cache_dir: Any, transformer: Transformer, pairs: bool, frozen: int
+) -> None:
+    """A ``ValueError`` listing why ``cache`` cannot serve ``transformer``'s stand-in (one with ``frozen`` layers)."""
+    if cache_dir is not None and os.path.abspath(os.fspath(cache_dir)) != os.path.abspath(cache.folder):
+        raise ValueError(f"cache (in {cache.folder!r}) and cache_dir={os.fspath(cache_dir)!r} disagree: pass one")
+    problems = []
+    if cache.pairs != pairs:
+        problems.append(f"keys are {'pairs' if cache.pairs else 'texts'}, the model needs the other")
+    if cache.frozen_layers != frozen:
+        problems.append(f"it caches the input of layer {cache.frozen_layers}, the model's train_layers needs {frozen}")
+    if cache.max_seq_length != transformer.max_seq_length:
+        problems.append(f"max_seq_length {cache.max_seq_length} != the model's {transformer.max_seq_length}")
+    if not problems and cache.fingerprint != state_fingerprint(transformer, frozen):
+        problems.append("it was computed with other frozen weights or another tokenizer")
+    if problems:
+        raise ValueError("the layer-state cache does not fit this model: " + "; ".join(problems))
+    cache._checked = (id(transformer), _weights_token(transformer, frozen))

@@ -7,30 +7,21 @@ similarity of the query's relevant items (Sec. 3.1-3.2), from which a per-query 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from sentence_transformers import SentenceTransformer
 
-from st_extensions.defaults import default_model_path
+from st_extensions.defaults import base_modules, find_module
 from st_extensions.distributions import BetaCosine, ExpCosine
 from st_extensions.modules.adapter import LinearAdapter
 from st_extensions.modules.query_distribution import OUTPUT_KEY, Family, QueryDistributionHead
 
 
 def find_head(model: torch.nn.Module) -> QueryDistributionHead:
-    """The model's :class:`QueryDistributionHead`; a clear error when it has none."""
-    heads = [m for m in model.modules() if isinstance(m, QueryDistributionHead)]
-    if not heads:
-        raise ValueError(
-            f"{type(model).__name__} has no QueryDistributionHead: the pEBR losses and query_distribution need "
-            "a model built with st_extensions.build_pebr_model(...) (or loaded with st_extensions.load_model)"
-        )
-    if len(heads) > 1:
-        raise ValueError(f"model has {len(heads)} QueryDistributionHeads, expected exactly one")
-    return heads[0]
+    """The model's :class:`QueryDistributionHead`; a clear error when it has none (or several)."""
+    return find_module(model, QueryDistributionHead, "the pEBR losses and query_distribution need", "build_pebr_model")
 
 
 def build_pebr_model(
@@ -41,49 +32,24 @@ def build_pebr_model(
     projection: bool = False,
     **head_kwargs,
 ) -> SentenceTransformer:
-    """A SentenceTransformer whose query path ends in a :class:`QueryDistributionHead`.
+    """A SentenceTransformer whose query path ends in a :class:`QueryDistributionHead` of ``family`` (``"exp"``,
+    ``"beta"``, ``"beta_mle"``), every temperature starting at ``tau_init``.
 
-    Args:
-        base_model: a model name or path (e.g. the packaged MiniLM, the default) or a SentenceTransformer
-            whose modules are copied (the new model shares no weights with it).
-        family: ``"exp"`` (ExpNCE), ``"beta"`` (BetaNCE) or ``"beta_mle"`` (MLE, Sec. 3.1).
-        tau_init: every query's temperature at initialisation.
-        device: where to put the model.
-        projection: put a :class:`~st_extensions.modules.LinearAdapter` (residual, zero-initialised, shared by
-            queries and documents) before the head, so that with a frozen encoder the embedding space still
-            trains (:func:`st_extensions.frozen.cached_model`).
-        **head_kwargs: further :class:`QueryDistributionHead` arguments (bounds, ``scale``).
-
-    Returns:
-        The model: documents are embedded as by ``base_model``; ``encode_query`` also yields the
-        distribution parameters (``output_value="query_distribution"``).
+    ``base_model``: name, path or model (copied; default the packaged MiniLM). ``projection`` adds a residual,
+    zero-initialised :class:`~st_extensions.modules.LinearAdapter` before the head so the space trains with a frozen
+    encoder. ``encode_query(..., output_value="query_distribution")`` also yields the parameters.
     """
-    if base_model is None:
-        base_model = default_model_path()
-    if isinstance(base_model, str):
-        from st_extensions.loading import load_model
-
-        base_model = load_model(base_model, device=device)
-    if any(isinstance(m, QueryDistributionHead) for m in base_model.modules()):
-        raise ValueError("base_model already has a QueryDistributionHead")
-    dim = base_model.get_embedding_dimension()
-    if dim is None:
-        raise ValueError("cannot tell the base model's embedding dimension")
+    modules, dim, device = base_modules(base_model, device, QueryDistributionHead)
     head = QueryDistributionHead(dim, family=family, tau_init=tau_init, **head_kwargs)
-    modules = [copy.deepcopy(m) for m in base_model]
-    if projection:
-        modules.append(LinearAdapter(dim))
-    return SentenceTransformer(modules=[*modules, head], device=device or str(base_model.device))
+    adapter = [LinearAdapter(dim)] if projection else []
+    return SentenceTransformer(modules=[*modules, *adapter, head], device=device)
 
 
 def encode_queries(
     model: SentenceTransformer, queries: Sequence[str], batch_size: int = 32, show_progress_bar: bool | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Embed queries and predict their distribution parameters in one pass.
-
-    Returns:
-        ``(embeddings (Q, dim) float32, params (Q, k) float64)``; ``k = 1`` (tau_q) for ``exp``/``beta``,
-        ``k = 4`` (alpha+, beta+, alpha-, beta-) for ``beta_mle``.
+    """``(embeddings (Q, dim) float32, params (Q, k) float64)`` of ``queries`` in one pass; k = 1 (tau_q), 4 for
+    beta_mle.
     """
     find_head(model)
     queries = list(queries)
@@ -96,10 +62,8 @@ def encode_queries(
 
 
 def distribution_from_params(params: np.ndarray, family: Family, dim: int | None = None) -> ExpCosine | BetaCosine:
-    """The relevant-item cosine law for predicted parameters ``(Q, k)`` of a head of ``family``.
-
-    ``exp``: :class:`ExpCosine` (tau_q); ``beta``: :class:`BetaCosine` with alpha = 1 / tau_q, beta = 1
-    (Eq. 3); ``beta_mle``: :class:`BetaCosine` (alpha+, beta+) of the relevant items (Sec. 3.1).
+    """The relevant-item law for params ``(Q, k)`` of ``family``: ExpCosine(tau_q); BetaCosine(1 / tau_q, 1) (Eq. 3);
+    ``beta_mle``: BetaCosine(alpha+, beta+) (Sec. 3.1).
     """
     params = np.asarray(params, dtype=np.float64)
     if params.ndim != 2:
@@ -118,18 +82,8 @@ def distribution_from_params(params: np.ndarray, family: Family, dim: int | None
 def query_distribution(
     model: SentenceTransformer, queries: Sequence[str], dim: int | None = None, batch_size: int = 32
 ) -> ExpCosine | BetaCosine:
-    """The per-query relevant-item distribution a pEBR model predicts for ``queries``.
-
-    Args:
-        model: a model with a :class:`QueryDistributionHead` (see :func:`build_pebr_model`).
-        queries: query texts.
-        dim: ``None`` for the one-dimensional law of Sec. 3.2, or the embedding dimension for
-            Appendix A's sphere-corrected law.
-        batch_size: encoding batch size.
-
-    Returns:
-        :class:`ExpCosine` (``exp``) or :class:`BetaCosine` (``beta``, ``beta_mle``) with one parameter per
-        query; ``.cutoff(p)`` gives each query's cosine threshold.
+    """The per-query relevant-item law (ExpCosine / BetaCosine, one parameter per query) a pEBR model predicts for
+    ``queries``: ``dim=None`` the 1-D law of Sec. 3.2, else Appendix A's; ``.cutoff(p)`` gives each threshold.
     """
     _, params = encode_queries(model, queries, batch_size=batch_size)
     return distribution_from_params(params, find_head(model).family, dim=dim)

@@ -1,10 +1,9 @@
 """Query-balanced batches for the sentence-transformers trainer: distinct queries, relevant documents cycled.
 
-Drawing training pairs uniformly lets broad queries dominate (on nfcorpus/train 56% of the pairs come from the
-broadest 10% of the queries) and puts a query beside itself in a batch, where its own relevant documents become
-its negatives. :class:`QueryBalancedBatchSampler` makes every epoch one pass over the *queries*: each query gives
-one row, its next relevant document (each query's rows are cycled across epochs in a seeded order), and the
-queries are shuffled and cut into batches, so the queries of a batch are distinct.
+Uniform training pairs let broad queries dominate (on nfcorpus/train 56% of the pairs come from the broadest 10% of
+the queries) and put a query beside itself in a batch. :class:`QueryBalancedBatchSampler` makes every epoch one pass
+over the queries: one row each, its next relevant document (cycled across epochs in a seeded order), the queries
+shuffled and cut into batches of distinct queries.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch
 from datasets import Dataset
 from sentence_transformers.base.sampler import DefaultBatchSampler
 
+from st_extensions.checks import positive_int
 from st_extensions.distributed import data_parallel_world_size
 
 __all__ = ["QueryBalancedBatchSampler", "query_groups"]
@@ -36,39 +36,15 @@ def query_groups(dataset: Dataset) -> list[list[int]]:
 
 
 class QueryBalancedBatchSampler(DefaultBatchSampler):
-    """Batches of distinct queries; one row per query per epoch, each query's rows cycled across epochs.
+    """Batches of distinct queries; one row per query per epoch, each query's rows cycled across epochs (order by
+    ``seed``).
 
-    Pass the class as ``SentenceTransformerTrainingArguments(batch_sampler=QueryBalancedBatchSampler)``. On one
-    process an epoch has ``n_queries // batch_size`` batches (one more, partial, without ``drop_last``).
-
-    Under several processes (accelerate / torchrun DDP) the trainer wraps the sampler in accelerate's
-    ``BatchSamplerShard``: rank r takes batches r, r + W, r + 2W, ... and one optimizer step sees W batches, the
-    global batch. The queries are then kept distinct across the global batch: an epoch is the largest whole number of
-    rounds of W full batches, ``(n_queries // (W * batch_size)) * W`` batches (the remainder, a different set of
-    queries each epoch, is left out, whatever ``drop_last``), so the shard never pads the last round with batches from
-    the epoch's start, which would repeat queries within a global batch (when an epoch has fewer than W batches) and
-    within the epoch.
-
-    The epoch is the one the trainer sets (:meth:`set_epoch`, called before every epoch, also when a run resumes
-    from a checkpoint); without ``set_epoch`` every ``__iter__`` starts the next epoch (0, 1, 2, ...). Under several
-    processes transformers does not reach this sampler in the epoch a run resumes in the middle of (its ``set_epoch``
-    goes to accelerate's ``BatchSamplerShard`` after ``skip_first_batches``); :func:`pyterrier_prob.training.fine_tune`
-    adds a callback that sets the epoch through the wrappers at every epoch's start. A bare trainer that resumes a
-    multi-process run mid-epoch draws that one epoch as epoch 0.
-
-    Args:
-        dataset: the training rows; grouped by query (:func:`query_groups`).
-        batch_size: rows per batch (per process).
-        drop_last: on one process, leave out the last, partial batch.
-        valid_label_columns: as for ``DefaultBatchSampler`` (unused).
-        generator: as for ``DefaultBatchSampler`` (unused: the order follows ``seed`` and the epoch).
-        seed: seeds the query order of every epoch and each query's document cycle.
-        world_size: W, the number of processes the batches are sharded over; ``None``: accelerate's, else
-            torch.distributed's (:func:`st_extensions.distributed.data_parallel_world_size`), 1 when not distributed.
-
-    Raises:
-        ValueError: fewer distinct queries than ``world_size * batch_size`` (a global batch of distinct queries
-            cannot be filled).
+    Use as ``SentenceTransformerTrainingArguments(batch_sampler=QueryBalancedBatchSampler)``. One process: an epoch has
+    ``n_queries // batch_size`` batches (+1 partial without ``drop_last``); W processes (``world_size``, default
+    :func:`st_extensions.distributed.data_parallel_world_size`): ``(n_queries // (W * batch_size)) * W``, so a global
+    batch's queries stay distinct. The epoch is the trainer's (:meth:`set_epoch`), else each ``__iter__`` starts the
+    next. ``valid_label_columns`` and ``generator`` are unused. ValueError: fewer queries than ``world_size *
+    batch_size``.
     """
 
     def __init__(
@@ -89,10 +65,7 @@ class QueryBalancedBatchSampler(DefaultBatchSampler):
             generator=generator,
             seed=seed,
         )
-        if world_size is None:
-            world_size = data_parallel_world_size()
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        world_size = positive_int("world_size", data_parallel_world_size() if world_size is None else world_size)
         self.world_size = world_size
         self.groups = query_groups(dataset)
         if len(self.groups) < world_size * batch_size:

@@ -363,7 +363,7 @@ def test_bad_input_errors_name_the_problem():
         CalibratedLaw("beta", weighting="doc")
     with pytest.raises(ValueError, match="include_negative needs a beta_mle head"):
         CalibratedLaw("beta", include_negative=True)
-    with pytest.raises(ValueError, match="dim must be None"):
+    with pytest.raises(ValueError, match="dim must be an int >= 2 or None"):
         CalibratedLaw("beta", dim=1)
     law = model_law(params, "beta")
     with pytest.raises(ValueError, match="has 20 queries but the law has 3 per-query laws"):

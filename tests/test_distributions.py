@@ -358,9 +358,9 @@ def test_rejects_bad_parameter_shapes():
 
 @pytest.mark.parametrize("dim", [0, 1, -4, 2.5, 3.0, "384", True])
 def test_rejects_bad_dim(dim):
-    with pytest.raises(ValueError, match="dim must be None or an integer >= 2"):
+    with pytest.raises(ValueError, match="dim must be an int >= 2 or None"):
         ExpCosine(0.1, dim=dim)
-    with pytest.raises(ValueError, match="dim must be None or an integer >= 2"):
+    with pytest.raises(ValueError, match="dim must be an int >= 2 or None"):
         BetaCosine(2.0, dim=dim)
 
 

@@ -183,8 +183,9 @@ def test_training_rows_take_positives_from_the_first_stages_top_k(small_bm25):
 def test_rerank_rows_at_a_shallower_depth_rerank_only_bm25s_top_k():
     from scipy.stats import ttest_rel
 
-    from pyterrier_prob.experiments.varce import _rerank_rows, ranked
     from pyterrier_prob.varce import per_query
+    from pyterrier_prob.varce.analysis import ranked
+    from pyterrier_prob.varce.analysis import rerank_rows as _rerank_rows
 
     qids, docs = ["q1", "q2", "q3"], [f"d{i}" for i in range(6)]
     cand = pd.DataFrame(
@@ -210,9 +211,10 @@ def test_rerank_rows_at_a_shallower_depth_rerank_only_bm25s_top_k():
 def test_rerank_rows_interpolated_with_bm25():
     """``<re-ranker>+BM25`` rows: alpha 0 is BM25's order, alpha 1 the re-ranker's, in between the per-query z-score
     mix of pyterrier_prob.fusion over the depth's candidates."""
-    from pyterrier_prob.experiments.varce import _rerank_rows, ranked
     from pyterrier_prob.fusion import interpolate
     from pyterrier_prob.varce import per_query
+    from pyterrier_prob.varce.analysis import ranked
+    from pyterrier_prob.varce.analysis import rerank_rows as _rerank_rows
 
     qids, docs = ["q1", "q2", "q3"], [f"d{i}" for i in range(6)]
     rng = np.random.default_rng(0)

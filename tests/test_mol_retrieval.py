@@ -18,6 +18,7 @@ import torch
 
 import pyterrier_prob
 from pyterrier_prob import DenseIndex, MoLEncoder, MoLIndex, MoLReranker, MoLRetriever
+from pyterrier_prob.index.search import ExactSearcher
 from pyterrier_prob.mol.retrieval import METHODS
 
 torch.set_num_threads(1)
@@ -757,3 +758,18 @@ def test_searcher_argument_errors(tmp_path):
         index.searcher(5)
     with pytest.raises(ValueError, match="backend must be one of"):
         MoLRetriever(index, mol, method="topk_avg", searcher={"backend": "annoy"})
+
+
+def test_searcher_takes_a_searcher_per_part(tmp_path):
+    """searcher= also takes {part: Searcher} (here MoLIndex.searcher's exact scans): the exhaustive result."""
+    index, mol, Q = random_case(9, tmp_path)
+    kw = {"method": "comb_topk", "num_results": K, "n_per_embedding": 20}
+    ref = MoLRetriever(index, mol, **kw)(query_frame(Q))
+    parts = {p: index.searcher(p) for p in [*range(index.num_components), "mean"]}
+    out = MoLRetriever(index, mol, searcher=parts, **kw)(query_frame(Q))
+    pd.testing.assert_frame_equal(ref[["qid", "docno", "rank"]], out[["qid", "docno", "rank"]])
+    np.testing.assert_allclose(ref["score"], out["score"], atol=1e-6)
+    with pytest.raises(ValueError, match=r"no Searcher for the parts \['mean'\]"):
+        MoLRetriever(index, mol, method="topk_avg", searcher={0: parts[0]})
+    with pytest.raises(ValueError, match="searcher covers 5 x 8 vectors"):
+        MoLRetriever(index, mol, method="topk_avg", searcher={"mean": ExactSearcher(np.zeros((5, D), np.float32))})

@@ -60,6 +60,50 @@ def test_cli_help(capsys):
         assert option in out
 
 
+def test_cli_help_lists_the_commands(capsys):
+    """``pyterrier-prob --help`` lists the four commands, one line each (then the default command's options)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for paper in ("pebr", "mol", "varce", "unierf"):
+        assert any(line.split()[:1] == [paper] and len(line.split()) > 1 for line in lines), paper
+
+
+@pytest.mark.parametrize("paper", list(PAPERS))
+def test_every_option_has_help_and_its_default_once(paper):
+    from pyterrier_prob.cli import build_parser
+
+    ap = build_parser(paper)
+    for action in ap._actions:
+        assert action.help, f"{paper}: {action.option_strings} has no help"
+    text = ap.format_help()
+    for block in text.split("\n  -"):  # one option's help per block
+        assert block.count("(default:") <= 1, block
+
+
+def test_results_json_copies_the_summary_with_the_command_and_the_report_states_the_recipe(tmp_path):
+    from pyterrier_prob.experiments.harness import CommonConfig, Harness
+
+    command = "pyterrier-prob pebr --steps 10"
+    cfg = CommonConfig(output=str(tmp_path / "o"), results_json=f"{tmp_path / 'results'}/", command=command)
+    h = Harness("pebr", cfg)
+    h.recipes["pebr"] = cfg.training_recipe(10).to_dict()
+    h.finish("title", "text", {}, {"x": 1})
+    copy = json.loads((tmp_path / "results" / "pebr.json").read_text())
+    assert copy["command"] == command and copy["x"] == 1 and copy["config"]["command"] == command
+    assert f"Recipe of pebr: {cfg.training_recipe(10).describe()}" in (tmp_path / "o" / "results.md").read_text()
+
+
+def test_recipe_options_are_checked_by_the_recipe_under_their_flags():
+    from pyterrier_prob.experiments.harness import CommonConfig
+
+    with pytest.raises(ValueError, match="--train-layers"):
+        CommonConfig(recipe="partial").check()
+    with pytest.raises(ValueError, match="--recipe must be one of"):
+        CommonConfig(recipe="half").check()
+    assert CommonConfig(recipe="partial", train_layers=2, steps=50).training_recipe().checkpoint_every == 5
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

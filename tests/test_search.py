@@ -251,3 +251,42 @@ def test_gpu_backend_equals_the_exact_scan(backend, data, index):  # pragma: no 
     Q, cos, t = data["queries"], data["cos"], data["t"]
     assert _sets(s.search(Q, -np.inf, 30), NQ) == _exact_topk(cos, 30)
     assert _sets(s.search(Q, t, None), NQ) == _exact_range(cos, t)
+
+
+class _Spy:
+    """Calls ``fn``, recording what ``record`` makes of each call's arguments."""
+
+    def __init__(self, fn, record):
+        self.fn, self.record, self.calls = fn, record, []
+
+    def __call__(self, *args):
+        self.calls.append(self.record(*args))
+        return self.fn(*args)
+
+
+def test_gpu_range_past_the_gpu_cap_falls_back_to_the_exact_range_search(data, monkeypatch):
+    """The GPU range search (k-NN of doubling depth) driven on the CPU: a flat CPU index stands in for the GPU one,
+    the GPU k-NN limit is forced small; queries whose range exceeds it get the CPU range search -- every document
+    above the threshold, none missed, none extra -- and the k-NN never goes deeper than the limit."""
+    from pyterrier_prob.index import search
+
+    Q, cos = data["queries"][:7], data["cos"][:7]
+    depths = [3, 8, 9, 50, 100, 300, 1000]  # documents above each query's threshold
+    srt = np.sort(cos, axis=1)[:, ::-1]
+    t = np.array([(srt[i, d - 1] + srt[i, d]) / 2 for i, d in enumerate(depths)])
+    want = _exact_range(cos, t)
+    assert [len(w) for w in want] == depths
+    for cap, ks_expected in ((8, [8]), (256, [64, 128, 256])):
+        monkeypatch.setattr(search, "_GPU_MAX_K", cap)
+        s = make_searcher(data["docs"], "flat")
+        knn, cpu_range = _Spy(s._knn, lambda q, k: k), _Spy(s._range_pairs, lambda q, tt: len(q))
+        monkeypatch.setattr(s, "_knn", knn)
+        monkeypatch.setattr(s, "_range_pairs", cpu_range)
+        hits = s._gpu_range(Q, t)
+        assert _sets(hits, len(depths)) == want
+        assert sorted(set(knn.calls)) == ks_expected  # the depth doubles, up to the cap
+        assert cpu_range.calls == [sum(d >= cap for d in depths)]  # those the cap cannot show complete, on the CPU
+        for i in range(len(depths)):  # exact scores, best first
+            a, b = hits.offsets[i], hits.offsets[i + 1]
+            np.testing.assert_allclose(hits.scores[a:b], cos[i, hits.docids[a:b]], atol=1e-6)
+            assert np.all(np.diff(hits.scores[a:b]) <= 0)

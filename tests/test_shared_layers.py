@@ -7,7 +7,7 @@ import torch
 
 from st_extensions.cross_encoder import build_var_cross_encoder
 from st_extensions.cross_encoder.frozen import build_cross_encoder
-from st_extensions.partial import predict_sharing_layers
+from st_extensions.cross_encoder.model import predict_sharing_layers
 
 PAIRS = [
     ("vitamin d and bone health", "Vitamin D supplements were given to older adults for two years."),

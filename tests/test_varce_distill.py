@@ -130,9 +130,7 @@ def test_candidate_pool_and_teacher_scores():
 
 def test_choose_teacher_picks_the_better_signal():
     # query 1: BM25 puts the relevant doc last, the dense score first -> alpha 1 is best
-    pool = pd.DataFrame(
-        {"qid": ["1"] * 3, "docno": ["r", "x", "y"], "bm25": [1.0, 5.0, 4.0], "dense": [0.9, 0.1, 0.2]}
-    )
+    pool = pd.DataFrame({"qid": ["1"] * 3, "docno": ["r", "x", "y"], "bm25": [1.0, 5.0, 4.0], "dense": [0.9, 0.1, 0.2]})
     qrels = pd.DataFrame({"qid": ["1"], "docno": ["r"], "label": [1]})
     chosen = distill.choose_teacher(pool, qrels, alphas=(0.0, 0.5, 0.8, 1.0))
     # z-scores: r is first from alpha 0.8 on (0.8 * 1.40 - 0.2 * 1.37 > x's 0.8 * -0.84 + 0.2 * 0.98), not at 0.5

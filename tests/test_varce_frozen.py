@@ -136,6 +136,25 @@ def test_saved_model_reproduces_the_cached_scores(trained, tmp_path):
         )
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_fine_tune_under_the_frozen_recipe_trains_only_the_head(kind, base_model):
+    """``fine_tune(cross_encoder, ..., Recipe(mode="frozen"))`` trains the head on cached [CLS] features of the
+    training pairs (``encoder_cache``, reused and extended): every head tensor moves, no backbone one."""
+    from pyterrier_prob.training import Recipe, fine_tune
+
+    model = _build(base_model, kind)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cache = cached_cross_encoder(_build(base_model, kind), PAIRS[:2])[0]  # a cache of the same backbone
+    recipe = Recipe(mode="frozen", steps=3, batch_size=4, learning_rate=1e-3, head_learning_rate=1e-2)
+    losses = fine_tune(model, _loss(kind, model), ROWS, recipe, encoder_cache=cache, show_progress=False)
+    assert len(losses) == 3 and all(np.isfinite(losses))
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    head = {k for k in before if k.startswith("2.")}
+    assert head and changed == head, f"changed {sorted(changed)}"
+    assert len(cache.index) == len(PAIRS)  # the cache was extended with the pairs it lacked
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_relevant_documents_cycle_before_repeating(small_beir):
     """Each query's relevant documents come in a seeded order that visits all of them before any repeats."""
     from pyterrier_prob.collections import load_collection

@@ -1,24 +1,14 @@
 """The shared experiment harness: what every paper's experiment needs, written once.
 
 A paper's module (:mod:`pyterrier_prob.experiments.pebr`, ``mol``, ``varce``, ``unierf``) describes its protocol
-and calls this for everything else:
-
-* **collections and splits** (:meth:`Harness.load_data`): ``--dataset`` is an ir_datasets id, a BEIR folder or a
-  TREC folder (:mod:`pyterrier_prob.collections`); splits are discovered. With no train split (or ``--steps 0``)
-  nothing is fine-tuned; with no dev split, calibration uses a seeded share of the train queries held out from
-  training (``--dev-from-train``), else (no train split, or ``--dev-from-train 0``) a seeded half of the test
-  queries, and results are then reported on the other half; ``--test-dataset`` evaluates on another collection
-  (zero-shot transfer), with calibration from the training collection's dev split (or held-out train queries);
-* **training** (:meth:`Harness.train`): :func:`pyterrier_prob.training.fine_tune`, the model saved under
-  ``output/models/<name>`` with its settings, and reused by ``--reuse`` only when the settings match;
-* **encoding and indexing** (:meth:`Harness.dense_index`, :meth:`Harness.mol_index`) and **BM25 through PISA**
-  (:meth:`Harness.bm25`), under ``output/indexes/``;
-* **evaluation** (:meth:`Harness.experiment`): ``pt.Experiment`` with paired t-tests against a baseline;
-* **the report** (:meth:`Harness.finish`): ``results.md``, one CSV per table, ``summary.json`` (settings, splits,
-  timings) and the PNG plots, all through the one atomic writer (:mod:`pyterrier_prob.atomic`, 0644 files,
-  0755 folders); the Markdown is printed at the end with its location.
-
-Progress is one bar per stage (training, encoding/indexing, scoring); ``quiet`` silences them.
+as a sequence of stages and calls this for everything else: the options (:class:`CommonConfig`, :func:`option`,
+:func:`add_options`); collections and splits (:meth:`Harness.load_data`: discovered splits, held-out dev queries,
+zero-shot transfer); training (:meth:`Harness.train` under the run's :class:`~pyterrier_prob.training.Recipe`,
+models saved with their settings and reused by ``--reuse`` only when those match; :class:`TrainingPairs`);
+encoding and indexing (:meth:`Harness.dense_index`, :meth:`Harness.mol_index`) and BM25 through PISA
+(:meth:`Harness.bm25`); ``pt.Experiment`` with paired t-tests (:meth:`Harness.experiment`); and the report
+(:meth:`Harness.finish`: ``results.md``, CSV tables, ``summary.json``, plots, all written atomically, and the
+summary's copy for ``--results-json``). Progress is one bar per stage; ``quiet`` silences them.
 """
 
 from __future__ import annotations
@@ -28,111 +18,169 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
 import pyterrier as pt
+import torch
 
-from pyterrier_prob.atomic import atomic_write, make_dirs, save_figure
-from pyterrier_prob.collections import (
-    Collection,
-    HeldOutCollection,
-    choose_splits,
-    load_collection,
-    source_splits,
-    split_topics,
-)
+from pyterrier_prob import console
+from pyterrier_prob.atomic import atomic_directory, atomic_write, make_dirs, save_figure
+from pyterrier_prob.collections import Collection
 from pyterrier_prob.console import native_output_to
+from pyterrier_prob.data import judged_pairs, training_pairs
+from pyterrier_prob.experiments.splits import Data, load_data
+from pyterrier_prob.index import DenseIndex, MoLIndex
+from pyterrier_prob.training import MODES, Recipe, fine_tune
+from st_extensions import load_model
+from st_extensions.checks import is_int
+from st_extensions.frozen import CachedEmbeddings, cached_model, prefix_model
+
+C = TypeVar("C", bound="CommonConfig")
 
 __all__ = [
     "CommonConfig",
     "Data",
     "Harness",
+    "TrainingPairs",
     "add_common_arguments",
-    "common_from_args",
+    "add_options",
+    "config_from_args",
+    "loss_ends",
     "markdown_table",
+    "measure_cell",
     "native_output_to",
+    "option",
     "p_mark",
 ]
 
 
-RECIPES = ("frozen", "partial", "full")
+#: The command line's training options, made from :class:`~pyterrier_prob.training.Recipe`'s fields (their type and
+#: help): :class:`CommonConfig` field (``--flag``) -> Recipe field.
+RECIPE_OPTIONS = {
+    "recipe": "mode",
+    "steps": "steps",
+    "batch_size": "batch_size",
+    "lr": "learning_rate",
+    "train_layers": "train_layers",
+    "checkpoint_every": "checkpoint_every",
+    "checkpoint_limit": "checkpoint_limit",
+    "seed": "seed",
+}
+_OPTION_NOTES = {  # what an option means on the command line beyond the Recipe field's help
+    "steps": " (0: evaluate --model without fine-tuning)",
+    "checkpoint_every": " (default: a tenth of --steps when the encoder trains, none under frozen)",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def option(default: Any = None, help: str = "", group: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A config field that is also the command-line option ``--<field name>`` (:func:`add_options`): its default,
+    its help (the field's documentation), the help group (None: the paper's own) and argparse keywords
+    (``choices``; ``type`` for a None default). A sequence default is a tuple (``nargs="+"``); a False one a flag."""
+    return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
+
+
+SPLITS, TRAINING, OUTPUT = "collection and splits", "model and training", "output"
 
 
 @dataclass
 class CommonConfig:
-    """Options every experiment takes (the ``pyterrier-prob <paper>`` options shared by all four).
-
-    Attributes:
-        dataset: ir_datasets id, BEIR folder or TREC folder to train on (and test on, unless ``test_dataset``).
-        test_dataset: another collection to evaluate on (zero-shot transfer), or None.
-        train_split, dev_split, test_split: explicit split names; None: discovered (:func:`choose_splits`).
-        dev_from_train: when an experiment calibrates and the training collection has a train split but no dev
-            split, this seeded share of the train queries is held out as the dev split (training uses the rest;
-            :class:`~pyterrier_prob.collections.HeldOutCollection`) and every test query is reported. 0: calibrate
-            on a seeded half of the test queries instead, reporting on the other half.
-        model: base model name or path, or one of our saved models (None: the packaged all-MiniLM-L6-v2).
-        steps: training steps (0: evaluate ``model`` without fine-tuning).
-        batch_size, lr, seed, max_seq_length: the training budget, the same for every trained system (``lr`` is
-            the encoder's; the modules a method adds train at their own declared rate, see ``fine_tune``).
-        recipe: ``"frozen"``: train only each method's own modules on encoder outputs cached once per run (the
-            default on CPU: thousands of steps in minutes); ``"partial"``: also the top ``train_layers`` transformer
-            layers, on the lower layers' hidden states cached once (fp16 memmaps under ``output/cache/``);
-            ``"full"``: fine-tune the whole encoder (the GPU path). See :class:`~pyterrier_prob.training.Recipe`.
-        train_layers: the top layers that train under ``recipe="partial"``.
-        checkpoint_every: checkpoint every this many steps (None: a tenth of the steps under partial and full, none
-            under frozen, whose runs take minutes); at most ``checkpoint_limit`` are kept.
-        checkpoint_limit: checkpoints kept per model (the newest).
-        resume: continue an interrupted run: models and indexes already finished are reused (as ``reuse``) and a
-            training that was cut off continues from its newest complete checkpoint.
-        output: folder for models, indexes, tables and plots.
-        reuse: reuse models (when their saved settings match) and indexes already in ``output``.
-        quiet: no progress bars nor stage lines (the result table and its location are still printed).
+    """Options every experiment takes (the ``pyterrier-prob <paper>`` options shared by all four): each field's help
+    is its documentation (:func:`option`). The training options (``recipe``, ``steps``, ``batch_size``, ``lr``,
+    ``seed``, ``train_layers``, ``checkpoint_every``, ``checkpoint_limit``) are
+    :class:`~pyterrier_prob.training.Recipe`'s fields, documented there (:data:`RECIPE_OPTIONS`;
+    :meth:`training_recipe` makes the Recipe); ``lr`` is the encoder's rate, the modules a method adds train at
+    their own declared rate (``fine_tune``). ``command`` is the command line that ran the experiment (set by
+    ``pyterrier-prob``; in the summary).
     """
 
-    dataset: str = "irds:beir/nfcorpus"
-    test_dataset: str | None = None
-    train_split: str | None = None
-    dev_split: str | None = None
-    test_split: str | None = None
-    dev_from_train: float = 0.25
-    model: str | None = None
+    dataset: str = option(
+        "irds:beir/nfcorpus",
+        "ir_datasets id (irds:beir/nfcorpus), BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv) or TREC "
+        "folder (topics, qrels, a jsonl/tsv corpus) to train on (and test on, unless --test-dataset)",
+        SPLITS,
+    )
+    test_dataset: str | None = option(
+        None, "evaluate on this collection instead (zero-shot transfer; calibration from --dataset's dev split)", SPLITS
+    )
+    train_split: str | None = option(None, "default: 'train' if the collection has it", SPLITS)
+    dev_split: str | None = option(
+        None,
+        "default: 'dev'/'validation' if present, else held-out train queries (--dev-from-train) or half of test",
+        SPLITS,
+    )
+    test_split: str | None = option(None, "default: 'test', or the only split", SPLITS)
+    dev_from_train: float = option(
+        0.25,
+        "experiments that calibrate (pebr), on a collection with a train split and no dev split: hold out this "
+        "seeded share of the train queries for calibration (training uses the rest; HeldOutCollection) and report "
+        "every test query (0: calibrate on a seeded half of the test queries instead, report the other half)",
+        SPLITS,
+    )
+    model: str | None = option(
+        None, "base or saved model, or one of our saved models (default: packaged all-MiniLM-L6-v2)", TRAINING
+    )
     steps: int = 1000
     batch_size: int = 64
     lr: float = 5e-5
     seed: int = 0
-    max_seq_length: int = 128
+    max_seq_length: int = option(128, "token budget per text", TRAINING)
     recipe: str = "frozen"
     train_layers: int | None = None
     checkpoint_every: int | None = None
     checkpoint_limit: int = 2
-    output: str = "outputs/experiment"
-    reuse: bool = False
-    resume: bool = False
-    quiet: bool = False
+    output: str = option("outputs/experiment", "folder for models, indexes, tables and plots", OUTPUT)
+    reuse: bool = option(False, "reuse models (same settings) and indexes in --output", OUTPUT)
+    resume: bool = option(
+        False,
+        "continue an interrupted run in --output: reuse what finished (as --reuse), resume trainings from their "
+        "newest complete checkpoints",
+        OUTPUT,
+    )
+    quiet: bool = option(False, "no progress bars nor stage lines (the result table is still printed)", OUTPUT)
+    results_json: str | None = option(
+        None,
+        "also write the run's summary.json, with the command line as 'command', to PATH (a file, or a folder that "
+        "gets <experiment>.json), e.g. benchmarks/results/ for the docs' tables",
+        OUTPUT,
+        metavar="PATH",
+    )
+    command: str | None = None
+
+    def training_recipe(self, steps: int | None = None, **overrides: Any) -> Recipe:
+        """The run's :class:`~pyterrier_prob.training.Recipe` from the training options (:data:`RECIPE_OPTIONS`),
+        with ``steps`` and any field in ``overrides`` replaced."""
+        values = {field_: getattr(self, option) for option, field_ in RECIPE_OPTIONS.items()}
+        values["steps"] = self.steps if steps is None else steps
+        values["checkpoint_every"] = self.checkpoint_every or 0
+        recipe = Recipe(**{**values, **overrides})
+        if self.checkpoint_every is None and recipe.trains_encoder and "checkpoint_every" not in overrides:
+            recipe.checkpoint_every = max(1, recipe.steps // 10)
+        return recipe
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first setting out of range."""
-        if self.steps < 0:
+        """Raise ``ValueError`` naming the first setting out of range (the training options through
+        :meth:`Recipe.check <pyterrier_prob.training.Recipe.check>`, named as the command line's flags)."""
+        if not (is_int(self.steps) and self.steps >= 0):
             raise ValueError(f"--steps must be >= 0, got {self.steps}")
-        if self.steps and self.batch_size < 2:
-            raise ValueError(f"--batch-size must be >= 2, got {self.batch_size}")
-        if not (self.lr > 0 and np.isfinite(self.lr)):
+        if not (self.lr > 0 and np.isfinite(self.lr)):  # a recipe may keep the encoder (0); the command line trains
             raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"--recipe must be one of {RECIPES}, got {self.recipe!r}")
-        if self.recipe == "partial" and (self.train_layers is None or self.train_layers < 1):
-            raise ValueError(f"--recipe partial needs --train-layers N >= 1, got {self.train_layers}")
-        if self.recipe != "partial" and self.train_layers is not None:
-            raise ValueError(f"--train-layers is for --recipe partial, not {self.recipe!r}")
-        if self.checkpoint_every is not None and self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_limit < 1:
-            raise ValueError(f"--checkpoint-limit must be >= 1, got {self.checkpoint_limit}")
+        try:  # with --steps 0 nothing trains: the batch size does not matter
+            self.training_recipe(max(self.steps, 1), **({} if self.steps else {"batch_size": 2}))
+        except ValueError as e:
+            message = str(e)
+            for option, field_ in RECIPE_OPTIONS.items():
+                message = message.replace(f"Recipe.{field_} ", _flag(option) + " ")
+            raise ValueError(message.replace("mode '", "--recipe '")) from None
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
         if not 0 <= self.dev_from_train < 1:
@@ -142,110 +190,50 @@ class CommonConfig:
             raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
 
 
+def add_options(
+    ap: argparse.ArgumentParser, defaults: CommonConfig, title: str | None = None, names: Iterable[str] | None = None
+) -> None:
+    """Add a config dataclass's options to ``ap`` (those in ``names``, default all): every :func:`option` field as
+    ``--<field>`` (its help, group and argparse keywords from the field, its default from ``defaults``), and the
+    training options from :class:`~pyterrier_prob.training.Recipe`'s fields (:data:`RECIPE_OPTIONS`); a paper's
+    own fields go to the group ``title``."""
+    recipe_fields = {f.name: f for f in fields(Recipe)}
+    common = {f.name: f.metadata for f in fields(CommonConfig)}
+    groups: dict[str, Any] = {}
+    for f in fields(defaults):
+        meta = dict(f.metadata or common.get(f.name, {}))
+        if f.name in RECIPE_OPTIONS:
+            r = recipe_fields[RECIPE_OPTIONS[f.name]]
+            meta = {"help": r.metadata["help"] + _OPTION_NOTES.get(f.name, ""), "group": TRAINING}
+            meta["type"] = {"mode": str, "learning_rate": float}.get(r.name, int)
+            meta["choices"] = list(MODES) if r.name == "mode" else None
+        if "help" not in meta or (names is not None and f.name not in names):
+            continue
+        name = meta.pop("group") or title or type(defaults).__name__
+        group = groups.get(name) or groups.setdefault(name, ap.add_argument_group(name))
+        default = getattr(defaults, f.name)
+        if default is False:
+            group.add_argument(_flag(f.name), action="store_true", **meta)
+            continue
+        if isinstance(default, tuple):
+            meta.setdefault("type", type(default[0]))
+            meta.setdefault("nargs", "+")
+            default = list(default)
+        elif default is not None:
+            meta.setdefault("type", type(default))
+        group.add_argument(_flag(f.name), default=default, **meta)
+
+
 def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) -> None:
-    """Add the shared options to a subcommand's parser, with the paper's defaults."""
-    g = ap.add_argument_group("collection and splits")
-    g.add_argument(
-        "--dataset",
-        default=defaults.dataset,
-        help="ir_datasets id (irds:beir/nfcorpus), BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv) or "
-        "TREC folder (topics, qrels, a jsonl/tsv corpus)",
-    )
-    g.add_argument(
-        "--test-dataset",
-        default=defaults.test_dataset,
-        help="evaluate on this collection instead (zero-shot transfer; calibration from --dataset's dev split)",
-    )
-    g.add_argument("--train-split", default=defaults.train_split, help="default: 'train' if the collection has it")
-    g.add_argument(
-        "--dev-split",
-        default=defaults.dev_split,
-        help="default: 'dev'/'validation' if present, else held-out train queries (--dev-from-train) or half of test",
-    )
-    g.add_argument("--test-split", default=defaults.test_split, help="default: 'test', or the only split")
-    g.add_argument(
-        "--dev-from-train",
-        type=float,
-        default=defaults.dev_from_train,
-        help="experiments that calibrate (pebr), on a collection with a train split and no dev split: hold out this "
-        "seeded share of the train queries for calibration (training uses the rest) and report every test query "
-        "(0: calibrate on a seeded half of the test queries instead)",
-    )
-    t = ap.add_argument_group("model and training")
-    t.add_argument("--model", default=defaults.model, help="base or saved model (default: packaged all-MiniLM-L6-v2)")
-    t.add_argument("--steps", type=int, default=defaults.steps, help="training steps per model (0: no fine-tuning)")
-    t.add_argument("--batch-size", type=int, default=defaults.batch_size)
-    t.add_argument("--lr", type=float, default=defaults.lr, help="learning rate of the encoder (recipe full)")
-    t.add_argument(
-        "--recipe",
-        choices=list(RECIPES),
-        default=defaults.recipe,
-        help="frozen: train each method's own modules on encoder outputs cached once (fast, CPU); "
-        "partial: also the top --train-layers layers, on the lower layers' hidden states cached once; "
-        "full: fine-tune the whole encoder (GPU)",
-    )
-    t.add_argument(
-        "--train-layers",
-        type=int,
-        default=defaults.train_layers,
-        help="--recipe partial: how many of the top transformer layers train",
-    )
-    t.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=defaults.checkpoint_every,
-        help="checkpoint every N steps (default: a tenth of --steps under partial/full, none under frozen)",
-    )
-    t.add_argument("--checkpoint-limit", type=int, default=defaults.checkpoint_limit, help="checkpoints kept")
-    t.add_argument("--max-seq-length", type=int, default=defaults.max_seq_length, help="token budget per text")
-    t.add_argument("--seed", type=int, default=defaults.seed)
-    o = ap.add_argument_group("output")
-    o.add_argument("--output", default=defaults.output, help="folder for models, indexes, tables and plots")
-    o.add_argument("--reuse", action="store_true", help="reuse models (same settings) and indexes in --output")
-    o.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue an interrupted run in --output: reuse what finished, resume trainings from their checkpoints",
-    )
-    o.add_argument("--quiet", action="store_true", help="no progress bars (the result table is still printed)")
+    """Add the shared options (:class:`CommonConfig`'s) to a subcommand's parser, with the paper's defaults."""
+    add_options(ap, defaults, names=CommonConfig.__dataclass_fields__)
 
 
-def common_from_args(a: argparse.Namespace) -> dict[str, Any]:
-    """The :class:`CommonConfig` fields of parsed arguments, as keyword arguments."""
-    return {f: getattr(a, f) for f in CommonConfig.__dataclass_fields__}
-
-
-@dataclass
-class Data:
-    """The collections and query sets of one experiment (from :meth:`Harness.load_data`).
-
-    ``train`` is None when there is nothing to fine-tune on. ``cal_topics``/``cal_qrels`` are what calibration and
-    dev-side choices use: the dev split, else train queries held out from training (``train_collection`` is then
-    a :class:`~pyterrier_prob.collections.HeldOutCollection`), else a seeded half of the test queries (then
-    ``test_topics`` is the other half). ``notes`` says which, for the report.
-    """
-
-    train_collection: Collection
-    test_collection: Collection
-    train: str | None
-    dev: str | None
-    test: str
-    cal_topics: pd.DataFrame
-    cal_qrels: pd.DataFrame
-    test_topics: pd.DataFrame
-    test_qrels: pd.DataFrame
-    cal_source: str
-    notes: list[str] = field(default_factory=list)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "train": f"{self.train_collection.name}/{self.train}" if self.train else None,
-            "calibration": self.cal_source,
-            "test": f"{self.test_collection.name}/{self.test}",
-            "n_calibration_queries": len(self.cal_topics),
-            "n_test_queries": len(self.test_topics),
-            "notes": list(self.notes),
-        }
+def config_from_args(cls: type[C], a: argparse.Namespace) -> C:
+    """A config dataclass (:class:`CommonConfig` or a paper's) from parsed arguments: every field the parser has
+    (lists as tuples)."""
+    values = {f.name: getattr(a, f.name) for f in fields(cls) if f.init and hasattr(a, f.name)}
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def _slug(text: str) -> str:
@@ -255,6 +243,42 @@ def _slug(text: str) -> str:
 def p_mark(p: float | None) -> str:
     """`` *`` for p < 0.05 (a paired test against the table's baseline), else ``""``."""
     return " *" if p is not None and np.isfinite(p) and p < 0.05 else ""
+
+
+def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:
+    """A result table's cell: ``row[measure]`` with ``fmt``, marked `` *`` when its ``<measure> p-value`` < 0.05."""
+    return f"{row[measure]:{fmt}}{p_mark(row.get(f'{measure} p-value', np.nan))}"
+
+
+def loss_ends(losses: Sequence[float], n: int = 10) -> tuple[float, float] | None:
+    """Means of the first and last ``n`` logged training losses (None for none), for reports."""
+    if not len(losses):
+        return None
+    k = min(n, len(losses))
+    return float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+
+
+class TrainingPairs:
+    """The train split's (query, relevant document) rows, made once and shared by every system of a run (the same
+    rows, and through the recipe's seed the same batches: :func:`~pyterrier_prob.data.training_pairs`), and its
+    judged pairs, which the losses mask as in-batch negatives. Called, it gives the rows (``Harness.train``'s
+    ``data``)."""
+
+    def __init__(self, data: Data, seed: int) -> None:
+        self.data, self.seed = data, seed
+        self._rows: Any = None
+        self._judged: Any = None
+
+    def __call__(self) -> Any:
+        if self._rows is None:
+            self._rows = training_pairs(self.data.train_collection, self.data.train, seed=self.seed)
+        return self._rows
+
+    @property
+    def judged(self) -> Any:
+        if self._judged is None:
+            self._judged = judged_pairs(self.data.train_collection, self.data.train)
+        return self._judged
 
 
 def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
@@ -294,6 +318,7 @@ class Harness:
         self._bm25: dict[str, Any] = {}  # collection name -> its PISA index, built once per run
         self._cache: Any = None  # the frozen recipe's encoder-output cache (st_extensions.frozen.CachedEmbeddings)
         self.recipes: dict[str, dict[str, Any]] = {}  # model name -> the recipe it trained under (summary.json)
+        self.recipe = cfg.training_recipe(max(cfg.steps, 1))  # the run's recipe (what its options choose)
         _silence_library_bars()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
@@ -319,114 +344,16 @@ class Harness:
 
     # ---- collections ------------------------------------------------------------------------------------------
     def load_data(self, calibrate: bool = True) -> Data:
-        """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries.
-
-        Args:
-            calibrate: whether the experiment needs calibration queries. With no dev split they are a seeded share
-                (``dev_from_train``) of the train queries, held out from training; with no train split either (or
-                ``dev_from_train`` 0) a seeded half of the test queries, and the results are reported on the other
-                half. An experiment that calibrates nothing passes False and is reported on every test query
-                (``cal_topics`` is then empty).
-        """
+        """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries
+        (:func:`~pyterrier_prob.experiments.splits.load_data`: ``calibrate`` says whether the experiment needs
+        calibration queries)."""
         cfg = self.cfg
         with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
-            train_coll = load_collection(cfg.dataset)
-            notes: list[str] = []
-            if cfg.test_dataset:
-                test_coll = load_collection(cfg.test_dataset)
-                train, dev = source_splits(train_coll, cfg.train_split, cfg.dev_split)
-                test = choose_splits(test_coll, None, None, cfg.test_split).test
-                notes.append(
-                    f"zero-shot transfer: trained on {train_coll.name}"
-                    + (f"/{train}" if train else " (no train split)")
-                    + f", evaluated on {test_coll.name}/{test}"
-                )
-            else:
-                test_coll = train_coll
-                ch = choose_splits(train_coll, cfg.train_split, cfg.dev_split, cfg.test_split)
-                train, dev, test = ch.train, ch.dev, ch.test
-            if calibrate and dev is None and train is not None and cfg.dev_from_train > 0:
-                try:
-                    held = HeldOutCollection(train_coll, train, fraction=cfg.dev_from_train, seed=cfg.seed)
-                except ValueError as e:
-                    raise ValueError(
-                        f"--dev-from-train {cfg.dev_from_train}: {e} (0: calibrate on half of test)"
-                    ) from e
-                n_dev, n_fit = len(held.topics(held.dev_split)), len(held.topics(held.fit_split))
-                notes.append(
-                    f"{train_coll.name} has no dev split: {n_dev} of its {train} queries ({cfg.dev_from_train:.0%}, "
-                    f"seed {cfg.seed}) are held out as {held.dev_split} for calibration"
-                    + (f"; training uses the other {n_fit} ({held.fit_split})" if cfg.steps else "")
-                )
-                self._held_out = {"split": train, "fraction": cfg.dev_from_train, "seed": cfg.seed}
-                test_coll = held if test_coll is train_coll else test_coll
-                train_coll, train, dev = held, held.fit_split, held.dev_split
-            if cfg.steps == 0:
-                notes = [n for n in notes if not n.startswith("zero-shot transfer")]
-                if cfg.test_dataset:
-                    notes.append(f"zero-shot: evaluated on {test_coll.name}/{test}")
-                notes.append(f"--steps 0: {cfg.model or 'the base model'} evaluated without fine-tuning")
-                train = None
-            elif train is None:
-                notes.append(
-                    f"{train_coll.name} has no train split: {cfg.model or 'the base model'} is evaluated "
-                    "without fine-tuning"
-                )
-            test_topics, test_qrels = test_coll.topics(test), test_coll.qrels(test)
-            if dev is not None:
-                cal_topics, cal_qrels = train_coll.topics(dev), train_coll.qrels(dev)
-                cal_source = f"{train_coll.name}/{dev}"
-            elif not calibrate:
-                cal_topics, cal_qrels = test_topics.iloc[:0], test_qrels.iloc[:0]
-                cal_source = "none (nothing calibrated)"
-            else:
-                cal_topics, test_topics = split_topics(test_topics, seed=cfg.seed)
-                cal_qrels = test_qrels[test_qrels["qid"].isin(set(cal_topics["qid"]))]
-                test_qrels = test_qrels[test_qrels["qid"].isin(set(test_topics["qid"]))]
-                cal_source = f"a seeded half (seed {cfg.seed}) of {test_coll.name}/{test}: {len(cal_topics)} queries"
-                notes.append(
-                    f"no dev split: calibration on a seeded half of {test_coll.name}/{test} ({len(cal_topics)} "
-                    f"queries), results reported on the other, disjoint half ({len(test_topics)} queries)"
-                )
-        return Data(
-            train_collection=train_coll,
-            test_collection=test_coll,
-            train=train,
-            dev=dev,
-            test=test,
-            cal_topics=cal_topics,
-            cal_qrels=cal_qrels.reset_index(drop=True),
-            test_topics=test_topics,
-            test_qrels=test_qrels.reset_index(drop=True),
-            cal_source=cal_source,
-            notes=notes,
-        )
+            data = load_data(cfg, calibrate)
+        self._held_out = data.held_out
+        return data
 
     # ---- models -----------------------------------------------------------------------------------------------
-    def recipe(self, steps: int | None = None, **overrides: Any) -> Any:
-        """The run's :class:`~pyterrier_prob.training.Recipe` from the common options (``--recipe``, ``--steps``,
-        ``--batch-size``, ``--lr``, ``--seed``, ``--train-layers``, ``--checkpoint-every``, ``--checkpoint-limit``),
-        with ``steps`` and any field given in ``overrides`` replaced."""
-        from pyterrier_prob.training import Recipe
-
-        cfg = self.cfg
-        steps = cfg.steps if steps is None else steps
-        every = cfg.checkpoint_every
-        if every is None:
-            every = 0 if cfg.recipe == "frozen" else max(1, steps // 10)
-        values: dict[str, Any] = {
-            "mode": cfg.recipe,
-            "steps": steps,
-            "batch_size": cfg.batch_size,
-            "learning_rate": cfg.lr,
-            "seed": cfg.seed,
-            "train_layers": cfg.train_layers if cfg.recipe == "partial" else None,
-            "checkpoint_every": every,
-            "checkpoint_limit": cfg.checkpoint_limit,
-        }
-        values.update(overrides)
-        return Recipe(**values)
-
     def train(
         self,
         name: str,
@@ -434,99 +361,102 @@ class Harness:
         loss: Callable[[Any], Any],
         data: Callable[[], Any] | None,
         *,
-        steps: int | None = None,
-        learning_rate_mapping: Mapping[str, float] | None = None,
-        module_learning_rates: Mapping[str, float] | None = None,
         settings: Mapping[str, Any] | None = None,
-        fit: Callable[[Any, Any, Any], list[float]] | None = None,
+        encoder_cache: Any = None,
         callbacks: Sequence[Any] = (),
+        **recipe_fields: Any,
     ) -> tuple[Any, list[float]]:
         """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
 
-        The training runs under :meth:`recipe` (with ``steps``, ``learning_rate_mapping`` and
-        ``module_learning_rates``, a recipe's choice of rate for the module classes it names), written as
-        ``recipe.json`` beside the model; its checkpoints go to ``output/runs/<name>`` and are removed once the model
-        is saved. ``data`` builds the training rows (None, or ``steps`` 0: the built model is returned untrained and
-        not saved). With ``--reuse``, a saved model whose ``train_settings.json`` matches these settings is loaded
-        instead of trained again; with ``--resume`` a training that was cut off continues from its newest complete
-        checkpoint. ``fit(model, rows, recipe) -> losses`` replaces the default training
-        (:func:`~pyterrier_prob.training.fine_tune` of ``loss(model)``), e.g. to train a head on cached features;
-        everything else (settings, saving, reuse) is the same. ``callbacks`` go to the trainer (e.g. a
-        :class:`~pyterrier_prob.curves.DevCurve`).
+        The training runs under the run's recipe (:meth:`CommonConfig.training_recipe`) with the
+        :class:`~pyterrier_prob.training.Recipe` fields given in ``recipe_fields`` replaced (e.g. ``steps``,
+        ``learning_rate_mapping``, ``module_learning_rates``; None: as the run's), written as ``recipe.json`` beside
+        the model; its checkpoints go to ``output/runs/<name>`` and are removed once the model is saved. ``data``
+        builds the training rows (None, or ``steps`` 0: the built model is returned untrained and not saved). With
+        ``--reuse``, a saved model whose ``train_settings.json`` matches these ``settings`` is loaded instead of
+        trained again; with ``--resume`` a training that was cut off continues from its newest complete checkpoint.
+        ``encoder_cache`` is the frozen recipe's cache of encoder outputs to train on (default: the run's
+        :meth:`encoder_cache`; e.g. a cross-encoder's :class:`~st_extensions.cross_encoder.frozen.CachedPairFeatures`,
+        shared by the re-rankers). ``callbacks`` go to the trainer (e.g. a :class:`~pyterrier_prob.curves.DevCurve`).
         """
-        from pyterrier_prob.training import fine_tune
-        from st_extensions import load_model
-
-        cfg = self.cfg
-        steps = cfg.steps if steps is None else steps
-        path = self.path("models", name)
-        info_path = os.path.join(path, "train_settings.json")
-        recipe = None
-        if data is not None and steps:
-            recipe = self.recipe(
-                steps,
-                learning_rate_mapping=dict(learning_rate_mapping or {}),
-                module_learning_rates=dict(module_learning_rates or {}),
-            )
-        made = {k: v for k, v in (recipe.to_dict() if recipe else {}).items() if not k.startswith("checkpoint_")}
-        wanted = {
-            "model": cfg.model,
-            "dataset": cfg.dataset,
-            "max_seq_length": cfg.max_seq_length,
-            "recipe": made,
-            **({"held_out_dev": self._held_out} if self._held_out else {}),
-            **dict(settings or {}),
-        }
-        wanted = json.loads(json.dumps(wanted, default=str))
+        overrides = {k: dict(v) if isinstance(v, Mapping) else v for k, v in recipe_fields.items() if v is not None}
+        steps = overrides.pop("steps", self.cfg.steps)
+        recipe = self.cfg.training_recipe(steps, **overrides) if data is not None and steps else None
+        wanted = self._train_settings(name, recipe, settings)
         if recipe is None:
-            wanted = {k: wanted[k] for k in ("model", "max_seq_length")} | {"trained": False, **dict(settings or {})}
-        self._model_settings[name] = json.loads(json.dumps(wanted, default=str))
-        if recipe is None:
-            model = build()
-            _set_max_len(model, cfg.max_seq_length)
-            return model, []
+            return self._built_model(build), []
         self.recipes[name] = recipe.to_dict()
-        if cfg.reuse and os.path.isfile(info_path):
-            with open(info_path, encoding="utf8") as f:
-                saved = json.load(f)
-            if saved.get("settings") == wanted:
-                with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
-                    model = load_model(path, device="cpu")
-                _set_max_len(model, cfg.max_seq_length)
-                return model, list(saved.get("losses", []))
-        run_dir = self.path("runs", name)
-        label = recipe.mode + (f", top {recipe.train_layers} layers" if recipe.mode == "partial" else "")
-        with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {cfg.batch_size} ({label})"):
-            import torch
-
-            torch.manual_seed(cfg.seed)
-            model = build()
-            _set_max_len(model, cfg.max_seq_length)
-            rows = data()
-            if fit is not None:
-                losses = fit(model, rows, recipe)
-            else:
-                losses = fine_tune(
-                    model,
-                    loss(model),
-                    rows,
-                    recipe,
-                    output_dir=run_dir,
-                    resume=cfg.resume,
-                    show_progress=self.verbose,
-                    desc=f"training {name}",
-                    encoder_cache=self.encoder_cache(model) if recipe.mode == "frozen" else None,
-                    state_cache=self.state_cache_path(recipe) if recipe.mode == "partial" else None,
-                    callbacks=callbacks,
-                )
-            if recipe.mode == "frozen" and fit is None:
+        reused = self._reused_model(name, wanted)
+        if reused is not None:
+            return reused
+        with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {recipe.batch_size} ({recipe.label})"):
+            torch.manual_seed(self.cfg.seed)
+            model = self._built_model(build)
+            own_cache = recipe.caches_features and encoder_cache is None
+            rows = data()  # before the loss: a loss may use what the rows' making found (e.g. the judged pairs)
+            losses = fine_tune(
+                model,
+                loss(model),
+                rows,
+                recipe,
+                output_dir=self.path("runs", name),
+                resume=self.cfg.resume,
+                show_progress=self.verbose,
+                desc=f"training {name}",
+                encoder_cache=self.encoder_cache(model) if own_cache else encoder_cache,
+                state_cache=self.state_cache_path(recipe) if recipe.caches_states else None,
+                callbacks=callbacks,
+            )
+            if own_cache:
                 self.save_encoder_cache()
-            _save_model(model, path)
-            recipe.save(os.path.join(path, "recipe.json"))
-            atomic_write(info_path, json.dumps({"settings": wanted, "losses": losses}, indent=1))
-            _remove_checkpoints(run_dir)
+            self._save_trained(name, model, recipe, {"settings": wanted, "losses": losses})
         self._fresh.add(name)
         return model, losses
+
+    def _built_model(self, build: Callable[[], Any]) -> Any:
+        model = build()
+        _set_max_len(model, self.cfg.max_seq_length)
+        return model
+
+    def _train_settings(self, name: str, recipe: Recipe | None, settings: Mapping[str, Any] | None) -> dict[str, Any]:
+        """What makes the model ``name``: compared with a saved model's by ``--reuse``, and part of its indexes'
+        settings (an index is reused only for a model made the same way)."""
+        cfg = self.cfg
+        if recipe is None:
+            wanted = {"model": cfg.model, "max_seq_length": cfg.max_seq_length, "trained": False, **(settings or {})}
+        else:
+            wanted = {
+                "model": cfg.model,
+                "dataset": cfg.dataset,
+                "max_seq_length": cfg.max_seq_length,
+                "recipe": {k: v for k, v in recipe.to_dict().items() if not k.startswith("checkpoint_")},
+                **({"held_out_dev": self._held_out} if self._held_out else {}),
+                **dict(settings or {}),
+            }
+        self._model_settings[name] = json.loads(json.dumps(wanted, default=str))
+        return self._model_settings[name]
+
+    def _reused_model(self, name: str, wanted: dict[str, Any]) -> tuple[Any, list[float]] | None:
+        """With ``--reuse``: the saved model ``name`` and its losses when it was made with the ``wanted`` settings."""
+        path = self.path("models", name)
+        info_path = os.path.join(path, "train_settings.json")
+        if not (self.cfg.reuse and os.path.isfile(info_path)):
+            return None
+        with open(info_path, encoding="utf8") as f:
+            saved = json.load(f)
+        if saved.get("settings") != wanted:
+            return None
+        with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
+            model = self._built_model(lambda: load_model(path, device="cpu"))
+        return model, list(saved.get("losses", []))
+
+    def _save_trained(self, name: str, model: Any, recipe: Recipe, info: dict[str, Any]) -> None:
+        """Save a trained model with its recipe and ``info`` (settings, losses); drop its checkpoints."""
+        path = self.path("models", name)
+        _save_model(model, path)
+        recipe.save(os.path.join(path, "recipe.json"))
+        atomic_write(os.path.join(path, "train_settings.json"), json.dumps(info, indent=1))
+        _remove_checkpoints(self.path("runs", name))
 
     def state_cache_path(self, recipe: Any) -> str:
         """Where the partial recipe caches the lower layers' hidden states: ``output/cache/states-<base>-<max len>-
@@ -546,8 +476,6 @@ class Harness:
         encoded once per output folder by the base encoder (``model``'s frozen prefix) and then shared by every
         system's training and indexing. Kept in ``output/cache/`` and reused when made with the same base model and
         ``max_seq_length`` (an interrupted run resumes without encoding again)."""
-        from st_extensions.frozen import CachedEmbeddings, prefix_model
-
         if self._cache is None:
             path = self._cache_path()
             try:
@@ -558,8 +486,6 @@ class Harness:
             if same and os.path.isfile(path):
                 self._cache = CachedEmbeddings.load_cache(path)
             else:
-                import torch
-
                 self._cache = CachedEmbeddings([], torch.zeros(0, model.get_embedding_dimension()))
         if self._cache.encoder[0] is None:
             self._cache.encoder[0] = prefix_model(model, require_added=False)
@@ -576,10 +502,8 @@ class Harness:
     def encoding_model(self, model: Any) -> Any:
         """What to encode queries and documents with: under the frozen recipe, ``model``'s added modules on the
         run's encoder cache (identical outputs; each text through the encoder once per run), else ``model``."""
-        if self.cfg.recipe != "frozen":
+        if not self.recipe.caches_features:
             return model
-        from st_extensions.frozen import cached_model
-
         return cached_model(model, cache=self.encoder_cache(model))
 
     # ---- indexes ----------------------------------------------------------------------------------------------
@@ -602,35 +526,27 @@ class Harness:
 
     def _built(self, name: str, path: str) -> None:
         atomic_write(f"{path}.settings.json", json.dumps(self._index_settings(name), indent=1))
-        if self.cfg.recipe == "frozen":  # the documents just encoded join the run's encoder cache on disk
+        if self.recipe.caches_features:  # the documents just encoded join the run's encoder cache on disk
             self.save_encoder_cache()
 
     def dense_index(self, name: str, encoder: Any, collection: Collection) -> Any:
         """Encode ``collection`` with a :class:`~pyterrier_prob.ProbBiEncoder` (or any pyterrier-dr BiEncoder) into a
         :class:`~pyterrier_prob.DenseIndex` (one bar over the documents). ``name`` is the model's name in
         :meth:`train`; with ``--reuse`` an index built by a model made with the same settings is reused."""
-        from pyterrier_prob.index import DenseIndex
-
-        path = self._index_path(name, collection, "flex")
-        index = DenseIndex(path, verbose=self.verbose)
-        if self._reusable(name, index, path):
-            return index
-        with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
-            (encoder.doc_encoder(verbose=False) >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
-        self._built(name, path)
-        return index
+        return self._index(name, DenseIndex, "flex", encoder.doc_encoder(verbose=False), collection)
 
     def mol_index(self, name: str, encoder: Any, collection: Collection) -> Any:
         """Encode ``collection`` with a :class:`~pyterrier_prob.MoLEncoder` into a :class:`~pyterrier_prob.MoLIndex`
         (one bar over the documents; reuse as for :meth:`dense_index`)."""
-        from pyterrier_prob.index import MoLIndex
+        return self._index(name, MoLIndex, "mol", encoder.doc_encoder(), collection)
 
-        path = self._index_path(name, collection, "mol")
-        index = MoLIndex(path, verbose=self.verbose)
+    def _index(self, name: str, cls: type, ext: str, doc_encoder: Any, collection: Collection) -> Any:
+        path = self._index_path(name, collection, ext)
+        index = cls(path, verbose=self.verbose)
         if self._reusable(name, index, path):
             return index
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
-            (encoder.doc_encoder() >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
+            (doc_encoder >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
         self._built(name, path)
         return index
 
@@ -706,17 +622,7 @@ class Harness:
         Returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs`` added).
         """
         total = round(time.perf_counter() - self.t0, 1)
-        head = [f"# {title}", ""]
-        if data is not None:
-            d = data.describe()
-            head.append(
-                f"Trained on {d['train'] or 'nothing (no fine-tuning)'}; calibration/dev: {d['calibration']}; "
-                f"test: {d['test']} ({d['n_test_queries']} queries)."
-            )
-            if d["notes"]:
-                head += ["", *[f"- {n}" for n in d["notes"]]]
-            head.append("")
-        text = "\n".join(head) + "\n" + markdown.strip() + f"\n\nWall time: {total:.0f} s.\n"
+        text = "\n".join(self._report_head(title, data)) + "\n" + markdown.strip() + f"\n\nWall time: {total:.0f} s.\n"
         outputs = {}
         for name, frame in tables.items():
             outputs[name] = atomic_write(self.path(f"{name}.csv"), frame.to_csv(index=False))
@@ -734,9 +640,38 @@ class Harness:
         }
         full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
         atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
+        copy = getattr(self.cfg, "results_json", None)
+        if copy:  # the summary where the docs' tables can name it, with the command line that made it
+            if os.path.isdir(copy) or copy.endswith(os.sep):
+                copy = os.path.join(make_dirs(copy), f"{self.name}.json")
+            command = {"command": getattr(self.cfg, "command", None)}
+            full["outputs"]["results_json"] = atomic_write(
+                copy, json.dumps({**command, **full}, indent=2, default=_json_default)
+            )
         print("\n" + text, flush=True)
         print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
         return full
+
+    def _report_head(self, title: str, data: Data | None) -> list[str]:
+        """The report's first lines, generated from what the run did: the splits used (with the notes on how they
+        were chosen) and the recipe each trained model ran under (:meth:`Recipe.describe
+        <pyterrier_prob.training.Recipe.describe>`)."""
+        head = [f"# {title}", ""]
+        if data is not None:
+            d = data.describe()
+            head.append(
+                f"Trained on {d['train'] or 'nothing (no fine-tuning)'}; calibration/dev: {d['calibration']}; "
+                f"test: {d['test']} ({d['n_test_queries']} queries)."
+            )
+            if d["notes"]:
+                head += ["", *[f"- {n}" for n in d["notes"]]]
+            head.append("")
+        by_recipe: dict[str, list[str]] = {}
+        for name, values in self.recipes.items():
+            by_recipe.setdefault(Recipe.from_dict(values).describe(), []).append(name)
+        for described, names in by_recipe.items():
+            head += [f"Recipe of {', '.join(names)}: {described}", ""]
+        return head
 
 
 class _NativeLogged(pt.Transformer):
@@ -767,16 +702,12 @@ def _silence_library_bars() -> None:
     """transformers' and huggingface_hub's own bars (loading weights, writing shards) are not stages: hide them; and
     ir_datasets' INFO lines (which file it opens) -- unless the command line asked for ``--verbose``
     (:mod:`pyterrier_prob.console`)."""
-    from pyterrier_prob import console
-
     if not console.verbose():
         console.quiet_libraries()
 
 
 def _position_limit(model: Any) -> int | None:
     """The most tokens the model's transformer can take (``max_position_embeddings``), if it says."""
-    import torch
-
     for m in model.modules() if isinstance(model, torch.nn.Module) else []:
         config = getattr(m, "config", None)
         limit = getattr(config, "max_position_embeddings", None)
@@ -798,15 +729,11 @@ def _set_max_len(model: Any, n: int) -> None:
 
 def _remove_checkpoints(folder: str) -> None:
     """Drop a finished training's checkpoints (the saved model replaces them; disk stays bounded)."""
-    import shutil
-
     if os.path.isdir(folder):
         shutil.rmtree(folder, ignore_errors=True)
 
 
 def _save_model(model: Any, path: str) -> None:
     """Save a model atomically: into a sibling folder renamed into place (folders 0755, files 0644)."""
-    from pyterrier_prob.atomic import atomic_directory
-
     with atomic_directory(path, overwrite=True) as tmp:
         model.save(str(tmp))

@@ -24,11 +24,24 @@ calibration (dev) and test queries:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from pyterrier_prob.dense import PARAM_COLUMNS
+from pyterrier_prob.experiments.harness import measure_cell
+from pyterrier_prob.pebr.calibration import (
+    CalibratedLaw,
+    beta_mle_laws,
+    log_likelihood_ratio,
+    model_law,
+    pit_summary,
+    pit_values,
+    query_weights,
+    take_queries,
+)
 from pyterrier_prob.pebr.rlt import (
     conformal_recall_level,
     conformal_resplits,
@@ -41,10 +54,12 @@ from pyterrier_prob.pebr.rlt import (
     oracle_runs,
     ranked_lists,
     row_relevance,
+    running_min,
     zscore_stat,
 )
+from pyterrier_prob.plots import pit_plot, truncation_curves_plot
 
-__all__ = ["RULES", "cutoff_study", "relevant_cosines"]
+__all__ = ["RULES", "StudyConfig", "cutoff_study", "relevant_cosines", "study_markdown"]
 
 
 def relevant_cosines(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame) -> list[np.ndarray]:
@@ -67,8 +82,6 @@ def relevant_cosines(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame) -> 
 
 
 def _params(frame: pd.DataFrame, family: str) -> pd.DataFrame:
-    from pyterrier_prob.pebr.encoders import PARAM_COLUMNS
-
     return frame[list(PARAM_COLUMNS[family])].reset_index(drop=True)
 
 
@@ -106,9 +119,6 @@ LR_RULE = "likelihood-ratio cutoff (beta_mle)"
 def lr_stat(ranked: pd.DataFrame, relevant: Any, irrelevant: Any) -> np.ndarray:
     """Per-row log likelihood ratio of the query's relevant and irrelevant cosine laws (pEBR Sec. 3.1), made
     prefix-monotone (the running minimum down the list), so that a level keeps a truncation."""
-    from pyterrier_prob.pebr.calibration import log_likelihood_ratio
-    from pyterrier_prob.pebr.rlt import running_min
-
     width = ranked.groupby("qid", sort=False).size().max()
     lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
     padded = np.array(
@@ -118,16 +128,37 @@ def lr_stat(ranked: pd.DataFrame, relevant: Any, irrelevant: Any) -> np.ndarray:
     return running_min(ranked, np.concatenate([llr[i, : len(v)] for i, v in enumerate(lists)]))
 
 
+@dataclass(frozen=True)
+class StudyConfig:
+    """Settings of :func:`cutoff_study`: the head's ``family`` and law dimension ``dim`` (None: the 1-D law), the
+    matched mean depths ``ks``, the ranked lists' length ``cap`` and the recall ``targets``."""
+
+    family: str
+    dim: int | None
+    ks: Sequence[int]
+    cap: int
+    targets: Sequence[float] = (0.5, 0.8, 0.9)
+
+
+@dataclass
+class _Split:
+    """One query set's ranked lists (top ``cap``), relevant cosines, head parameters, list features and the lists'
+    relevance (``(query index, is relevant, relevant count)`` per row)."""
+
+    ranked: pd.DataFrame
+    qids: list[str]
+    rel: list[np.ndarray]
+    params: pd.DataFrame
+    feats: pd.DataFrame
+    relinfo: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+    @property
+    def has(self) -> list[int]:  # the queries with a relevant document in the index
+        return [i for i, r in enumerate(self.rel) if len(r)]
+
+
 def cutoff_study(
-    h: Any,
-    data: Any,
-    indexes: dict[str, Any],
-    queries: dict[str, pd.DataFrame],
-    family: str,
-    dim: int | None,
-    ks: Sequence[int],
-    cap: int,
-    targets: Sequence[float] = (0.5, 0.8, 0.9),
+    h: Any, data: Any, indexes: dict[str, Any], queries: dict[str, pd.DataFrame], study: StudyConfig
 ) -> dict[str, Any]:
     """Run the study of the module docstring on the pEBR model's indexes of the calibration (``"dev"``) and
     ``"test"`` collections (the same index unless ``--test-dataset`` transfers); ``queries`` are the encoded
@@ -136,149 +167,247 @@ def cutoff_study(
     Returns ``{"matched": frame, "targets": frame, "pit": dict, "pit_per_query": dict, "calibrated_law": dict,
     "calibrated_law_list_features": dict, "curves": dict, "figures": dict}``.
     """
-    from pyterrier_prob.pebr.calibration import (
-        CalibratedLaw,
-        beta_mle_laws,
-        model_law,
-        pit_summary,
-        pit_values,
-        query_weights,
-        take_queries,
-    )
-    from pyterrier_prob.plots import pit_plot, truncation_curves_plot
-
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
+    with h.stage(
+        "cutoff_lists", f"ranked lists (top {study.cap}) and relevant cosines of the calibration and test queries"
+    ):
+        splits = {s: _split(indexes[s], queries[s], qrels[s], study) for s in ("dev", "test")}
     out: dict[str, Any] = {"figures": {}}
-    with h.stage("cutoff_lists", f"ranked lists (top {cap}) and relevant cosines of the calibration and test queries"):
-        ranked = {s: ranked_lists(indexes[s], queries[s], cap) for s in ("dev", "test")}
-        qids = {s: list(queries[s]["qid"].astype(str)) for s in ("dev", "test")}
-        rel = {s: relevant_cosines(indexes[s], queries[s], qrels[s]) for s in ("dev", "test")}
-        params = {s: _params(queries[s], family) for s in ("dev", "test")}
-        relinfo = {s: row_relevance(ranked[s], qrels[s], qids[s]) for s in ("dev", "test")}
     with h.stage("calibrate_law", "fitting the calibrated per-query laws on the calibration queries' relevant cosines"):
-        feats = {sp: list_features(ranked[sp]) for sp in ("dev", "test")}
-        has = {sp: [i for i, r in enumerate(rel[sp]) if len(r)] for sp in ("dev", "test")}
-        dev_rel = [rel["dev"][i] for i in has["dev"]]
-        cal = CalibratedLaw(family=family, dim=dim).fit(params["dev"].iloc[has["dev"]], dev_rel)
-        cal_f = CalibratedLaw(family=family, dim=dim).fit(
-            params["dev"].iloc[has["dev"]], dev_rel, features=feats["dev"].iloc[has["dev"]]
-        )
-        out["calibrated_law"] = cal.to_dict()
-        out["calibrated_law_list_features"] = cal_f.to_dict()
-        laws = {
-            sp: {
-                "head": model_law(params[sp], family, dim),
-                CAL: cal.law(params[sp]),
-                CAL_F: cal_f.law(params[sp], features=feats[sp]),
-            }
-            for sp in ("dev", "test")
-        }
-        test_rel = [rel["test"][i] for i in has["test"]]
-        ht, hd = (np.array(has[sp], dtype=np.intp) for sp in ("test", "dev"))
-        dev_pit = np.sort(pit_values(take_queries(laws["dev"][CAL_F], hd), dev_rel))
-        after_pit = pit_values(take_queries(laws["test"][CAL_F], ht), test_rel)
-        pits = {
-            "head's law (before)": pit_values(take_queries(laws["test"]["head"], ht), test_rel),
-            f"{CAL} (after)": pit_values(take_queries(laws["test"][CAL], ht), test_rel),
-            f"{CAL_F} (after)": after_pit,
-            # the calibrated law composed with the empirical CDF of the calibration queries' PIT values: a monotone
-            # remap of F_q, so it ranks and truncates exactly as the calibrated law, only its p is recalibrated
-            f"{CAL_F} + dev PIT remap": np.searchsorted(dev_pit, after_pit, side="right") / len(dev_pit),
-        }
-        weights = query_weights(test_rel)
-        out["pit"] = {name: pit_summary(v) for name, v in pits.items()}
-        out["pit_per_query"] = {name: pit_summary(v, weights=weights) for name, v in pits.items()}
-        out["figures"]["pit"] = pit_plot(pits, h.path("pit.png"), title="PIT of the test queries' relevant cosines")
-
-    stats: dict[str, dict[str, np.ndarray]] = {s: {} for s in ("dev", "test")}
+        laws = _calibrated_laws(h, splits, study, out)
     with h.stage("rule_statistics", "per-row statistics of every truncation rule"):
-        for s in ("dev", "test"):
-            r = ranked[s]
-            stats[s]["top-k"] = -r["rank"].to_numpy(dtype=np.float64)
-            stats[s]["score cutoff"] = r["score"].to_numpy(dtype=np.float64)
-            stats[s]["z-score cutoff"] = zscore_stat(r)
-            stats[s]["score-distribution fit"] = mixture_stat(r)
-            stats[s]["CDF cutoff (head's law)"] = law_stat(r, laws[s]["head"])
-            stats[s][f"CDF cutoff ({CAL})"] = law_stat(r, laws[s][CAL])
-            stats[s][f"CDF cutoff ({CAL_F})"] = law_stat(r, laws[s][CAL_F])
-            stats[s][f"recall-gain cutoff ({CAL_F})"] = gain_stat(r, laws[s][CAL_F])
-            if family == "beta_mle":  # Sec. 3.1's two laws: keep while log f+(cos) - log f-(cos) >= level
-                stats[s][LR_RULE] = lr_stat(r, *beta_mle_laws(params[s], dim))
-
-    # ---- matched mean depth -------------------------------------------------------------------------------------
-    rows = []
-    n_dev, n_test = len(qids["dev"]), len(qids["test"])
-    topk_recall = _topk_recall_curve(ranked["test"]["rank"].to_numpy(), *relinfo["test"], cap)
-    with h.stage("matched_depth", f"every rule at matched mean depth {list(ks)} (levels from {data.cal_source})"):
-        for k in ks:
-            runs = {}
-            for rule in [r for r in (*RULES, LR_RULE) if r in stats["dev"]]:
-                lam = float(-(k - 1)) if rule == "top-k" else level_for_depth(stats["dev"][rule], n_dev, k)
-                runs[rule] = ranked["test"][stats["test"][rule] >= lam]
-            qidx, is_rel, n_rel = relinfo["test"]
-            runs["oracle depth (qrels known)"] = oracle_runs(ranked["test"], is_rel, qidx, n_rel, k, n_test)
-            exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"], baseline="top-k")
-            counts = {n: r.groupby("qid").size().reindex(qids["test"], fill_value=0) for n, r in runs.items()}
-            exp.insert(1, "k", k)
-            exp.insert(2, "test_mean_depth", [float(counts[n].mean()) for n in exp["name"]])
-            # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
-            # the rule's own test mean depth is the comparison that leaves no depth advantage
-            exp["topk_SetR_at_same_depth"] = [_interp(topk_recall, d) for d in exp["test_mean_depth"]]
-            rows.append(exp)
-    out["matched"] = pd.concat(rows, ignore_index=True)
-
-    # ---- recall targets (conformal risk control on the calibration queries) -------------------------------------
-    trows = []
-    same_collection = indexes["dev"] is indexes["test"]
-    with h.stage("recall_targets", f"recall targets {_fmt_targets(targets)} by conformal risk control"):
-        tq, tr, tn = relinfo["test"]
-        dq, dr, dn = relinfo["dev"]
-        pool_q, pool_r, pool_n = np.concatenate([dq, tq + n_dev]), np.concatenate([dr, tr]), np.concatenate([dn, tn])
-        for target in targets:
-            for rule in TARGET_RULES:
-                lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
-                keep = stats["test"][rule] >= lam
-                depth, recall, prec, f1 = mean_measures(tq, tr, tn, keep, n_test)
-                need_k = int(np.searchsorted(topk_recall, recall - 1e-12) + 1) if recall <= topk_recall[-1] else None
-                row = {
-                    "target_recall": target,
-                    "rule": rule,
-                    "level": lam,
-                    "reachable_on_calibration": ok,
-                    "test_mean_recall": recall,
-                    "test_mean_depth": depth,
-                    "test_SetP": prec,
-                    "topk_k_for_same_recall": need_k,
-                    "test_queries_with_relevant": int((tn > 0).sum()),
-                }
-                if same_collection:  # the guarantee is in expectation over calibration draws: re-split the pool
-                    pooled = np.concatenate([stats["dev"][rule], stats["test"][rule]])
-                    rec = conformal_resplits(pooled, pool_q, pool_r, pool_n, target, n_cal=int((dn > 0).sum()))
-                    row.update(
-                        resplit_mean_recall=float(rec.mean()),
-                        resplit_recall_5=float(np.quantile(rec, 0.05)),
-                        resplit_recall_95=float(np.quantile(rec, 0.95)),
-                        resplit_share_in_range=float(np.mean((rec >= target - 0.02) & (rec <= target + 0.05))),
-                        resplits=len(rec),
-                    )
-                trows.append(row)
-    out["targets"] = pd.DataFrame(trows)
-
-    # ---- recall / precision / F1 against mean depth (test) ------------------------------------------------------
+        stats = {s: _rule_statistics(splits[s], laws[s], study) for s in ("dev", "test")}
+    test = splits["test"]
+    topk_recall = _topk_recall_curve(test.ranked["rank"].to_numpy(), *test.relinfo, study.cap)
+    with h.stage("matched_depth", f"every rule at matched mean depth {list(study.ks)} (levels from {data.cal_source})"):
+        out["matched"] = _matched_depth(h, data, splits, stats, study.ks, topk_recall)
+    with h.stage("recall_targets", f"recall targets {_fmt_targets(study.targets)} by conformal risk control"):
+        same = indexes["dev"] is indexes["test"]
+        out["targets"] = _recall_targets(splits, stats, study.targets, topk_recall, same)
     with h.stage("curves", "recall, precision and F1 against mean depth for every rule"):
-        tq, tr, tn = relinfo["test"]
-        curves = {}
-        for rule in [r for r in (*RULES, LR_RULE) if r in stats["test"]]:
-            pts = []
-            for k in (1, 2, 5, 10, 20, 50, 100, 200, 500, cap):
-                if k > cap:
-                    continue
-                lam = float(-(k - 1)) if rule == "top-k" else level_for_depth(stats["test"][rule], n_test, k)
-                pts.append(mean_measures(tq, tr, tn, stats["test"][rule] >= lam, n_test))
-            curves[rule] = pd.DataFrame(pts, columns=["mean_depth", "recall", "precision", "f1"])
-        out["curves"] = curves
-        out["figures"]["curves"] = truncation_curves_plot(curves, h.path("truncation_curves.png"))
+        out["curves"] = _curves(test, stats["test"], study.cap)
+        out["figures"]["curves"] = truncation_curves_plot(out["curves"], h.path("truncation_curves.png"))
     return out
+
+
+def _split(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame, study: StudyConfig) -> _Split:
+    ranked = ranked_lists(index, queries, study.cap)
+    qids = list(queries["qid"].astype(str))
+    return _Split(
+        ranked=ranked,
+        qids=qids,
+        rel=relevant_cosines(index, queries, qrels),
+        params=_params(queries, study.family),
+        feats=list_features(ranked),
+        relinfo=row_relevance(ranked, qrels, qids),
+    )
+
+
+def _calibrated_laws(h: Any, splits: dict[str, _Split], study: StudyConfig, out: dict[str, Any]) -> dict[str, Any]:
+    """Fit the calibrated laws on the calibration queries' relevant cosines (``out``'s ``calibrated_law*``); the
+    head's law and both calibrated laws per split; the PIT of the test queries' relevant cosines before and after
+    calibration (``out``'s ``pit``, ``pit_per_query`` and its figure)."""
+    dev, test = splits["dev"], splits["test"]
+    dev_rel = [dev.rel[i] for i in dev.has]
+    cal = CalibratedLaw(family=study.family, dim=study.dim).fit(dev.params.iloc[dev.has], dev_rel)
+    cal_f = CalibratedLaw(family=study.family, dim=study.dim).fit(
+        dev.params.iloc[dev.has], dev_rel, features=dev.feats.iloc[dev.has]
+    )
+    out["calibrated_law"] = cal.to_dict()
+    out["calibrated_law_list_features"] = cal_f.to_dict()
+    laws = {
+        name: {
+            "head": model_law(sp.params, study.family, study.dim),
+            CAL: cal.law(sp.params),
+            CAL_F: cal_f.law(sp.params, features=sp.feats),
+        }
+        for name, sp in splits.items()
+    }
+    test_rel = [test.rel[i] for i in test.has]
+    ht, hd = (np.array(sp.has, dtype=np.intp) for sp in (test, dev))
+    dev_pit = np.sort(pit_values(take_queries(laws["dev"][CAL_F], hd), dev_rel))
+    after_pit = pit_values(take_queries(laws["test"][CAL_F], ht), test_rel)
+    pits = {
+        "head's law (before)": pit_values(take_queries(laws["test"]["head"], ht), test_rel),
+        f"{CAL} (after)": pit_values(take_queries(laws["test"][CAL], ht), test_rel),
+        f"{CAL_F} (after)": after_pit,
+        # the calibrated law composed with the empirical CDF of the calibration queries' PIT values: a monotone
+        # remap of F_q, so it ranks and truncates exactly as the calibrated law, only its p is recalibrated
+        f"{CAL_F} + dev PIT remap": np.searchsorted(dev_pit, after_pit, side="right") / len(dev_pit),
+    }
+    weights = query_weights(test_rel)
+    out["pit"] = {name: pit_summary(v) for name, v in pits.items()}
+    out["pit_per_query"] = {name: pit_summary(v, weights=weights) for name, v in pits.items()}
+    out["figures"]["pit"] = pit_plot(pits, h.path("pit.png"), title="PIT of the test queries' relevant cosines")
+    return laws
+
+
+def _rule_statistics(split: _Split, laws: dict[str, Any], study: StudyConfig) -> dict[str, np.ndarray]:
+    """Every truncation rule's per-row statistic on one split's lists: a rule keeps the rows at or above a level."""
+    r = split.ranked
+    stats = {
+        "top-k": -r["rank"].to_numpy(dtype=np.float64),
+        "score cutoff": r["score"].to_numpy(dtype=np.float64),
+        "z-score cutoff": zscore_stat(r),
+        "score-distribution fit": mixture_stat(r),
+        "CDF cutoff (head's law)": law_stat(r, laws["head"]),
+        f"CDF cutoff ({CAL})": law_stat(r, laws[CAL]),
+        f"CDF cutoff ({CAL_F})": law_stat(r, laws[CAL_F]),
+        f"recall-gain cutoff ({CAL_F})": gain_stat(r, laws[CAL_F]),
+    }
+    if study.family == "beta_mle":  # Sec. 3.1's two laws: keep while log f+(cos) - log f-(cos) >= level
+        stats[LR_RULE] = lr_stat(r, *beta_mle_laws(split.params, study.dim))
+    return stats
+
+
+def _level(stats: dict[str, np.ndarray], rule: str, n_queries: int, k: int) -> float:
+    """The level at which ``rule`` keeps a mean of ``k`` rows per query (top-k: exactly k)."""
+    return float(-(k - 1)) if rule == "top-k" else level_for_depth(stats[rule], n_queries, k)
+
+
+def _matched_depth(
+    h: Any, data: Any, splits: dict[str, _Split], stats: dict[str, Any], ks: Sequence[int], topk_recall: np.ndarray
+) -> pd.DataFrame:
+    """Every rule at each mean depth k (levels from the calibration queries) on test, in ``pt.Experiment`` with
+    paired t-tests against top-k, and the oracle depth."""
+    dev, test = splits["dev"], splits["test"]
+    rows = []
+    for k in ks:
+        runs = {}
+        for rule in [r for r in (*RULES, LR_RULE) if r in stats["dev"]]:
+            runs[rule] = test.ranked[stats["test"][rule] >= _level(stats["dev"], rule, len(dev.qids), k)]
+        qidx, is_rel, n_rel = test.relinfo
+        runs["oracle depth (qrels known)"] = oracle_runs(test.ranked, is_rel, qidx, n_rel, k, len(test.qids))
+        exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"], baseline="top-k")
+        counts = {n: r.groupby("qid").size().reindex(test.qids, fill_value=0) for n, r in runs.items()}
+        exp.insert(1, "k", k)
+        exp.insert(2, "test_mean_depth", [float(counts[n].mean()) for n in exp["name"]])
+        # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
+        # the rule's own test mean depth is the comparison that leaves no depth advantage
+        exp["topk_SetR_at_same_depth"] = [_interp(topk_recall, d) for d in exp["test_mean_depth"]]
+        rows.append(exp)
+    return pd.concat(rows, ignore_index=True)
+
+
+def _recall_targets(
+    splits: dict[str, _Split],
+    stats: dict[str, Any],
+    targets: Sequence[float],
+    topk_recall: np.ndarray,
+    same_collection: bool,
+) -> pd.DataFrame:
+    """Each target rule's level by conformal risk control on the calibration queries, and what it achieves on
+    test; when both query sets share a collection, the same over random re-splits of their pool."""
+    (dq, dr, dn), (tq, tr, tn) = splits["dev"].relinfo, splits["test"].relinfo
+    n_dev, n_test = len(splits["dev"].qids), len(splits["test"].qids)
+    pool_q, pool_r, pool_n = np.concatenate([dq, tq + n_dev]), np.concatenate([dr, tr]), np.concatenate([dn, tn])
+    rows = []
+    for target in targets:
+        for rule in TARGET_RULES:
+            lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
+            depth, recall, prec, f1 = mean_measures(tq, tr, tn, stats["test"][rule] >= lam, n_test)
+            need_k = int(np.searchsorted(topk_recall, recall - 1e-12) + 1) if recall <= topk_recall[-1] else None
+            row = {
+                "target_recall": target,
+                "rule": rule,
+                "level": lam,
+                "reachable_on_calibration": ok,
+                "test_mean_recall": recall,
+                "test_mean_depth": depth,
+                "test_SetP": prec,
+                "topk_k_for_same_recall": need_k,
+                "test_queries_with_relevant": int((tn > 0).sum()),
+            }
+            if same_collection:  # the guarantee is in expectation over calibration draws: re-split the pool
+                pooled = np.concatenate([stats["dev"][rule], stats["test"][rule]])
+                rec = conformal_resplits(pooled, pool_q, pool_r, pool_n, target, n_cal=int((dn > 0).sum()))
+                row.update(
+                    resplit_mean_recall=float(rec.mean()),
+                    resplit_recall_5=float(np.quantile(rec, 0.05)),
+                    resplit_recall_95=float(np.quantile(rec, 0.95)),
+                    resplit_share_in_range=float(np.mean((rec >= target - 0.02) & (rec <= target + 0.05))),
+                    resplits=len(rec),
+                )
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _curves(test: _Split, stats: dict[str, np.ndarray], cap: int) -> dict[str, pd.DataFrame]:
+    """Recall, precision and F1 against mean depth on test for every rule (levels set on test itself)."""
+    tq, tr, tn = test.relinfo
+    n_test = len(test.qids)
+    curves = {}
+    for rule in [r for r in (*RULES, LR_RULE) if r in stats]:
+        pts = [
+            mean_measures(tq, tr, tn, stats[rule] >= _level(stats, rule, n_test, k), n_test)
+            for k in (1, 2, 5, 10, 20, 50, 100, 200, 500, cap)
+            if k <= cap
+        ]
+        curves[rule] = pd.DataFrame(pts, columns=["mean_depth", "recall", "precision", "f1"])
+    return curves
+
+
+def study_markdown(study: dict[str, Any], cal_source: str) -> str:
+    """The cutoff study's tables (issue #13) as Markdown."""
+    lines = [
+        "## Per-query cutoffs: calibrated law, recall targets, ranked-list-truncation baselines",
+        "",
+        f"Levels chosen on {cal_source}; lists = the pEBR model's top documents per query.",
+        "",
+        "PIT of the test queries' relevant cosines (uniform if the law describes them; KS against U(0, 1)), over "
+        "all relevant pairs and per query (each query weighted once, as mean recall weighs it):",
+        "",
+        "| law | pairs | KS | mean | share < 0.01 | share > 0.99 | KS per query | mean per query |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in study["pit"].items():
+        q = study["pit_per_query"][name]
+        lines.append(
+            f"| {name} | {p['n']:.0f} | {p['ks_statistic']:.3f} | {p['mean']:.3f} | {p['below_tail']:.3f} | "
+            f"{p['above_tail']:.3f} | {q['ks_statistic']:.3f} | {q['mean']:.3f} |"
+        )
+    targets = study["targets"]
+    resplit = "resplit_mean_recall" in targets
+    lines += [
+        "",
+        "Recall targets (level by conformal risk control on the calibration queries; achieved on test"
+        + (
+            f"; re-splits: the calibration and test queries pooled and split again at random, "
+            f"{int(targets['resplits'].iloc[0])} times"
+            if resplit
+            else ""
+        )
+        + "):",
+        "",
+        "| target | rule | reachable | test mean recall | test mean depth | test SetP | top-k k for same recall |"
+        + (" re-splits: mean recall (5-95%) | share in [r-0.02, r+0.05] |" if resplit else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if resplit else ""),
+    ]
+    for _, r in targets.iterrows():
+        k = "—" if pd.isna(r["topk_k_for_same_recall"]) else f"{int(r['topk_k_for_same_recall'])}"
+        extra = (
+            f" {r['resplit_mean_recall']:.3f} ({r['resplit_recall_5']:.3f}-{r['resplit_recall_95']:.3f}) | "
+            f"{r['resplit_share_in_range']:.2f} |"
+            if resplit
+            else ""
+        )
+        lines.append(
+            f"| {r['target_recall']:g} | {r['rule']} | {'yes' if r['reachable_on_calibration'] else 'no'} | "
+            f"{r['test_mean_recall']:.3f} | {r['test_mean_depth']:.1f} | {r['test_SetP']:.3f} | {k} |" + extra
+        )
+    lines += [
+        "",
+        "Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k at k; the "
+        "last column: top-k's SetR at the rule's own test mean depth, interpolated):",
+        "",
+        "| k | rule | test mean depth | SetR | SetP | SetF | top-k SetR at the same test depth |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, r in study["matched"].iterrows():
+        cells = [measure_cell(r, m) for m in ("SetR", "SetP", "SetF")]
+        cells.append(f"{r['topk_SetR_at_same_depth']:.4f}")
+        lines.append(f"| {r['k']} | {r['name']} | {r['test_mean_depth']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _interp(curve: np.ndarray, depth: float) -> float:

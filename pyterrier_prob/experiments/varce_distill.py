@@ -1,19 +1,10 @@
 """``pyterrier-prob varce --teacher``: cross-encoders distilled from the strongest ranker we can build, as BM25
-re-rankers in domain and zero-shot.
+re-rankers in domain and zero-shot (docs/varce.md, "Cross-encoders distilled ...").
 
-Stages (each a function, reusing what an earlier run in the same output folder made):
-
-1. :func:`bm25_runs`: PISA BM25 for the training queries (deep, to score every pool candidate) and the evaluated
-   queries (the re-ranked depth).
-2. :func:`teacher_stage`: the teacher bi-encoder's embeddings, its fusion weight with BM25 chosen on dev
-   (:func:`~pyterrier_prob.varce.distill.choose_teacher`), the training pools with teacher scores.
-3. :func:`train_students`: the CE and the VarCEs, split-attention students started from the teacher
-   (:func:`~st_extensions.cross_encoder.split.build_split_cross_encoder`), trained on the same Margin-MSE rows,
-   steps and budget under the partial recipe (the joint layers and the head; the lower layers cached per text),
-   dev nDCG@10 every ``dev_every`` steps, the best dev point kept.
-4. :func:`score_stage`: each student's E[s] (and std[s]) for the re-ranked candidates of every collection.
-5. :func:`report`: nDCG@10 with paired t-tests against BM25 and the CE, the teacher's rows, calibration (ECE,
-   reliability), the spread of std[s], risk-aware lambda chosen on dev, whether uncertain queries are hard.
+Stages, each reusing what an earlier run in the same output folder made: :func:`bm25_run`, :func:`teacher_stage`
+(teacher embeddings, fusion weight chosen on dev, training pools), :func:`train_students` (CE and VarCEs,
+split-attention students trained on the same Margin-MSE rows, best dev point kept), :func:`score_stage` (E[s],
+std[s]) and :func:`run`'s report (nDCG@10 with paired t-tests, calibration, risk-aware lambda, hard queries).
 """
 
 from __future__ import annotations
@@ -21,18 +12,32 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
+from pyterrier_pisa import PisaIndex
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.cross_encoder.losses import MarginMSELoss
 
 from pyterrier_prob.atomic import atomic_write, make_dirs
 from pyterrier_prob.collections import load_collection
 from pyterrier_prob.console import native_output_to
+from pyterrier_prob.curves import DevCurve
+from pyterrier_prob.data import judged_pairs, training_pairs
+from pyterrier_prob.experiments.harness import markdown_table
+from pyterrier_prob.training import Recipe, fine_tune
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
+from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, system_rows
 from pyterrier_prob.varce.rerank import risk_adjusted
+from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
+from st_extensions.defaults import default_model_path
+from st_extensions.loading import load_model
+from st_extensions.losses import MaskedMultipleNegativesRankingLoss, VariationalMarginMSELoss
 
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
 RISKS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -73,6 +78,16 @@ class DistillConfig:
     def path(self, *parts: str) -> str:
         return os.path.join(self.output, *parts)
 
+    def recipe(self, steps: int, batch_size: int, learning_rate: float, layers: int, every: int) -> Recipe:
+        """The partial recipe (top ``layers`` layers trained, a checkpoint ``every`` steps) under this run's seed."""
+        return Recipe(
+            "partial", steps, batch_size, learning_rate, seed=self.seed, train_layers=layers, checkpoint_every=every
+        )
+
+
+def _slug(spec: str) -> str:
+    return spec.replace("irds:", "").replace("/", "_")
+
 
 def _write_json(path: str, data: Any) -> None:
     make_dirs(os.path.dirname(path))
@@ -82,9 +97,7 @@ def _write_json(path: str, data: Any) -> None:
 # ------------------------------------------------------------------------------------------------ 1. BM25
 def bm25_run(cfg: DistillConfig, spec: str, topics: pd.DataFrame, k: int, tag: str) -> pd.DataFrame:
     """BM25's top ``k`` (PISA) of ``topics`` on collection ``spec``, cached as ``bm25/<slug>-<tag>.parquet``."""
-    from pyterrier_pisa import PisaIndex
-
-    slug = spec.replace("irds:", "").replace("/", "_")
+    slug = _slug(spec)
     path = cfg.path("bm25", f"{slug}-{tag}-{k}.parquet")
     if os.path.isfile(path):
         return pd.read_parquet(path)
@@ -113,54 +126,33 @@ def build_teacher(cfg: DistillConfig) -> str:
     folder = cfg.path("teacher", "model")
     if os.path.isfile(os.path.join(folder, "modules.json")):
         return folder
-    from pyterrier_prob.curves import DevCurve
-    from pyterrier_prob.data import judged_pairs, training_pairs
-    from pyterrier_prob.training import Recipe, fine_tune
-    from st_extensions.loading import load_model
-    from st_extensions.losses import MaskedMultipleNegativesRankingLoss
 
     coll = load_collection(cfg.dataset)
-    model = load_model(cfg.base_model) if cfg.base_model else load_model(_default_path())
+    model = load_model(cfg.base_model or str(default_model_path()))
     model.max_seq_length = cfg.max_seq_length
     corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
-    docnos = list(corpus)
     dev, qrels = coll.topics("dev").astype({"qid": str}), coll.qrels("dev").astype({"qid": str, "docno": str})
-
-    def evaluate(m: Any) -> float:
-        q = distill.encode(m, dev["query"].tolist(), query=True)
-        d = distill.encode(m, [corpus[x] for x in docnos])
-        run = distill.dense_run(dev, q, docnos, d, 100)
-        return float(distill.ndcg_at_10(run, qrels, "dense", qids=dev["qid"].tolist()).mean())
-
-    recipe = Recipe(
-        mode="partial",
-        steps=cfg.teacher_steps,
-        batch_size=32,
-        learning_rate=5e-5,
-        seed=cfg.seed,
-        train_layers=cfg.teacher_layers,
-        checkpoint_every=cfg.teacher_dev_every,
-    )
-    curve = DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience)
-    fine_tune(
+    evaluate = distill.DenseDev(dev, qrels, corpus)
+    _train_partial(
+        cfg,
+        "teacher",
         model,
         MaskedMultipleNegativesRankingLoss(model, judged=judged_pairs(coll, "train")),
         training_pairs(coll, "train", seed=cfg.seed),
-        recipe,
-        output_dir=cfg.path("runs", "teacher"),
-        resume=True,
-        desc="teacher",
-        callbacks=[curve],
-        state_cache=cfg.path("teacher", "states"),
+        cfg.recipe(cfg.teacher_steps, 32, 5e-5, cfg.teacher_layers, cfg.teacher_dev_every),
+        DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience),
+        cfg.path("teacher", "states"),
     )
     model.save(folder)
     return folder
 
 
-def _default_path() -> str:
-    from st_extensions.defaults import default_model_path
-
-    return str(default_model_path())
+def _train_partial(
+    cfg: DistillConfig, name: str, model: Any, loss: Any, rows: Any, recipe: Any, curve: Any, states: str
+) -> None:
+    """``fine_tune`` under the partial ``recipe`` into ``runs/<name>`` (resumable), dev ``curve`` as callback."""
+    out = cfg.path("runs", name)
+    fine_tune(model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve], state_cache=states)
 
 
 @dataclass
@@ -180,7 +172,7 @@ def load_side(cfg: DistillConfig, teacher: Any, spec: str, splits: tuple[str, ..
     coll = load_collection(spec)
     corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
     docnos = list(corpus)
-    slug = spec.replace("irds:", "").replace("/", "_")
+    slug = _slug(spec)
     d_emb = distill.encode(teacher, [corpus[d] for d in docnos], cfg.path("teacher", f"{slug}-docs.npy"))
     topics = {s: coll.topics(s).astype({"qid": str}) for s in splits}
     qrels = {s: coll.qrels(s).astype({"qid": str, "docno": str}) for s in splits}
@@ -219,24 +211,16 @@ def teacher_stage(cfg: DistillConfig, teacher: Any, side: Side) -> dict[str, Any
 
 
 # ------------------------------------------------------------------------------------------------ 3. students
-def _dev_evaluator(cfg: DistillConfig, side: Side) -> tuple[Any, pd.DataFrame]:
-    """nDCG@10 of a model re-ranking BM25's top ``dev_depth`` of ``dev_queries`` seeded dev queries."""
+def dev_subset(cfg: DistillConfig, side: Side) -> pd.DataFrame:
+    """BM25's top ``dev_depth`` of ``dev_queries`` seeded dev queries: the learning curves' and the choices' pairs."""
     dev = candidates(cfg, side, "dev")
     rng = np.random.default_rng(cfg.seed)
     qids = sorted(dev["qid"].unique())
     keep = set(rng.choice(qids, size=min(cfg.dev_queries, len(qids)), replace=False).tolist())
-    sub = dev[dev["qid"].isin(keep) & (dev["rank"] < cfg.dev_depth)].reset_index(drop=True)
-
-    def evaluate(model: Any) -> float:
-        mean, _ = distill.score_pairs(model, sub["query"].tolist(), sub["text"].tolist())
-        return float(distill.ndcg_at_10(sub.assign(score=mean), side.qrels["dev"]).mean())
-
-    return evaluate, sub
+    return dev[dev["qid"].isin(keep) & (dev["rank"] < cfg.dev_depth)].reset_index(drop=True)
 
 
 def build_student(cfg: DistillConfig, name: str) -> Any:
-    from st_extensions.cross_encoder.split import build_split_cross_encoder
-
     return build_split_cross_encoder(
         cfg.teacher,
         joint_layers=cfg.joint_layers,
@@ -249,16 +233,7 @@ def build_student(cfg: DistillConfig, name: str) -> Any:
 
 def train_students(cfg: DistillConfig, side: Side, rows: Any) -> dict[str, Any]:
     """Train (or load, when saved by an earlier run) every student on the same rows, steps and budget."""
-    import torch
-    from sentence_transformers.cross_encoder.losses import MarginMSELoss
-
-    from pyterrier_prob.curves import DevCurve
-    from pyterrier_prob.training import Recipe, fine_tune
-    from st_extensions.cross_encoder.split import split_state_cache
-    from st_extensions.loading import load_model
-    from st_extensions.losses import VariationalMarginMSELoss
-
-    evaluate, _ = _dev_evaluator(cfg, side)
+    evaluate = DevRerank(dev_subset(cfg, side), side.qrels["dev"])
     models, curves = {}, {}
     for name in cfg.students:
         folder = cfg.path("models", name)
@@ -269,28 +244,10 @@ def train_students(cfg: DistillConfig, side: Side, rows: Any) -> dict[str, Any]:
             torch.manual_seed(cfg.seed)
             model = build_student(cfg, name)
             loss = MarginMSELoss(model) if STUDENTS[name] is None else VariationalMarginMSELoss(model, beta=cfg.beta)
-            recipe = Recipe(
-                mode="partial",
-                steps=cfg.steps,
-                batch_size=cfg.batch_size,
-                learning_rate=cfg.learning_rate,
-                seed=cfg.seed,
-                train_layers=cfg.joint_layers,
-                checkpoint_every=cfg.checkpoint_every,
-            )
+            recipe = cfg.recipe(cfg.steps, cfg.batch_size, cfg.learning_rate, cfg.joint_layers, cfg.checkpoint_every)
             curve = DevCurve(cfg.dev_every, evaluate, curve_path, patience=cfg.patience)
             t0 = time.perf_counter()
-            fine_tune(
-                model,
-                loss,
-                rows,
-                recipe,
-                output_dir=cfg.path("runs", name),
-                resume=True,
-                desc=name,
-                callbacks=[curve],
-                state_cache=cfg.path("states"),
-            )
+            _train_partial(cfg, name, model, loss, rows, recipe, curve, cfg.path("states"))
             model[0].state_cache = None
             model.save(folder)
             _write_json(os.path.join(folder, "training.json"), {"train_wall_s": time.perf_counter() - t0})
@@ -319,14 +276,6 @@ def score_stage(cfg: DistillConfig, models: dict[str, Any], name: str, cand: pd.
 
 
 # ------------------------------------------------------------------------------------------------ 5. report
-def _p(a: pd.Series, b: pd.Series) -> float | None:
-    from scipy.stats import ttest_rel
-
-    if a is b or np.allclose(a.to_numpy(), b.loc[a.index].to_numpy()):
-        return None
-    return float(ttest_rel(a.to_numpy(), b.loc[a.index].to_numpy()).pvalue)
-
-
 def system_scores(frame: pd.DataFrame, alpha: float, students: list[str]) -> dict[str, np.ndarray]:
     """Each system's score per candidate: BM25, the teacher (fused and bi-encoder alone), every student."""
     out = {
@@ -348,32 +297,14 @@ def rerank_rows(
         name: distill.ndcg_at_10(frame.assign(score=score), qrels, qids=qids)
         for name, score in system_scores(frame, alpha, students).items()
     }
-    rows = []
-    for name, values in per_query.items():
-        rows.append(
-            {
-                "collection": spec,
-                "depth": cfg.depth,
-                "system": name,
-                "queries": int(len(values)),
-                "nDCG@10": float(values.mean()),
-                "p_vs_bm25": _p(values, per_query["BM25"]) if name != "BM25" else None,
-                "p_vs_CE": _p(values, per_query["CE"]) if "CE" in per_query and name != "CE" else None,
-            }
-        )
-    return rows, per_query
+    return system_rows(per_query, spec, cfg.depth), per_query
 
 
 def calibration_stage(
     dev: pd.DataFrame, test: pd.DataFrame, dev_qrels: pd.DataFrame, test_qrels: pd.DataFrame, students: list[str]
 ) -> dict[str, Any]:
     """Platt map per student fitted on the dev pairs, ECE and the reliability curve on the test pairs."""
-
-    def labels(frame: pd.DataFrame, qrels: pd.DataFrame) -> np.ndarray:
-        rel = qrels[qrels["label"] > 0][["qid", "docno"]].assign(rel=1)
-        return frame[["qid", "docno"]].merge(rel, how="left", on=["qid", "docno"])["rel"].fillna(0).to_numpy()
-
-    y_dev, y_test = labels(dev, dev_qrels), labels(test, test_qrels)
+    y_dev, y_test = cal.relevance_labels(dev, dev_qrels), cal.relevance_labels(test, test_qrels)
     out = {}
     for s in students:
         std_col = f"{s}_std"
@@ -393,6 +324,14 @@ def calibration_stage(
     return out
 
 
+def _ndcg_at_risk(frame: pd.DataFrame, qrels: pd.DataFrame, s: str, qids: list[str] | None, risk: float) -> Any:
+    """Per-query nDCG@10 of student ``s`` ranking ``frame`` by E[s] - risk * std[s] (the mean when ``qids`` is None:
+    over ``frame``'s queries)."""
+    score = risk_adjusted(frame[s].to_numpy(), frame[f"{s}_std"].to_numpy(), risk)
+    values = distill.ndcg_at_10(frame.assign(score=score), qrels, qids=qids)
+    return float(values.mean()) if qids is None else values
+
+
 def uncertainty_stage(
     frame: pd.DataFrame,
     dev: pd.DataFrame,
@@ -408,26 +347,14 @@ def uncertainty_stage(
         std_col = f"{s}_std"
         if std_col not in frame:
             continue
-        dev_values = {
-            lam: float(
-                distill.ndcg_at_10(
-                    dev.assign(score=risk_adjusted(dev[s].to_numpy(), dev[std_col].to_numpy(), lam)), dev_qrels
-                ).mean()
-            )
-            for lam in RISKS
-        }
-        lam = max(dev_values, key=lambda x: (dev_values[x], -x))
-        test_values = distill.ndcg_at_10(
-            frame.assign(score=risk_adjusted(frame[s].to_numpy(), frame[std_col].to_numpy(), lam)),
-            qrels,
-            qids=per_query[s].index.tolist(),  # every query, as the rows (no candidate: 0)
-        )
+        lam, dev_values = choose_risk(partial(_ndcg_at_risk, dev, dev_qrels, s, None), RISKS)
+        test_values = _ndcg_at_risk(frame, qrels, s, per_query[s].index.tolist(), lam)  # every query, as the rows
         out[s] = {
             "spread": cal.uncertainty_spread(frame["qid"].to_numpy(), frame[std_col].to_numpy()),
             "risk_dev": dev_values,
             "risk_chosen": lam,
             "risk_test": float(test_values.mean()),
-            "risk_p_vs_lambda0": _p(test_values, per_query[s]),
+            "risk_p_vs_lambda0": paired_p(test_values, per_query[s]),
             "hard_queries": cal.uncertain_queries_are_hard(
                 frame.assign(score=frame[s], std=frame[std_col]), per_query[s]
             ),
@@ -437,8 +364,6 @@ def uncertainty_stage(
 
 def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
     """All the stages; writes ``summary.json`` and ``results.md`` into ``cfg.output`` and returns the summary."""
-    from sentence_transformers import SentenceTransformer
-
     make_dirs(cfg.output)
     cfg.teacher = build_teacher(cfg)
     teacher = SentenceTransformer(cfg.teacher, device="cpu")
@@ -456,7 +381,7 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
     models = trained["models"]
     students = list(models)
     rows_out, per_query_all, calibration, uncertainty = [], {}, {}, {}
-    _, dev_sub = _dev_evaluator(cfg, side)
+    dev_sub = dev_subset(cfg, side)
     dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
     targets = [(cfg.dataset, side, "test")]
     for spec in cfg.ood:
@@ -464,7 +389,7 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
     for spec, s, split in targets:
         log(f"re-ranking BM25's top {cfg.depth} of {spec} ({split})")
         cand = candidates(cfg, s, split)
-        scored = score_stage(cfg, models, f"{spec.replace('irds:', '').replace('/', '_')}-{split}", cand)
+        scored = score_stage(cfg, models, f"{_slug(spec)}-{split}", cand)
         r, per_query = rerank_rows(cfg, scored, s.qrels[split], chosen["alpha"], spec, s.topics[split]["qid"].tolist())
         per_query_all[spec] = per_query
         if spec == cfg.dataset:
@@ -508,25 +433,16 @@ def markdown(summary: dict[str, Any]) -> str:
     """The re-ranking table (nDCG@10, p vs BM25 / p vs CE per collection), the students' ECE and the teacher's
     choice, as generated from the run's summary."""
     rows = pd.DataFrame(summary["rows"])
-    specs = list(dict.fromkeys(rows["collection"]))
-    head = ["system", *[f"{c} ({int(rows[rows.collection == c].queries.iloc[0])} q.)" for c in specs]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for system in dict.fromkeys(rows["system"]):
-        cells = [system]
-        for c in specs:
-            r = rows[(rows.collection == c) & (rows.system == system)]
-            if r.empty:
-                cells.append("–")
-                continue
-            r = r.iloc[0]
-            cells.append(f"{r['nDCG@10']:.4f} ({_fmt_p(r['p_vs_bm25'])} / {_fmt_p(r['p_vs_CE'])})")
-        lines.append("| " + " | ".join(cells) + " |")
-    depth = int(rows["depth"].iloc[0])
+    rows["cell"] = [f"{r['nDCG@10']:.4f} ({_fmt_p(r['p_vs_bm25'])} / {_fmt_p(r['p_vs_CE'])})" for r in summary["rows"]]
+    rows["collection"] = [f"{c} ({n} q.)" for c, n in zip(rows["collection"], rows["queries"].astype(int))]
+    table = rows.pivot_table(index="system", columns="collection", values="cell", aggfunc="first")
+    table = table.reindex(index=list(dict.fromkeys(rows["system"])), columns=list(dict.fromkeys(rows["collection"])))
     teacher = summary["teacher"]
     text = [
-        f"BM25's top {depth} re-ranked, nDCG@10 (p vs BM25 / p vs CE, paired t-tests over all queries):",
+        f"BM25's top {int(rows['depth'].iloc[0])} re-ranked, nDCG@10 (p vs BM25 / p vs CE, paired t-tests over all "
+        "queries):",
         "",
-        *lines,
+        markdown_table(table.fillna("–").reset_index()),
         "",
         f"Teacher: the bi-encoder fused with BM25 at alpha {teacher['alpha']} (chosen on dev: "
         + ", ".join(f"{a}: {v:.4f}" for a, v in teacher["dev_nDCG@10_by_alpha"].items())
@@ -547,24 +463,7 @@ def config_from_varce(cfg: Any) -> DistillConfig:
             f"--teacher trains split-attention students under --recipe partial (their joint top layers on lower "
             f"layers cached per text), got --recipe {cfg.recipe}"
         )
-    return DistillConfig(
-        output=cfg.output,
-        teacher=cfg.teacher,
-        dataset=cfg.dataset,
-        ood=tuple(cfg.ood),
-        depth=cfg.depth,
-        pool_depth=cfg.pool_depth,
-        steps=cfg.steps,
-        batch_size=cfg.batch_size,
-        negatives=cfg.negatives,
-        learning_rate=cfg.lr,
-        joint_layers=cfg.train_layers or 2,
-        max_seq_length=cfg.max_seq_length,
-        beta=cfg.beta,
-        dev_queries=cfg.dev_queries,
-        dev_depth=cfg.dev_depth,
-        dev_every=cfg.dev_every or max(1, cfg.steps // 10),
-        seed=cfg.seed,
-        checkpoint_every=cfg.checkpoint_every or max(1, cfg.steps // 10),
-        base_model=cfg.model,
-    )
+    values = {f.name: getattr(cfg, f.name) for f in fields(DistillConfig) if hasattr(cfg, f.name)}  # same names
+    every = max(1, cfg.steps // 10)
+    values.update(dev_every=cfg.dev_every or every, checkpoint_every=cfg.checkpoint_every or every, ood=tuple(cfg.ood))
+    return DistillConfig(**values, learning_rate=cfg.lr, joint_layers=cfg.train_layers or 2, base_model=cfg.model)

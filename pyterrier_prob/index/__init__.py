@@ -1,13 +1,6 @@
-"""On-disk artifacts and the one search layer over them.
-
-* :mod:`.dense`: the dense vector index (a pyterrier-dr FlexIndex) and :mod:`.mol`: the MoL component index, both
-  written through one atomic writer (:mod:`pyterrier_prob.atomic`, via :class:`AtomicIndexer`);
-* :mod:`.exact`: the exact blocked scan ``Top_K({d : <q, d> >= t_q})`` (pEBR Appendix A's ``S_{t,K}``), the
-  reference;
-* :mod:`.search`: :class:`Searcher` backends -- exact, faiss IVF (flat / fp16 / SQ8 / PQ), HNSW, GPU -- with top-k and
-  per-query range search, shards and the merge of per-shard runs. pEBR's cutoffs, MoL's candidate stages and UniERF's
-  branches all search through it.
-"""
+"""On-disk artifacts and the one search layer over them: the dense (:mod:`.dense`, a FlexIndex) and MoL (:mod:`.mol`)
+indexes written atomically (:class:`AtomicIndexer`), the exact scan ``S_{t,K}`` (:mod:`.exact`, pEBR Appendix A) and the
+:class:`Searcher` backends -- exact, faiss IVF / HNSW / GPU, shards -- of every ``searcher=`` (:mod:`.search`)."""
 
 from pyterrier_prob.index.dense import DenseIndex, DenseIndexer, as_dense_index
 from pyterrier_prob.index.exact import CutoffHits, count_above, docnos_of, threshold_search
@@ -18,7 +11,9 @@ from pyterrier_prob.index.search import (
     ExactSearcher,
     FaissSearcher,
     Searcher,
+    SearchSettings,
     ShardedSearcher,
+    check_searcher,
     hits_from_pairs,
     import_faiss,
     make_searcher,
@@ -36,10 +31,12 @@ __all__ = [
     "IndexingMode",
     "MoLIndex",
     "MoLIndexer",
+    "SearchSettings",
     "Searcher",
     "ShardedSearcher",
     "as_dense_index",
     "as_mol_index",
+    "check_searcher",
     "count_above",
     "docnos_of",
     "hits_from_pairs",

@@ -1,19 +1,12 @@
-"""The exact, exhaustive search of a dense index: ``Top_K({d : cos(q, d) >= t_q})`` per query.
+"""The exact, exhaustive search: ``Top_K({d : cos(q, d) >= t_q})`` per query (pEBR Appendix A's ``S_{t,K}``).
 
-This is the reference every approximate backend of :mod:`pyterrier_prob.index.search` is measured against, and the
-search pEBR's cutoff retrievers (``shared/papers/pebr.md``, Sec. 4.1.2 and Appendix A's ``S_{t,K}``) and UniERF's
-branches run by default (MoL's exhaustive candidate stages are blocked torch scans of its own; its approximate ones
-go through :mod:`pyterrier_prob.index.search`). Per query block and document chunk one BLAS
-``Q_b @ D_c^T``, a vectorised ``>= t_q`` mask (in threads), and -- with a cap K -- each query's threshold raised
-to the K-th best score seen so far (a lower bound of its final K-th best), so that later chunks keep few
-candidates. No Python loop runs over documents. Scores are cosines: query vectors are L2-normalised here, and
-index vectors are normalised at indexing (:class:`~pyterrier_prob.DenseIndex`) or, for a FlexIndex holding
-unnormalised vectors, divided by their norms on the fly.
+The reference of every approximate backend (``ExactSearcher``): per query block and document chunk one BLAS
+``Q_b @ D_c^T`` and a threaded ``>= t_q`` mask; with a cap K each query's threshold is raised to the K-th best score
+seen so far, so later chunks keep few candidates. Scores are cosines (unnormalised index vectors scaled on the fly).
 """
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -24,18 +17,20 @@ import numpy as np
 import pyterrier as pt
 
 from pyterrier_prob.index.dense import DenseIndex, as_dense_index
+from pyterrier_prob.validation import positive_int
 
 __all__ = [
     "DOC_BATCH",
     "QUERY_BATCH",
     "CutoffHits",
-    "check_num_results",
+    "candidate_scores",
     "check_thresholds",
     "count_above",
     "doc_scale",
     "docnos_of",
     "f32_ceil",
     "n_threads",
+    "pair_scores",
     "query_matrix",
     "search_vectors",
     "threshold_search",
@@ -49,18 +44,10 @@ _PRUNE_MIN = 1 << 22  # candidates kept across chunks before pruning to each que
 _PRUNE_FACTOR = 8  # ... and at least _PRUNE_FACTOR * k per query of the block
 
 
-# --------------------------------------------------------------------------------------------------------
-# the search
-# --------------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class CutoffHits:
-    """What :func:`threshold_search` found, in CSR form.
-
-    Query i's hits are ``docids[offsets[i]:offsets[i+1]]`` (rows of the index) with cosine ``scores`` in the
-    same slice, sorted by score, descending (ties: lower docid first).
-    """
+    """Hits in CSR form: query i's are ``docids[offsets[i]:offsets[i+1]]`` (index rows) with ``scores`` in the same
+    slice, best first (ties: lower docid first)."""
 
     offsets: np.ndarray  # (Q + 1,) int64
     docids: np.ndarray  # (total,) int64
@@ -70,6 +57,14 @@ class CutoffHits:
     def counts(self) -> np.ndarray:
         """Number of hits per query."""
         return np.diff(self.offsets)
+
+    @classmethod
+    def from_parts(cls, counts: np.ndarray, docids: list[np.ndarray], scores: list[np.ndarray]) -> CutoffHits:
+        """Hits from the per-query counts and the docid / score arrays in query order."""
+        offsets = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        d = np.concatenate(docids).astype(np.int64) if docids else np.zeros(0, np.int64)
+        return cls(offsets, d, np.concatenate(scores).astype(np.float32) if scores else np.zeros(0, np.float32))
 
 
 def n_threads() -> int:
@@ -89,15 +84,6 @@ def f32_ceil(t: np.ndarray) -> np.ndarray:
     if up.any():
         t32[up] = np.nextafter(t32[up], np.float32(np.inf))
     return t32
-
-
-def check_num_results(num_results: Any, allow_none: bool) -> int | None:
-    if num_results is None and allow_none:
-        return None
-    if isinstance(num_results, bool) or not isinstance(num_results, numbers.Integral) or num_results < 1:
-        allowed = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"num_results must be {allowed}, got {num_results!r}")
-    return int(num_results)
 
 
 def query_matrix(vecs: Sequence[Any] | np.ndarray, dim: int) -> np.ndarray:
@@ -159,11 +145,8 @@ def docnos_of(index: Any, docids: np.ndarray) -> np.ndarray:
     """Docnos (object array) of index rows; many lookups go through a cached array of all docnos."""
     if not docids.size:
         return np.zeros(0, dtype=object)
-    key = "pyterrier_prob.docnos"
-    if key not in index._cache and docids.size >= len(index) // 4:
-        index._cache[key] = np.asarray(index.docno_array(), dtype=object)
-    if key in index._cache:
-        return index._cache[key][docids]
+    if "pyterrier_prob.docnos" in index._cache or docids.size >= len(index) // 4:
+        return index.docno_array()[docids]
     uniq, inv = np.unique(docids, return_inverse=True)
     return np.asarray(index.docnos().fwd[uniq], dtype=object)[inv.reshape(-1)]
 
@@ -193,61 +176,39 @@ class _Masker:
         if self.pool is not None:
             self.pool.shutdown()
 
-    def above(self, S: np.ndarray, t: np.ndarray) -> np.ndarray:
+    def __call__(self, S: np.ndarray, t: np.ndarray, count: bool = False) -> np.ndarray:
+        """Flat indices of the entries ``S[i, j] >= t[i]`` (``count``: per row, their number)."""
+
+        def part(r0: int, r1: int) -> np.ndarray:
+            mask = S[r0:r1] >= t[r0:r1, None]
+            return np.count_nonzero(mask, axis=1) if count else np.flatnonzero(mask) + r0 * S.shape[1]
+
         if self.pool is None or S.size < _PARALLEL_MIN or S.shape[0] < 2:
-            return np.flatnonzero(S >= t[:, None])
-        C = S.shape[1]
+            return part(0, S.shape[0])
         bounds = np.linspace(0, S.shape[0], min(self.n, S.shape[0]) + 1).astype(int)
-
-        def part(i: int) -> np.ndarray:
-            r0, r1 = bounds[i], bounds[i + 1]
-            return np.flatnonzero(S[r0:r1] >= t[r0:r1, None]) + r0 * C
-
-        return np.concatenate(list(self.pool.map(part, range(len(bounds) - 1))))
-
-    def count(self, S: np.ndarray, t: np.ndarray) -> np.ndarray:
-        if self.pool is None or S.size < _PARALLEL_MIN or S.shape[0] < 2:
-            return np.count_nonzero(S >= t[:, None], axis=1)
-        bounds = np.linspace(0, S.shape[0], min(self.n, S.shape[0]) + 1).astype(int)
-
-        def part(i: int) -> np.ndarray:
-            r0, r1 = bounds[i], bounds[i + 1]
-            return np.count_nonzero(S[r0:r1] >= t[r0:r1, None], axis=1)
-
-        return np.concatenate(list(self.pool.map(part, range(len(bounds) - 1))))
+        return np.concatenate(list(self.pool.map(part, bounds[:-1], bounds[1:])))
 
 
 def _scores(Qb: np.ndarray, vecs: np.ndarray, scale: np.ndarray | None, c0: int, c1: int) -> np.ndarray:
-    S = Qb @ np.asarray(vecs[c0:c1]).T
+    S = Qb @ np.asarray(vecs[c0:c1], dtype=np.float32).T  # an fp16 memmap: converted chunk by chunk
     if scale is not None:
         S *= scale[c0:c1]
     return S
 
 
-def _group(qi: np.ndarray, B: int) -> tuple[np.ndarray, np.ndarray]:
-    """Stable order of candidates by query, and each query's [start, end) in that order."""
-    order = np.argsort(qi, kind="stable")
-    ends = np.cumsum(np.bincount(qi, minlength=B))
-    return order, ends
-
-
-def _raise_to_kth(sc: np.ndarray, qi: np.ndarray, eff: np.ndarray, k: int, grouped: bool) -> None:
-    """For every query with more than k candidates, raise eff[q] to the k-th best candidate score."""
-    B = eff.shape[0]
-    counts = np.bincount(qi, minlength=B)
-    over = np.flatnonzero(counts > k)
-    if not over.size:
-        return
-    if grouped:  # candidates already sorted by query
-        order, ends = None, np.cumsum(counts)
-    else:
-        order, ends = _group(qi, B)
-    starts = ends - counts
-    for q in over:
-        seg = sc[starts[q] : ends[q]] if order is None else sc[order[starts[q] : ends[q]]]
-        kth = np.partition(seg, seg.size - k)[seg.size - k]
-        if kth > eff[q]:
-            eff[q] = kth
+def _prune(
+    qi: np.ndarray, di: np.ndarray, sc: np.ndarray, eff: np.ndarray, k: int, grouped: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Raise eff[q] to the k-th best score of every query with more than k candidates (a lower bound of its final
+    k-th best) and keep the candidates at or above it."""
+    counts = np.bincount(qi, minlength=eff.shape[0])
+    order = None if grouped else np.argsort(qi, kind="stable")  # grouped: candidates already sorted by query
+    ends = np.cumsum(counts)
+    for q in np.flatnonzero(counts > k):
+        seg = sc[ends[q] - counts[q] : ends[q]] if order is None else sc[order[ends[q] - counts[q] : ends[q]]]
+        eff[q] = max(eff[q], np.partition(seg, seg.size - k)[seg.size - k])
+    keep = sc >= eff[qi]
+    return qi[keep], di[keep], sc[keep]
 
 
 def _search_block(
@@ -258,8 +219,8 @@ def _search_block(
     k: int | None,
     doc_batch: int,
     masker: _Masker,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Hits of one query block: (query-in-block, docid, score) arrays, grouped by query, sorted by score."""
+) -> CutoffHits:
+    """The hits of one query block."""
     B, N = Qb.shape[0], vecs.shape[0]
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     total = 0
@@ -270,73 +231,41 @@ def _search_block(
         S = _scores(Qb, vecs, scale, c0, c1)
         if k is not None and c0 == 0 and C > k:
             # first chunk: queries keeping more than k here start from their k-th best score in the chunk
-            rows = np.flatnonzero(masker.count(S, eff) > k)
+            rows = np.flatnonzero(masker(S, eff, count=True) > k)
             if rows.size:
                 kth = np.partition(S[rows], C - k, axis=1)[:, C - k]
                 eff[rows] = np.maximum(eff[rows], kth)
-        flat = masker.above(S, eff)
+        flat = masker(S, eff)
         qi = flat // C
         sc = S.reshape(-1)[flat]
         di = flat - qi * C + c0
         if k is not None and flat.size > k:
-            # the k-th best score of a query in this chunk bounds its final k-th best from below
-            _raise_to_kth(sc, qi, eff, k, grouped=True)
-            keep = sc >= eff[qi]
-            qi, di, sc = qi[keep], di[keep], sc[keep]
+            qi, di, sc = _prune(qi, di, sc, eff, k, grouped=True)
         parts.append((qi, di, sc))
         total += qi.size
         if budget is not None and total > budget and len(parts) > 1:  # prune across chunks
-            qi, di, sc = (np.concatenate(x) for x in zip(*parts))
-            _raise_to_kth(sc, qi, eff, k, grouped=False)
-            keep = sc >= eff[qi]
-            parts = [(qi[keep], di[keep], sc[keep])]
+            parts = [_prune(*(np.concatenate(x) for x in zip(*parts)), eff, k, grouped=False)]
             total = parts[0][0].size
-    if not parts:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, np.zeros(0, np.float32)
-    qi, di, sc = (np.concatenate(x) for x in zip(*parts)) if len(parts) > 1 else parts[0]
-    order, ends = _group(qi, B)
-    qi, di, sc = qi[order], di[order], sc[order]
-    starts = np.concatenate([[0], ends[:-1]])
-    out_q, out_d, out_s = [], [], []
-    for q in range(B):
-        a, b = starts[q], ends[q]
-        if a == b:
-            continue
-        s, d = sc[a:b], di[a:b]
+    return _sort_block(B, *(np.concatenate(x) for x in zip(*parts)), k)
+
+
+def _sort_block(B: int, qi: np.ndarray, di: np.ndarray, sc: np.ndarray, k: int | None) -> CutoffHits:
+    """Each query's best ``k`` candidates (ties: lower docid); one sort per query beats one 3-key sort of all."""
+    order = np.argsort(qi, kind="stable")
+    counts = np.bincount(qi, minlength=B)
+    ends = np.cumsum(counts)
+    di, sc = di[order], sc[order]
+    out_d, out_s = [], []
+    for q in np.flatnonzero(counts):
+        s, d = sc[ends[q] - counts[q] : ends[q]], di[ends[q] - counts[q] : ends[q]]
         if k is not None and s.size > k:  # the k best and everything tied with the k-th
             sel = np.flatnonzero(s >= np.partition(s, s.size - k)[s.size - k])
             s, d = s[sel], d[sel]
-        o = np.lexsort((d, -s))[:k]  # by score, ties: lower docid first
+        o = np.lexsort((d, -s))[:k]
         out_s.append(s[o])
         out_d.append(d[o])
-        out_q.append(np.full(o.size, q, np.int64))
-    if not out_q:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, np.zeros(0, np.float32)
-    return np.concatenate(out_q), np.concatenate(out_d), np.concatenate(out_s)
-
-
-def _search_matrix(
-    index: DenseIndex,
-    Q: np.ndarray,
-    thresholds: np.ndarray,
-    num_results: int | None,
-    batch_size: int,
-    doc_batch_size: int,
-    verbose: bool,
-) -> CutoffHits:
-    index.check_finite()  # once per opened index: a corrupt vectors file raises, naming it, instead of matching nothing
-    return search_vectors(
-        index.vectors(),
-        Q,
-        thresholds,
-        num_results,
-        scale=doc_scale(index),
-        batch_size=batch_size,
-        doc_batch_size=doc_batch_size,
-        verbose=verbose,
-    )
+        counts[q] = o.size
+    return CutoffHits.from_parts(counts, out_d, out_s)
 
 
 def search_vectors(
@@ -350,27 +279,40 @@ def search_vectors(
     doc_batch_size: int = DOC_BATCH,
     verbose: bool = False,
 ) -> CutoffHits:
-    """The exact ``Top_K({d : <q, d> * scale_d >= t_q})`` of float32 query rows ``Q`` over the rows of ``vecs``
-    (an array or memmap, read in chunks of ``doc_batch_size``); inner products, no normalisation here."""
+    """The exact ``Top_K({d : <q, d> * scale_d >= t_q})`` of float32 rows ``Q`` over ``vecs`` (array or memmap,
+    read in chunks); inner products, no normalisation here."""
     t32 = f32_ceil(thresholds)
     n = Q.shape[0]
-    counts = np.zeros(n, np.int64)
-    all_d, all_s = [], []
     blocks = range(0, n, batch_size)
     if verbose and len(blocks) > 1:
         blocks = pt.tqdm(blocks, desc="cutoff retrieval", unit="qblock")
-    with _Masker() as masker:
-        for q0 in blocks:
-            q1 = min(n, q0 + batch_size)
-            qi, di, sc = _search_block(Q[q0:q1], t32[q0:q1].copy(), vecs, scale, num_results, doc_batch_size, masker)
-            counts[q0:q1] = np.bincount(qi, minlength=q1 - q0)
-            all_d.append(di)
-            all_s.append(sc)
-    offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    docids = np.concatenate(all_d).astype(np.int64) if all_d else np.zeros(0, np.int64)
-    scores = np.concatenate(all_s).astype(np.float32) if all_s else np.zeros(0, np.float32)
-    return CutoffHits(offsets, docids, scores)
+    with _Masker() as m:
+        b = batch_size
+        k, dbs = num_results, doc_batch_size
+        hits = [_search_block(Q[q : q + b], t32[q : q + b].copy(), vecs, scale, k, dbs, m) for q in blocks]
+    counts = np.concatenate([h.counts for h in hits] or [np.zeros(0, np.int64)])
+    return CutoffHits.from_parts(counts, [h.docids for h in hits], [h.scores for h in hits])
+
+
+def pair_scores(
+    vecs: np.ndarray, scale: np.ndarray | None, Q: np.ndarray, qi: np.ndarray, docids: np.ndarray
+) -> np.ndarray:
+    """The exact scores ``<Q[qi], vecs[docids]> * scale[docids]`` of pairs (rows read in docid order)."""
+    out = np.empty(docids.size, np.float32)
+    order = np.argsort(docids, kind="stable")
+    for a in range(0, order.size, DOC_BATCH * 4):
+        o = order[a : a + DOC_BATCH * 4]
+        out[o] = np.einsum("ij,ij->i", Q[qi[o]], np.asarray(vecs[docids[o]], dtype=np.float32))
+    return out if scale is None else out * scale[docids]
+
+
+def candidate_scores(index: DenseIndex, Q: np.ndarray, qi: np.ndarray, docids: np.ndarray) -> np.ndarray:
+    """The exact cosines of (query row, index row) pairs; a non-finite stored vector raises, naming the file."""
+    scores = pair_scores(index.vectors(), doc_scale(index), Q, qi, docids)
+    if not np.isfinite(scores).all():  # the query vectors are finite: a stored vector is not
+        index.check_finite()
+        raise ValueError(f"non-finite scores of candidates in {index!r}: rebuild the index")
+    return scores
 
 
 def threshold_search(
@@ -383,23 +325,24 @@ def threshold_search(
     doc_batch_size: int = DOC_BATCH,
     verbose: bool = False,
 ) -> CutoffHits:
-    """Exact ``Top_K({d : cos(q, d) >= t_q})`` for every query (pEBR Appendix A's ``S_{t,K}``, per-query t).
+    """Exact ``Top_K({d : cos(q, d) >= t_q})`` for every query (pEBR Appendix A's ``S_{t,K}``) as
+    :class:`CutoffHits`, over a DenseIndex / FlexIndex; ``query_vecs`` are normalised here; ``thresholds``: a scalar
+    or one per query (``-inf``: top-K); ``num_results``: the cap K (``None``: no cap)."""
+    index, Q, t = _checked_queries(index, query_vecs, thresholds)
+    k = positive_int("num_results", num_results, allow_none=True)
+    bs, dbs = int(batch_size), int(doc_batch_size)
+    return search_vectors(
+        index.vectors(), Q, t, k, scale=doc_scale(index), batch_size=bs, doc_batch_size=dbs, verbose=verbose
+    )
 
-    Args:
-        index: a :class:`~pyterrier_prob.DenseIndex` or :class:`pyterrier_dr.FlexIndex`.
-        query_vecs: ``(Q, dim)`` query vectors (normalised here).
-        thresholds: one cosine threshold per query (or a scalar); ``-inf`` keeps everything (top-K).
-        num_results: the cap K (``None``: no cap).
-        batch_size: queries per block; doc_batch_size: documents per chunk.
 
-    Returns:
-        :class:`CutoffHits` -- per query, the kept docids and cosines, best first.
-    """
+def _checked_queries(index: Any, query_vecs: Any, thresholds: Any) -> tuple[DenseIndex, np.ndarray, np.ndarray]:
+    """The index (its vectors checked for nan/inf once), the unit query rows and one threshold per query."""
     index = as_dense_index(index)
     Q = query_matrix(query_vecs, index.dim)
     t = check_thresholds(thresholds, Q.shape[0])
-    k = check_num_results(num_results, allow_none=True)
-    return _search_matrix(index, Q, t, k, int(batch_size), int(doc_batch_size), verbose)
+    index.check_finite()
+    return index, Q, t
 
 
 def count_above(
@@ -410,23 +353,15 @@ def count_above(
     batch_size: int = QUERY_BATCH,
     doc_batch_size: int = DOC_BATCH,
 ) -> np.ndarray:
-    """Number of documents with ``cos(q, d) >= t_q`` per query (uncapped), without materialising the hits.
-
-    Useful to calibrate thresholds, e.g. to match an average depth k across methods (Sec. 4.1.3).
-
-    Returns:
-        ``(Q,)`` int64 counts.
-    """
-    index = as_dense_index(index)
-    Q = query_matrix(query_vecs, index.dim)
-    t32 = f32_ceil(check_thresholds(thresholds, Q.shape[0]))
-    index.check_finite()
-    vecs, scale = index.vectors(), doc_scale(index)
+    """``(Q,)`` int64 counts of documents with ``cos(q, d) >= t_q`` per query, without materialising the hits
+    (to calibrate thresholds to a mean depth, Sec. 4.1.3)."""
+    index, Q, t = _checked_queries(index, query_vecs, thresholds)
+    t32, vecs, scale = f32_ceil(t), index.vectors(), doc_scale(index)
     counts = np.zeros(Q.shape[0], np.int64)
     with _Masker() as masker:
         for q0 in range(0, Q.shape[0], batch_size):
             q1 = min(Q.shape[0], q0 + batch_size)
             for c0 in range(0, vecs.shape[0], doc_batch_size):
                 c1 = min(vecs.shape[0], c0 + doc_batch_size)
-                counts[q0:q1] += masker.count(_scores(Q[q0:q1], vecs, scale, c0, c1), t32[q0:q1])
+                counts[q0:q1] += masker(_scores(Q[q0:q1], vecs, scale, c0, c1), t32[q0:q1], count=True)
     return counts

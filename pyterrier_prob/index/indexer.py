@@ -1,19 +1,17 @@
-"""The base of the index writers (:class:`~pyterrier_prob.index.DenseIndexer`, ``MoLIndexer``).
+"""The base of the on-disk indexes (:class:`IndexArtifact`) and of their writers (:class:`AtomicIndexer`).
 
-An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory`: into a hidden sibling
-directory, ``pt_meta.json`` last (flushed and fsynced), renamed into place only when complete; an existing index
-(``mode="overwrite"``) is swapped out first and restored if the rename fails. On any error or interruption the
-temporary directory is removed and the target is left as it was, so an interrupted run never leaves a directory
-that loads. Replacing an index never leaves its path without a complete one (see :mod:`pyterrier_prob.atomic`).
-
-It also holds the checks of index files against what ``pt_meta.json`` says (a JSON value that is not an object,
-truncated files) and of docnos; the checks of input frames are in :mod:`pyterrier_prob.validation`.
+An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory`: into a hidden sibling,
+``pt_meta.json`` last, renamed into place only when complete, so an interrupted run never leaves a directory that
+loads and replacing an index never leaves its path without one. Loading checks the files against ``pt_meta.json``
+(type, sizes, the docno store, non-finite rows) and raises a clear error naming the file; the checks of input frames
+are in :mod:`pyterrier_prob.validation`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyterrier as pt
+from npids import Lookup
 
-from pyterrier_prob.atomic import atomic_directory, atomic_write
-from pyterrier_prob.validation import _missing
+from pyterrier_prob.atomic import atomic_directory, atomic_write, recover_directory
+from pyterrier_prob.validation import _missing, is_int, stack_arrays
 
-__all__ = ["AtomicIndexer", "IndexingMode"]
+__all__ = ["AtomicIndexer", "IndexArtifact", "IndexingMode"]
+
+_BATCH = 4096  # records per batch of an indexer
+_CHECK_ROWS = 16384  # rows per chunk of check_finite
 
 
 class IndexingMode(Enum):
@@ -35,12 +37,160 @@ class IndexingMode(Enum):
     overwrite = "overwrite"
 
 
+class IndexArtifact:
+    """What DenseIndex and MoLIndex share: checking a directory against ``pt_meta.json``, opening its docno store,
+    scanning its float32 files (:meth:`_arrays`) for nan/inf; a subclass sets the class attributes below."""
+
+    ARTIFACT_TYPE: str
+    ARTIFACT_FORMAT: str
+    KIND: str  # "dense", "MoL"
+    RECORDS: str  # what to index, for the error on a missing path
+    META_INTS: tuple[str, ...]
+    ROW = "row"  # how the errors name a row of the arrays ("the vector of row" for a dense index)
+    index_path: Path
+    _cache: dict[Any, Any]
+
+    def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+        """The float32 files of the index and their shapes."""
+        raise NotImplementedError
+
+    def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Any:
+        """Index records (or a frame) into a new index at this path."""
+        return self.indexer().index(inp)  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.index_path)!r})"
+
+    def _rebuild(self) -> str:
+        return f"rebuild the index with {type(self).__name__}(path).indexer(mode='overwrite')"
+
+    def _open_meta(self) -> dict[str, Any]:
+        """Read and check ``pt_meta.json`` and the files; a clear error when anything is off."""
+        path, name = self.index_path, type(self).__name__
+        recover_directory(path)  # a writer killed mid-swap: the previous version back; stale temporaries removed
+        if not path.exists():
+            raise FileNotFoundError(
+                f"no {self.KIND} index at {str(path)!r}: build one with {name}(path).indexer().index(records) "
+                f"(records with {self.RECORDS})"
+            )
+        if not path.is_dir():
+            raise ValueError(f"{str(path)!r} is a file, not a {self.KIND} index directory")
+        meta_path = path / "pt_meta.json"
+        if not meta_path.exists():
+            raise ValueError(
+                f"{str(path)!r} is not a complete {self.KIND} index (no pt_meta.json): an interrupted or foreign "
+                f"indexing run? Rebuild it with {name}(path).indexer(mode='overwrite')"
+            )
+        try:
+            with open(meta_path, encoding="utf8") as f:
+                meta = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt ({e})") from e
+        if not isinstance(meta, dict):
+            raise ValueError(
+                f"{str(meta_path)!r} does not hold a JSON object (got {type(meta).__name__}): the index is corrupt"
+            )
+        if (meta.get("type"), meta.get("format")) != (self.ARTIFACT_TYPE, self.ARTIFACT_FORMAT):
+            raise ValueError(
+                f"{str(path)!r} holds an artifact of type={meta.get('type')!r}, format={meta.get('format')!r}, not a "
+                f"{self.KIND} index (type={self.ARTIFACT_TYPE!r}, format={self.ARTIFACT_FORMAT!r})"
+            )
+        if not all(is_int(meta.get(k)) and meta[k] > 0 for k in self.META_INTS):
+            raise ValueError(
+                f"{str(meta_path)!r} has invalid " + " / ".join(f"{k}={meta.get(k)!r}" for k in self.META_INTS)
+            )
+        self._check_files(meta)
+        return meta
+
+    def _check_files(self, meta: dict[str, Any]) -> None:
+        """The files have the sizes ``pt_meta.json`` gives them and finite first and last rows."""
+        path, arrays = self.index_path, self._arrays(meta)
+        for file, shape in arrays:
+            f, want = path / file, int(np.prod(shape)) * 4
+            size = f.stat().st_size if f.exists() else None
+            if size != want:
+                raise ValueError(
+                    f"{str(path)!r} is corrupt: {file} has {size} bytes, pt_meta.json says "
+                    f"{' x '.join(map(str, shape))} float32 ({want} bytes)"
+                )
+        sizes = meta.get("file_sizes")  # the sizes the indexer recorded: truncated files (docnos.npids)
+        for file, want in sizes.items() if isinstance(sizes, Mapping) else ():
+            f = path / str(file)
+            have = f.stat().st_size if f.is_file() else None
+            if have != want:
+                state = "is missing" if have is None else f"has {have} bytes, pt_meta.json records {want}"
+                raise ValueError(f"{str(f)!r} {state}: the index is corrupt (truncated?); rebuild it")
+        if not (path / "docnos.npids").exists():
+            raise ValueError(f"{str(path)!r} is corrupt: docnos.npids is missing")
+        count = meta["doc_count"]
+        for file, shape in arrays:  # right size but nan/inf (zero-filled by a crash, overwritten): first, last rows
+            mm = np.memmap(path / file, dtype=np.float32, mode="r", shape=shape)
+            for i in sorted({0, count - 1}):
+                if not np.isfinite(mm[i]).all():
+                    raise ValueError(
+                        f"{str(path / file)!r} is corrupt: {self.ROW} {i} has non-finite values (nan or inf); "
+                        + self._rebuild()
+                    )
+            del mm
+
+    def _open_docnos(self, count: int) -> Lookup:
+        """The docno store (``npids.Lookup``, as pyterrier-dr's FlexIndex), checked to hold ``count`` docnos."""
+        store = self.index_path / "docnos.npids"
+        try:  # a truncated store fails in many ways inside npids: here, not in a later search
+            lookup = Lookup(store)
+            n, rows = len(lookup), np.unique(np.array([0, count - 1], dtype=np.int64))
+            if n == count:  # the first and last docno map back to their rows
+                back = np.asarray(lookup.inv[np.asarray(lookup.fwd[rows], dtype=object)], dtype=np.int64).reshape(-1)
+        except Exception as e:
+            raise ValueError(f"{str(store)!r} is corrupt (truncated?): {type(e).__name__}: {e}") from e
+        if n != count:
+            raise ValueError(f"{str(store)!r} is corrupt: {n} docnos for {count} documents")
+        if not np.array_equal(back, rows):
+            raise ValueError(f"{str(store)!r} is corrupt (truncated?): its docnos do not map back to their rows")
+        return lookup
+
+    def docno_array(self) -> np.ndarray:
+        """All docnos, in index order, as an object array (read once per opened index)."""
+        if "pyterrier_prob.docnos" not in self._cache:
+            docnos = self.docnos().fwd[np.arange(len(self))]  # type: ignore[attr-defined]
+            self._cache["pyterrier_prob.docnos"] = np.asarray(docnos, dtype=object)
+        return self._cache["pyterrier_prob.docnos"]
+
+    def _check_finite(self, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Raise ValueError naming the file, row and docno if a row of ``arrays`` holds nan/inf (once per opened
+        index, before the first search: a corrupt file would otherwise match nothing or give nan scores)."""
+        if self._cache.get("pyterrier_prob.finite"):
+            return
+        for file, arr in arrays:
+            for a in range(0, len(arr), _CHECK_ROWS):
+                block = np.asarray(arr[a : a + _CHECK_ROWS])
+                ok = np.isfinite(block.reshape(len(block), -1)).all(axis=1)
+                if not ok.all():
+                    i = a + int(np.flatnonzero(~ok)[0])
+                    raise ValueError(
+                        f"{str(self.index_path / file)!r} is corrupt: {self.ROW} {i} (docno "
+                        f"{str(self.docnos().fwd[i])!r}) has non-finite values (nan or inf); " + self._rebuild()
+                    )
+        self._cache["pyterrier_prob.finite"] = True
+
+
 class AtomicIndexer(pt.Indexer):
-    """Base of the indexers: subclasses write their files with :meth:`_write_files` and return ``pt_meta.json``."""
+    """Base of the indexers: input records or a frame with ``docno``, :attr:`VECTOR` and optionally
+    :attr:`OPTIONAL` (all or none), read by :meth:`_batches`; :meth:`_write_files` writes and returns the meta."""
+
+    VECTOR: str
+    OPTIONAL: str | None = None
+    HINT: str  # how to make the vector column
 
     def __init__(self, index: Any, mode: IndexingMode | str = IndexingMode.create) -> None:
         self._index = index
         self.mode = IndexingMode(mode)
+
+    def __repr__(self) -> str:
+        return f"{self._index!r}.indexer(mode={self.mode.value!r})"
+
+    def index_inputs(self) -> list[list[str]]:
+        return [["docno", self.VECTOR]]
 
     def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
         """Write the index files into ``tmp``; return the metadata for ``pt_meta.json``."""
@@ -60,16 +210,97 @@ class AtomicIndexer(pt.Indexer):
         self._check_target()
         with atomic_directory(path, overwrite=self.mode == IndexingMode.overwrite) as tmp:
             meta = self._write_files(inp, tmp)
+            # the files' sizes, checked on loading (a truncated docno store loads, then fails in a search)
+            meta["file_sizes"] = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
             atomic_write(tmp / "pt_meta.json", json.dumps(meta))  # last: a directory without it never loads
             self._check_target()  # again: something may have appeared while we were indexing
         self._index._reset()
         return self._index
 
+    def _missing(self, missing: list[str], have: Any) -> ValueError:
+        """The error for input without ``docno`` or the vector column (with how to make the latter)."""
+        extra = f" (encode the documents first: {self.HINT})" if self.VECTOR in missing else ""
+        return ValueError(f"indexer input lacks column(s) {missing}{extra}; got {have}")
 
-def missing_message(missing: list[str], have: Any, vector_column: str, hint: str) -> str:
-    """The error for indexer input without ``docno`` or the vector column (with how to make the latter)."""
-    extra = f" (encode the documents first: {hint})" if vector_column in missing else ""
-    return f"indexer input lacks column(s) {missing}{extra}; got {have}"
+    def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list, list | None]]:
+        """``(docnos, vectors, optional column or None)`` per batch of :data:`_BATCH` records."""
+        need, opt = ("docno", self.VECTOR), self.OPTIONAL
+        if isinstance(inp, pd.DataFrame):
+            missing = [c for c in need if c not in inp.columns]
+            if missing:
+                raise self._missing(missing, list(inp.columns))
+            docnos, vecs = inp["docno"].tolist(), inp[self.VECTOR].tolist()
+            extra = inp[opt].tolist() if opt is not None and opt in inp.columns else None
+            for i in range(0, len(docnos), _BATCH):
+                yield docnos[i : i + _BATCH], vecs[i : i + _BATCH], None if extra is None else extra[i : i + _BATCH]
+            return
+        if isinstance(inp, Mapping):
+            raise TypeError("index() takes an iterable of records (dicts) or a DataFrame, not a single dict")
+        docnos, vecs, extra = [], [], []
+        has_opt: bool | None = None
+        for rec in inp:
+            if not isinstance(rec, Mapping) or any(c not in rec for c in need):
+                cols = list(rec) if isinstance(rec, Mapping) else type(rec).__name__
+                raise self._missing([c for c in need if not isinstance(rec, Mapping) or c not in rec], cols)
+            if opt is not None and has_opt is None:
+                has_opt = opt in rec
+            elif opt is not None and has_opt != (opt in rec):
+                raise ValueError(
+                    f"the record with docno {rec.get('docno')!r} {'lacks' if has_opt else 'has'} {opt}: give "
+                    f"gate features ({opt}) for all documents or none"
+                )
+            docnos.append(rec["docno"])
+            vecs.append(rec[self.VECTOR])
+            if has_opt:
+                extra.append(rec[opt])
+            if len(docnos) >= _BATCH:
+                yield docnos, vecs, extra if has_opt else None
+                docnos, vecs, extra = [], [], []
+        if docnos:
+            yield docnos, vecs, extra if has_opt else None
+
+    def _records(
+        self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path
+    ) -> Iterator[tuple[int, list, list, list | None]]:
+        """``(offset, docnos, vectors, optional or None)`` per batch, the docnos checked and written to the docno
+        store; after the last batch, at least two documents (npids' limit)."""
+        count, seen = 0, set()
+        verbose, name = self._index.verbose, self._index.index_path.name
+        with (
+            Lookup.builder(tmp / "docnos.npids") as lookup,
+            pt.tqdm(desc=f"indexing {name}", unit="doc", disable=not verbose) as bar,
+        ):
+            for docnos, vecs, extra in self._batches(inp):
+                check_docnos(docnos, count, seen)
+                yield count, docnos, vecs, extra
+                for docno in docnos:
+                    lookup.add(docno)
+                count += len(docnos)
+                bar.update(len(docnos))
+            if count == 0:
+                raise ValueError("nothing to index: the input had no records")
+            if count == 1:  # npids' fixed-bytes codec divides by zero on a single docno
+                raise ValueError(
+                    f"a {self._index.KIND} index needs at least 2 documents (npids, FlexIndex's docno store, cannot "
+                    "hold one)"
+                )
+
+    @staticmethod
+    def _sync(*files: Any) -> None:
+        """Flush the (open) files to disk; ``None`` entries are skipped."""
+        for f in files:
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def _stack(self, values: list, column: str, offset: int, docnos: list, ndim: int, shape: Any, kind: str) -> Any:
+        """A batch of ``ndim``-d arrays stacked into checked float32 ``(n, *shape)`` (``shape`` None: the first
+        record's); errors name the record and its docno."""
+
+        def name(i: int) -> str:
+            return f"record #{offset + i} (docno={docnos[i]!r})"
+
+        return stack_arrays(values, column, name, type(self).__name__, ndim=ndim, shape=shape, kind=kind)
 
 
 # ---- index files ------------------------------------------------------------------------------------------------
@@ -91,52 +322,3 @@ def check_docnos(docnos: list, offset: int, seen: set[str]) -> None:
         if docno in seen:
             raise ValueError(f"duplicate docno {docno!r} (record #{offset + i}): docnos must be unique in an index")
         seen.add(docno)
-
-
-def read_meta(meta_path: Path) -> dict[str, Any]:
-    """An index's ``pt_meta.json``, which must hold a JSON object; a ValueError naming the file otherwise."""
-    try:
-        with open(meta_path, encoding="utf8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt ({e})") from e
-    if not isinstance(meta, dict):
-        raise ValueError(
-            f"{str(meta_path)!r} does not hold a JSON object (got {type(meta).__name__}): the index is corrupt"
-        )
-    return meta
-
-
-def record_sizes(folder: Path) -> dict[str, int]:
-    """The sizes of the files written so far into an index folder, for ``pt_meta.json`` (checked on loading)."""
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != "pt_meta.json"}
-
-
-def check_sizes(path: Path, meta: Mapping[str, Any]) -> None:
-    """The files whose sizes ``pt_meta.json`` records (``file_sizes``) have them; a ValueError naming the file."""
-    sizes = meta.get("file_sizes")
-    if not isinstance(sizes, Mapping):
-        return
-    for name, want in sizes.items():
-        f = path / str(name)
-        have = f.stat().st_size if f.is_file() else None
-        if have != want:
-            state = "is missing" if have is None else f"has {have} bytes, pt_meta.json records {want}"
-            raise ValueError(f"{str(f)!r} {state}: the index is corrupt (truncated?); rebuild it")
-
-
-def check_docno_store(lookup: Any, count: int, path: Path) -> None:
-    """An opened docno store (``npids.Lookup``) holds ``count`` docnos and maps its first and last docno back to
-    their rows; a ValueError naming the file otherwise (a truncated store fails here, not in a later search)."""
-    try:
-        n = len(lookup)
-        rows = np.unique(np.array([0, count - 1], dtype=np.int64))
-        if n == count:
-            docnos = np.asarray(lookup.fwd[rows], dtype=object)
-            back = np.asarray(lookup.inv[docnos], dtype=np.int64).reshape(-1)
-    except Exception as e:  # npids reads past the end of a truncated file in many ways
-        raise ValueError(f"{str(path)!r} is corrupt (truncated?): {type(e).__name__}: {e}") from e
-    if n != count:
-        raise ValueError(f"{str(path)!r} is corrupt: {n} docnos for {count} documents")
-    if not np.array_equal(back, rows):
-        raise ValueError(f"{str(path)!r} is corrupt (truncated?): its docnos do not map back to their rows")

@@ -3,7 +3,9 @@ approximate top-K retriever and the re-ranker; the component index is :class:`py
 experiment is :mod:`pyterrier_prob.experiments.mol`."""
 
 from pyterrier_prob.index.mol import MoLIndex, MoLIndexer, as_mol_index
-from pyterrier_prob.mol.retrieval import METHODS, MoLDocEncoder, MoLEncoder, MoLQueryEncoder, MoLReranker, MoLRetriever
+from pyterrier_prob.mol.encoder import MoLDocEncoder, MoLEncoder, MoLQueryEncoder
+from pyterrier_prob.mol.retrieval import METHODS, MoLRetriever, MoLRunOptions
+from pyterrier_prob.mol.scoring import MoLReranker
 
 __all__ = [
     "METHODS",
@@ -14,5 +16,6 @@ __all__ = [
     "MoLQueryEncoder",
     "MoLReranker",
     "MoLRetriever",
+    "MoLRunOptions",
     "as_mol_index",
 ]

@@ -1,26 +1,7 @@
-"""Ranked-list truncation for per-query cutoffs (issue #13): every rule as a per-row statistic, matched mean depth,
-the oracle depth, and a recall target met by conformal risk control, usable in a PyTerrier pipeline.
-
-A *ranked run* is a result frame (``qid``, ``docno``, ``score``, ``rank``; rank 0-based, each query's rows together in
-rank order), e.g. a dense retriever's top documents. A rule at level ``lam`` keeps the rows whose statistic is
-``>= lam``; every statistic here is non-increasing down each query's list, so what is kept is a prefix (a
-truncation):
-
-* top-k: ``-rank``; global score threshold: ``score``;
-* per-query normalised score: :func:`zscore_stat` (z-score over the query's own top list);
-* per-query score-distribution fit: :func:`mixture_stat` (exponential non-relevant + normal relevant scores, EM;
-  Manmatha, Rath & Feng, SIGIR 2001);
-* a CDF cutoff under per-query cosine laws: :func:`law_stat` (pEBR Appendix A; e.g. the calibrated laws of
-  :mod:`pyterrier_prob.pebr.calibration`): every query keeps the same expected share p of its relevant documents;
-* a recall-gain cutoff under the same laws: :func:`gain_stat`, the expected share of the query's relevant documents
-  per document at each rank, so that one global level equalises the *marginal* recall per document across queries
-  (what maximises mean recall at a fixed mean depth, if the laws are right).
-
-:func:`list_features` gives per-query features of a ranked list (top-1 and top-100 mean cosines) for a calibrated
-law; :func:`conformal_resplits` checks the conformal guarantee over repeated random calibration / test splits.
-
-:class:`RecallTargetCutoff` is the fitted transformer: ``TopKRetriever(index, num_results=cap) >>
-RecallTargetCutoff(0.9).fit(calibration_run, calibration_qrels)``.
+"""Ranked-list truncation for per-query cutoffs (issue #13): a rule at level ``lam`` keeps the rows of a ranked run
+whose statistic (non-increasing down each list) is ``>= lam`` -- top-k, a global score, :func:`zscore_stat`,
+:func:`mixture_stat`, pEBR's CDF cutoff :func:`law_stat`, :func:`gain_stat` --, at a matched mean depth, the oracle
+depth, or a recall target met by conformal risk control (:class:`RecallTargetCutoff`). See ``docs/pebr.md``.
 """
 
 from __future__ import annotations
@@ -31,6 +12,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyterrier as pt
+from scipy import stats
+
+from pyterrier_prob.dense import TopKRetriever
+from pyterrier_prob.pebr.calibration import pit_values
 
 __all__ = [
     "RecallTargetCutoff",
@@ -51,8 +36,8 @@ __all__ = [
 
 
 def running_min(ranked: pd.DataFrame, stat: np.ndarray) -> np.ndarray:
-    """Make a statistic prefix-monotone within each query (rows sorted by qid, rank): the running minimum down the
-    ranking, so that the rows kept at any level are a prefix of the query's list (a truncation)."""
+    """The running minimum of a statistic down each query's list (rows sorted by qid, rank): any level then keeps a
+    prefix (a truncation)."""
     s = pd.Series(stat, index=ranked.index)
     return s.groupby(ranked["qid"].to_numpy(), sort=False).cummin().to_numpy()
 
@@ -65,12 +50,8 @@ def zscore_stat(ranked: pd.DataFrame, top: int = 100) -> np.ndarray:
 
 
 def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.ndarray:
-    """Posterior probability of relevance under a per-query score-distribution fit (Manmatha, Rath & Feng, SIGIR
-    2001): on the query's top ``top`` scores, non-relevant scores exponential above the fitted list's minimum,
-    relevant scores normal (started on the top 5% and kept above the exponential's mean), fitted by EM; made
-    prefix-monotone (:func:`running_min`)."""
-    from scipy import stats
-
+    """Posterior probability of relevance under a per-query EM fit of the top ``top`` scores (Manmatha, Rath & Feng,
+    SIGIR 2001): non-relevant exponential, relevant normal (kept above the exponential's mean); prefix-monotone."""
     out = np.zeros(len(ranked))
     for _, idx in ranked.groupby("qid", sort=False).indices.items():
         s = ranked["score"].to_numpy()[idx]
@@ -97,11 +78,8 @@ def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.n
 
 
 def law_stat(ranked: pd.DataFrame, law: Any) -> np.ndarray:
-    """The CDF cutoff as a statistic: ``F_q(score) - 1`` (minus the law's survival), so that the cutoff at CDF value
-    p (``law.cutoff(p)``: keep a share p of the relevant documents) keeps the rows with stat >= -p. ``ranked`` holds
-    the law's queries in its order, each query's rows together (:func:`ranked_lists`)."""
-    from pyterrier_prob.pebr.calibration import pit_values
-
+    """The CDF cutoff as a statistic ``F_q(score) - 1``: ``law.cutoff(p)`` keeps the rows with stat >= -p. ``ranked``
+    holds the law's queries in its order, each query's rows together (:func:`ranked_lists`)."""
     lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
     return pit_values(law, lists) - 1.0
 
@@ -112,33 +90,24 @@ def _logit_z(cos: np.ndarray) -> np.ndarray:
 
 
 def list_features(ranked: pd.DataFrame, top: int = 100) -> pd.DataFrame:
-    """Per-query features of a ranked list for :class:`~pyterrier_prob.pebr.calibration.CalibratedLaw` (its
-    ``features``): ``logit_top1`` = logit((1 + s_1) / 2) of the query's top cosine and ``logit_mean_top`` = logit of
-    the mean of (1 + s) / 2 over its top ``top``, on the Beta law's logit scale. One row per query, in the order the
-    queries appear in ``ranked`` (each query's rows together in rank order, :func:`ranked_lists`)."""
+    """Per-query features of a ranked list for ``CalibratedLaw``, in query order: ``logit_top1`` = logit((1 + s_1) / 2)
+    of the top cosine and ``logit_mean_top`` = logit of the mean (1 + s) / 2 over the top ``top``."""
     if not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be an int >= 1, got {top!r}")
     if len(ranked) == 0:
         return pd.DataFrame({"logit_top1": [], "logit_mean_top": []})
     first = ranked.groupby("qid", sort=False)["score"].first()
     head = ranked[ranked["rank"] < top].groupby("qid", sort=False)["score"].mean().reindex(first.index)
-    return pd.DataFrame(
-        {
-            "logit_top1": _logit_z(first.to_numpy(dtype=np.float64)),
-            "logit_mean_top": _logit_z(head.to_numpy(dtype=np.float64)),
-        }
-    )
+    top1, mean_top = _logit_z(first.to_numpy(dtype=np.float64)), _logit_z(head.to_numpy(dtype=np.float64))
+    return pd.DataFrame({"logit_top1": top1, "logit_mean_top": mean_top})
 
 
 def gain_stat(ranked: pd.DataFrame, law: Any, window: int = 5) -> np.ndarray:
-    """Expected marginal recall per document under per-query cosine laws: at rank j of query q,
+    """Expected marginal recall per document under per-query cosine laws, prefix-monotone (:func:`running_min`):
 
-        g_qj = (F_q(s_{j - w}) - F_q(s_{j + w})) / (j_+ - j_-),   j_- = max(j - w, 0), j_+ = min(j + w, n_q - 1),
+        g_qj = (F_q(s_{j - w}) - F_q(s_{j + w})) / (j_+ - j_-),   j_- = max(j - w, 0), j_+ = min(j + w, n_q - 1)
 
-    the law's mass of q's relevant documents between the scores w ranks above and below, per document (0 for a list
-    of one document). Under the law, keeping rank j adds about g_qj to q's expected recall, so keeping the rows
-    with g >= level spends a mean-depth budget where recall grows fastest (the oracle depth's greedy rule, with the
-    law in place of the qrels). Made prefix-monotone (:func:`running_min`)."""
+    (0 for a one-document list): the oracle depth's greedy rule with the law in place of the qrels."""
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1, got {window!r}")
     cdf = law_stat(ranked, law) + 1.0
@@ -154,13 +123,8 @@ def gain_stat(ranked: pd.DataFrame, law: Any, window: int = 5) -> np.ndarray:
 def ranked_lists(index: Any, queries: pd.DataFrame, cap: int) -> pd.DataFrame:
     """Each query's top ``cap`` documents (``qid, docno, score, rank``; score = cosine), queries in the order of
     ``queries``, each query's rows together in rank order."""
-    from pyterrier_prob.pebr.cutoff import TopKRetriever
-
-    run = TopKRetriever(index, num_results=cap)(queries)[["qid", "docno", "score", "rank"]]
-    order = {q: i for i, q in enumerate(queries["qid"].astype(str))}
-    run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
-    run = run.assign(_o=run["qid"].map(order)).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
-    return run.reset_index(drop=True)
+    run = TopKRetriever(index, num_results=cap)(queries)  # queries in their order, as the retriever keeps it
+    return _sorted_run(run[["qid", "docno", "score", "rank"]]).reset_index(drop=True)
 
 
 def level_for_depth(stat: np.ndarray, n_queries: int, k: float) -> float:
@@ -172,16 +136,13 @@ def level_for_depth(stat: np.ndarray, n_queries: int, k: float) -> float:
 
 
 def conformal_recall_level(stat: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, target: float):
-    """Conformal risk control for a recall target (Angelopoulos et al., *Conformal Risk Control*, ICLR 2024, Thm. 1).
+    """Conformal risk control for a recall target (Angelopoulos et al., ICLR 2024, Thm. 1): the shallowest lam with
 
-    The loss of query i at level lam is L_i(lam) = 1 - recall_i(lam) in [0, 1] (B = 1), non-increasing as lam
-    falls (more rows kept). Over the n calibration queries with a relevant document, the shallowest lam with
+        n / (n + 1) * mean_i L_i(lam) + 1 / (n + 1) <= 1 - target,   L_i(lam) = 1 - recall_i(lam) in [0, 1],
 
-        n / (n + 1) * mean_i L_i(lam) + 1 / (n + 1) <= 1 - target
-
-    guarantees E[recall] >= target on a new exchangeable query. ``n_rel`` counts every judged-relevant document of a
-    query (also those below the ranked lists' cap, which no level reaches). Returns ``(lam, achievable)``;
-    ``lam = -inf`` (keep the whole list) when even that does not satisfy the bound.
+    over the n calibration queries with a relevant document, guarantees E[recall] >= target on a new exchangeable
+    query. ``n_rel`` counts all judged-relevant documents (also below the lists' cap). Returns ``(lam, achievable)``;
+    ``(-inf, False)`` (keep the whole list) when even that misses the bound.
     """
     has = n_rel > 0
     n = int(has.sum())
@@ -210,17 +171,9 @@ def conformal_resplits(
     seeds: int = 200,
     seed: int = 0,
 ) -> np.ndarray:
-    """The conformal recall guarantee checked over random calibration / test splits of one pool of queries.
-
-    Conformal risk control bounds the recall *expected over the draw of the calibration queries and the new query*;
-    one split of a few hundred queries scatters around it. For each seed the queries with a relevant document are
-    permuted, the first ``n_cal`` calibrate the level (:func:`conformal_recall_level`) and the rest are the test
-    queries; returns the test mean recall of every split (its mean estimates the expected recall). Only the
-    relevant rows are read (recall needs no others), so a split costs a sort of those rows. The permutations are
-    drawn from ``numpy.random.default_rng(seed)``. Given the pool, a random split makes the calibration queries and
-    each test query exchangeable, so the guarantee holds conditionally on the pool: the mean over many splits is at
-    least the target up to Monte Carlo error.
-    """
+    """The test mean recall of each of ``seeds`` random splits of the queries (``n_cal`` calibrate the level by
+    :func:`conformal_recall_level`, the rest test it; ``default_rng(seed)``): the guarantee is on the recall
+    expected over the draw, so the mean over many splits is at least the target up to Monte Carlo error."""
     has = np.flatnonzero(n_rel > 0)
     if not 1 <= n_cal < len(has):
         raise ValueError(f"n_cal must be in [1, {len(has) - 1}] (queries with a relevant document: {len(has)})")
@@ -242,11 +195,8 @@ def conformal_resplits(
 
 
 def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_rel: np.ndarray, k: float, n_q: int):
-    """Per-query depths that maximise total recall under a mean-depth budget of ``k`` (qrels known: an upper bound).
-
-    Each query's (depth, recall) points at its relevant documents' ranks form a curve; its upper concave hull's
-    segments, taken across queries in decreasing gain per document until the budget k·Q is spent, solve the
-    budgeted problem (exactly for the LP relaxation; a segment that no longer fits is skipped)."""
+    """Per-query depths maximising total recall under a mean-depth budget ``k`` (qrels known: an upper bound): the
+    segments of each query's upper concave (depth, recall) hull, best gain per document first, while they fit."""
     budget = k * n_q
     segs = []
     ranks = ranked["rank"].to_numpy()
@@ -269,9 +219,7 @@ def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_re
     depth = np.zeros(n_q, dtype=int)
     spent = 0.0
     for _slope, q, x2, cost in sorted(segs, key=lambda s: -s[0]):
-        if x2 <= depth[q]:
-            continue
-        if spent + cost <= budget:
+        if x2 > depth[q] and spent + cost <= budget:
             depth[q], spent = x2, spent + cost
     return ranked[ranks < depth[qidx]]
 
@@ -303,6 +251,7 @@ Statistic = Callable[[pd.DataFrame], np.ndarray]
 
 
 def _sorted_run(run: pd.DataFrame) -> pd.DataFrame:
+    """``run`` with str qids and docnos, each query's rows together in rank order (queries as they first appear)."""
     missing = [c for c in ("qid", "docno", "score", "rank") if c not in run.columns]
     if missing:
         raise ValueError(f"a ranked run needs the columns qid, docno, score, rank; missing {missing}")
@@ -312,18 +261,12 @@ def _sorted_run(run: pd.DataFrame) -> pd.DataFrame:
 
 
 class RecallTargetCutoff(pt.Transformer):
-    """Truncate each query's ranked list at the level that conformal risk control picks on calibration queries, so
-    that the expected recall on a new, exchangeable query is at least ``target``
-    (:func:`conformal_recall_level`, with its finite-sample correction).
+    """Truncate each ranked list at the level conformal risk control picks on calibration queries
+    (:func:`conformal_recall_level`): expected recall >= ``target`` on a new, exchangeable query.
 
-    Args:
-        target: the recall target r in (0, 1).
-        statistic: the rule's per-row statistic: ``"score"`` (a global score cutoff), ``"rank"`` (top-k),
-            ``"zscore"`` (:func:`zscore_stat`) or a callable ``ranked run -> array`` (e.g.
-            ``lambda run: law_stat(run, law)`` for a CDF cutoff).
-
-    Use: ``RecallTargetCutoff(0.9).fit(calibration_run, calibration_qrels)``, then as a pipeline stage after a
-    retriever that returns enough documents per query. ``level_`` and ``reachable_`` are set by :meth:`fit`.
+    ``statistic``: ``"score"``, ``"rank"`` (top-k), ``"zscore"`` or a callable ``run -> array`` (e.g.
+    ``lambda run: law_stat(run, law)``). Use ``RecallTargetCutoff(0.9).fit(cal_run, cal_qrels)`` after a retriever
+    that returns enough documents per query; :meth:`fit` sets ``level_`` and ``reachable_``.
     """
 
     def __init__(self, target: float, statistic: str | Statistic = "score") -> None:

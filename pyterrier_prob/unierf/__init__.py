@@ -6,6 +6,7 @@ The experiment is :mod:`pyterrier_prob.experiments.unierf`."""
 from pyterrier_prob.unierf.branches import (
     MultiBranchRetriever,
     TriggerText,
+    UniERFDataConfig,
     UniERFEncoder,
     branch_quotas,
     merge_branch_lists,
@@ -15,6 +16,7 @@ from pyterrier_prob.unierf.branches import (
 __all__ = [
     "MultiBranchRetriever",
     "TriggerText",
+    "UniERFDataConfig",
     "UniERFEncoder",
     "branch_quotas",
     "merge_branch_lists",

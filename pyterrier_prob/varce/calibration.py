@@ -1,12 +1,7 @@
-"""How far a re-ranker's scores are probabilities, and whether its uncertainty is used.
-
-* :func:`fit_platt` / :func:`relevance_probability`: a score -> P(relevant) map fitted on dev pairs (Platt scaling,
-  a logistic regression on the score); for a VarCrossEncoder the Gaussian score is integrated out with the probit
-  approximation ``E[sigmoid(a s + b)] ~ sigmoid((a mu + b) / sqrt(1 + pi a^2 sigma^2 / 8))`` (MacKay, 1992), so a
-  pair the model is unsure of gets a probability nearer 1/2.
-* :func:`expected_calibration_error` over equal-mass bins and :func:`reliability_curve` (Guo et al., ICML 2017).
-* :func:`uncertainty_spread` (std[s] between pairs, between queries, within queries) and
-  :func:`uncertain_queries_are_hard` (Spearman's rho of a query's mean std[s] over its top 10 with its nDCG@10).
+"""How far a re-ranker's scores are probabilities, and whether its uncertainty is used: a Platt map fitted on dev pairs
+(:func:`fit_platt`; for a VarCrossEncoder the Gaussian score integrated out with the probit approximation
+``sigmoid((a mu + b) / sqrt(1 + pi a^2 sigma^2 / 8))``, MacKay 1992), the expected calibration error over equal-mass
+bins and the reliability curve (Guo et al., ICML 2017), the spread of std[s] and whether uncertain queries are hard.
 """
 
 from __future__ import annotations
@@ -21,11 +16,18 @@ from scipy import optimize, stats
 __all__ = [
     "expected_calibration_error",
     "fit_platt",
+    "relevance_labels",
     "relevance_probability",
     "reliability_curve",
     "uncertain_queries_are_hard",
     "uncertainty_spread",
 ]
+
+
+def relevance_labels(pairs: pd.DataFrame, qrels: pd.DataFrame) -> np.ndarray:
+    """1 for each (qid, docno) row of ``pairs`` judged relevant (label > 0) in ``qrels``, else 0 (unjudged too)."""
+    rel = qrels[qrels["label"] > 0][["qid", "docno"]].assign(rel=1)
+    return pairs[["qid", "docno"]].merge(rel, how="left", on=["qid", "docno"])["rel"].fillna(0).to_numpy()
 
 
 def relevance_probability(score: np.ndarray, platt: tuple[float, float], std: np.ndarray | None = None) -> np.ndarray:

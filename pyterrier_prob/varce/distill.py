@@ -1,13 +1,9 @@
 """Distilling a strong ranker into cross-encoders: candidate pools, teacher scores, Margin-MSE rows, scoring.
 
-The teacher is a fine-tuned bi-encoder, optionally fused with BM25 by per-query z-scores
-(``alpha * z(cos) + (1 - alpha) * z(BM25)``, :func:`pyterrier_prob.fusion.interpolate`), ``alpha`` chosen on dev
-(:func:`choose_teacher`). Its scores are computed once for the training queries' candidate pools (BM25's top
-``depth`` and the teacher's own top ``depth``, :func:`candidate_pool`), and rows of one query and ``1 + negatives``
-of its pool's documents with their teacher scores (:func:`distillation_rows`) train a cross-encoder with
-sentence-transformers' ``MarginMSELoss`` (Hofstätter et al., 2020) or a VarCrossEncoder with
-:class:`~st_extensions.losses.VariationalMarginMSELoss`. Functions here take and return plain frames so a notebook,
-the command line and the benchmark share one code path.
+The teacher is a fine-tuned bi-encoder fused with BM25 by per-query z-scores, ``alpha * z(cos) + (1 - alpha) *
+z(BM25)`` (alpha chosen on dev, :func:`choose_teacher`); :func:`distillation_rows` train a cross-encoder with
+``MarginMSELoss`` (Hofstätter et al., 2020) or a VarCrossEncoder with ``VariationalMarginMSELoss``. Plain frames in
+and out; docs/varce.md ("Cross-encoders distilled ...") describes the setup.
 """
 
 from __future__ import annotations
@@ -20,10 +16,12 @@ import numpy as np
 import pandas as pd
 from datasets import Dataset
 
+from pyterrier_prob.atomic import atomic_write
 from pyterrier_prob.fusion import interpolate
 
 __all__ = [
     "ALPHAS",
+    "DenseDev",
     "add_cosines",
     "candidate_pool",
     "choose_teacher",
@@ -48,8 +46,6 @@ def encode(model: Any, texts: Sequence[str], path: str | None = None, *, query: 
     fn = model.encode_query if query else model.encode_document
     emb = np.asarray(fn(list(texts), batch_size=64, normalize_embeddings=True, convert_to_numpy=True), np.float32)
     if path is not None:
-        from pyterrier_prob.atomic import atomic_write
-
         atomic_write(path, lambda f: np.save(f, emb))
     return emb
 
@@ -77,9 +73,8 @@ def dense_run(
 def candidate_pool(bm25: pd.DataFrame, dense: pd.DataFrame, depth: int) -> pd.DataFrame:
     """The union of BM25's and the dense model's top ``depth`` per query: ``qid, docno, bm25``.
 
-    ``bm25`` (``qid, docno, score``, each query's best first) should reach deeper than ``depth`` so that a dense-only
-    candidate has its BM25 score; a candidate BM25 does not retrieve at all matches no query term and gets 0.
-    ``dense`` is a ``qid, docno, dense`` run (each query's best first). Add the cosines with :func:`add_cosines`."""
+    ``bm25`` should reach deeper than ``depth`` so a dense-only candidate has its BM25 score (0 when BM25 does not
+    retrieve it at all: it matches no query term)."""
     b = bm25.rename(columns={"score": "bm25"})[["qid", "docno", "bm25"]]
     top_b = b[b.groupby("qid").cumcount() < depth]
     top_d = dense[dense.groupby("qid").cumcount() < depth][["qid", "docno"]]
@@ -147,11 +142,8 @@ def distillation_rows(
 ) -> Dataset:
     """Margin-MSE rows ``query, document_0, ..., document_<negatives>, label`` (label: the teacher's scores).
 
-    Rows come in rounds, each a shuffled pass over the pool's queries (one row per query, so a batch repeats a
-    query only across a round's boundary). ``document_0`` is drawn from the query's ``top`` candidates by teacher
-    score, the others uniformly from the rest of its pool: the margins then span the pairs a re-ranker must order
-    at the top and those it must push down. ``pool`` needs ``qid, docno, teacher``.
-    """
+    Rounds of shuffled passes over the pool's queries; ``document_0`` from the query's ``top`` candidates by teacher
+    score, the others from the rest of its pool (``pool``: ``qid, docno, teacher``)."""
     if n_rows < 1 or negatives < 1 or top < 1:
         raise ValueError(f"n_rows, negatives and top must be >= 1, got {n_rows}, {negatives}, {top}")
     rng = np.random.default_rng(seed)
@@ -193,3 +185,18 @@ def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], ba
         mean, std = model.predict(pairs, batch_size=batch_size, return_std=True)
         return np.asarray(mean, np.float32), np.asarray(std, np.float32)
     return np.asarray(model.predict(pairs, batch_size=batch_size), np.float32), None
+
+
+class DenseDev:
+    """``model -> mean nDCG@10`` of a bi-encoder ranking a whole corpus by exact search for dev ``topics`` (every
+    query counted; the ``evaluate`` of a :class:`~pyterrier_prob.curves.DevCurve`)."""
+
+    def __init__(self, topics: pd.DataFrame, qrels: pd.DataFrame, corpus: dict[str, str], k: int = 100) -> None:
+        self.topics, self.qrels, self.corpus, self.k = topics, qrels, corpus, k
+
+    def __call__(self, model: Any) -> float:
+        docnos = list(self.corpus)
+        q = encode(model, self.topics["query"].tolist(), query=True)
+        d = encode(model, [self.corpus[x] for x in docnos])
+        run = dense_run(self.topics, q, docnos, d, self.k)
+        return float(ndcg_at_10(run, self.qrels, "dense", qids=self.topics["qid"].tolist()).mean())

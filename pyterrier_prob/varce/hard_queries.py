@@ -1,15 +1,8 @@
-"""Hard-query analysis of VarCrossEncoder Sec. 5 (Table 8): %no and the bottom half of queries under a baseline.
-
-* ``%no`` (Voorhees): the percentage of queries with no relevant document in the top 10 -- lower is more robust
-  (:func:`percent_no`, per query :func:`no_relevant_in_top`).
-* Hard queries (Bigdeli et al., as the paper uses them): rank the queries by a baseline's effectiveness
-  (the Cross Encoder's nDCG@10, MRR@10 on MS MARCO Dev) and keep the bottom 50 % (:func:`hard_queries`); then
-  compare systems on that subset (:func:`hard_query_table`).
-
-Inputs are PyTerrier result frames (``qid, docno, score``) and qrels (``qid, docno, label``); measures come from
-``ir_measures`` (through :func:`pyterrier_prob.evaluation.per_query_set_measures`, which scores a query a run
-returned nothing for as 0). The evaluated queries are those with a relevant qrel (label >= ``min_label``),
-restricted to ``topics`` when given.
+"""Hard-query analysis of VarCrossEncoder Sec. 5 (Table 8): Voorhees' %no, the percentage of queries with no relevant
+document in the top 10 (:func:`percent_no`), and the bottom 50 % of queries by a baseline's effectiveness (Bigdeli et
+al., :func:`hard_queries`), on which systems are compared (:func:`hard_query_table`). Inputs are PyTerrier result
+frames and qrels; measures come from ``ir_measures`` (a query a run returned nothing for scores 0); the evaluated
+queries are those with a qrel of label >= ``min_label``, restricted to ``topics`` when given.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ from typing import Any
 import pandas as pd
 
 from pyterrier_prob.evaluation import _parse_measures, per_query_set_measures
+from st_extensions.checks import finite_float, positive_int
 
 __all__ = ["hard_queries", "hard_query_table", "no_relevant_in_top", "per_query", "percent_no"]
 
@@ -50,8 +44,7 @@ def no_relevant_in_top(
     """Per evaluated query: True when none of its top ``k`` documents has label >= ``rel`` (qid-indexed bools)."""
     import ir_measures
 
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
+    positive_int("k", k)
     p_at_k = per_query(run, qrels, ir_measures.P(rel=rel) @ k, topics=topics, min_label=rel)
     return (p_at_k == 0).rename(f"no_rel@{k}")
 
@@ -69,8 +62,7 @@ def percent_no(
 
 
 def _n_hard(n: int, fraction: float) -> int:
-    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
-        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    finite_float("fraction", fraction, low=0, high=1, low_open=True)
     return max(1, math.floor(fraction * n + 1e-9)) if n else 0
 
 
@@ -83,12 +75,8 @@ def hard_queries(
     topics: pd.DataFrame | Iterable[str] | None = None,
     min_label: int = 1,
 ) -> list[str]:
-    """The qids of the ``fraction`` worst evaluated queries under ``baseline`` (Sec. 5: bottom 50 % by nDCG@10).
-
-    Queries are sorted by the baseline's per-query ``measure``, ascending, ties by qid (so the choice among
-    queries tied at the boundary is deterministic); the first ``max(1, floor(fraction * n))`` are returned,
-    in that order.
-    """
+    """The qids of the ``fraction`` worst evaluated queries under ``baseline`` (Sec. 5: bottom 50 % by nDCG@10):
+    the first ``max(1, floor(fraction * n))`` by ``measure`` ascending, ties by qid (deterministic), in that order."""
     values = per_query(baseline, qrels, measure, topics=topics, min_label=min_label)
     ordered = values.rename("value").reset_index().sort_values(["value", "qid"], kind="stable")
     return ordered["qid"].astype(str).head(_n_hard(len(ordered), fraction)).tolist()
@@ -105,20 +93,10 @@ def hard_query_table(
     topics: pd.DataFrame | Iterable[str] | None = None,
     min_label: int = 1,
 ) -> pd.DataFrame:
-    """Table 8 of the paper: each system on the baseline's hard queries, next to all queries and its %no.
-
-    Args:
-        runs: ``{name: result frame}``.
-        qrels: ``qid, docno, label``.
-        baseline: the name of the run in ``runs`` that defines the hard queries, or its result frame.
-        measures: ``ir_measures`` measures (or names); the first one selects the hard queries.
-        fraction: the share of queries that are hard (0.5: the bottom half).
-        k: depth of %no.
-        topics, min_label: which queries are evaluated (those with a qrel of label >= ``min_label``).
-
-    Returns:
-        One row per system: ``name, n_queries, n_hard``, for each measure ``<measure>`` (mean over all
-        evaluated queries) and ``<measure> hard`` (mean over the hard ones), ``%no`` and ``%no hard``.
+    """Table 8 of the paper: one row per system of ``runs`` (``{name: result frame}``) with ``name, n_queries,
+    n_hard``, per measure ``<measure>`` (all evaluated queries) and ``<measure> hard``, ``%no`` and ``%no hard``
+    (depth ``k``). ``baseline``: a name in ``runs`` or a result frame, whose first measure picks the hard queries
+    (the ``fraction`` worst); ``topics``, ``min_label``: the evaluated queries (a qrel of label >= ``min_label``).
     """
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError("runs must be a non-empty mapping of name -> result frame")

@@ -1,42 +1,11 @@
-"""Query-noise injection: the six word-level perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4).
+"""Query-noise injection: the six one-word perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4).
 
-``shared/papers/var-cross-encoder.md`` tests robustness by perturbing one word per query (noise level one)
-with each of six perturbations, implemented there with NLPaug:
-
-========================  ====  ==============================================================================
-type                      abbr  what changes (one word per query)
-========================  ====  ==============================================================================
-``spelling``              SE    a word becomes one of its common misspellings (NLPaug's dictionary)
-``wordemb_insert``        WEI   a word's embedding neighbour is inserted right after it
-``wordemb_substitute``    WES   a word is replaced by one of its embedding neighbours
-``synonym``               SR    a word is replaced by a WordNet synonym
-``random_swap``           RS    two words exchange positions
-``random_delete``         RD    a word is removed
-========================  ====  ==============================================================================
-
-:class:`QueryNoise` applies one of them to a query frame, keeping the original in ``query_0`` (PyTerrier's
-query-rewriting convention), e.g. ``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker``.
-Every query's perturbation is seeded by ``(seed, type, qid, query)``, so it is the same whatever frame or
-order the query comes in. Words are whitespace tokens; leading/trailing punctuation stays in place and a
-capitalised word's replacement is capitalised. Content words are picked before stopwords (a stopword only
-when the query has nothing else); a query the perturbation cannot change (one word for RS/RD, no word with a
-misspelling, neighbour or synonym) stays as it is.
-
-Resources, all offline:
-
-* misspellings: the dictionary NLPaug's ``SpellingAug`` uses (``nlpaug/res/word/spelling/spelling_en.txt``,
-  from the natural-noise corpus of Belinkov & Bisk), read from the installed ``nlpaug`` package (only the data
-  file; nothing of NLPaug is imported); a word without an entry falls back to a keyboard-free typo (two
-  adjacent inner letters swapped) unless ``spelling_fallback=False``;
-* embedding neighbours: cosine neighbours among the whole-word tokens (two or more letters) of a model's input
-  token embeddings (default the packaged all-MiniLM-L6-v2); words that are not such a token have no
-  embedding and are not picked, as word-embedding augmenters skip out-of-vocabulary words;
-* WordNet: the Princeton WordNet 3.0 database files (``index.*``/``data.*``/``*.exc``), read by a small
-  reader here with WordNet's morphology (exception lists + suffix rules, as ``morphy``). Found in
-  ``wordnet_dir``, ``$WORDNET_DIR``, Debian/Ubuntu's ``wordnet-base`` package (``/usr/share/wordnet``:
-  ``apt-get install wordnet-base``) or an unpacked NLTK ``corpora/wordnet``. WordNet is optional: only ``synonym``
-  (SR) needs it, every other perturbation works without it, and SR without it raises a ``FileNotFoundError`` saying
-  how to install it (:func:`wordnet_available` tells beforehand; ``all_noise(missing="skip")`` leaves SR out).
+:class:`QueryNoise` applies one (``RD``, ``RS``, ``SE``, ``SR``, ``WEI``, ``WES``: :data:`NOISE_DESCRIPTIONS`) to a
+query frame, keeping the original in ``query_0``, e.g. ``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker``;
+each query's perturbation is seeded by ``(seed, type, qid, query)``. The resources are offline: NLPaug's misspelling
+dictionary (SE), a model's input token embeddings (WEI, WES) and the WordNet database (SR, optional:
+:func:`wordnet_available`). docs/varce.md ("Query perturbations") says how words are picked and where each resource
+comes from.
 """
 
 from __future__ import annotations
@@ -56,12 +25,16 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
+from st_extensions.checks import choice, non_negative_int, positive_int
+
 __all__ = [
+    "NOISE_DESCRIPTIONS",
     "NOISE_TYPES",
     "EmbeddingNeighbours",
     "QueryNoise",
     "WordNet",
     "all_noise",
+    "build_noises",
     "find_wordnet",
     "spelling_dictionary",
     "wordnet_available",
@@ -78,15 +51,25 @@ NOISE_TYPES: tuple[str, ...] = (
 """The six perturbations of Sec. 4.5.2, in the paper's order."""
 
 ABBREVIATIONS: dict[str, str] = {
+    "RD": "random_delete",
+    "RS": "random_swap",
     "SE": "spelling",
-    "SP": "spelling",
+    "SR": "synonym",
     "WEI": "wordemb_insert",
     "WES": "wordemb_substitute",
-    "SR": "synonym",
-    "RS": "random_swap",
-    "RD": "random_delete",
+    "SP": "spelling",
 }
 """The paper's abbreviations (Table 4; the text also writes SP for spelling)."""
+
+NOISE_DESCRIPTIONS: dict[str, str] = {
+    "RD": "(random deletion): a word is removed",
+    "RS": "(random swap): two words exchange positions",
+    "SE": "(spelling error): a word becomes one of its common misspellings",
+    "SR": "(synonym replacement): a word is replaced by a WordNet synonym",
+    "WEI": "(word-embedding insertion): a word's embedding neighbour is inserted after it",
+    "WES": "(word-embedding substitution): a word is replaced by one of its embedding neighbours",
+}
+"""What each perturbation of Table 4 changes (one word per query), for reports."""
 
 _NO_WORDNET = ("RD", "RS", "SE", "WEI", "WES")  # the perturbations that do not need WordNet
 
@@ -112,6 +95,10 @@ WORDNET_INSTALL = (
 )
 """How to get WordNet, for the error messages."""
 
+_SR_SKIPPED = (
+    "robustness: SR (WordNet synonym replacement) skipped: WordNet is missing; install it with "
+    "'apt-get install wordnet-base' (or set $WORDNET_DIR to a WordNet dict directory) to run it"
+)
 _WORD = re.compile(r"^(\W*)(.*?)(\W*)$", re.UNICODE)
 _ALPHA = re.compile(r"[A-Za-z]")
 
@@ -162,10 +149,7 @@ def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
 
 
 def _wordnet_search_path() -> list[str]:
-    """Where :func:`find_wordnet` looks when no ``wordnet_dir`` is given: ``$WORDNET_DIR``, then :data:`WORDNET_DIRS`.
-
-    Every default WordNet look-up goes through here (tests replace it to simulate a machine without WordNet).
-    """
+    """``$WORDNET_DIR``, then :data:`WORDNET_DIRS` (tests replace this to simulate a machine without WordNet)."""
     env = os.environ.get("WORDNET_DIR")
     return [*([env] if env else []), *WORDNET_DIRS]
 
@@ -206,7 +190,7 @@ _SUBSTITUTIONS: dict[str, tuple[tuple[str, str], ...]] = {  # WordNet's morphy s
         ("shes", "sh"),
         ("men", "man"),
         ("ies", "y"),
-    ),
+    ),  # fmt: skip
     "verb": (("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""), ("ing", "e"), ("ing", "")),
     "adj": (("er", ""), ("est", ""), ("er", "e"), ("est", "e")),
     "adv": (),
@@ -292,19 +276,13 @@ def _wordnet(root: str) -> WordNet:
 
 
 class EmbeddingNeighbours:
-    """Nearest whole-word tokens of a word in a model's input token-embedding space (cosine).
-
-    Args:
-        model: a sentence-transformers model (or CrossEncoder) with a tokenizer and a Hugging Face encoder,
-            its path, or ``None`` for the packaged all-MiniLM-L6-v2.
-        top_k: how many neighbours :meth:`neighbours` returns.
-    """
+    """The ``top_k`` nearest whole-word tokens of a word in the input token-embedding space (cosine) of ``model``: a
+    sentence-transformers model or CrossEncoder with a Hugging Face encoder, its path, or None (all-MiniLM-L6-v2)."""
 
     def __init__(self, model: Any = None, top_k: int = 10) -> None:
         import torch
 
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        positive_int("top_k", top_k)
         if model is None or isinstance(model, (str, os.PathLike)):
             from st_extensions import default_model_path, load_model
 
@@ -377,22 +355,14 @@ def _typo(word: str, rng: np.random.Generator) -> str | None:
 
 
 class QueryNoise(pt.Transformer):
-    """Perturbs one word of every query (VarCrossEncoder Sec. 4.5.2); the original goes to ``query_0``.
-
-    Args:
-        kind: one of :data:`NOISE_TYPES` or the paper's abbreviation (SE/SP, WEI, WES, SR, RS, RD).
-        seed: with the qid and query text, seeds each query's perturbation.
-        embedding_model: for WEI/WES: a model, its path, or an :class:`EmbeddingNeighbours` (default: the
-            packaged all-MiniLM-L6-v2's input embeddings).
-        top_k: WEI/WES draw the new word among this many nearest neighbours.
-        wordnet_dir: for SR: the WordNet database directory (default: see :func:`find_wordnet`).
-        spelling_path: for SE: a misspelling dictionary (default: NLPaug's).
-        spelling_fallback: SE on a query none of whose words has a dictionary misspelling: swap two adjacent
-            inner letters of a word instead (``False``: leave the query unchanged).
-        stopwords: words picked only when a query has no other candidate (``None``: no preference).
-
-    The perturbed query replaces ``query``; ``query_0`` keeps the original (an existing ``query_0`` moves to
+    """Perturbs one word of every query (Sec. 4.5.2); ``query_0`` keeps the original (an existing ``query_0`` moves to
     ``query_1``, as :func:`pyterrier.model.push_queries` does).
+
+    ``kind``: one of :data:`NOISE_TYPES` or the paper's abbreviation (SE/SP, WEI, WES, SR, RS, RD); ``seed`` with the
+    qid and query seeds each query. WEI/WES draw among the ``top_k`` neighbours in ``embedding_model`` (a model, its
+    path or an :class:`EmbeddingNeighbours`; default the packaged all-MiniLM-L6-v2); SR reads ``wordnet_dir``
+    (:func:`find_wordnet`); SE reads ``spelling_path`` (default NLPaug's) and, with ``spelling_fallback``, swaps two
+    inner letters when no word has a misspelling. ``stopwords`` are picked only when no other word can be.
     """
 
     def __init__(
@@ -408,12 +378,8 @@ class QueryNoise(pt.Transformer):
         stopwords: Iterable[str] | None = STOPWORDS,
     ) -> None:
         self.kind = _canonical_type(kind)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-        self.seed = int(seed)
-        self.top_k = top_k
+        self.seed = non_negative_int("seed", seed)
+        self.top_k = positive_int("top_k", top_k)
         self.stopwords = frozenset(w.lower() for w in stopwords) if stopwords is not None else frozenset()
         self.spelling_fallback = bool(spelling_fallback)
         self._embedding_model = embedding_model
@@ -482,39 +448,36 @@ class QueryNoise(pt.Transformer):
             out = list(tokens)
             out[i], out[j] = out[j], out[i]
             return " ".join(out)
-        if kind == "spelling":
-            table: dict[str, tuple[str, ...]] = self._resource
-            for i in self._pick(tokens, rng, lambda w: w.lower() in table):
-                word = _Word.parse(tokens[i])
-                options = table[word.core.lower()]
-                return self._replace(tokens, i, word.replaced(options[int(rng.integers(len(options)))]))
-            if self.spelling_fallback:
-                for i in self._pick(tokens, rng, lambda w: len(w) >= 4):
-                    word = _Word.parse(tokens[i])
-                    typo = _typo(word.core, rng)
-                    if typo is not None:
-                        return self._replace(tokens, i, f"{word.prefix}{typo}{word.suffix}")
-            return str(query)
-        if kind == "synonym":
-            wordnet: WordNet = self._resource
-            for i in self._pick(tokens, rng, lambda w: True):
-                word = _Word.parse(tokens[i])
-                options = wordnet.synonyms(word.core)
-                if options:
-                    return self._replace(tokens, i, word.replaced(options[int(rng.integers(len(options)))]))
-            return str(query)
-        # wordemb_insert / wordemb_substitute
-        neighbours: EmbeddingNeighbours = self._resource
-        for i in self._pick(tokens, rng, lambda w: w in neighbours):
+        for i in self._pick(tokens, rng, self._has_options):
             word = _Word.parse(tokens[i])
-            options = neighbours.neighbours(word.core, self.top_k)
+            options = self._options(word.core)
             if not options:
                 continue
             new = options[int(rng.integers(len(options)))]
-            if kind == "wordemb_substitute":
-                return self._replace(tokens, i, word.replaced(new))
-            return " ".join(tokens[: i + 1] + [new] + tokens[i + 1 :])
+            if kind == "wordemb_insert":
+                return " ".join(tokens[: i + 1] + [new] + tokens[i + 1 :])
+            return self._replace(tokens, i, word.replaced(new))
+        if kind == "spelling" and self.spelling_fallback:
+            for i in self._pick(tokens, rng, lambda w: len(w) >= 4):
+                word = _Word.parse(tokens[i])
+                typo = _typo(word.core, rng)
+                if typo is not None:
+                    return self._replace(tokens, i, f"{word.prefix}{typo}{word.suffix}")
         return str(query)
+
+    def _has_options(self, word: str) -> bool:
+        """Whether ``word`` may be picked: in the misspelling dictionary (SE) or the vocabulary (WEI/WES)."""
+        if self.kind == "synonym":
+            return True
+        return word.lower() in self._resource if self.kind == "spelling" else word in self._resource
+
+    def _options(self, word: str) -> list[str] | tuple[str, ...]:
+        """The words that may replace (or, for WEI, follow) ``word``."""
+        if self.kind == "spelling":
+            return self._resource[word.lower()]
+        if self.kind == "synonym":
+            return self._resource.synonyms(word)
+        return self._resource.neighbours(word, self.top_k)
 
     @staticmethod
     def _replace(tokens: list[str], i: int, new: str) -> str:
@@ -537,21 +500,14 @@ class QueryNoise(pt.Transformer):
 
 
 def all_noise(seed: int = 0, *, missing: str = "raise", **kwargs: Any) -> dict[str, QueryNoise]:
-    """``{abbreviation: QueryNoise}`` for the six perturbations of Table 4 (RD, RS, SE, SR, WEI, WES).
-
-    Args:
-        seed: the seed of every perturbation.
-        missing: what to do when a perturbation's resource is missing (WordNet for SR): ``"raise"`` its
-            ``FileNotFoundError`` / ``ImportError`` (saying how to install it), ``"warn"`` leave the perturbation out
-            with a ``UserWarning`` naming it and the reason, ``"skip"`` leave it out silently.
-        **kwargs: passed to every :class:`QueryNoise` (``wordnet_dir``, ``embedding_model``, ...).
-    """
-    if missing not in ("raise", "warn", "skip"):
-        raise ValueError(f"missing must be 'raise', 'warn' or 'skip', got {missing!r}")
-    names = {"RD": "random_delete", "RS": "random_swap", "SE": "spelling", "SR": "synonym"}
-    names |= {"WEI": "wordemb_insert", "WES": "wordemb_substitute"}
+    """``{abbreviation: QueryNoise}`` for the six perturbations of Table 4 (RD, RS, SE, SR, WEI, WES), ``kwargs``
+    passed to each. A missing resource (WordNet for SR): ``missing="raise"`` its error (saying how to install it),
+    ``"warn"`` leave the perturbation out with a ``UserWarning``, ``"skip"`` leave it out silently."""
+    choice("missing", missing, ("raise", "warn", "skip"))
     out: dict[str, QueryNoise] = {}
-    for abbr, kind in names.items():
+    for abbr, kind in ABBREVIATIONS.items():
+        if abbr == "SP":  # the text's other name for SE
+            continue
         try:
             out[abbr] = QueryNoise(kind, seed, **kwargs)
         except (FileNotFoundError, ImportError) as e:
@@ -560,3 +516,17 @@ def all_noise(seed: int = 0, *, missing: str = "raise", **kwargs: Any) -> dict[s
             if missing == "warn":
                 warnings.warn(f"all_noise: {abbr} left out: {e}", UserWarning, stacklevel=2)
     return out
+
+
+def build_noises(kinds: Iterable[str], seed: int) -> tuple[dict[str, QueryNoise], list[str]]:
+    """The robustness table's perturbations (abbreviations, in the order of :data:`NOISE_DESCRIPTIONS`) and a note per
+    perturbation left out because its resource is missing -- SR without WordNet -- instead of failing the run."""
+    noises: dict[str, QueryNoise] = {}
+    notes: list[str] = []
+    for abbr in (k for k in NOISE_DESCRIPTIONS if k in set(kinds)):
+        try:
+            noises[abbr] = QueryNoise(abbr, seed)
+        except (OSError, ImportError) as e:  # WordNet, or NLPaug's misspelling dictionary, is missing
+            no_wordnet = abbr == "SR" and not wordnet_available()
+            notes.append(_SR_SKIPPED if no_wordnet else f"robustness: {abbr} skipped: {e}")
+    return noises, notes

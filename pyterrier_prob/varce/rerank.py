@@ -1,20 +1,10 @@
-"""Re-ranking with a VarCrossEncoder (``shared/papers/var-cross-encoder.md``): expected score and its spread.
-
-VarCrossEncoder is a re-ranker (Sec. 4.4, 4.5.3): it scores the candidates of a first stage, e.g.
-``bm25 % 100 >> dataset.text_loader() >> VarCrossEncoderReranker(model)``. Each (query, document) pair gets
-the Gaussian score of its latent, with mean E[s] = mu^T W + b (Eq. 22) and variance W^T Sigma W (Eq. 23); the
-paper ranks by the mean. ``risk = lambda`` ranks by the risk-adjusted ``E[s] - lambda * std[s]`` instead
-(mean-variance ranking: lambda > 0 penalises uncertain documents, lambda < 0 favours them).
-
-Loaded from a path, the model's backbone can run on ONNX Runtime or OpenVINO, in fp32 or int8
-(``VarCrossEncoderReranker(path, backend="onnx", precision="int8")``, through
-:func:`st_extensions.cross_encoder.load_cross_encoder`); the head, and so E[s] and std[s], stay in torch.
-"""
+"""Re-ranking with a VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 4.4, 4.5.3): each candidate's
+Gaussian score, mean E[s] = mu^T W + b (Eq. 22) and variance W^T Sigma W (Eq. 23), ranked by the mean or by the
+risk-adjusted E[s] - lambda * std[s]; e.g. ``bm25 % 100 >> dataset.text_loader() >> VarCrossEncoderReranker(model)``.
+The backbone can run on ONNX Runtime or OpenVINO (docs/varce.md, "Fast CPU inference")."""
 
 from __future__ import annotations
 
-import math
-import numbers
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +14,7 @@ import pandas as pd
 import pyterrier as pt
 
 from pyterrier_prob.validation import check_ids, check_texts
+from st_extensions.checks import finite_float, positive_int
 
 __all__ = ["VarCrossEncoderReranker", "risk_adjusted"]
 
@@ -34,33 +25,15 @@ def risk_adjusted(mean: np.ndarray, std: np.ndarray, risk: float) -> np.ndarray:
 
 
 class VarCrossEncoderReranker(pt.Transformer):
-    """Re-scores a candidate frame with a VarCrossEncoder: adds ``score_mean``, ``score_std``, ``score`` and ``rank``.
+    """Re-scores a result frame (``qid, query, docno`` and ``text_field``) with a VarCrossEncoder, each query's best
+    first: ``score_mean`` = E[s] (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk
+    * score_std (logits) and ``rank`` (from 0; ties keep the input order). A missing or non-str query / text is a
+    ValueError naming the column, row and qid / docno (never scored as an empty text).
 
-    Input: a result frame with ``qid, query, docno`` and the document text (``text_field``, as
-    ``dataset.text_loader()`` or ``pt.text.get_text(dataset, "text")`` adds it).
-    Output: the input rows, each query's best first (ties keep the input order), with ``score_mean`` = E[s]
-    (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk * score_std and ``rank``
-    (from 0) by ``score``. Scores are logits (no sigmoid). A row whose ``query`` or document text is missing
-    (None / NaN) or not a str is a ValueError naming the column, the row and its qid / docno: it is never scored as
-    an empty text.
-
-    Args:
-        model: a :class:`~st_extensions.cross_encoder.VarCrossEncoder`, or the path of a saved one (loaded with
-            :func:`st_extensions.load_model`, or with :func:`st_extensions.cross_encoder.load_cross_encoder` when
-            ``backend`` / ``precision`` ask for a runtime).
-        batch_size: pairs per forward pass.
-        risk: lambda of the risk-adjusted score E[s] - lambda * std[s]; 0 ranks by the expected score.
-        text_field: the column holding the document text.
-        verbose: show a progress bar over the batches.
-        backend: where the backbone of a model given by path runs: ``"torch"`` (the default), ``"onnx"`` (ONNX
-            Runtime) or ``"openvino"``; the first use exports it into the model folder.
-        precision: ``"fp32"`` (the default) or ``"int8"`` (onnx / openvino only).
-        backend_options: further arguments of ``load_cross_encoder`` (``num_threads``; ``calibration_pairs``, which
-            OpenVINO int8 needs the first time).
-
-    Raises:
-        ValueError: ``backend``, ``precision`` or ``backend_options`` given with an already loaded model (load it
-            with ``load_cross_encoder`` instead), or an unknown backend / precision.
+    ``model``: a VarCrossEncoder or its path; for a path, ``backend`` (``"torch"``, ``"onnx"``, ``"openvino"``),
+    ``precision`` (``"fp32"``, ``"int8"``) and ``backend_options`` (``num_threads``, ``calibration_pairs``) go to
+    :func:`st_extensions.cross_encoder.load_cross_encoder` (docs/varce.md, "Fast CPU inference"); given with an
+    already loaded model they are a ValueError.
     """
 
     def __init__(
@@ -101,13 +74,9 @@ class VarCrossEncoderReranker(pt.Transformer):
                 f"VarCrossEncoderReranker needs a VarCrossEncoder (predict with return_std), got "
                 f"{type(model).__name__}: load the model with st_extensions.load_model(path)"
             )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if isinstance(risk, bool) or not isinstance(risk, numbers.Real) or not math.isfinite(risk):
-            raise ValueError(f"risk must be a finite number (lambda of E[s] - lambda * std[s]), got {risk!r}")
         self.model = model
-        self.batch_size = int(batch_size)
-        self.risk = float(risk)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.risk = finite_float("risk", risk)  # lambda of E[s] - lambda * std[s]
         self.text_field = str(text_field)
         self.verbose = bool(verbose)
 

@@ -1,52 +1,9 @@
 """Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8.
 
-:func:`load_cross_encoder` loads a saved plain cross-encoder (:func:`~st_extensions.cross_encoder.frozen.
-build_cross_encoder`: Transformer, ``Pooling(d, "cls")``, ``Dense(d, 1)``) or VarCrossEncoder
-(:func:`~st_extensions.cross_encoder.build_var_cross_encoder`: Transformer, ``Pooling``, :class:`~st_extensions.
-cross_encoder.VariationalHead`) with its *backbone* (the feature-extraction ``Transformer``) running on the chosen
-runtime; the pooling and the head stay in torch and read the runtime's ``last_hidden_state`` exactly as they read
-the torch encoder's. So ``predict`` is unchanged, and a VarCrossEncoder's ``predict(pairs, return_std=True)`` still
-returns the Gaussian score's mean E[s] = mu^T W + b and standard deviation sqrt(W^T Sigma W)
-(``shared/papers/var-cross-encoder.md``, Eq. 22-23) on every backend: the head computes both from the [CLS] vector.
-
-Exports are made once and kept inside the model folder, in sentence-transformers' layout and under its file names
-(``onnx/...``, ``openvino/...``, the inputs and output its Optimum exports have; loading them with
-``CrossEncoder(path, backend=...)`` was not tried, since Optimum does not install here, see below):
-
-=========  =========  ====================================================================================
-backend    precision  file, and how it is made
-=========  =========  ====================================================================================
-onnx       fp32       ``onnx/model.onnx``: ``torch.onnx.export(dynamo=False)`` (the TorchScript exporter, opset 17,
-                      dynamic batch and sequence axes) of the encoder run with eager attention, inputs
-                      ``input_ids, attention_mask[, token_type_ids]``, output ``last_hidden_state``; ONNX Runtime
-                      fuses its attention, GELU and layer norms when it loads it
-onnx       int8       ``onnx/model_qint8_avx2.onnx``: ONNX Runtime's dynamic quantisation of ``model.onnx``: int8
-                      weights (symmetric, per channel), uint8 activations quantised at run time, every ONNX Runtime
-                      integer op; no calibration data. Unlike Optimum's ``avx2`` config (uint8 weights, which
-                      sentence-transformers' ``export_dynamic_quantized_onnx_model(model, "avx2")`` uses), this runs
-                      ONNX Runtime's u8s8 kernels, the fast ones on AVX2 cores without VNNI
-openvino   fp32       ``openvino/openvino_model.xml`` + ``.bin``: ``openvino.convert_model`` of ``onnx/model.onnx``
-                      (made first where missing: the same graph as the onnx backend's), weights kept in fp32, run
-                      with ``INFERENCE_PRECISION_HINT=f32``
-openvino   int8       ``openvino/openvino_model_qint8_quantized.xml`` + ``.bin``: NNCF post-training static
-                      quantisation with the defaults of sentence-transformers' ``export_static_quantized_openvino_
-                      model`` (Optimum Intel's ``OVQuantizationConfig()``: mixed preset, transformer model type,
-                      fast bias correction, no overflow fix), calibrated on ``calibration_pairs``
-=========  =========  ====================================================================================
-
-Why not sentence-transformers' own ``backend="onnx"`` / ``"openvino"``: both load through Optimum, and no release
-of Optimum's ONNX package (``optimum-onnx`` <= 0.1.0, which needs ``transformers<4.58``) installs with
-``transformers>=5``; ``optimum-intel`` 2.2 needs ``transformers<5.6``. The runtimes themselves (``onnxruntime``,
-``openvino``, ``nncf``) have no such pin, so this module drives them directly with the same files and settings.
-And ``export_static_quantized_openvino_model`` calibrates on GLUE/SST-2 downloaded from the Hugging Face Hub (single
-sentences, not query-document pairs): here the calibration set is pairs that you give, e.g. first-stage candidates of
-training queries, tokenised exactly as ``predict`` tokenises them.
-
-Writes are atomic and never touch the torch weights: each file is written into a temporary folder inside
-``onnx/`` or ``openvino/`` and ``os.replace``-d into place (an OpenVINO ``.bin`` before its ``.xml``), under a lock
-so that two processes never interleave. ``export_info.json`` beside the files records a fingerprint of the torch
-weights each export was made from; an export older than the weights (the model was saved again into the same
-folder) is made anew instead of being used.
+:func:`load_cross_encoder` runs the feature-extraction ``Transformer`` on the runtime while pooling and head stay in
+torch, so ``predict(pairs, return_std=True)`` gives E[s] and sqrt(W^T Sigma W) (VarCE Eq. 22-23) on every backend.
+Exports are made once, atomically, in the model folder (``onnx/``, ``openvino/``, sentence-transformers' layout) and
+anew when the torch weights change; details and why not Optimum: ``docs/varce.md`` (fast CPU inference).
 """
 
 from __future__ import annotations
@@ -68,16 +25,12 @@ from sentence_transformers import CrossEncoder
 from sentence_transformers.base.modules import Transformer
 from torch import nn
 
-from st_extensions.atomic import atomic_write
+from st_extensions.atomic import atomic_write, locked
+from st_extensions.checks import choice, positive_int
+from st_extensions.frozen import evaluating
+from st_extensions.loading import load_model
 
-__all__ = [
-    "BACKENDS",
-    "PRECISIONS",
-    "RuntimeBackbone",
-    "backend_file",
-    "export_backbone",
-    "load_cross_encoder",
-]
+__all__ = ["BACKENDS", "PRECISIONS", "RuntimeBackbone", "export_backbone", "load_cross_encoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,26 +77,16 @@ _EXTRAS = {
 }
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value.lower()
-
-
-def _check_combination(backend: str, precision: str) -> None:
+def _check_choices(backend: Any, precision: Any) -> tuple[str, str]:
+    """``backend`` and ``precision`` (either case) checked and lower-cased."""
+    backend = choice("backend", backend.lower() if isinstance(backend, str) else backend, BACKENDS)
+    precision = choice("precision", precision.lower() if isinstance(precision, str) else precision, PRECISIONS)
     if backend == "torch" and precision != "fp32":
         raise ValueError(
             f"precision={precision!r} needs backend='onnx' or 'openvino' (the torch backend runs the saved fp32 "
             "weights as they are)"
         )
-
-
-def backend_file(backend: Backend, precision: Precision = "fp32") -> str | None:
-    """The export's path relative to the model folder (``None`` for the torch backend, which needs none)."""
-    backend = _check_choice("backend", backend, BACKENDS)
-    precision = _check_choice("precision", precision, PRECISIONS)
-    _check_combination(backend, precision)
-    return FILES.get((backend, precision))
+    return backend, precision
 
 
 def _require(backend: str, precision: str, packages: Sequence[str]) -> None:
@@ -263,11 +206,8 @@ def _weight_files(path: str) -> list[str]:
 
 def _weights_stat(path: str) -> list[list[Any]]:
     """``[name, size, mtime_ns]`` of each weight file: a cheap first check before hashing."""
-    stats = []
-    for name in _weight_files(path):
-        st = os.stat(os.path.join(path, name))
-        stats.append([name, st.st_size, st.st_mtime_ns])
-    return stats
+    stats = [(name, os.stat(os.path.join(path, name))) for name in _weight_files(path)]
+    return [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
 
 
 def _weights_sha256(path: str) -> str:
@@ -309,35 +249,20 @@ def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
 
 @contextlib.contextmanager
 def _locked(folder: str, shared: bool = False) -> Iterator[None]:
-    """A lock on ``folder/.export.lock`` (POSIX flock): exclusive for a writer, which creates the folder; shared for
-    a reader while it loads the files (so that it never reads an OpenVINO ``.xml`` with another export's ``.bin``),
-    and no lock at all where a reader cannot open the lock file (a read-only folder: nobody writes there)."""
-    lock = os.path.join(folder, ".export.lock")
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        fcntl = None
-    if shared:
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except OSError:
-            fd = None
-    else:
+    """The flock of ``folder/.export.lock``: exclusive for a writer, which creates the folder; shared for a reader
+    while it loads the files (so that it never reads an OpenVINO ``.xml`` with another export's ``.bin``)."""
+    if not shared:
         try:
             os.makedirs(folder, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            with open(os.path.join(folder, ".export.lock"), "ab"):
+                pass
         except PermissionError as e:
             raise PermissionError(
                 f"cannot write into {folder!r} ({e.strerror}): the first load of a model on a backend exports its "
                 "backbone into the model folder, which must then be writable (or load a copy of the model)"
             ) from e
-    try:
-        if fd is not None and fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    with locked(os.path.join(folder, ".export.lock"), shared=shared):
         yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the flock
 
 
 def _install(tmp: str, folder: str, main: str) -> None:
@@ -368,42 +293,38 @@ def _record(path: str, rel: str, extra: dict[str, Any] | None = None) -> None:
     atomic_write(os.path.join(folder, INFO_FILE), lambda f: f.write(json.dumps(info, indent=2).encode("utf8")))
 
 
-def _export_onnx_fp32(model: CrossEncoder, tmp: str, main: str) -> dict[str, Any]:
+def _export_onnx_fp32(path: str, model: CrossEncoder, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
     encoder = _backbone(model).model
     example = _example_inputs(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
     axes = {name: {0: "batch_size", 1: "sequence_length"} for name in [*example, "last_hidden_state"]}
-    was_training = encoder.training
-    encoder.eval()
-    try:
-        with (
-            torch.no_grad(),
-            _quiet_exporter(),
-            _eager_attention(encoder),
-            open(os.devnull, "w") as null,
-            contextlib.redirect_stdout(null),
-        ):
-            # the TorchScript exporter: its graph of BERT is the one ONNX Runtime's optimiser and quantiser know
-            # (fused attention, GELU and skip layer norms at load time), 1.2-1.4x the dynamo export's speed on CPU
-            torch.onnx.export(
-                _EncoderFunction(encoder),
-                (),
-                os.path.join(tmp, main),
-                kwargs=example,
-                dynamo=False,
-                input_names=list(example),
-                output_names=["last_hidden_state"],
-                dynamic_axes=axes,
-                opset_version=ONNX_OPSET,
-                external_data=weight_bytes > _EXTERNAL_DATA_BYTES,
-            )
-    finally:
-        encoder.train(was_training)
+    with (
+        evaluating(encoder),
+        torch.no_grad(),
+        _quiet_exporter(),
+        _eager_attention(encoder),
+        open(os.devnull, "w") as null,
+        contextlib.redirect_stdout(null),
+    ):
+        # the TorchScript exporter: its graph of BERT is the one ONNX Runtime's optimiser and quantiser know
+        # (fused attention, GELU and skip layer norms at load time), 1.2-1.4x the dynamo export's speed on CPU
+        torch.onnx.export(
+            _EncoderFunction(encoder),
+            (),
+            os.path.join(tmp, main),
+            kwargs=example,
+            dynamo=False,
+            input_names=list(example),
+            output_names=["last_hidden_state"],
+            dynamic_axes=axes,
+            opset_version=ONNX_OPSET,
+            external_data=weight_bytes > _EXTERNAL_DATA_BYTES,
+        )
     exporter = f"torch.onnx.export(dynamo=False, opset {ONNX_OPSET}), eager attention"
     return {"exporter": exporter, "inputs": list(example)}
 
 
-def _export_onnx_int8(path: str, tmp: str, main: str) -> dict[str, Any]:
+def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
@@ -425,7 +346,7 @@ def _export_onnx_int8(path: str, tmp: str, main: str) -> dict[str, Any]:
     return {"quantization": "onnxruntime.quantize_dynamic (QInt8 weights, symmetric, per channel; UInt8 activations)"}
 
 
-def _export_openvino_fp32(path: str, tmp: str, main: str) -> dict[str, Any]:
+def _export_openvino_fp32(path: str, model: Any, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
     import openvino as ov
 
     ov_model = ov.convert_model(os.path.join(path, FILES["onnx", "fp32"]))
@@ -487,6 +408,15 @@ def _export_openvino_int8(
     }
 
 
+#: how each export is made: ``(model folder, torch model, temporary folder, file name, calibration pairs) -> record``
+_EXPORTERS = {
+    ("onnx", "fp32"): _export_onnx_fp32,
+    ("onnx", "int8"): _export_onnx_int8,
+    ("openvino", "fp32"): _export_openvino_fp32,
+    ("openvino", "int8"): _export_openvino_int8,
+}
+
+
 def export_backbone(
     path: str | os.PathLike,
     backend: Backend,
@@ -495,27 +425,16 @@ def export_backbone(
     model: CrossEncoder | None = None,
     calibration_pairs: Sequence[Sequence[str]] | None = None,
 ) -> str:
-    """Make the export that :func:`load_cross_encoder` runs, once: returns its absolute path.
+    """Make the export that :func:`load_cross_encoder` runs (``backend`` onnx / openvino, ``precision``), once: its
+    path.
 
-    A fresh export (made from the current torch weights) is kept; a missing or stale one is written atomically
-    (module docstring). The torch encoder is exported to ONNX once; ONNX int8 and OpenVINO fp32 are made from that
-    file, OpenVINO int8 from OpenVINO fp32: whatever of that chain is missing is made first.
-
-    Args:
-        path: the folder of a saved cross-encoder (``model.save(path)``).
-        backend: ``"onnx"`` or ``"openvino"``.
-        precision: ``"fp32"`` or ``"int8"``.
-        model: the model loaded from ``path`` on torch (loaded here with :func:`st_extensions.load_model` if None).
-        calibration_pairs: (query, document) pairs for OpenVINO int8 (static quantisation; the first 300 are
-            used); required when that export is made, ignored otherwise.
-
-    Raises:
-        ValueError: an unknown backend / precision, the torch backend, or OpenVINO int8 without calibration pairs.
-        ImportError: the backend's packages are missing (the message names the extra to install).
+    A fresh export (made from the current torch weights) is kept, a missing or stale one written atomically, the chain
+    torch -> ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``).
+    ``model``: ``path``'s model on torch (else loaded); ``calibration_pairs``: (query, document) pairs (first 300),
+    needed when OpenVINO int8 is made. ValueError for bad choices or torch; ImportError naming the extra to install.
     """
     path = os.path.abspath(os.fspath(path))
-    backend = _check_choice("backend", backend, BACKENDS)
-    precision = _check_choice("precision", precision, PRECISIONS)
+    backend, precision = _check_choices(backend, precision)
     if backend == "torch":
         raise ValueError("backend='torch' needs no export: pass backend='onnx' or 'openvino'")
     rel = FILES[backend, precision]
@@ -544,14 +463,7 @@ def export_backbone(
         logger.info("exporting the backbone of %s to %s (%s)", path, rel, precision)
         tmp = tempfile.mkdtemp(prefix=".export-", dir=folder)
         try:
-            if (backend, precision) == ("onnx", "fp32"):
-                extra = _export_onnx_fp32(model, tmp, main)
-            elif (backend, precision) == ("onnx", "int8"):
-                extra = _export_onnx_int8(path, tmp, main)
-            elif precision == "fp32":
-                extra = _export_openvino_fp32(path, tmp, main)
-            else:
-                extra = _export_openvino_int8(path, model, tmp, main, calibration_pairs)
+            extra = _EXPORTERS[backend, precision](path, model, tmp, main, calibration_pairs)
             _install(tmp, folder, main)
             _record(path, rel, extra)
         finally:
@@ -578,20 +490,9 @@ def _warn_other_calibration(
 
 
 class RuntimeBackbone(nn.Module):
-    """Stands in for the Hugging Face encoder inside a sentence-transformers ``Transformer`` module: called with
-    the token tensors (``input_ids``, ``attention_mask``[, ``token_type_ids``]) it runs an ONNX Runtime session or
-    an OpenVINO compiled model and returns ``{"last_hidden_state": tensor}`` (float32, CPU), which ``Pooling`` and
-    the head read as they read the torch encoder's output.
-
-    It has no parameters; ``config`` is the encoder's Hugging Face config (the ``Transformer`` reads its hidden
-    size from it). It cannot be saved: save the torch model instead.
-
-    Args:
-        file: the ``.onnx`` / ``.xml`` file to run.
-        backend: ``"onnx"`` or ``"openvino"``.
-        precision: recorded for ``repr``.
-        config: the encoder's config.
-        num_threads: intra-op threads of the runtime.
+    """Stands in for the Hugging Face encoder in a ``Transformer``: runs an ONNX Runtime session or OpenVINO compiled
+    model on ``file`` and returns ``{"last_hidden_state": float32 CPU tensor}``; ``config`` is the encoder's. Cannot be
+    saved.
     """
 
     def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
@@ -669,8 +570,6 @@ class RuntimeBackbone(nn.Module):
 
 
 def _load_torch(path: str, device: str | None = "cpu") -> CrossEncoder:
-    from st_extensions.loading import load_model
-
     model = load_model(path, device=device)
     if not isinstance(model, CrossEncoder):
         raise ValueError(
@@ -689,45 +588,17 @@ def load_cross_encoder(
     num_threads: int | None = None,
     calibration_pairs: Sequence[Sequence[str]] | None = None,
 ) -> CrossEncoder:
-    """Load a saved cross-encoder (a plain one or a :class:`~st_extensions.cross_encoder.VarCrossEncoder`) with its
-    backbone on ``backend`` in ``precision``; pooling and head stay in torch (module docstring).
-
-    The result is the class :func:`st_extensions.load_model` gives (``CrossEncoder`` or ``VarCrossEncoder``), with
-    the same ``predict`` / ``rank``; a VarCrossEncoder's ``predict(pairs, return_std=True)`` gives E[s] and
-    std[s] = sqrt(W^T Sigma W) (Eq. 22-23 of ``shared/papers/var-cross-encoder.md``) on every backend. The first
-    load on a backend exports the backbone into the model folder (:func:`export_backbone`; the folder must be
-    writable then), later loads reuse the export.
-
-    Args:
-        path: the folder of a model saved with ``model.save(path)``.
-        backend: ``"torch"`` (the saved model as it is), ``"onnx"`` (ONNX Runtime, CPU) or ``"openvino"``
-            (OpenVINO, CPU).
-        precision: ``"fp32"``, or ``"int8"`` (onnx: dynamic quantisation, no data; openvino: static quantisation
-            calibrated on ``calibration_pairs``). The torch backend runs fp32 only.
-        device: where torch runs the model (torch backend), or ``"cpu"`` (the only device of the onnx / openvino
-            backends here).
-        num_threads: intra-op threads of the onnx / openvino runtime (default: ``torch.get_num_threads()``, so that
-            every backend gets the same budget); ignored by the torch backend, which uses torch's setting.
-        calibration_pairs: (query, document) pairs (e.g. first-stage candidates of training queries; the first 300
-            are used) that calibrate the OpenVINO int8 export when it is made; not needed once it exists.
-
-    Returns:
-        The model in eval mode. One with a runtime backbone cannot be saved or trained end to end.
-
-    Raises:
-        ValueError: unknown ``backend`` / ``precision`` (naming the parameter), ``precision="int8"`` with the torch
-            backend, a device other than the CPU for onnx / openvino, not a cross-encoder, or OpenVINO int8 made for
-            the first time without ``calibration_pairs``.
-        ImportError: onnxruntime / onnx / onnxscript (extra ``onnx``) or openvino / nncf (extra ``openvino``) missing.
+    """Load a saved cross-encoder (plain or :class:`~st_extensions.cross_encoder.VarCrossEncoder`) with its backbone on
+    ``backend`` (``"torch"``, or ``"onnx"`` / ``"openvino"`` on CPU) in ``precision`` (``"fp32"``; ``"int8"``: onnx
+    dynamic, openvino static on ``calibration_pairs``). Pooling and head stay in torch, so ``predict(pairs,
+    return_std=True)`` (Eq. 22-23) works on every backend. The first load exports the backbone into the (writable) model
+    folder (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval
+    mode; one with a runtime backbone cannot be saved. ValueError / ImportError as :func:`export_backbone`, or a non-CPU
+    device.
     """
-    backend = _check_choice("backend", backend, BACKENDS)
-    precision = _check_choice("precision", precision, PRECISIONS)
-    _check_combination(backend, precision)
+    backend, precision = _check_choices(backend, precision)
     path = os.path.abspath(os.fspath(path))
-    if num_threads is not None and (
-        isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
-    ):
-        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    positive_int("num_threads", num_threads, allow_none=True)
     if backend == "torch":
         model = _load_torch(path, device=None if device is None else str(device))
         model.eval()
@@ -744,11 +615,7 @@ def load_cross_encoder(
         )
     transformer.model = runtime  # the torch encoder is dropped: the runtime replaces it
     transformer.backend = backend
-
-    def refuse_save(*args: Any, **kwargs: Any) -> None:
-        # BaseModel.save would write the folder's configs before the Transformer refused: refuse before anything
-        runtime.save_pretrained()
-
-    model.save = model.save_pretrained = refuse_save  # type: ignore[method-assign]
+    # BaseModel.save would write the folder's configs before the Transformer refused: refuse before anything
+    model.save = model.save_pretrained = runtime.save_pretrained  # type: ignore[method-assign]
     model.eval()
     return model

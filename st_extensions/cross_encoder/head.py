@@ -1,26 +1,20 @@
 """The VarCrossEncoder head: the [CLS] embedding t -> a diagonal Gaussian N(mu(t), Sigma(t)) -> a relevance score.
 
-VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3.2) maps the contextual [CLS] embedding of a
-query-document pair to a Gaussian over a K-dimensional latent (Eq. 3) with one of three probabilistic modules:
-
-* ``VAR`` (VARM): mu(t) = [CLS] (so K = d) and a learned branch f^Sigma predicts diag Sigma(t);
-* ``MEANVAR`` (MEANVARM): two learned branches f^mu and f^Sigma (K free, default d);
-* ``MEAN`` (MEANM): diag Sigma(t) is read off [CLS] itself (so K = d) and a learned branch f^mu predicts mu(t).
-
-A linear decoder (the ranker, Eq. 7-8) scores a latent sample, s = z^T W (+ b). In training the head draws
-z = mu + Sigma^(1/2) eps, eps ~ N(0, I) (the reparameterisation trick, Eq. 5-6 and Alg. 1 lines 8-9); at
-inference the score is its expectation E[s] = mu^T W (+ b) (Eq. 22) and its variance Var[s] = W^T Sigma W
-(Eq. 23) -- both in closed form, since s is a linear function of a Gaussian.
+VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3.2) maps t to a Gaussian over a K-dimensional latent
+(Eq. 3) with one of three modules: ``VAR`` (mu = [CLS], a learned diag Sigma), ``MEANVAR`` (both learned, K free)
+or ``MEAN`` (Sigma read off [CLS], a learned mu). A linear decoder scores a latent, s = z^T W (+ b) (Eq. 7-8): a
+reparameterised sample in training (Eq. 5-6), and at inference E[s] = mu^T W (+ b) and Var[s] = W^T Sigma W in
+closed form (Eq. 22-23).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from st_extensions.checks import finite_float, positive_int
 from st_extensions.modules.safetensors_module import SafetensorsModule
 
 Variant = Literal["VAR", "MEANVAR", "MEAN"]
@@ -41,42 +35,18 @@ def _check_variant(variant: str) -> str:
 class VariationalHead(SafetensorsModule):
     """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23).
 
-    Reads the pooled [CLS] embedding ``t`` (``features["sentence_embedding"]``, from a ``Pooling(d, "cls")``
-    module) and writes
-
-    * ``features["latent_mean"]``, ``features["latent_var"]``: mu(t) and diag Sigma(t), shape ``(batch, K)``;
-    * ``features["scores"]``, shape ``(batch, 1)``: in training mode one reparameterised sample
-      ``(mu + Sigma^(1/2) eps)^T W + b`` (Eq. 5, 8), in eval mode the expectation ``mu^T W + b`` (Eq. 22) --
-      so any CrossEncoder loss trains it on sampled scores and ``predict`` ranks by the expected score;
-    * ``features["score_var"]``, shape ``(batch, 1)``: ``W^T Sigma W`` (Eq. 23), in both modes.
-
-    Every branch predicts log Sigma, so Sigma = exp(log Sigma) > 0; in the ``MEAN`` module the [CLS]
-    embedding is read as log Sigma (a positive variance needs some fixed positive map, and the log scale is
-    the one the other branches use). log Sigma is clamped to ``[min_log_var, max_log_var]`` so the KL term and
-    exp stay finite. The variance branch starts with zero weights and bias ``init_log_var`` (default 0:
-    Sigma = I, the prior's covariance), the mean branch and the decoder with PyTorch's default init.
-
-    Args:
-        in_features: dimension d of the [CLS] embedding (384 for all-MiniLM-L6-v2).
-        variant: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"`` (Sec. 3.2.1).
-        latent_dim: K; must be ``in_features`` for ``VAR`` and ``MEAN`` (the default), free for ``MEANVAR``.
-        bias: a bias b in the decoder, s = z^T W + b. Eq. 8 has none; b shifts every score alike, so it
-            changes neither the ranking nor Var[s], and lets BCE fit the base rate.
-        init_log_var: initial log Sigma of the learned variance branch (``VAR``, ``MEANVAR``).
-        min_log_var, max_log_var: clamp of log Sigma.
-        module_input_name: the features key holding t.
+    Reads the [CLS] embedding t and writes ``latent_mean`` / ``latent_var`` (mu(t), diag Sigma(t), ``(batch, K)``),
+    ``scores`` (training: a reparameterised sample ``(mu + Sigma^(1/2) eps)^T W + b``, Eq. 5, 8; eval: ``mu^T W + b``,
+    Eq. 22) and ``score_var`` (``W^T Sigma W``, Eq. 23). log Sigma (in ``MEAN`` the embedding itself) is clamped to
+    ``[min_log_var, max_log_var]``; the variance branch starts at zero weights and bias ``init_log_var`` (Sigma = I).
+    ``variant``: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"``; ``latent_dim`` K must equal ``in_features`` except for
+    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate).
     """
 
     config_keys: list[str] = [
-        "in_features",
-        "variant",
-        "latent_dim",
-        "bias",
-        "init_log_var",
-        "min_log_var",
-        "max_log_var",
+        "in_features", "variant", "latent_dim", "bias", "init_log_var", "min_log_var", "max_log_var",
         "module_input_name",
-    ]
+    ]  # fmt: skip
     config_file_name = "config.json"
     #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
     #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
@@ -94,21 +64,16 @@ class VariationalHead(SafetensorsModule):
         module_input_name: str = "sentence_embedding",
     ) -> None:
         super().__init__()
-        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features < 1:
-            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
+        positive_int("in_features", in_features)
         variant = _check_variant(variant)
-        if latent_dim is None:
-            latent_dim = in_features
-        if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or latent_dim < 1:
-            raise ValueError(f"latent_dim must be a positive int or None, got {latent_dim!r}")
+        latent_dim = positive_int("latent_dim", latent_dim, allow_none=True) or in_features
         if variant in ("VAR", "MEAN") and latent_dim != in_features:
             raise ValueError(
                 f"the {variant} module uses [CLS] itself as the {'mean' if variant == 'VAR' else 'variance'}, "
                 f"so latent_dim must equal in_features ({in_features}), got {latent_dim}; use MEANVAR for another K"
             )
         for name, value in (("init_log_var", init_log_var), ("min_log_var", min_log_var), ("max_log_var", max_log_var)):
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+            finite_float(name, value)
         if not min_log_var <= init_log_var <= max_log_var:
             raise ValueError(
                 f"need min_log_var <= init_log_var <= max_log_var, got {min_log_var}, {init_log_var}, {max_log_var}"

@@ -1,15 +1,14 @@
 """VarCrossEncoder: a CrossEncoder whose score is a Gaussian (``shared/papers/var-cross-encoder.md``, Sec. 3).
 
-``[CLS] q [SEP] d [SEP]`` -> transformer backbone f^B (Eq. 1-2) -> CLS pooling -> :class:`VariationalHead`
-(the probabilistic module and the linear ranker, Eq. 3-8). Built from the modules sentence-transformers already
-has (``Transformer(..., transformer_task="feature-extraction")``, ``Pooling(d, "cls")``) plus our head, so the
-CrossEncoderTrainer, the CE losses (which read ``model(inputs)["scores"]``), evaluators, ``predict`` and
-``rank`` all work as for any CrossEncoder; :meth:`VarCrossEncoder.predict` adds ``return_std=True``.
+``[CLS] q [SEP] d [SEP]`` -> backbone (Eq. 1-2) -> CLS pooling -> :class:`VariationalHead` (Eq. 3-8), from stock
+sentence-transformers modules plus our head, so trainer, losses, ``predict`` and ``rank`` work as for any
+CrossEncoder; :meth:`VarCrossEncoder.predict` adds ``return_std=True``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,26 +20,29 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util import batch_to_device
 from torch import nn
-from tqdm.autonotebook import trange
+from tqdm.autonotebook import tqdm, trange
 
+from st_extensions.checks import positive_int
 from st_extensions.cross_encoder.head import SCORE_VAR_KEY, Variant, VariationalHead
-from st_extensions.defaults import default_model_path
+from st_extensions.defaults import default_model_path, find_module
+from st_extensions.frozen import evaluating
+from st_extensions.loading import register_module
+from st_extensions.partial import (
+    check_layers,
+    check_partial_transformer,
+    pair_key,
+    run_top_layers,
+    state_fingerprint,
+    states_entering,
+)
 
 HEAD_REFERENCE = f"{VariationalHead.__module__}.{VariationalHead.__name__}"
 
 
 def find_var_head(model: torch.nn.Module) -> VariationalHead:
     """The model's :class:`VariationalHead`; a clear error when it has none (or several)."""
-    heads = [m for m in model.modules() if isinstance(m, VariationalHead)]
-    if not heads:
-        raise ValueError(
-            f"{type(model).__name__} has no VariationalHead: VariationalBCELoss and predict(return_std=True) need "
-            "a model built with st_extensions.cross_encoder.build_var_cross_encoder(...) (or loaded with "
-            "st_extensions.load_model)"
-        )
-    if len(heads) > 1:
-        raise ValueError(f"model has {len(heads)} VariationalHeads, expected exactly one")
-    return heads[0]
+    needed_by = "VariationalBCELoss and predict(return_std=True) need"
+    return find_module(model, VariationalHead, needed_by, "cross_encoder.build_var_cross_encoder")
 
 
 def _is_identity(fn: Callable | None) -> bool:
@@ -50,13 +52,9 @@ def _is_identity(fn: Callable | None) -> bool:
 class VarCrossEncoder(CrossEncoder):
     """A :class:`~sentence_transformers.CrossEncoder` ending in a :class:`VariationalHead` (VarCrossEncoder, Sec. 3).
 
-    Build one with :func:`build_var_cross_encoder`; load a saved one with :func:`st_extensions.load_model`
-    (which picks this class for a model holding a VariationalHead) or ``VarCrossEncoder(path)`` (our head is
-    resolved without ``trust_remote_code``; any other foreign module class still needs it).
-
-    Scores are logits s, not probabilities: the default ``activation_fn`` is the identity (the saved one is
-    restored on load). ``predict(pairs)`` returns E[s] = mu^T W + b (Eq. 22; the head is in eval mode), and
-    ``predict(pairs, return_std=True)`` returns ``(E[s], sqrt(W^T Sigma W))`` (Eq. 22-23).
+    Build with :func:`build_var_cross_encoder`, load with :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``
+    (no ``trust_remote_code`` for our head). Scores are logits (identity ``activation_fn``); ``predict`` returns
+    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23).
     """
 
     _module_classes = {HEAD_REFERENCE: VariationalHead}
@@ -73,83 +71,43 @@ class VarCrossEncoder(CrossEncoder):
         """The model's :class:`VariationalHead`."""
         return find_var_head(self)
 
-    def predict(
-        self,
-        inputs: Sequence[Any] | Any,
-        prompt_name: str | None = None,
-        prompt: str | None = None,
-        batch_size: int = 32,
-        show_progress_bar: bool | None = None,
-        activation_fn: Callable | None = None,
-        apply_softmax: bool | None = False,
-        convert_to_numpy: bool = True,
-        convert_to_tensor: bool = False,
-        device: str | list[str | torch.device] | None = None,
-        pool: dict[str, Any] | None = None,
-        chunk_size: int | None = None,
-        return_std: bool = False,
-        **kwargs: Any,
-    ) -> Any:
-        """:meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`, plus ``return_std``.
-
-        Args:
-            return_std: also return the standard deviation of each score, sqrt(W^T Sigma W) (Eq. 23). The
-                result is then ``(scores, stds)``, both on the logit scale of the Gaussian score s (Eq. 22-23):
-                an ``activation_fn`` other than the identity is refused, since it would transform the mean but
-                not the spread. Runs in this process (no ``pool`` / device list).
-            Other arguments: as for CrossEncoder.predict.
-
-        Returns:
-            As CrossEncoder.predict without ``return_std``; with it a pair ``(scores, stds)`` of arrays
-            (tensors with ``convert_to_tensor``, lists of scalar tensors with ``convert_to_numpy=False``),
-            or a pair of floats for one input pair.
+    def predict(self, inputs: Sequence[Any] | Any, *args: Any, return_std: bool = False, **kwargs: Any) -> Any:
+        """:meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`; with ``return_std`` ``(scores,
+        stds)`` (Eq. 22-23, logit scale; floats for one pair), refused with a non-identity ``activation_fn``, ``pool``
+        or devices.
         """
         if not return_std:
-            return super().predict(
-                inputs,
-                prompt_name=prompt_name,
-                prompt=prompt,
-                batch_size=batch_size,
-                show_progress_bar=show_progress_bar,
-                activation_fn=activation_fn,
-                apply_softmax=apply_softmax,
-                convert_to_numpy=convert_to_numpy,
-                convert_to_tensor=convert_to_tensor,
-                device=device,
-                pool=pool,
-                chunk_size=chunk_size,
-                **kwargs,
-            )
-        if pool is not None or isinstance(device, list):
+            return super().predict(inputs, *args, **kwargs)
+        call = inspect.signature(CrossEncoder.predict).bind(self, inputs, *args, **kwargs)
+        call.apply_defaults()
+        arg = call.arguments  # CrossEncoder.predict's arguments by name, defaults filled in
+        if arg["pool"] is not None or isinstance(arg["device"], list):
             raise ValueError("predict(return_std=True) runs in this process: pass one device, not a pool or a list")
-        if not _is_identity(activation_fn if activation_fn is not None else self.activation_fn):
+        activation_fn = arg["activation_fn"] if arg["activation_fn"] is not None else self.activation_fn
+        if not _is_identity(activation_fn):
             raise ValueError(
                 "predict(return_std=True) returns the mean and standard deviation of the logit s (Eq. 22-23); "
-                f"activation_fn {activation_fn if activation_fn is not None else self.activation_fn} would change "
-                "the mean but not the spread: pass activation_fn=torch.nn.Identity()"
+                f"activation_fn {activation_fn} would change the mean but not the spread: pass "
+                "activation_fn=torch.nn.Identity()"
             )
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size}.")
-        if show_progress_bar is None:
-            show_progress_bar = False
+        positive_int("batch_size", arg["batch_size"])
         singular = self.is_singular_input(inputs)
-        if singular:
-            inputs = [inputs.tolist() if isinstance(inputs, np.ndarray) else inputs]
-        elif not isinstance(inputs, list):
-            inputs = inputs.tolist() if isinstance(inputs, np.ndarray) else list(inputs)
-        prompt = self._resolve_prompt(prompt, prompt_name)
+        inputs = inputs.tolist() if isinstance(inputs, np.ndarray) else inputs
+        inputs = [inputs] if singular else list(inputs)
         means, stds = self._inference_with_std(
-            inputs, prompt=prompt, batch_size=batch_size, show_progress_bar=show_progress_bar, device=device, **kwargs
+            inputs,
+            prompt=self._resolve_prompt(arg["prompt"], arg["prompt_name"]),
+            batch_size=arg["batch_size"],
+            show_progress_bar=bool(arg["show_progress_bar"]),
+            device=arg["device"],
+            **arg["kwargs"],
         )
-        if convert_to_tensor:
-            pass
-        elif convert_to_numpy:
-            means, stds = means.float().cpu().numpy(), stds.float().cpu().numpy()
-        else:
-            means, stds = list(means), list(stds)
-        if singular:
-            return means[0], stds[0]
-        return means, stds
+        if not arg["convert_to_tensor"]:
+            numpy = arg["convert_to_numpy"]
+            means, stds = (
+                (means.float().cpu().numpy(), stds.float().cpu().numpy()) if numpy else (list(means), list(stds))
+            )
+        return (means[0], stds[0]) if singular else (means, stds)
 
     @torch.inference_mode()
     def _inference_with_std(
@@ -186,6 +144,9 @@ class VarCrossEncoder(CrossEncoder):
         return mean, std
 
 
+register_module(VariationalHead, model_class=VarCrossEncoder)
+
+
 def build_var_cross_encoder(
     base_model: str | BaseModel | None = None,
     variant: Variant = "VAR",
@@ -194,20 +155,11 @@ def build_var_cross_encoder(
     device: str | None = None,
     **head_kwargs: Any,
 ) -> VarCrossEncoder:
-    """A VarCrossEncoder: backbone -> [CLS] -> :class:`VariationalHead` (``VAR``, ``MEANVAR`` or ``MEAN``).
+    """A VarCrossEncoder: backbone -> [CLS] -> :class:`VariationalHead` (``variant`` ``VAR``, ``MEANVAR`` or ``MEAN``).
 
-    Args:
-        base_model: the backbone f^B: a Hugging Face encoder path or name, a saved sentence-transformers
-            model directory (the default: the packaged all-MiniLM-L6-v2), or a loaded model whose first module
-            is a feature-extraction ``Transformer`` (copied: the new model shares no weights with it).
-        variant: the probabilistic module (Sec. 3.2.1).
-        latent_dim: K (``MEANVAR`` only; ``VAR`` and ``MEAN`` need K = hidden size, the default).
-        max_seq_length: truncate query + document to this many tokens (default: the backbone's).
-        device: where to put the model.
-        **head_kwargs: further :class:`VariationalHead` arguments (``bias``, ``init_log_var``, clamps).
-
-    Returns:
-        The model; its decoder, variance and mean branches are new, the backbone pre-trained.
+    ``base_model``: an encoder name / path, a sentence-transformers folder (default the packaged all-MiniLM-L6-v2) or a
+    loaded model (copied); ``latent_dim`` K (``MEANVAR`` only); ``max_seq_length`` of query + document;
+    ``**head_kwargs`` go to the head. The head is new, the backbone pre-trained.
     """
     if base_model is None:
         base_model = default_model_path()
@@ -235,3 +187,55 @@ def build_var_cross_encoder(
         device=device or (str(base_model.device) if isinstance(base_model, BaseModel) else None),
         activation_fn=nn.Identity(),
     )
+
+
+def predict_sharing_layers(
+    models: Sequence[CrossEncoder],
+    pairs: Sequence[Any],
+    frozen_layers: int,
+    *,
+    batch_size: int = 32,
+    show_progress_bar: bool = False,
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Score ``pairs`` with cross-encoders sharing their embeddings and lower ``frozen_layers`` layers (same
+    :func:`state_fingerprint`, e.g. partial-recipe models of one backbone): each batch runs the shared layers once,
+    then each model's top layers and head. Per model ``(scores, stds)`` float32 in pair order (``stds`` None without a
+    score variance), equal to its ``predict`` logits up to float rounding.
+    """
+    models = list(models)
+    if not models:
+        raise ValueError("predict_sharing_layers needs at least one model")
+    positive_int("batch_size", batch_size)
+    transformers = [list(m)[0] for m in models]
+    num_layers = len(check_partial_transformer(transformers[0]).encoder.layer)
+    frozen = check_layers("frozen_layers", frozen_layers, 0, num_layers - 1, num_layers)
+    prints = [state_fingerprint(t, frozen) for t in transformers]  # also checks every model can be split
+    differ = [i for i, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise ValueError(
+            f"models {differ} do not share the embeddings, lower {frozen} layers, tokenizer or settings of model 0: "
+            "score them separately"
+        )
+    keys = [pair_key(p) for p in pairs]
+    n = len(keys)
+    scores = [np.empty(n, np.float32) for _ in models]
+    variances: list[np.ndarray | None] = [None] * len(models)
+    order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
+    bar = tqdm(total=n, desc="scoring", disable=not show_progress_bar)
+    with evaluating(*models), torch.inference_mode(), bar:
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            features = batch_to_device(transformers[0].preprocess([keys[i] for i in idx]), models[0].device)
+            hidden = states_entering(transformers[0], dict(features), frozen)
+            for j, (model, t) in enumerate(zip(models, transformers)):
+                out = dict(features)
+                out[t.module_output_name] = run_top_layers(t.auto_model, hidden, features["attention_mask"], frozen)
+                for module in list(model)[1:]:
+                    out = module(out)
+                scores[j][idx] = out["scores"].float().reshape(-1).cpu().numpy()
+                if SCORE_VAR_KEY in out:
+                    if variances[j] is None:
+                        variances[j] = np.empty(n, np.float32)
+                    variances[j][idx] = out[SCORE_VAR_KEY].float().reshape(-1).cpu().numpy()
+            bar.update(len(idx))
+    return [(s, None if v is None else np.sqrt(np.clip(v, 0.0, None))) for s, v in zip(scores, variances)]

@@ -1,17 +1,8 @@
 """A split-attention cross-encoder (PreTTR, MacAvaney et al., SIGIR 2020) started from a bi-encoder.
 
-The lower ``L - joint_layers`` layers of a BERT encoder read the query and the document *separately* (each text's
-states depend on that text only, so they are computed once per text and can be cached); the top ``joint_layers``
-layers read the concatenation ``[query tokens ; document tokens]`` and attend across both, as a cross-encoder's do.
-:class:`SegmentInteraction` pools the joint output per segment (mean over the query's and the document's tokens,
-each L2-normalised) and writes their element-wise product, scaled by the hidden size, as the pair's feature: its sum
-is the cosine of the two segment embeddings, so a linear head whose weights are all ``scale / hidden`` starts as
-``scale * cos``. Started from a fine-tuned bi-encoder (mean pooling), the model therefore starts close to that
-bi-encoder's ranking; the joint layers then learn what reading both texts at once adds (e.g. by distillation).
-
-Built by :func:`build_split_cross_encoder` as a plain :class:`~sentence_transformers.CrossEncoder` (a linear head,
-sentence-transformers' ``Dense(d, 1)``) or a :class:`~st_extensions.cross_encoder.VarCrossEncoder` (the
-:class:`~st_extensions.cross_encoder.VariationalHead` on the same feature, Eq. 3-8 of the VarCE paper).
+The lower ``L - joint_layers`` layers read query and document apart (cacheable per text), the top ``joint_layers``
+read them together; :class:`SegmentInteraction`'s feature sums to their cosine, so a head of weights
+``scale / hidden`` starts as ``scale * cos``, close to the bi-encoder (``docs/varce.md``).
 """
 
 from __future__ import annotations
@@ -28,10 +19,19 @@ from sentence_transformers import CrossEncoder
 from sentence_transformers.base.modules import Dense, Module, Transformer
 from torch import Tensor, nn
 
+from st_extensions.checks import finite_float
 from st_extensions.cross_encoder.head import Variant, VariationalHead
 from st_extensions.cross_encoder.model import VarCrossEncoder
 from st_extensions.defaults import default_model_path
-from st_extensions.partial import LayerStateCache, check_partial_transformer, run_top_layers
+from st_extensions.loading import register_module
+from st_extensions.partial import (
+    LayerStateCache,
+    check_layers,
+    check_partial_transformer,
+    freeze_lower_layers,
+    pair_key,
+    run_top_layers,
+)
 
 __all__ = [
     "CrossAttentionBias",
@@ -46,12 +46,6 @@ QUERY_MASK = "query_token_mask"
 BIAS_FILE = "split_attention.safetensors"
 
 
-def _pair(x: Any) -> tuple[str, str]:
-    if isinstance(x, str) or len(x) != 2:
-        raise ValueError(f"a cross-encoder input is a (query, document) pair, got {x!r:.80}")
-    return str(x[0]), str(x[1])
-
-
 class CrossAttentionBias(nn.Module):
     """Per joint layer, the additive attention logit between a query token and a document token (learned; 0 is plain
     joint attention, a very negative value keeps the two texts apart as in the bi-encoder the model started from).
@@ -64,6 +58,7 @@ class CrossAttentionBias(nn.Module):
         self.bias = nn.Parameter(torch.full((layers,), float(init)))
 
 
+@register_module
 class LinearScoreHead(Dense):
     """The plain cross-encoder's linear ranker on the pair feature (sentence-transformers' ``Dense(d, 1)`` writing
     ``"scores"``), declaring the learning rate of new parameters (the VarCE head's)."""
@@ -71,25 +66,14 @@ class LinearScoreHead(Dense):
     learning_rate: float = VariationalHead.learning_rate
 
 
+@register_module
 class SplitTransformer(Transformer):
-    """A BERT ``Transformer`` whose lower layers read query and document apart and whose top ``joint_layers``
-    layers read them together (PreTTR).
+    """A BERT ``Transformer`` whose lower layers read query and document apart and whose top ``joint_layers`` read them
+    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0).
 
-    ``preprocess(pairs)`` tokenises queries and documents separately (each cut at ``max_seq_length``; single texts
-    are tokenised as by the ``Transformer``); ``forward`` runs the embeddings and lower layers on each side, joins
-    the two padded blocks along the token axis and runs the top layers on them, writing ``token_embeddings``,
-    the joint ``attention_mask`` and ``query_token_mask`` (1 on the query's tokens). Single-text features run the
-    plain ``Transformer`` forward (this is how a :class:`~st_extensions.partial.LayerStateCache` computes a text's
-    lower-layer states).
-
-    With ``state_cache`` set (a :class:`~st_extensions.partial.LayerStateCache` of this module's states entering
-    layer ``L - joint_layers``, see :func:`split_state_cache`) the lower layers are read from the cache, each text
-    computed once: what makes training and re-ranking cheap. The cache is not saved with the model.
-
-    Args:
-        model_name_or_path: a BERT encoder or a sentence-transformers model folder (e.g. a fine-tuned bi-encoder).
-        joint_layers: how many top layers attend across query and document, 1..L.
-        **kwargs: the ``Transformer``'s arguments (``max_seq_length``, ...).
+    ``forward`` runs (or reads from ``state_cache``, set by :func:`split_state_cache`, not saved) each side's lower
+    layers, joins them and writes ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask``. Single
+    texts run the plain ``Transformer`` forward.
     """
 
     config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias"]
@@ -100,12 +84,8 @@ class SplitTransformer(Transformer):
         super().__init__(model_name_or_path, **kwargs)
         backbone = check_partial_transformer(self)
         num_layers = len(backbone.encoder.layer)
-        if isinstance(joint_layers, bool) or not isinstance(joint_layers, int) or not 1 <= joint_layers <= num_layers:
-            raise ValueError(f"joint_layers must be an int in 1..{num_layers}, got {joint_layers!r}")
-        if not np.isfinite(init_cross_bias) or init_cross_bias > 0:
-            raise ValueError(f"init_cross_bias must be a finite value <= 0, got {init_cross_bias!r}")
-        self.joint_layers = joint_layers
-        self.init_cross_bias = float(init_cross_bias)
+        self.joint_layers = check_layers("joint_layers", joint_layers, 1, num_layers, num_layers)
+        self.init_cross_bias = finite_float("init_cross_bias", init_cross_bias, high=0.0)
         self.cross = CrossAttentionBias(joint_layers, self.init_cross_bias)
         self.state_cache: LayerStateCache | None = None
 
@@ -135,16 +115,13 @@ class SplitTransformer(Transformer):
         inputs = list(inputs)
         if not inputs or all(isinstance(x, str) for x in inputs):
             return super().preprocess(inputs, prompt=prompt, **kwargs) if inputs else {}
-        pairs = [_pair(x) for x in inputs]
+        pairs = [pair_key(x) for x in inputs]
         queries, documents = [q for q, _ in pairs], [d for _, d in pairs]
         if self.state_cache is not None:
             if prompt:
                 raise ValueError("the layer-state cache holds texts without prompts; got a prompt")
             rows = self.state_cache.rows(queries + documents)
-            return {
-                "query_rows": torch.tensor(rows[: len(pairs)]),
-                "document_rows": torch.tensor(rows[len(pairs) :]),
-            }
+            return {"query_rows": torch.tensor(rows[: len(pairs)]), "document_rows": torch.tensor(rows[len(pairs) :])}
         q = super().preprocess(queries, prompt=prompt, **kwargs)
         d = super().preprocess(documents, **kwargs)
         return {
@@ -195,13 +172,10 @@ class SplitTransformer(Transformer):
         return features
 
 
+@register_module
 class SegmentInteraction(Module):
-    """Pair feature of a :class:`SplitTransformer`'s joint output: ``hidden * normalize(mean_q) * normalize(mean_d)``,
-    the element-wise product of the L2-normalised mean token states of the query and of the document (its sum is
-    their cosine). Writes ``features["sentence_embedding"]``, shape ``(batch, hidden)``.
-
-    Args:
-        embedding_dimension: the hidden size.
+    """Pair feature ``hidden * normalize(mean_q) * normalize(mean_d)`` of a :class:`SplitTransformer`'s output (its sum
+    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``.
     """
 
     config_keys: list[str] = ["embedding_dimension"]
@@ -243,26 +217,12 @@ def build_split_cross_encoder(
     init_log_var: float = -2.0,
     device: str | None = None,
 ) -> CrossEncoder:
-    """A split-attention cross-encoder (:class:`SplitTransformer` -> :class:`SegmentInteraction` -> head).
+    """A split-attention cross-encoder (:class:`SplitTransformer` -> :class:`SegmentInteraction` -> head) that saves and
+    loads as ours (:func:`st_extensions.load_model`).
 
-    Args:
-        base_model: the encoder to start from: a sentence-transformers bi-encoder folder (mean pooling, e.g. the
-            distillation teacher) or a Hugging Face BERT folder; default the packaged all-MiniLM-L6-v2.
-        joint_layers: top layers that attend across query and document (PreTTR's split point from the top).
-        init_cross_bias: the starting additive attention logit between query and document tokens in the joint
-            layers (learned): 0 is plain joint attention; e.g. -4 starts the model close to the bi-encoder.
-        variant: ``None`` for the plain cross-encoder (linear head: ``Dense(d, 1)``), or a VarCE module
-            (``"VAR"``, ``"MEANVAR"``; :class:`VariationalHead`).
-        scale: the head starts as ``scale * cos(query, document)`` (decoder weights ``scale / d``; the MEANVAR
-            mean branch starts as the identity).
-        max_seq_length: tokens per text (query and document each).
-        init_log_var: the VarCE variance branch's starting log Sigma per latent unit; with weights
-            ``scale / d`` the score's starting std is ``scale * exp(init_log_var / 2) / sqrt(d)``.
-        device: where to put the model.
-
-    Returns:
-        A ``CrossEncoder`` (or ``VarCrossEncoder``) that saves and loads as any of ours
-        (:func:`st_extensions.load_model`).
+    ``base_model``: a bi-encoder (mean pooling) or BERT folder (default the packaged all-MiniLM-L6-v2); ``variant``:
+    ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts as ``scale * cos(query, document)``; ``init_log_var``
+    sets the starting score std ``scale * exp(init_log_var / 2) / sqrt(d)``; ``max_seq_length`` per text.
     """
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
@@ -273,44 +233,31 @@ def build_split_cross_encoder(
     pool = SegmentInteraction(dim)
     if variant is None:
         head = LinearScoreHead(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
-        with torch.no_grad():
-            head.linear.weight.fill_(scale / dim)
-            head.linear.bias.zero_()
-        return CrossEncoder(modules=[transformer, pool, head], device=device, activation_fn=nn.Identity())
-    head = VariationalHead(dim, variant=variant, init_log_var=init_log_var)
+        decoder, mean_branch, model_class = head.linear, None, CrossEncoder
+    else:
+        head = VariationalHead(dim, variant=variant, init_log_var=init_log_var)
+        decoder, mean_branch, model_class = head.decoder, head.mean_branch, VarCrossEncoder
     with torch.no_grad():
-        head.decoder.weight.fill_(scale / dim)
-        head.decoder.bias.zero_()
-        if head.mean_branch is not None:
-            head.mean_branch.weight.copy_(torch.eye(dim))
-            head.mean_branch.bias.zero_()
-    return VarCrossEncoder(modules=[transformer, pool, head], device=device, activation_fn=nn.Identity())
+        decoder.weight.fill_(scale / dim)
+        decoder.bias.zero_()
+        if mean_branch is not None:
+            mean_branch.weight.copy_(torch.eye(dim))
+            mean_branch.bias.zero_()
+    return model_class(modules=[transformer, pool, head], device=device, activation_fn=nn.Identity())
 
 
 def split_state_cache(
     model: CrossEncoder, folder: str | None, texts: Sequence[str] = (), *, show_progress_bar: bool = False
 ) -> LayerStateCache:
-    """Attach a per-text cache of the lower layers' states to ``model``'s :class:`SplitTransformer` (computing
-    ``texts`` now, any other text on first use) and freeze those layers (embeddings and layers below the split):
-    training then updates the joint layers and the head only, and scoring runs each text's lower layers once.
-
-    Args:
-        model: a model from :func:`build_split_cross_encoder` (or loaded).
-        folder: the cache folder (reused when it holds states of the same lower weights and settings); ``None``: a
-            temporary folder.
-        texts: queries and documents to compute now.
-        show_progress_bar: a bar while computing.
-    """
+    """Attach a per-text cache of the lower layers' states to ``model``'s :class:`SplitTransformer` (``texts``
+    computed now, others on first use; ``folder`` reused when it holds the same states, ``None``: a temporary one)
+    and freeze those layers: training then updates the joint layers and the head only, and scoring runs each text's
+    lower layers once."""
     split = model[0]
     if not isinstance(split, SplitTransformer):
         raise ValueError(f"split_state_cache needs a model whose first module is a SplitTransformer, got {split!r:.80}")
     cache = LayerStateCache(folder, split, split.split_layer, show_progress_bar=show_progress_bar, batch_size=64)
     cache.extend(texts)
-    backbone = split.auto_model
-    for p in backbone.embeddings.parameters():
-        p.requires_grad_(False)
-    for layer in backbone.encoder.layer[: split.split_layer]:
-        for p in layer.parameters():
-            p.requires_grad_(False)
+    freeze_lower_layers(split.auto_model, split.split_layer)
     split.state_cache = cache
     return cache

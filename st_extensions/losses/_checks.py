@@ -11,12 +11,7 @@ _ROW_KEYS = ("input_ids", "attention_mask")
 
 
 def feature_rows(features: Mapping[str, Any]) -> int | None:
-    """The number of rows (texts) in one column's features, as a model's ``preprocess`` returns them.
-
-    The first dimension of ``input_ids`` (else of the first tensor with a dimension; else the length of the first
-    list, e.g. the raw texts of a cache look-up); 0 for ``{}`` (what ``preprocess([])`` gives); ``None`` when the
-    features hold none of these (the row count is unknown, nothing is checked).
-    """
+    """Rows of a column's features, ``input_ids``' (else the first tensor's/list's) length; 0 for ``{}``; else None."""
     if not features:
         return 0
     values = [features[k] for k in _ROW_KEYS if k in features] + list(features.values())
@@ -29,10 +24,7 @@ def feature_rows(features: Mapping[str, Any]) -> int | None:
 
 
 def check_not_empty(loss: str, sentence_features: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """``sentence_features`` as a list, or a ``ValueError`` naming ``loss`` if the batch (or a column) has 0 rows.
-
-    Called first in every loss's forward, so an empty batch fails here rather than deep inside the model.
-    """
+    """``sentence_features`` as a list, or a ``ValueError`` naming ``loss`` if the batch (or a column) has 0 rows."""
     features = list(sentence_features)
     rows = [feature_rows(f) for f in features]
     if features and all(r == 0 for r in rows):  # every column known to be empty

@@ -23,22 +23,12 @@ __all__ = ["MaskedMultipleNegativesRankingLoss"]
 
 
 class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
-    """InfoNCE over in-batch and hard negatives (``MultipleNegativesRankingLoss``, ``query_to_doc``) in which the
-    in-batch negatives that the training qrels judge relevant to the anchor are left out of its softmax:
+    """``MultipleNegativesRankingLoss`` (``query_to_doc``, scale s) with the in-batch negatives that the training qrels
+    judge relevant to the anchor left out of its softmax:
+    L = -1/B sum_i log( exp(s cos(q_i, d_i+)) / sum_{j not judged for q_i} exp(s cos(q_i, d_j)) ).
 
-        L = -1/B sum_i log( exp(s cos(q_i, d_i+)) / sum_{j not judged for q_i} exp(s cos(q_i, d_j)) ).
-
-    Without ``judged`` (or without a ``label`` column) it is exactly ``MultipleNegativesRankingLoss(model, scale)``.
-
-    Args:
-        model: any SentenceTransformer.
-        scale: s, the inverse temperature.
-        judged: judged-relevant pairs; rows carry ``label = [query key, document key]``
-            (:func:`st_extensions.judged.pair_labels`).
-        gather_across_devices: under DDP, gather the candidates of every device (with gradients) and mask the judged
-            negatives over the global batch, as ``MultipleNegativesRankingLoss(..., gather_across_devices=True)``
-            (:mod:`st_extensions.distributed`); the mean over the devices' losses is then the single-process loss on
-            the global batch. Without ``torch.distributed`` (or with one process) nothing is gathered.
+    Without ``judged`` (rows with ``label`` of :func:`st_extensions.judged.pair_labels`) it is exactly MNRL;
+    ``gather_across_devices`` masks over the DDP global batch, as MNRL's option.
     """
 
     def __init__(

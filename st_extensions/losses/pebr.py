@@ -16,6 +16,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
+from st_extensions.checks import finite_float
 from st_extensions.distributed import GlobalBatch, global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
 from st_extensions.losses._checks import check_not_empty
@@ -50,11 +51,9 @@ class _PEBRLoss(nn.Module):
                 f"{type(self).__name__} needs a QueryDistributionHead of family {self.family!r}, but the model's "
                 f"head is {head.family!r}: build the model with build_pebr_model(..., family={self.family!r})"
             )
-        if not (0.0 < eps < 0.5):
-            raise ValueError(f"eps must be in (0, 0.5), got {eps}")
         self.model = model
         self.head = head
-        self.eps = eps
+        self.eps = finite_float("eps", eps, low=0.0, high=0.5, low_open=True, high_open=True)
         self.judged = judged
         self.gather_across_devices = bool(gather_across_devices)
 
@@ -63,10 +62,10 @@ class _PEBRLoss(nn.Module):
         return global_batch(size, self.gather_across_devices)
 
     def cosines_and_params(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
-        """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (anchor i's positive is candidate i),
-        and the anchors' distribution parameters ``(B, k)``. With ``gather_across_devices`` under DDP the candidates
-        are those of the global batch, ``(B, W * B * (1 + n_neg))``, and anchor i's positive is candidate
-        ``rank * B + i`` (:class:`st_extensions.distributed.GlobalBatch`)."""
+        """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (anchor i's positive is candidate i;
+        under DDP with ``gather_across_devices`` the global batch's, positive at ``rank * B + i``) and the anchors'
+        params ``(B, k)``.
+        """
         sentence_features = check_not_empty(type(self).__name__, sentence_features)
         embeddings = embed_columns(self.model, sentence_features)
         if len(embeddings) < 2:
@@ -80,8 +79,7 @@ class _PEBRLoss(nn.Module):
         return cos, params
 
     def log_z(self, cos: Tensor) -> Tensor:
-        """log((1 + cos) / 2), the log of the Beta variable z of Sec. 3.2.2, with z clamped to ``[eps, 1]``:
-        finite, with finite gradients, even at cos = -1."""
+        """log((1 + cos) / 2), the log of Sec. 3.2.2's Beta variable z clamped to ``[eps, 1]`` (finite at cos = -1)."""
         return torch.log(((1.0 + cos) * 0.5).clamp(self.eps, 1.0))
 
     def nce(self, logits: Tensor, labels: Tensor | None) -> Tensor:
@@ -100,52 +98,15 @@ class _PEBRLoss(nn.Module):
 
 
 class ExpNCELoss(_PEBRLoss):
-    """ExpNCE (pEBR Sec. 3.2.1): InfoNCE with a query-dependent temperature.
+    """ExpNCE (pEBR Sec. 3.2.1): InfoNCE on ``cos(q_i, d_j) / tau_{q_i}`` with tau_q from the model's head (family
+    "exp").
 
-    For anchors q_i and candidates d_j (every positive and hard negative in the batch), the logits are
-    ``cos(q_i, d_j) / tau_{q_i}`` with tau_q from the model's QueryDistributionHead (family ``"exp"``), and
-
-        L = -1/B sum_i log( exp(cos(q_i, d_i+) / tau_i) / sum_j exp(cos(q_i, d_j) / tau_i) ),
-
-    i.e. the relevant items of q follow the truncated exponential law exp(x / tau_q) on [-1, 1]
-    (:class:`~st_extensions.distributions.ExpCosine`). With a constant tau it is exactly
-    ``MultipleNegativesRankingLoss(model, scale=1 / tau)``.
-
-    Args:
-        model: a SentenceTransformer built with ``build_pebr_model(..., family="exp")``.
-        judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
-            (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
-            are left out of its softmax (:class:`st_extensions.judged.JudgedPairs`).
-        gather_across_devices: under DDP, gather the candidates of every device (with gradients) so each anchor
-            is contrasted with the whole global batch, as ``MultipleNegativesRankingLoss(...,
-            gather_across_devices=True)`` (:mod:`st_extensions.distributed`); the mean over the devices' losses is
-            then the single-process loss on the global batch. Without ``torch.distributed`` (or with one process)
-            nothing is gathered.
-
-    Requirements:
-        1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"exp"``.
-        2. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
-
-    Inputs:
-        +-------------------------------------------------+--------+
-        | Inputs                                          | Labels |
-        +=================================================+========+
-        | (anchor, positive) pairs                        | none   |
-        +-------------------------------------------------+--------+
-        | (anchor, positive, negative_1, ..., negative_n) | none   |
-        +-------------------------------------------------+--------+
-
-    Example:
-        ::
-
-            from datasets import Dataset
-            from sentence_transformers import SentenceTransformerTrainer
-            from st_extensions import build_pebr_model
-            from st_extensions.losses import ExpNCELoss
-
-            model = build_pebr_model(family="exp")  # packaged all-MiniLM-L6-v2 + head
-            train = Dataset.from_dict({"anchor": ["q1", "q2"], "positive": ["d1", "d2"]})
-            SentenceTransformerTrainer(model=model, train_dataset=train, loss=ExpNCELoss(model)).train()
+    L = -1/B sum_i log( exp(cos(q_i, d_i+) / tau_i) / sum_j exp(cos(q_i, d_j) / tau_i) ): the relevant items of q follow
+    :class:`~st_extensions.distributions.ExpCosine`; with a constant tau it is
+    ``MultipleNegativesRankingLoss(scale=1/tau)``. Inputs: (anchor, positive[, negative_1, ...]) columns, no labels.
+    ``judged`` (:class:`st_extensions.judged.JudgedPairs`, rows with a ``label`` column) leaves judged-relevant in-batch
+    negatives out of the softmax; ``gather_across_devices`` contrasts with the whole DDP global batch, as MNRL's option.
+    Example in ``docs/pebr.md``.
     """
 
     family = "exp"
@@ -164,50 +125,10 @@ class ExpNCELoss(_PEBRLoss):
 
 
 class BetaNCELoss(_PEBRLoss):
-    """BetaNCE (pEBR Sec. 3.2.2): InfoNCE on log((1 + cos) / 2) with a query-dependent temperature.
+    """BetaNCE (pEBR Sec. 3.2.2): InfoNCE on log z / tau_q, z = (1 + cos) / 2 clamped to ``[eps, 1]``.
 
-    With z = (1 + cos) / 2, p(d|q) ∝ z^alpha_g(q) (1 - z)^beta_g and a uniform background, the ratio
-    r(d, q) = z^(1 / tau_q) and Eq. (2) becomes
-
-        L = -1/B sum_i log( exp(log z_ii+ / tau_i) / sum_j exp(log z_ij / tau_i) ),
-
-    after which the relevant items of q follow Beta(alpha = 1 / tau_q, beta = 1) in z (Eq. 3,
-    :class:`~st_extensions.distributions.BetaCosine`). z is clamped to ``[eps, 1]`` so the loss and its
-    gradients stay finite as cos -> -1.
-
-    Args:
-        model: a SentenceTransformer built with ``build_pebr_model(..., family="beta")``.
-        eps: lower clamp of z.
-        judged: judged-relevant pairs of the training qrels; with rows carrying a ``label`` column
-            (:func:`st_extensions.judged.pair_labels`) the in-batch negatives they judge relevant to the anchor
-            are left out of its softmax (:class:`st_extensions.judged.JudgedPairs`).
-        gather_across_devices: under DDP, gather the candidates of every device (with gradients) so each anchor
-            is contrasted with the whole global batch, as ``MultipleNegativesRankingLoss(...,
-            gather_across_devices=True)`` (:mod:`st_extensions.distributed`); the mean over the devices' losses is
-            then the single-process loss on the global batch. Without ``torch.distributed`` (or with one process)
-            nothing is gathered.
-
-    Requirements:
-        1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta"``.
-        2. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
-
-    Inputs:
-        +-------------------------------------------------+--------+
-        | Inputs                                          | Labels |
-        +=================================================+========+
-        | (anchor, positive) pairs                        | none   |
-        +-------------------------------------------------+--------+
-        | (anchor, positive, negative_1, ..., negative_n) | none   |
-        +-------------------------------------------------+--------+
-
-    Example:
-        ::
-
-            from st_extensions import build_pebr_model
-            from st_extensions.losses import BetaNCELoss
-
-            model = build_pebr_model(family="beta")
-            loss = BetaNCELoss(model)  # then SentenceTransformerTrainer(model=model, loss=loss, ...)
+    After training the relevant items of q follow Beta(1 / tau_q, 1) in z (Eq. 3,
+    :class:`~st_extensions.distributions.BetaCosine`). Head family "beta"; inputs and options as :class:`ExpNCELoss`.
     """
 
     family = "beta"
@@ -218,62 +139,21 @@ class BetaNCELoss(_PEBRLoss):
 
 
 def beta_log_density(cos: Tensor, alpha: Tensor, beta: Tensor, eps: float) -> Tensor:
-    """log of the Beta(alpha, beta) density of the cosine on [-1, 1] (pEBR Sec. 3.2.2):
-    log[(z^(alpha-1) (1-z)^(beta-1)) / (2 B(alpha, beta))], z = (1 + cos) / 2 clamped to [eps, 1 - eps]."""
+    """log of the Beta(alpha, beta) density of the cosine on [-1, 1] (pEBR Sec. 3.2.2), z = (1 + cos) / 2 in [eps, 1 -
+    eps].
+    """
     z = ((1.0 + cos) * 0.5).clamp(eps, 1.0 - eps)
     log_beta_fn = torch.lgamma(alpha) + torch.lgamma(beta) - torch.lgamma(alpha + beta)
     return (alpha - 1.0) * torch.log(z) + (beta - 1.0) * torch.log1p(-z) - log_beta_fn - math.log(2.0)
 
 
 class BetaMLELoss(_PEBRLoss):
-    """The maximum-likelihood estimator of pEBR Sec. 3.1 with query-dependent Beta laws.
+    """The maximum-likelihood estimator of pEBR Sec. 3.1 with query-dependent Beta laws (head family "beta_mle").
 
-    For each anchor q_i the head predicts (alpha+_i, beta+_i) for the cosine of its relevant items and
-    (alpha-_i, beta-_i) for its irrelevant ones; the positive is relevant, every other candidate in the
-    batch (other anchors' positives and all hard negatives) irrelevant. The loss is the negative
-    log-likelihood l(theta) of Sec. 3.1, averaged per class:
-
-        L = -[ mean_i log f_i(cos(q_i, d_i+)) + w * mean_{i, j != i} log h_i(cos(q_i, d_ij)) ]
-
-    with f, h Beta densities on [-1, 1] (:func:`beta_log_density`) and ``w = negative_weight``. As the
-    paper notes, this is a point-wise objective: it rewards each law for fitting its own class and only
-    separates them through the shared embeddings, so expect it to rank worse than the NCE losses.
-
-    Args:
-        model: a SentenceTransformer built with ``build_pebr_model(..., family="beta_mle")``.
-        negative_weight: weight w of the irrelevant-item term.
-        eps: z is clamped to ``[eps, 1 - eps]`` so the log-densities and gradients stay finite.
-        judged: judged-relevant pairs of the training qrels; in-batch candidates they judge relevant to the
-            anchor are left out of the irrelevant-item term (needs the ``label`` column of
-            :func:`st_extensions.judged.pair_labels`).
-        gather_across_devices: under DDP, gather the candidates of every device (with gradients) so each anchor
-            is contrasted with the whole global batch, as ``MultipleNegativesRankingLoss(...,
-            gather_across_devices=True)`` (:mod:`st_extensions.distributed`); the mean over the devices' losses is
-            then the single-process loss on the global batch. Without ``torch.distributed`` (or with one process)
-            nothing is gathered.
-
-    Requirements:
-        1. The model has a :class:`~st_extensions.modules.QueryDistributionHead` of family ``"beta_mle"``.
-        2. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples; batch size
-           above 1 or hard negatives, so there is an irrelevant item.
-
-    Inputs:
-        +-------------------------------------------------+--------+
-        | Inputs                                          | Labels |
-        +=================================================+========+
-        | (anchor, positive) pairs                        | none   |
-        +-------------------------------------------------+--------+
-        | (anchor, positive, negative_1, ..., negative_n) | none   |
-        +-------------------------------------------------+--------+
-
-    Example:
-        ::
-
-            from st_extensions import build_pebr_model
-            from st_extensions.losses import BetaMLELoss
-
-            model = build_pebr_model(family="beta_mle")
-            loss = BetaMLELoss(model)  # then SentenceTransformerTrainer(model=model, loss=loss, ...)
+    L = -[ mean_i log f_i(cos(q_i, d_i+)) + w * mean_{i, j != i} log h_i(cos(q_i, d_ij)) ], f and h the Beta densities
+    (:func:`beta_log_density`) of the relevant / irrelevant cosines, ``w = negative_weight``; every non-positive
+    candidate is irrelevant (``judged`` removes judged-relevant ones). Point-wise, so it ranks worse than the NCE losses
+    (the paper). Needs batch size > 1 or hard negatives; inputs as :class:`ExpNCELoss`.
     """
 
     family = "beta_mle"
@@ -287,9 +167,7 @@ class BetaMLELoss(_PEBRLoss):
         gather_across_devices: bool = False,
     ) -> None:
         super().__init__(model, eps=eps, judged=judged, gather_across_devices=gather_across_devices)
-        if not (math.isfinite(negative_weight) and negative_weight >= 0):
-            raise ValueError(f"negative_weight must be finite and >= 0, got {negative_weight}")
-        self.negative_weight = negative_weight
+        self.negative_weight = finite_float("negative_weight", negative_weight, low=0.0)
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)

@@ -1,16 +1,13 @@
 """The UniERF loss (Jiang et al., KDD'25, ``../shared/papers/unierf.md``, Sec. 4.4, Eq. 28-32).
 
-L = L_pos + L_trip + L_Info + L_diversity (Eq. 32), the first three per branch (each branch is a retrieval
-objective of its own, with its own hard negatives, Sec. 4.3) and the fourth across the branches of a query.
-
-:class:`FrozenDocumentTower` keeps the shared item tower (Sec. 4.2) fixed while the query tower trains, inside the
-sentence-transformers trainer: ``UniERFLoss(model, document_tower=FrozenDocumentTower(start_model))``.
+L = L_pos + L_trip + L_Info + L_diversity (Eq. 32), the first three per branch, the fourth across a query's branches;
+:class:`FrozenDocumentTower` keeps the shared item tower (Sec. 4.2) fixed while the query tower trains
+(``docs/unierf.md``, the training loss).
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +18,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
+from st_extensions.checks import finite_float, positive_float
 from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs
 from st_extensions.losses._checks import check_not_empty
@@ -45,15 +43,8 @@ __all__ = ["TERMS", "FrozenDocumentTower", "UniERFLoss", "diversity_loss"]
 def diversity_loss(branch_embeddings: Tensor, scale: float, margin: float, threshold: float) -> Tensor:
     """L_diversity of Eq. 31 for ``(batch, n_branches, dim)`` L2-normalised embeddings, averaged over the batch.
 
-    Per query, over the unordered pairs i < k of its branches, with s_ik the cosine of H^i and H^k::
-
-        L = log(1 + sum_{i<k} exp(tau * eta_ik * (s_ik - Delta))),   eta_ik = [s_ik - alpha]_+
-
-    (tau = ``scale``, Delta = ``margin``, alpha = ``threshold``). As in Circle Loss, whose negative term this
-    is, the weight eta is a constant of the backward pass (detached), so each pair's gradient is
-    ``tau * eta_ik * softmax`` >= 0: similarities above alpha are pushed down, with a pull that fades as they
-    approach alpha, and below alpha (eta = 0) the gradient is exactly zero -- the truncation that keeps the
-    branches from drifting apart altogether (Sec. 4.4). With one branch there is no pair and the loss is 0.
+    Per query ``log(1 + sum_{i<k} exp(tau * eta_ik * (s_ik - Delta)))``, ``eta_ik = [s_ik - alpha]_+`` detached (as in
+    Circle Loss), tau = ``scale``, Delta = ``margin``, alpha = ``threshold``: zero gradient below alpha. One branch: 0.
     """
     if branch_embeddings.ndim != 3:
         raise ValueError(
@@ -95,25 +86,11 @@ def _take_rows(features: Mapping[str, Any], rows: Sequence[int], batch: int) -> 
 
 
 class FrozenDocumentTower:
-    """UniERF's shared item tower (Sec. 4.2, ``E_I`` of Eq. 28-30) held fixed while the query tower trains.
+    """UniERF's shared item tower (``E_I`` of Eq. 28-30) held fixed while the query tower trains.
 
-    The documents keep the embeddings of the model the experiment started from -- the vectors already in its
-    index -- and only the query tower (the encoder as it reads query texts, and the branch heads) is fine-tuned:
-    ``T(e_{u-q}, E_I(i))`` of Eq. 28-30 with ``E_I`` constant. Passed as ``UniERFLoss(...,
-    document_tower=...)``, it embeds the loss's document columns (positives and negatives) in place of the
-    trained model, so this works inside the sentence-transformers trainer:
-
-    * a deep copy of ``model`` in eval mode (no dropout) with every parameter's ``requires_grad`` off, run under
-      ``torch.no_grad``: the document embeddings carry no gradient. It is not a submodule of the loss, so the
-      trainer neither optimises it nor swaps it for the trained model (``override_model_in_loss``);
-    * embeddings are cached per document by its token ids (padding dropped), so a document is embedded once
-      however often it recurs; :meth:`prime` fills the cache from precomputed vectors (e.g. the start model's
-      :class:`~pyterrier_prob.DenseIndex`), so training embeds no document at all -- the same as reading the
-      positives and negatives from that index.
-
-    Args:
-        model: the SentenceTransformer whose document path embeds the documents (the untrained start model).
-        cache: keep the embeddings (keyed by token ids); ``False``: embed every batch again.
+    A frozen deep copy of ``model`` (eval, no gradient, not a submodule of the loss) embeds the loss's document columns;
+    with ``cache`` each document's vector is kept by its token ids, and :meth:`prime` fills the cache from precomputed
+    vectors (``docs/unierf.md``).
     """
 
     def __init__(self, model: SentenceTransformer, cache: bool = True) -> None:
@@ -171,15 +148,10 @@ class FrozenDocumentTower:
 
     @torch.no_grad()
     def prime(self, texts: Sequence[str], vectors: Any, check: int = 4, atol: float = 1e-3, chunk: int = 256) -> int:
-        """Cache precomputed embeddings of ``texts`` (e.g. read from an index built with the same model).
+        """Cache precomputed embeddings of ``texts``, tokenised as the trainer's collator does; returns how many.
 
-        The texts are tokenised as the trainer's collator tokenises a column (``encoder.preprocess``, same
-        ``max_seq_length``), so the cached vectors are found by the token ids of the training batches. The first
-        ``check`` texts are also embedded by the frozen encoder and must agree within ``atol`` (else
-        ``ValueError``: the vectors come from another model or another ``max_seq_length``).
-
-        Returns:
-            The number of texts cached.
+        The first ``check`` texts are re-embedded and must agree within ``atol`` (else ``ValueError``: another model or
+        ``max_seq_length``).
         """
         texts = [str(t) for t in texts]
         vecs = torch.as_tensor(np.asarray(vectors, dtype=np.float32))
@@ -212,82 +184,13 @@ class FrozenDocumentTower:
 class UniERFLoss(nn.Module):
     """UniERF's training objective, the sum of Eq. 28-32, for a model with a MultiBranchQueryEncoder.
 
-    For branch b with embeddings H^b_i = l2_norm(W_b e(anchor_b,i)) of its anchor texts (Eq. 5), documents
-    embedded by the shared document tower and normalised, ``T`` the cosine, d_i+ row i's positive and N_i^b
-    row i's negatives for branch b -- the other rows' positives (batch negatives, Eq. 21), every row's shared
-    negatives (e.g. random, Eq. 22) and every row's hard negatives of branch b (Sec. 4.3.3) -- the terms are
-
-    * Eq. 28, positive loss: ``mean_i max(beta - T(H^b_i, d_i+), 0)``;
-    * Eq. 29, triplet loss: ``mean_{i, n in N_i^b} max(T(H^b_i, n) - T(H^b_i, d_i+) + gamma, 0)``;
-    * Eq. 30, InfoNCE: ``-mean_i log softmax_j(T(H^b_i, c_j) / tau)[d_i+]`` over the candidates
-      ``c = {d_i+} u N_i^b``. (As printed, Eq. 30's denominator holds the negatives only, which has no lower
-      bound; this is the InfoNCE of the cited van den Oord et al., positive included, as in
-      ``MultipleNegativesRankingLoss(scale=1 / tau)``.)
-
-    each summed over the branches, plus Eq. 31's diversity loss between the branches of each query
-    (:func:`diversity_loss`, with scale ``tau_div``, margin Delta and truncation alpha; defaults alpha = 0.6,
-    Delta = 0.8 from Sec. 5.3.2). Each term is switched on or off by its ``use_*`` flag (for ablations such as
-    Table 2's "w.o. L_DIV"); :meth:`loss_terms` returns them one by one. The paper gives no values for beta,
-    gamma, the InfoNCE temperature or the diversity scale: the defaults here are choices.
-
-    Args:
-        model: a SentenceTransformer built with :func:`st_extensions.build_unierf_model`.
-        columns: the training dataset's column names (``train.column_names``) -- the layout of
-            :func:`st_extensions.unierf_columns`: ``anchor_<b>`` per branch, ``positive_doc``, then ``negative*``
-            columns (``negative_<b>``: branch b's hard negative; any other, e.g. ``negative_random``: shared).
-            ``None``: inferred from the number of columns n with B branches -- B + 1: no explicit negatives;
-            2B + 1: one hard negative per branch; 2B + 2: ``negative_random`` then one per branch.
-        positive_threshold: beta of Eq. 28.
-        triplet_margin: gamma of Eq. 29.
-        temperature: tau of Eq. 30.
-        diversity_scale: tau of Eq. 31 (a multiplier).
-        diversity_margin: Delta of Eq. 31.
-        diversity_threshold: alpha of Eq. 31.
-        use_positive, use_triplet, use_infonce, use_diversity: switch the terms of Eq. 32.
-        ignore_columns: columns of ``columns`` the loss skips (their features are dropped before anything is
-            embedded), e.g. the per-branch hard negatives for the "w/o differentiated negatives" ablation, or the
-            other branch's columns for a single-branch model. Every system then trains on the very same rows, so
-            the ``NO_DUPLICATES`` batch sampler (which looks at every column) draws the very same batches for all.
-            Needs ``columns``.
-        document_tower: a :class:`FrozenDocumentTower`: the positives and negatives are embedded by it (fixed,
-            no gradient) instead of by ``model``, so only the query tower trains. ``None``: the shared document
-            tower is ``model`` itself and is fine-tuned with the queries.
-        judged: judged-relevant pairs of the training qrels; with a ``label`` column of
-            :func:`st_extensions.judged.pair_labels` (query, positive document), in-batch negatives judged relevant
-            to the anchor's query leave its triplet and InfoNCE terms.
-        gather_across_devices: under DDP, gather the documents (positives and negatives) of every device, with
-            gradients (without, from a ``document_tower``), so each branch embedding is contrasted with the
-            candidates of the whole global batch, as ``MultipleNegativesRankingLoss(..., gather_across_devices=True)``;
-            the judged negatives are masked over the global batch and the triplet mean is over its negative pairs
-            (:mod:`st_extensions.distributed`), so the mean over the devices' losses is the single-process loss on the
-            global batch. Without ``torch.distributed`` (or with one process) nothing is gathered.
-
-    Requirements:
-        1. The model has a :class:`~st_extensions.modules.MultiBranchQueryEncoder`.
-        2. Every row carries each branch's input text of one query, its positive document and optional negatives
-           (:func:`st_extensions.build_unierf_dataset`). No labels.
-
-    Inputs:
-        +----------------------------------------------------------------------------+--------+
-        | Inputs                                                                     | Labels |
-        +============================================================================+========+
-        | (anchor_<b1>, ..., anchor_<bB>, positive_doc)                              | none   |
-        +----------------------------------------------------------------------------+--------+
-        | (anchor_<b1>, ..., anchor_<bB>, positive_doc, negative_random,             | none   |
-        | negative_<b1>, ..., negative_<bB>)                                         |        |
-        +----------------------------------------------------------------------------+--------+
-
-    Example:
-        ::
-
-            from sentence_transformers import SentenceTransformerTrainer
-            from st_extensions import build_unierf_dataset, build_unierf_model
-            from st_extensions.losses import UniERFLoss
-
-            model = build_unierf_model(branches=("semantic", "trigger"))
-            train = build_unierf_dataset(anchors, positives, doc_texts, hard_negatives=hard)
-            loss = UniERFLoss(model, columns=train.column_names)
-            SentenceTransformerTrainer(model=model, train_dataset=train, loss=loss).train()
+    Positive (Eq. 28, beta = ``positive_threshold``), triplet (Eq. 29, gamma = ``triplet_margin``) and InfoNCE (Eq. 30,
+    positive included, tau = ``temperature``) per branch over its candidates (positives, shared and branch-b negatives),
+    plus :func:`diversity_loss` (Eq. 31); each switched by its ``use_*`` flag. ``columns``: the dataset's column names
+    (:func:`st_extensions.unierf_columns` layout; inferred for B + 1, 2B + 1, 2B + 2 columns); ``ignore_columns`` are
+    dropped before embedding; ``document_tower``: a :class:`FrozenDocumentTower` (else ``model`` embeds the documents);
+    ``judged`` removes judged-relevant in-batch negatives; ``gather_across_devices``: DDP global batch. Terms, defaults
+    and an example: ``docs/unierf.md``.
     """
 
     def __init__(
@@ -314,33 +217,13 @@ class UniERFLoss(nn.Module):
         self.judged = judged
         self.gather_across_devices = bool(gather_across_devices)
         self.head = find_branches(model)
-        for name, value in (
-            ("positive_threshold", positive_threshold),
-            ("triplet_margin", triplet_margin),
-            ("diversity_margin", diversity_margin),
-            ("diversity_threshold", diversity_threshold),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-        for name, value in (("temperature", temperature), ("diversity_scale", diversity_scale)):
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not (math.isfinite(value) and value > 0)
-            ):
-                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-        self.positive_threshold = float(positive_threshold)
-        self.triplet_margin = float(triplet_margin)
-        self.temperature = float(temperature)
-        self.diversity_scale = float(diversity_scale)
-        self.diversity_margin = float(diversity_margin)
-        self.diversity_threshold = float(diversity_threshold)
-        self.use = {
-            "positive": bool(use_positive),
-            "triplet": bool(use_triplet),
-            "infonce": bool(use_infonce),
-            "diversity": bool(use_diversity),
-        }
+        self.positive_threshold = finite_float("positive_threshold", positive_threshold)
+        self.triplet_margin = finite_float("triplet_margin", triplet_margin)
+        self.temperature = positive_float("temperature", temperature)
+        self.diversity_scale = positive_float("diversity_scale", diversity_scale)
+        self.diversity_margin = finite_float("diversity_margin", diversity_margin)
+        self.diversity_threshold = finite_float("diversity_threshold", diversity_threshold)
+        self.use = dict(zip(TERMS, map(bool, (use_positive, use_triplet, use_infonce, use_diversity))))
         if not any(self.use.values()):
             raise ValueError("every term of the UniERF loss is switched off")
         if document_tower is not None and not isinstance(document_tower, FrozenDocumentTower):
@@ -361,8 +244,6 @@ class UniERFLoss(nn.Module):
             kept = [c for c in self.columns if c not in self.ignore_columns]
             self.layout = parse_unierf_columns(kept, self.head.branches)
 
-    # ---------------------------------------------------------------- layout
-
     def _layout(self, n_columns: int) -> tuple[list[str], list[str | None]]:
         """(anchor branches, negative tags) for a batch of ``n_columns`` columns."""
         if self.layout is not None:
@@ -375,19 +256,15 @@ class UniERFLoss(nn.Module):
             return self.layout
         branches = self.head.branches
         b = len(branches)
-        if n_columns == b + 1:
-            return parse_unierf_columns(unierf_columns(branches, False, False), branches)
-        if n_columns == 2 * b + 1:
-            return parse_unierf_columns(unierf_columns(branches, False, True), branches)
-        if n_columns == 2 * b + 2:
-            return parse_unierf_columns(unierf_columns(branches, True, True), branches)
+        for random_negative, hard_negatives in ((False, False), (False, True), (True, True)):  # b+1, 2b+1, 2b+2
+            names = unierf_columns(branches, random_negative, hard_negatives)
+            if len(names) == n_columns:
+                return parse_unierf_columns(names, branches)
         raise ValueError(
             f"UniERFLoss cannot read a batch of {n_columns} columns for the branches {branches}: expected "
             f"{b + 1}, {2 * b + 1} or {2 * b + 2} (see st_extensions.unierf_columns), or pass "
             "columns=train.column_names"
         )
-
-    # ---------------------------------------------------------------- the terms
 
     def embed(
         self, sentence_features: Iterable[dict[str, Tensor]]
@@ -417,10 +294,7 @@ class UniERFLoss(nn.Module):
         tags: Sequence[str | None],
         labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        """The four terms of Eq. 32 from normalised embeddings (see the class docstring); with ``judged`` and
-        ``labels``, in-batch negatives judged relevant to the anchor's query leave the triplet and InfoNCE terms.
-        With ``gather_across_devices`` under DDP, ``positives`` and ``negatives`` (this device's rows) are gathered
-        over the devices first (:class:`st_extensions.distributed.GlobalBatch`)."""
+        """The four terms of Eq. 32 from normalised embeddings (documents gathered over DDP ranks first)."""
         batch = global_batch(positives.shape[0], self.gather_across_devices)
         rows = torch.arange(batch.size, device=positives.device)
         target = batch.targets(positives.device)
@@ -436,12 +310,9 @@ class UniERFLoss(nn.Module):
             pos = scores[rows, target]
             out["positive"] = out["positive"] + (self.positive_threshold - pos).clamp_min(0.0).mean()
             judged = (
-                None
-                if self.judged is None
-                else self.judged.mask(labels, scores.shape[1], offset=batch.offset, n_anchors=batch.size)
+                None if self.judged is None else self.judged.mask(labels, scores.shape[1], batch.offset, batch.size)
             )
-            if judged is not None:
-                judged = judged.to(scores.device)
+            judged = None if judged is None else judged.to(scores.device)
             if scores.shape[1] > 1:
                 is_neg = torch.ones_like(scores, dtype=torch.bool)
                 is_neg[rows, target] = False

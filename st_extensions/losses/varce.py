@@ -8,7 +8,6 @@ with the KL in closed form (Eq. 17) and the prediction term the binary cross-ent
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -16,6 +15,7 @@ from sentence_transformers import CrossEncoder
 from sentence_transformers.util import batch_to_device
 from torch import Tensor, nn
 
+from st_extensions.checks import finite_float, positive_int
 from st_extensions.cross_encoder.head import MEAN_KEY, VAR_KEY
 from st_extensions.cross_encoder.model import find_var_head
 
@@ -29,78 +29,39 @@ VARCE_CITATION = """
 
 
 def gaussian_kl(mean: Tensor, var: Tensor) -> Tensor:
-    """KL(N(mean, diag var) || N(0, I)) per row, in closed form (Eq. 17):
-    1/2 [mu^T mu + tr Sigma - K - log |Sigma|], shape ``(batch,)`` for ``mean``, ``var`` of shape ``(batch, K)``."""
+    """KL(N(mean, diag var) || N(0, I)) per row in closed form (Eq. 17): 1/2 [mu^T mu + tr Sigma - K - log |Sigma|]."""
     return 0.5 * (mean.pow(2) + var - 1.0 - torch.log(var)).sum(dim=-1)
 
 
-class VariationalBCELoss(nn.Module):
+class _VarCELoss(nn.Module):
+    """Shared set-up of the VarCrossEncoder losses: the model's VariationalHead and the KL weight beta (Eq. 10)."""
+
+    def __init__(self, model: CrossEncoder, beta: float) -> None:
+        super().__init__()
+        if not isinstance(model, CrossEncoder):
+            raise ValueError(f"{type(self).__name__} expects a CrossEncoder (a VarCrossEncoder), got {type(model)}")
+        self.head = find_var_head(model)
+        self.model = model
+        self.beta = finite_float("beta", beta, low=0.0)
+
+    @property
+    def citation(self) -> str:
+        return VARCE_CITATION
+
+
+class VariationalBCELoss(_VarCELoss):
     """Binary cross-entropy on sampled VarCrossEncoder scores plus beta * KL to N(0, I) (Eq. 10, 17-21).
 
-    For each (query, document, label) the model's :class:`~st_extensions.cross_encoder.VariationalHead`
-    gives mu(t) and diag Sigma(t); the loss draws ``num_samples`` latents z = mu + Sigma^(1/2) eps (Eq. 5),
-    scores each with the head's decoder s = z^T W + b (Eq. 8) and averages
-
-        BCEWithLogits(s, y) over samples and pairs  +  beta * mean_pairs KL(N(mu, Sigma) || N(0, I)),
-
-    the Monte Carlo estimate of Eq. 10 (Eq. 20-21 write the prediction term with a flipped sign; Eq. 10 and
-    Alg. 1 minimise beta * compression + prediction loss, as here). With ``beta = 0``, one sample and
-    Sigma -> 0 it is :class:`~sentence_transformers.cross_encoder.losses.BinaryCrossEntropyLoss` on mu^T W + b.
-
-    Args:
-        model: a :class:`~st_extensions.cross_encoder.VarCrossEncoder` (``build_var_cross_encoder``).
-        beta: the information-bottleneck weight (Eq. 9-10); the paper sweeps 1e-9 to 1e-5 (Sec. 6, Fig. 6)
-            and finds the best values around 1e-7 to 1e-6.
-        num_samples: N, the Monte Carlo samples per pair (Eq. 20).
-        pos_weight: weight of positive pairs, as in ``torch.nn.BCEWithLogitsLoss``.
-
-    Requirements:
-        1. The model ends in a :class:`~st_extensions.cross_encoder.VariationalHead`.
-        2. (query, document) pairs with a label: 1 relevant, 0 not (or a probability in [0, 1]).
-
-    Inputs:
-        +-----------------------------------+------------------------------+-------------------------------+
-        | Inputs                            | Labels                       | Number of Model Output Labels |
-        +===================================+==============================+===============================+
-        | (query, document) pairs           | 1 if relevant, 0 if not      | 1                             |
-        +-----------------------------------+------------------------------+-------------------------------+
-
-    Example:
-        ::
-
-            from datasets import Dataset
-            from sentence_transformers.cross_encoder import CrossEncoderTrainer
-            from st_extensions.cross_encoder import build_var_cross_encoder
-            from st_extensions.losses import VariationalBCELoss
-
-            model = build_var_cross_encoder(variant="MEANVAR")  # packaged all-MiniLM-L6-v2 backbone
-            train = Dataset.from_dict({
-                "query": ["what are pandas?", "what are pandas?"],
-                "document": ["Pandas are a kind of bear.", "Pandas are a kind of fish."],
-                "label": [1, 0],
-            })
-            loss = VariationalBCELoss(model, beta=1e-7, num_samples=1)
-            CrossEncoderTrainer(model=model, train_dataset=train, loss=loss).train()
+    Draws ``num_samples`` latents z = mu + Sigma^(1/2) eps (Eq. 5) per (query, document) pair, scores them with the
+    head's decoder s = z^T W + b (Eq. 8) and averages BCEWithLogits(s, y) (``pos_weight`` as in torch) + beta * mean KL.
+    Labels: 1 relevant, 0 not, or a probability. Beta range and an example: ``docs/varce.md``.
     """
 
     def __init__(
-        self,
-        model: CrossEncoder,
-        beta: float = 1e-7,
-        num_samples: int = 1,
-        pos_weight: Tensor | None = None,
+        self, model: CrossEncoder, beta: float = 1e-7, num_samples: int = 1, pos_weight: Tensor | None = None
     ) -> None:
-        super().__init__()
-        if not isinstance(model, CrossEncoder):
-            raise ValueError(f"VariationalBCELoss expects a CrossEncoder (a VarCrossEncoder), got {type(model)}")
-        self.head = find_var_head(model)
-        if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta >= 0):
-            raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-        self.model = model
-        self.beta = float(beta)
-        self.num_samples = num_samples
+        super().__init__(model, beta)
+        self.num_samples = positive_int("num_samples", num_samples)
         self.pos_weight = pos_weight
         self.bce_with_logits_loss = nn.BCEWithLogitsLoss(pos_weight=pos_weight)
 
@@ -181,73 +142,19 @@ class VariationalBCELoss(nn.Module):
             "latent_dim": self.head.latent_dim,
         }
 
-    @property
-    def citation(self) -> str:
-        return VARCE_CITATION
 
-
-class VariationalMarginMSELoss(nn.Module):
+class VariationalMarginMSELoss(_VarCELoss):
     """Margin-MSE distillation of a VarCrossEncoder (Hofstätter et al., 2020) with the variational head kept.
 
-    For a query and documents ``d_0, d_1, ..., d_n`` with teacher scores ``t_0, ..., t_n``, the head gives each pair's
-    score moments E[s_j] = mu_j^T W + b and Var[s_j] = W^T Sigma_j W (Eq. 22-23). The loss is
-
-        mean_j (E[s_0] - E[s_j] - (t_0 - t_j))^2                                   (Margin-MSE on E[s], as the CE)
-        + nll_weight * mean_j NLL(t_0 - t_j | N(E[s_0] - E[s_j], Var[s_0] + Var[s_j]))   (the margin's likelihood)
-        + beta * mean_pairs KL(N(mu, Sigma) || N(0, I))                               (Eq. 10, 17)
-
-    The first term trains the ranking exactly as sentence-transformers' ``MarginMSELoss`` trains a plain
-    cross-encoder. The second is the teacher margin's Gaussian log-likelihood under the model's own score
-    distribution (the latents integrated out in closed form, Eq. 22-23), with the mean and the decoder W detached: it
-    trains only the variance, which so grows where the student cannot follow the teacher and shrinks where it can.
-    A sampled-score data term with a fixed observation noise (Eq. 10 with a Gaussian or, to second order, a BCE
-    likelihood) has an optimal Sigma that does not depend on the pair, which is why it learns a near-constant std[s].
-
-    Args:
-        model: a :class:`~st_extensions.cross_encoder.VarCrossEncoder`.
-        beta: weight of the KL term (Eq. 10).
-        nll_weight: weight of the margin's likelihood term.
-
-    Requirements:
-        1. The model ends in a :class:`~st_extensions.cross_encoder.VariationalHead`.
-        2. Teacher scores for every document of a row.
-
-    Inputs:
-        +------------------------------------------------+----------------------------------------+
-        | Inputs                                         | Labels                                 |
-        +================================================+========================================+
-        | (query, document_0, document_1, ..., document_n) | [t(q, d_0), t(q, d_1), ..., t(q, d_n)] |
-        +------------------------------------------------+----------------------------------------+
-
-    Example:
-        ::
-
-            from datasets import Dataset
-            from sentence_transformers.cross_encoder import CrossEncoderTrainer
-            from st_extensions.cross_encoder import build_var_cross_encoder
-            from st_extensions.losses import VariationalMarginMSELoss
-
-            model = build_var_cross_encoder(variant="MEANVAR")
-            train = Dataset.from_dict({
-                "query": ["what are pandas?"],
-                "document_0": ["Pandas are a kind of bear."],
-                "document_1": ["Pandas are a kind of fish."],
-                "label": [[2.1, -0.4]],
-            })
-            CrossEncoderTrainer(model=model, train_dataset=train, loss=VariationalMarginMSELoss(model)).train()
+    With E[s_j] = mu_j^T W + b, Var[s_j] = W^T Sigma_j W (Eq. 22-23) and teacher scores t_j of row (q, d_0, ..., d_n):
+    mean_j (E[s_0] - E[s_j] - (t_0 - t_j))^2 + nll_weight * mean_j NLL(t_0 - t_j | N(E[s_0] - E[s_j], Var[s_0] +
+    Var[s_j])) + beta * mean KL (Eq. 10, 17). The NLL has the mean and W detached, so it trains only the variance (grows
+    where the student misses the teacher); why not Eq. 10's sampled BCE: ``docs/varce.md``.
     """
 
     def __init__(self, model: CrossEncoder, beta: float = 1e-7, nll_weight: float = 1.0) -> None:
-        super().__init__()
-        if not isinstance(model, CrossEncoder):
-            raise ValueError(f"VariationalMarginMSELoss expects a VarCrossEncoder, got {type(model)}")
-        self.head = find_var_head(model)
-        for name, value in (("beta", beta), ("nll_weight", nll_weight)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        self.model = model
-        self.beta = float(beta)
-        self.nll_weight = float(nll_weight)
+        super().__init__(model, beta)
+        self.nll_weight = finite_float("nll_weight", nll_weight, low=0.0)
 
     def moments(self, pairs: list[tuple[str, str]], prompt: str | None = None, task: str | None = None) -> tuple:
         """(E[s], Var[s] with W detached, KL per pair) of ``pairs``, each ``(batch,)``."""
@@ -291,7 +198,3 @@ class VariationalMarginMSELoss(nn.Module):
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "nll_weight": self.nll_weight}
-
-    @property
-    def citation(self) -> str:
-        return VARCE_CITATION

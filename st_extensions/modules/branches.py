@@ -1,19 +1,9 @@
-"""UniERF's multi-branch query tower: one head per retrieval branch on a shared encoder, saved inside the model.
-
-UniERF (Jiang et al., KDD'25, ``../shared/papers/unierf.md``) serves several embedding-based retrieval
-branches from one jointly trained user-query tower (Sec. 4.1; Alg. 1 lines 5-18): each branch reads its own
-input and has its own aggregation network ``f`` ending in an L2 normalisation,
-``H^branch = l2_norm(f(e))`` (Eq. 4-5, 13, 17), while the item tower is shared (Sec. 4.2).
-
-Adapted to text retrieval, a branch is a head on the shared encoder's pooled embedding of the branch's own
-input text (semantic: the query; trigger: the query and the text of a document the user looks at; context:
-the query and other query fields), and the document tower is the encoder's plain document path, so the
-documents are embedded and indexed once for all branches.
-"""
+"""UniERF's multi-branch query tower (Jiang et al., KDD'25, ``../shared/papers/unierf.md``, Sec. 4.1, Eqs. 4-5): one
+head ``H^branch = l2_norm(f(e))`` per retrieval branch on a shared encoder, saved inside the model
+(``docs/unierf.md``)."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from st_extensions.checks import finite_float, is_int, positive_int
 from st_extensions.modules.safetensors_module import SafetensorsModule
 
 #: ``features`` key written on the query path: ``(batch, n_branches, dim)``, every row L2-normalised.
@@ -33,15 +24,8 @@ _BRANCH_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9]*$")
 
 
 def check_branch_names(branches: Sequence[str]) -> list[str]:
-    """Validate branch names: a non-empty sequence of distinct alphanumeric names starting with a letter.
-
-    Underscores are refused because a branch's training columns are ``anchor_<branch>`` / ``negative_<branch>``
-    and the sentence-transformers trainer tells columns apart by their name prefix (``anchor_a_`` would also
-    match the features of a column ``anchor_a_b``); ``"random"`` is reserved for the ``negative_random`` column.
-
-    Returns:
-        The names as a list.
-    """
+    """The names as a list, checked: non-empty, distinct, alphanumeric, starting with a letter. No underscores: the
+    trainer tells the columns ``anchor_<branch>`` apart by prefix (``anchor_a_`` would match ``anchor_a_b``)."""
     if isinstance(branches, str):
         raise ValueError(f"branches must be a sequence of names, got the string {branches!r}")
     names = list(branches)
@@ -62,55 +46,26 @@ def check_branch_names(branches: Sequence[str]) -> list[str]:
 class MultiBranchQueryEncoder(SafetensorsModule):
     """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5).
 
-    Branch b maps the pooled embedding e of *its own input text* to ``H^b = l2_norm(W_b e + c_b)``, a
-    ``dim -> dim`` linear map, so every branch lands in the space of the (shared, unprojected) document
-    embeddings and all branches search one index. The paper's aggregation network
-    ``f = ReLU(LayerNorm(W x + b))`` (Eq. 4) is also applied to its items (Eq. 19); since the document tower
-    here is the encoder's plain document path, the ReLU (which would confine queries to the positive orthant)
-    and the LayerNorm are dropped. Each ``W_b`` starts at the identity plus seeded Gaussian noise of standard
-    deviation ``init_std``: every branch starts as the base model's query embedding (a good retriever), and
-    the noise breaks the symmetry between branches that read the same text, which the diversity loss (Eq. 31)
-    could not otherwise separate (the gradient of cos(a, b) vanishes at a = b).
-
-    On the query path (``task="query"``, e.g. ``model.encode_query``) the module writes
-    ``features["branch_embeddings"]``, ``(batch, n_branches, dim)``: every branch's head applied to the
-    batch's pooled embedding (pick row b for texts built for branch b). With ``branch="<name>"`` (a forward
-    kwarg: ``model.encode_query(texts, branch="trigger")``) it also replaces ``sentence_embedding`` by that
-    branch's embedding. Without ``branch``, ``sentence_embedding`` stays the base model's pooled embedding,
-    and on the document path (``encode_document``) nothing changes. :class:`~st_extensions.losses.UniERFLoss`
-    calls :meth:`embed` on the anchors' pooled embeddings itself, so training needs no ``router_mapping``.
-
-    Args:
-        in_features: dimension of the pooled embedding (e.g. 384 for all-MiniLM-L6-v2).
-        branches: the branch names, in order (e.g. ``["semantic", "trigger"]``); see :func:`check_branch_names`.
-        init_std: standard deviation of the noise added to the identity at initialisation.
-        seed: seeds that noise.
-        residual: parameterise each head as ``W_b = I + V_b`` with ``V_b`` starting at the noise (zero plus
-            noise): the same map at initialisation, but the parameters measure the departure from the base
-            embedding (what the frozen recipe trains; saved models without this key load as before).
+    Branch b maps the pooled embedding e of its own input text to ``H^b = l2_norm(W_b e + c_b)`` (dim -> dim: one
+    document index), ``W_b`` starting at the identity plus noise of std ``init_std`` (seeded by ``seed``;
+    ``residual``: ``W_b = I + V_b``, ``docs/unierf.md``). The query path writes ``features["branch_embeddings"]``
+    ``(batch, n_branches, dim)``; with ``branch="<name>"`` (``model.encode_query(texts, branch="trigger")``) it also
+    replaces ``sentence_embedding`` by that branch's. The document path is unchanged.
     """
 
     config_keys: list[str] = ["in_features", "branches", "init_std", "seed", "residual"]
-    config_file_name = "config.json"
-    #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
-    #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
-    learning_rate: float = 3e-4
     forward_kwargs = {"task", "branch"}
 
     def __init__(
         self, in_features: int, branches: Sequence[str], init_std: float = 0.01, seed: int = 0, residual: bool = False
     ) -> None:
         super().__init__()
-        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0:
-            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
-        if not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std >= 0):
-            raise ValueError(f"init_std must be finite and >= 0, got {init_std!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        self.in_features = positive_int("in_features", in_features)
+        self.init_std = finite_float("init_std", init_std, low=0.0)
+        if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
-        self.in_features = in_features
         self.branches = check_branch_names(branches)
-        self.init_std = float(init_std)
-        self.seed = seed
+        self.seed = int(seed)
         self.residual = bool(residual)
         self.heads = nn.ModuleDict({name: nn.Linear(in_features, in_features) for name in self.branches})
         generator = torch.Generator().manual_seed(seed)
@@ -119,11 +74,6 @@ class MultiBranchQueryEncoder(SafetensorsModule):
                 noise = torch.randn(in_features, in_features, generator=generator) * self.init_std
                 head.weight.copy_(noise if self.residual else torch.eye(in_features) + noise)
                 head.bias.zero_()
-
-    @property
-    def num_branches(self) -> int:
-        """Number of branches."""
-        return len(self.branches)
 
     def branch_index(self, branch: str) -> int:
         """Position of ``branch`` in :attr:`branches`; a clear error for an unknown name."""
@@ -143,12 +93,8 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         return embeddings.to(weight.dtype)
 
     def embed(self, embeddings: Tensor, branch: str | None = None) -> Tensor:
-        """Branch embeddings ``H^b = l2_norm(W_b e + c_b)`` (Eq. 5) of pooled embeddings ``(batch, dim)``.
-
-        Args:
-            embeddings: the shared encoder's pooled embeddings of the branch's input texts.
-            branch: a branch name: returns ``(batch, dim)``; ``None``: every branch, ``(batch, n_branches, dim)``.
-        """
+        """``H^b = l2_norm(W_b e + c_b)`` (Eq. 5) of pooled embeddings ``(batch, dim)``: ``(batch, dim)`` for one
+        ``branch``, ``(batch, n_branches, dim)`` for all (``None``)."""
         e = self._check(embeddings)
         if branch is not None:
             self.branch_index(branch)

@@ -1,10 +1,6 @@
-"""The pEBR query-distribution head: a query's embedding -> its relevant-item distribution parameters.
-
-pEBR (Zhang et al., ``../shared/papers/pebr.md``) makes the law of the cosine similarity between a query and
-its relevant items query dependent: a temperature tau_q for ExpNCE (Sec. 3.2.1) and BetaNCE (Sec. 3.2.2,
-where alpha_g(q) = 1 / tau_q and beta_g = 1, Eq. 3), or a pair of Beta laws (alpha+, beta+) for relevant and
-(alpha-, beta-) for irrelevant items in the maximum-likelihood formulation (Sec. 3.1).
-"""
+"""The pEBR query-distribution head (Zhang et al., ``../shared/papers/pebr.md``): a query's embedding -> the law of
+its relevant items' cosines: tau_q for ExpNCE (Sec. 3.2.1) and BetaNCE (Sec. 3.2.2, alpha_g(q) = 1 / tau_q,
+beta_g = 1, Eq. 3), or Beta laws (alpha+, beta+), (alpha-, beta-) for the maximum-likelihood form (Sec. 3.1)."""
 
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from st_extensions.checks import choice, positive_float, positive_int
 from st_extensions.modules.safetensors_module import SafetensorsModule
 
 Family = Literal["exp", "beta", "beta_mle"]
@@ -24,43 +21,13 @@ OUTPUT_KEY = "query_distribution"
 class QueryDistributionHead(SafetensorsModule):
     """Maps a query's pooled embedding to the parameters of its relevant-item cosine distribution.
 
-    Every parameter is produced in log space and bounded by a scaled sigmoid,
-    ``log theta = log lo + (log hi - log lo) * sigmoid(scale * (w . e + b))``, so it is finite and inside
-    ``[lo, hi]`` whatever the embedding. The linear map starts at zero and its bias is set so every query
-    starts at ``tau_init`` (``exp``/``beta``) or at (1 / tau_init, 1, 1, 1) (``beta_mle``: a BetaNCE-like
-    relevant law and a uniform irrelevant law). ``scale`` multiplies the pre-activation (its parameters are
-    divided by it) so that, under the trainer's small Adam learning rate, the head still moves: with Adam
-    a parameter moves about one learning rate per step, and the pre-activation ``scale`` times that.
+    Each parameter is ``log theta = log lo + (log hi - log lo) * sigmoid(scale * (w . e + b))``, inside
+    ``[tau_min, tau_max]`` (``family`` ``"exp"`` / ``"beta"``: tau_q) or ``[param_min, param_max]`` (``"beta_mle"``:
+    alpha+, beta+, alpha-, beta-); w starts at zero and b at ``tau_init`` (0.05 = InfoNCE's scale 20), resp.
+    (1 / tau_init, 1, 1, 1). ``scale`` multiplies the pre-activation so the head still moves under Adam's small
+    steps. Writes ``features["query_distribution"]`` ``(batch, k)`` on the query path only."""
 
-    Outputs ``features["query_distribution"]``, shape ``(batch, k)``: ``k = 1`` (tau_q) for ``exp`` and
-    ``beta``; ``k = 4`` (alpha+, beta+, alpha-, beta-) for ``beta_mle``. The head runs only on the query
-    path (``task="query"``, i.e. ``model.encode_query``); ``encode_document`` and plain ``encode`` skip it,
-    so documents get the plain normalised embeddings. The pEBR losses call :meth:`distribution_params`
-    on the anchor embeddings themselves, so training needs no ``router_mapping``.
-
-    Args:
-        in_features: dimension of the pooled embedding (e.g. 384 for all-MiniLM-L6-v2).
-        family: ``"exp"`` (ExpNCE), ``"beta"`` (BetaNCE) or ``"beta_mle"`` (Sec. 3.1).
-        tau_init: initial temperature (0.05 = the usual InfoNCE scale 20).
-        tau_min, tau_max: bounds on tau_q (``exp``/``beta``).
-        param_min, param_max: bounds on the Beta parameters (``beta_mle``).
-        scale: pre-activation multiplier (see above).
-    """
-
-    config_keys: list[str] = [
-        "in_features",
-        "family",
-        "tau_init",
-        "tau_min",
-        "tau_max",
-        "param_min",
-        "param_max",
-        "scale",
-    ]
-    config_file_name = "config.json"
-    #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
-    #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
-    learning_rate: float = 3e-4
+    config_keys: list[str] = "in_features family tau_init tau_min tau_max param_min param_max scale".split()
     forward_kwargs = {"task"}
 
     def __init__(
@@ -75,37 +42,18 @@ class QueryDistributionHead(SafetensorsModule):
         scale: float = 20.0,
     ) -> None:
         super().__init__()
-        if family not in FAMILIES:
-            raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-        if not (isinstance(in_features, int) and in_features > 0):
-            raise ValueError(f"in_features must be a positive int, got {in_features!r}")
-        for name, value in (
-            ("tau_init", tau_init),
-            ("tau_min", tau_min),
-            ("tau_max", tau_max),
-            ("param_min", param_min),
-            ("param_max", param_max),
-            ("scale", scale),
-        ):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+        self.family = choice("family", family, FAMILIES)
+        self.in_features = positive_int("in_features", in_features)
+        for name, value in zip(self.config_keys[2:], (tau_init, tau_min, tau_max, param_min, param_max, scale)):
+            setattr(self, name, positive_float(name, value))
         if not tau_min < tau_init < tau_max:
             raise ValueError(f"need tau_min < tau_init < tau_max, got {tau_min}, {tau_init}, {tau_max}")
         if family == "beta_mle" and not param_min < min(1.0, 1.0 / tau_init) <= max(1.0, 1.0 / tau_init) < param_max:
             raise ValueError(f"need param_min < 1/tau_init, 1 < param_max, got {param_min}, {param_max}")
-        self.in_features = in_features
-        self.family = family
-        self.tau_init = float(tau_init)
-        self.tau_min, self.tau_max = float(tau_min), float(tau_max)
-        self.param_min, self.param_max = float(param_min), float(param_max)
-        self.scale = float(scale)
 
-        if family == "beta_mle":
-            bounds = [(param_min, param_max)] * 4
-            init = [1.0 / tau_init, 1.0, 1.0, 1.0]
-        else:
-            bounds = [(tau_min, tau_max)]
-            init = [tau_init]
+        mle = family == "beta_mle"
+        bounds = [(param_min, param_max)] * 4 if mle else [(tau_min, tau_max)]
+        init = [1.0 / tau_init, 1.0, 1.0, 1.0] if mle else [tau_init]
         self.register_buffer("log_lo", torch.tensor([math.log(lo) for lo, _ in bounds]), persistent=False)
         self.register_buffer("log_hi", torch.tensor([math.log(hi) for _, hi in bounds]), persistent=False)
         self.linear = nn.Linear(in_features, len(init))

@@ -48,12 +48,14 @@ def check_safetensors_file(path: str | os.PathLike) -> dict[str, tuple[int, ...]
 
 
 class SafetensorsModule(Module):
-    """A :class:`~sentence_transformers.base.modules.Module` saved as ``config.json`` + ``model.safetensors``.
+    """A :class:`~sentence_transformers.base.modules.Module` saved as ``config.json`` + ``model.safetensors``;
+    :meth:`load` refuses a directory without safetensors weights (no pickled ``.bin`` fallback) or weights whose
+    names or shapes do not match the config."""
 
-    :meth:`load` rebuilds the module from its config and refuses a directory without safetensors weights (no
-    pickled ``.bin`` fallback) or weights whose names or shapes do not match the config; the error names the
-    module's config (its ``repr``), the mismatched tensors and the shapes found.
-    """
+    config_file_name = "config.json"
+    #: learning rate of the module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
+    #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
+    learning_rate: float = 3e-4
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         self.save_config(output_path)

@@ -1,0 +1,417 @@
+"""Plain dense retrieval that every paper's PyTerrier side uses: a bi-encoder and the exact / approximate retrievers.
+
+* :class:`ProbBiEncoder`: a pyterrier-dr bi-encoder; with pEBR's ``QueryDistributionHead`` (Sec. 3.1-3.2) its query
+  encoder also writes the per-query law's parameters (:data:`PARAM_COLUMNS`);
+* :class:`DenseRetriever`: ``S_{t,K}(q) = Top_K({d : cos(q, d) >= t_q})`` (pEBR Appendix A), exact or on a
+  ``searcher=``; :class:`TopKRetriever` is DSSM-topk, :mod:`pyterrier_prob.pebr.cutoff` the cutoffs. ``docs/pebr.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+import torch
+from pyterrier_dr import BiEncoder
+from sentence_transformers import SentenceTransformer
+
+from pyterrier_prob.index.dense import as_dense_index
+from pyterrier_prob.index.exact import QUERY_BATCH, candidate_scores, docnos_of, f32_ceil, threshold_search, unit_rows
+from pyterrier_prob.index.search import Searcher, check_searcher
+from pyterrier_prob.validation import (
+    check_ids,
+    check_rows_match_query,
+    check_same_per_query,
+    check_texts,
+    empty_results,
+    first_rows,
+    float_column,
+    positive_int,
+    row_namer,
+    stack_arrays,
+    unique_texts,
+)
+from st_extensions import encode_queries as _encode_queries_with_params
+from st_extensions import load_model
+from st_extensions.modules import QueryDistributionHead
+
+__all__ = ["PARAM_COLUMNS", "DenseRetriever", "ProbBiEncoder", "ProbDocEncoder", "ProbQueryEncoder", "TopKRetriever"]
+
+#: Frame columns holding each family's per-query distribution parameters, in the head's output order.
+PARAM_COLUMNS: dict[str, tuple[str, ...]] = {
+    "exp": ("query_temp",),
+    "beta": ("query_temp",),
+    "beta_mle": ("query_alpha", "query_beta", "query_alpha_neg", "query_beta_neg"),
+}
+
+
+class ProbBiEncoder(BiEncoder):
+    """A pyterrier-dr bi-encoder over a SentenceTransformer (or a path to one), adding pEBR's per-query law.
+
+    :meth:`query_encoder` adds ``query_vec`` and the :data:`PARAM_COLUMNS` of the head's family (none without a
+    head), :meth:`doc_encoder` adds ``doc_vec`` (L2-normalised)::
+
+        encoder = ProbBiEncoder(st_extensions.build_pebr_model(family="beta"))
+        (encoder.doc_encoder() >> index.indexer()).index(docs)
+        pipeline = encoder.query_encoder() >> CDFCutoffRetriever(index, p=0.5, family=encoder.family)
+
+    ``devices``: encode documents over one process per device (``["cuda:0", "cuda:1"]``), sentence-transformers'
+    multi-process encoding; queries are encoded in this process.
+    """
+
+    def __init__(
+        self,
+        model: SentenceTransformer | str | os.PathLike,
+        batch_size: int = 32,
+        text_field: str = "text",
+        verbose: bool = False,
+        devices: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(batch_size=batch_size, text_field=text_field, verbose=verbose)
+        if devices is not None:
+            if isinstance(devices, str) or not len(devices) or not all(isinstance(d, str) for d in devices):
+                raise ValueError(
+                    f"devices must be a non-empty list of device names, e.g. ['cpu', 'cpu'], got {devices!r}"
+                )
+            devices = list(devices)
+        self.devices = devices
+        if isinstance(model, (str, os.PathLike)):
+            model = load_model(str(model))
+        if not isinstance(model, SentenceTransformer):
+            raise TypeError(f"model must be a SentenceTransformer or a path to one, got {type(model).__name__}")
+        heads = [m for m in model.modules() if isinstance(m, QueryDistributionHead)]
+        if len(heads) > 1:
+            raise ValueError(f"model has {len(heads)} QueryDistributionHeads, expected at most one")
+        self.model = model
+        self._head = heads[0] if heads else None
+
+    @property
+    def family(self) -> str | None:
+        """The head's family (``"exp"``, ``"beta"``, ``"beta_mle"``), or ``None`` for a model without a head."""
+        return None if self._head is None else self._head.family
+
+    @property
+    def dim(self) -> int:
+        """Embedding dimension."""
+        dim = self.model.get_embedding_dimension()
+        if dim is None:
+            raise ValueError("cannot tell the model's embedding dimension")
+        return int(dim)
+
+    @property
+    def param_columns(self) -> tuple[str, ...]:
+        """The distribution-parameter columns :meth:`query_encoder` adds (empty without a head)."""
+        return () if self.family is None else PARAM_COLUMNS[self.family]
+
+    # ---- encoding ------------------------------------------------------------------------------------------
+    def encode_queries_with_params(
+        self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(embeddings (Q, dim) float32, params (Q, k) float64 or None)`` for query texts."""
+        batch_size = batch_size or self.batch_size
+        texts = _text_list(texts, "query texts")
+        if self._head is not None:
+            return _encode_queries_with_params(
+                self.model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar
+            )
+        if not texts:
+            return np.zeros((0, self.dim), np.float32), None
+        emb = self.model.encode_query(
+            texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=show_progress_bar
+        )
+        return np.asarray(emb, dtype=np.float32), None
+
+    def encode_queries(self, texts: list[str], batch_size: int | None = None) -> np.ndarray:
+        """Query embeddings, ``(Q, dim)`` float32 (pyterrier-dr's BiEncoder API)."""
+        return self.encode_queries_with_params(texts, batch_size)[0]
+
+    def encode_queries_torch(self, texts: list[str], batch_size: int | None = None) -> torch.Tensor:
+        return torch.from_numpy(self.encode_queries(texts, batch_size))
+
+    def encode_docs(
+        self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
+    ) -> np.ndarray:
+        """Document embeddings, ``(N, dim)`` float32, L2-normalised (the document path skips the head)."""
+        texts = _text_list(texts, "document texts")
+        if not texts:
+            return np.zeros((0, self.dim), np.float32)
+        emb = self.model.encode_document(
+            texts,
+            batch_size=batch_size or self.batch_size,
+            convert_to_numpy=True,
+            normalize_embeddings=True,
+            show_progress_bar=show_progress_bar,
+            **({"device": self.devices} if self.devices and len(texts) > 1 else {}),
+        )
+        return np.asarray(emb, dtype=np.float32)
+
+    # ---- transformers --------------------------------------------------------------------------------------
+    def query_encoder(self, verbose: bool | None = None, batch_size: int | None = None) -> ProbQueryEncoder:
+        """Transformer adding ``query_vec`` and the distribution-parameter columns to a query frame."""
+        return ProbQueryEncoder(self, verbose=verbose, batch_size=batch_size)
+
+    def doc_encoder(self, verbose: bool | None = None, batch_size: int | None = None) -> ProbDocEncoder:
+        """Transformer adding ``doc_vec`` to a document frame."""
+        return ProbDocEncoder(self, verbose=verbose, batch_size=batch_size)
+
+    def __repr__(self) -> str:
+        name = getattr(getattr(self.model, "model_card_data", None), "base_model", None) or type(self.model).__name__
+        return f"ProbBiEncoder({name!r}, family={self.family!r})"
+
+
+class _EncoderStage(pt.Transformer):
+    """A transformer made by a :class:`ProbBiEncoder` (``verbose`` / ``batch_size``: the encoder's by default)."""
+
+    _made_by = ""
+
+    def __init__(self, bi_encoder: ProbBiEncoder, verbose: bool | None = None, batch_size: int | None = None) -> None:
+        self.bi_encoder = bi_encoder
+        self.verbose = bi_encoder.verbose if verbose is None else verbose
+        self.batch_size = bi_encoder.batch_size if batch_size is None else batch_size
+
+    def __repr__(self) -> str:
+        return f"{self.bi_encoder!r}.{self._made_by}()"
+
+    def subtransformers(self) -> dict:
+        return {}
+
+
+class ProbQueryEncoder(_EncoderStage):
+    """``(qid, query)`` -> adds ``query_vec`` and the per-query distribution parameters; made by
+    :meth:`ProbBiEncoder.query_encoder`. Identical query texts are encoded once."""
+
+    _made_by = "query_encoder"
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        with pt.validate.any(inp) as v:
+            v.query_frame(extra_columns=["query"])
+            v.columns(includes=["query"])
+        cols = self.bi_encoder.param_columns
+        if not len(inp):
+            return inp.assign(query_vec=pd.Series(dtype=object), **{c: pd.Series(dtype=np.float64) for c in cols})
+        check_ids(inp, ["qid"], "ProbQueryEncoder")
+        texts, inv = unique_texts(check_texts(inp, "query", "ProbQueryEncoder"))
+        emb, params = self.bi_encoder.encode_queries_with_params(
+            texts, batch_size=self.batch_size, show_progress_bar=self.verbose
+        )
+        rows = list(emb)  # rows of one text share one array object (the retrievers compare them by identity first)
+        extra = {c: params[inv, j] for j, c in enumerate(cols)} if params is not None else {}
+        return inp.assign(query_vec=[rows[i] for i in inv], **extra)
+
+
+class ProbDocEncoder(_EncoderStage):
+    """``(docno, text)`` -> adds ``doc_vec`` (L2-normalised float32); made by :meth:`ProbBiEncoder.doc_encoder`."""
+
+    _made_by = "doc_encoder"
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        field = self.bi_encoder.text_field
+        with pt.validate.any(inp) as v:
+            v.document_frame(extra_columns=[field])
+            v.columns(includes=[field])
+        if not len(inp):
+            return inp.assign(doc_vec=pd.Series(dtype=object))
+        texts = check_texts(inp, field, "ProbDocEncoder")
+        show = bool(self.verbose) and len(texts) > self.batch_size
+        return inp.assign(doc_vec=list(self.bi_encoder.encode_docs(texts, self.batch_size, show_progress_bar=show)))
+
+    def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
+        return pt.RankCutoff(k) >> self
+
+
+def _text_list(texts: Any, what: str) -> list[str]:
+    """``texts`` as a list of str; a ValueError naming the position of a None / NaN / non-str entry."""
+    if isinstance(texts, str):
+        raise TypeError(f"expected a list of {what}, got a single str {texts[:40]!r}")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"{what}[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
+    return texts
+
+
+class DenseRetriever(pt.Transformer):
+    """``S_{t,K}(q) = Top_K({d : cos(q, d) >= t_q})`` over a DenseIndex / FlexIndex (pEBR Appendix A); a subclass
+    gives the per-query thresholds (:meth:`_thresholds`, ``-inf``: top-K), ``num_results`` is the cap K.
+
+    A first stage (``query_vec`` in) or a re-ranker (``docno`` in: each query's candidates scored exactly); output
+    ``qid, docno, score, rank`` (from 0) plus the input columns, and ``docid`` in the first stage. A repeated qid must
+    repeat its query exactly (else ValueError naming qid, rows and column). ``searcher=`` (e.g.
+    ``index.searcher("ivf_flat", nprobe=64)``) runs the first stage on an approximate backend instead of the exact
+    scan; ``batch_size``: queries per block of the exact scan.
+    """
+
+    _needs_cap = False
+
+    def __init__(
+        self,
+        index: Any,
+        num_results: int | None = 1000,
+        batch_size: int = QUERY_BATCH,
+        drop_query_vec: bool = False,
+        verbose: bool = False,
+        searcher: Searcher | None = None,
+    ) -> None:
+        self.index = as_dense_index(index)
+        self.searcher = check_searcher(searcher, len(self.index), self.index.dim, repr(self.index))
+        self.num_results = positive_int("num_results", num_results, allow_none=not self._needs_cap)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.drop_query_vec = bool(drop_query_vec)
+        self.verbose = bool(verbose)
+
+    # ---- to implement ----------------------------------------------------------------------------------------
+    def _columns(self) -> list[str]:
+        """Input columns needed besides qid (and docno when re-ranking)."""
+        return ["query_vec"]
+
+    def _thresholds(self, queries: pd.DataFrame) -> np.ndarray:
+        """One cosine threshold per row of ``queries`` (float64)."""
+        raise NotImplementedError
+
+    def _hint(self) -> str:
+        return "add query vectors with an encoder, e.g. ProbBiEncoder(model).query_encoder() >> retriever"
+
+    def _params(self) -> str:
+        """The subclass' parameters for ``repr``, each followed by ``", "``."""
+        return ""
+
+    # ---- shared --------------------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        extra = "" if self.searcher is None else f", searcher={self.searcher.backend}[{self.searcher.setting()}]"
+        return f"{type(self).__name__}({self.index!r}, {self._params()}num_results={self.num_results}{extra})"
+
+    def fuse_rank_cutoff(self, k: int) -> DenseRetriever:
+        """``retriever % k``: the same retriever with ``num_results = min(k, num_results)``."""
+        k = positive_int("num_results", k)
+        out = copy.copy(self)
+        out.num_results = k if self.num_results is None else min(k, self.num_results)
+        return out
+
+    def subtransformers(self) -> dict:
+        return {}
+
+    def _validate(self, inp: pd.DataFrame) -> bool:
+        """Validate the input columns; True for re-ranking mode (input has docno), False for first stage."""
+        cols = self._columns()
+        try:
+            with pt.validate.any(inp) as v:
+                v.query_frame(extra_columns=cols, mode="retrieve")
+                v.result_frame(extra_columns=cols, mode="rerank")
+        except pt.validate.InputValidationError as e:
+            missing = sorted({c for m in e.modes for c in m.missing_columns if c != "docno"})
+            raise pt.validate.InputValidationError(
+                f"{type(self).__name__} needs columns {['qid', *cols]} (plus docno to re-rank); missing "
+                f"{missing}: {self._hint()}.",
+                e.modes,
+            ) from e
+        return v.mode == "rerank"
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        rerank = self._validate(inp)
+        inp = inp.reset_index(drop=True)
+        check_ids(inp, ["qid", "docno"] if rerank else ["qid"], type(self).__name__)
+        out = self._rerank(inp) if rerank else self._retrieve(inp)
+        if self.drop_query_vec and "query_vec" in out.columns:
+            out = out.drop(columns="query_vec")
+        return out
+
+    def _retrieve(self, inp: pd.DataFrame) -> pd.DataFrame:
+        if not len(inp):
+            return empty_results(inp)
+        inp = self._one_row_per_query(inp)
+        Q = self._query_vectors(inp)
+        t = self._thresholds(inp)
+        if self.searcher is None:
+            hits = threshold_search(
+                self.index, Q, t, self.num_results, batch_size=self.batch_size, verbose=self.verbose
+            )
+        else:
+            hits = self.searcher.search(Q, t, self.num_results)
+        counts = hits.counts
+        self._check_counts(counts)
+        total = int(hits.offsets[-1])
+        out = inp.iloc[np.repeat(np.arange(len(inp)), counts)].reset_index(drop=True)
+        return out.assign(
+            docno=docnos_of(self.index, hits.docids),
+            docid=hits.docids,
+            score=hits.scores,
+            rank=np.arange(total, dtype=np.int64) - np.repeat(hits.offsets[:-1], counts),
+        )
+
+    def _check_counts(self, counts: np.ndarray) -> None:
+        """A look at the per-query result counts of one first-stage call (nothing here; see CDFCutoffRetriever)."""
+
+    # ---- the query side of the input frame -------------------------------------------------------------------
+    def _raw_query_vectors(self, inp: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
+        """``query_vec`` of ``rows`` (all by default) stacked as float32, with errors naming the row and qid."""
+        values = inp["query_vec"].to_numpy()
+        name = row_namer(inp)
+        if rows is not None:
+            values = values[rows]
+            name = (lambda n, r: lambda i: n(int(r[i])))(name, rows)
+        return stack_arrays(values, "query_vec", name, type(self).__name__, ndim=1)
+
+    def _query_vectors(self, inp: pd.DataFrame) -> np.ndarray:
+        """The unit query vectors of a frame with one row per query."""
+        return unit_rows(self._raw_query_vectors(inp), self.index.dim, row_namer(inp))
+
+    def _check_query_rows(self, inp: pd.DataFrame, codes: np.ndarray, first: np.ndarray, raw: np.ndarray) -> None:
+        """Every row of a qid carries its first row's ``query_vec`` (``raw``, one per query) and parameters."""
+        owner = type(self).__name__
+        cols = [c for c in self._columns() if c != "query_vec"]  # the thresholds' parameters
+        params = {col: float_column(inp, col, owner) for col in cols}  # missing / non-numeric
+        check_rows_match_query(inp, codes, first, "query_vec", raw, owner)
+        rest = np.flatnonzero(first[codes] != np.arange(len(codes)))
+        for col, vals in params.items():
+            check_same_per_query(inp, codes, first, col, vals[rest], vals[first], owner, rows=rest)
+
+    def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
+        """A query frame with each qid once (its first row); repeated qids must repeat their query exactly."""
+        codes, first = first_rows(inp["qid"])
+        if len(first) == len(inp):
+            return inp
+        self._check_query_rows(inp, codes, first, self._raw_query_vectors(inp, first))
+        return inp.iloc[first].reset_index(drop=True)
+
+    def _rerank(self, inp: pd.DataFrame) -> pd.DataFrame:
+        base = inp.drop(columns=[c for c in ("score", "rank") if c in inp.columns])
+        if not len(inp):
+            return base.assign(score=pd.Series(dtype=np.float32), rank=pd.Series(dtype=np.int64))
+        codes, first = first_rows(inp["qid"])
+        raw = self._raw_query_vectors(inp, first)
+        self._check_query_rows(inp, codes, first, raw)
+        Q = unit_rows(raw, self.index.dim, lambda i: row_namer(inp)(int(first[i])))
+        t32 = f32_ceil(self._thresholds(inp.iloc[first].reset_index(drop=True)))
+
+        docids = np.asarray(self.index.docnos().inv[inp["docno"].to_numpy(dtype=str)], dtype=np.int64)
+        if (docids < 0).any():
+            bad = inp["docno"].to_numpy()[docids < 0]
+            raise ValueError(
+                f"{int((docids < 0).sum())} candidate docno(s) are not in {self.index!r} (e.g. {list(bad[:3])}): "
+                "re-ranking needs the candidates' vectors in the index"
+            )
+        scores = candidate_scores(self.index, Q, codes, docids)  # exact, as the search layer scores them
+        keep = np.flatnonzero(scores >= t32[codes])
+        order = np.lexsort((-scores[keep], codes[keep]))  # stable: ties keep the input order
+        sel = keep[order]
+        counts = np.bincount(codes[sel], minlength=len(first))
+        rank = np.arange(sel.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        if self.num_results is not None:
+            m = rank < self.num_results
+            sel, rank = sel[m], rank[m]
+        return base.iloc[sel].reset_index(drop=True).assign(score=scores[sel], rank=rank)
+
+
+class TopKRetriever(DenseRetriever):
+    """The ``num_results`` documents of highest cosine per query (pEBR's DSSM-topk, Sec. 4.1.2): the ranking of
+    pyterrier-dr's ``np_retriever`` with the cutoff retrievers' output schema and ``searcher=``."""
+
+    _needs_cap = True  # num_results must be an int
+
+    def _thresholds(self, queries: pd.DataFrame) -> np.ndarray:
+        return np.full(len(queries), -np.inf)

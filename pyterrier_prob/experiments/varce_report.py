@@ -1,0 +1,194 @@
+"""The ``pyterrier-prob varce`` report: Markdown generated from what the run did (its tables and ``summary.json``);
+a section appears only when the run made what it reports."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from pyterrier_prob.experiments.harness import markdown_table, measure_cell, p_mark
+from pyterrier_prob.varce.noise import NOISE_DESCRIPTIONS
+
+__all__ = ["markdown"]
+
+
+def _p(p: float | None) -> str:
+    return "" if p is None else f"{p:.2g}"
+
+
+def markdown(tables: dict[str, pd.DataFrame], summary: dict[str, Any], baseline: str) -> str:
+    """The job's tables as Markdown (what goes into the README)."""
+    parts = [_training(summary), _effectiveness(tables["results"], summary), _dev_choices(summary)]
+    parts += [_uncertainty(tables["uncertainty"]), _risk(tables["risk"]), _hard(tables["hard_queries"])]
+    parts += [_robustness(tables["robustness"], baseline), _scoring(summary)]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def _training(summary: dict[str, Any]) -> str:
+    recipe = summary["recipe"]  # the Recipe's own description heads the report when a model trained under it
+    lines = [recipe["training"] if summary["fine_tuned"] else f"Recipe: {recipe['description']}", ""]
+    lines.append(f"`*`: p < 0.05, {summary['significance']}.")
+    rows = summary.get("training_rows")
+    if rows:
+        lines += [
+            "",
+            f"Training rows: {rows['rows']} from {rows['source']} ({rows['queries']} queries; 1 judged-relevant : "
+            f"{rows['negatives_per_group']} negatives, {rows['negatives']}, from {rows.get('negatives_from')}; "
+            f"{rows['random_negatives_filled_in']} random negatives filled in; positives: {rows.get('positives')}, "
+            f"{rows.get('positives_available')} of {rows.get('relevant_judged')} judged-relevant).",
+        ]
+    losses = summary.get("training_loss_first_last") or {}
+    if losses:
+        pairs = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, (a, b) in losses.items())
+        lines += ["", f"Training loss (first -> last step): {pairs}"]
+    return "\n".join(lines)
+
+
+def _effectiveness(results: pd.DataFrame, summary: dict[str, Any]) -> str:
+    cells = {m: [measure_cell(r, m) for _, r in results.iterrows()] for m in ("nDCG@10", "RR@10")}
+    table = results[["collection", "queries", "depth", "name"]].rename(columns={"name": "system"}).assign(**cells)
+    lines = ["BM25 candidates re-ranked (nDCG@10, RR@10 = MRR@10):", "", markdown_table(table)]
+    rerank = pd.DataFrame(summary.get("rerank_rows") or [], dtype=object)
+    if not rerank.empty:
+        p = {f"p vs {b}": [_p(v) for v in rerank[f"p_vs_{b.replace('BM25', 'bm25')}"]] for b in ("BM25", "CE")}
+        cols = ["collection", "depth", "queries", "system", "nDCG@10"]
+        lines += [
+            "",
+            "nDCG@10 with paired t-tests (scipy.stats.ttest_rel over the queries) against BM25 and against CE, at each "
+            "re-ranking depth (the shallower depths re-rank BM25's top k with the same scores):",
+            "",
+            markdown_table(rerank[cols].assign(**p)),
+        ]
+    return "\n".join(lines)
+
+
+def _dev(chosen: dict[str, Any]) -> str:
+    return next(iter(chosen.values()))["dev"]
+
+
+def _values(choice: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{x:g}: {v:.4f}" for x, v in choice["dev_nDCG@10"].items()) + "}"
+
+
+def _dev_choices(summary: dict[str, Any]) -> str:
+    lines = []
+    curves = summary.get("dev_curves") or {}
+    if curves:
+        lines += ["Learning curves (dev nDCG@10 against steps; the model kept is the one at its best dev point):", ""]
+        for n, c in curves.items():
+            pts = ", ".join(f"{p['step']}: {p['dev']:.4f}" for p in c.get("points", []))
+            best = c.get("best") or {}
+            lines.append(f"- {n}: {pts} (best: step {best.get('step')}, {best.get('dev', math.nan):.4f})")
+    inter = summary.get("interpolation_chosen_on_dev") or {}
+    if inter:
+        lines += [
+            "",
+            f"Interpolation with BM25 (alpha * z(E[s]) + (1 - alpha) * z(BM25)), alpha chosen on {_dev(inter)}:",
+            "",
+        ]
+        for n, c in inter.items():
+            lines.append(f"- {n}: dev nDCG@10 by alpha {_values(c)} -> alpha = {c['alpha']:g} (system {n}+BM25)")
+    chosen = summary.get("risk_chosen_on_dev") or {}
+    if chosen:
+        lines += ["", f"Risk-aware ranking with lambda chosen on {_dev(chosen)} (E[s] - lambda * std[s]):", ""]
+        for n, c in chosen.items():
+            lines.append(
+                f"- {n}: dev nDCG@10 by lambda {_values(c)} -> lambda = {c['lambda']:g}; test nDCG@10 "
+                f"{c.get('test_nDCG@10', math.nan):.4f} vs {c.get('test_nDCG@10_at_lambda_0', math.nan):.4f} at "
+                f"lambda = 0 (p = {c.get('p_vs_lambda_0', math.nan):.2g})"
+            )
+    return "\n".join(lines).strip()
+
+
+_UNCERTAINTY_COLUMNS = {
+    "collection": "collection",
+    "name": "name",
+    "n_queries": "n_queries",
+    "std 5/50/95%": "std 5/50/95%",
+    "std_within_query_cv_median": "CV in query",
+    "std_between_queries_sd": "SD between queries",
+    "std_within_query_sd_mean": "SD within query",
+    "std_between_query_variance_share": "between-query share",
+    "rho(std, nDCG@10)": "rho(std, nDCG@10)",
+    "rho(mean, nDCG@10)": "rho(mean, nDCG@10)",
+    "rho_pairs_std_vs_mean": "rho(std, mean) pairs",
+}
+
+
+def _rho(u: pd.DataFrame, of: str) -> list[str]:
+    return [f"{r:.3f}{p_mark(p)}" for r, p in zip(u[f"rho_top10_{of}_vs_nDCG@10"], u[f"p_top10_{of}"])]
+
+
+def _uncertainty(u: pd.DataFrame) -> str:
+    if u.empty:
+        return ""
+    q = [f"{a:.5f} / {b:.5f} / {c:.5f}" for a, b, c in zip(u["std_q05"], u["std_q50"], u["std_q95"])]
+    u = u.assign(**{"std 5/50/95%": q, "rho(std, nDCG@10)": _rho(u, "std"), "rho(mean, nDCG@10)": _rho(u, "mean")})
+    table = markdown_table(u[list(_UNCERTAINTY_COLUMNS)].rename(columns=_UNCERTAINTY_COLUMNS), floatfmt=".3g")
+    return (
+        "Is the uncertainty informative? std[s] (Eq. 23): its 5/50/95% quantiles over the re-ranked pairs and median "
+        "within-query coefficient of variation; Spearman rho of each query's mean std[s] over its top 10 with its "
+        "nDCG@10 (and of its mean E[s], for reference); rho of std[s] with E[s] over the pairs.\n\n" + table
+    )
+
+
+def _risk(risk: pd.DataFrame) -> str:
+    if risk.empty:
+        return ""
+    cols = list(dict.fromkeys(risk["name"]))
+    lines = [
+        "Risk-aware ranking E[s] - lambda * std[s]: nDCG@10 (`*` vs lambda = 0; share of queries whose top 10 changed)",
+        "",
+        "| collection | model | " + " | ".join(cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for (c, m), g in risk.groupby(["collection", "model"], sort=False):
+        g = g.set_index("name")
+        cells = [f"{measure_cell(g.loc[x], 'nDCG@10')} ({g.loc[x, 'changed_top10']:.2f})" for x in cols]
+        lines.append(f"| {c} | {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _hard(hard: pd.DataFrame) -> str:
+    cols = ["collection", "hard_under", "name", "n_hard", "nDCG@10", "nDCG@10 hard", "RR@10", "RR@10 hard"]
+    return (
+        "Hard queries (Table 8): the bottom 50% by nDCG@10 under the named system; %no = % of queries with no "
+        "relevant document in the top 10.\n\n" + markdown_table(hard[[*cols, "%no", "%no hard"]])
+    )
+
+
+def _robustness(robustness: pd.DataFrame, baseline: str) -> str:
+    if robustness.empty:
+        return ""
+    kinds = list(dict.fromkeys(robustness["perturbation"]))
+    first = robustness.drop_duplicates("perturbation").set_index("perturbation")
+    n = int(first["queries"].iloc[0])
+    by = robustness.set_index(["perturbation", "name"])
+    lines = [
+        f"Robustness (Table 4): nDCG@10 on {n} seeded test queries, BM25 candidates of the (perturbed) query; `*` vs "
+        f"{baseline} under the same perturbation; the last row counts the changed queries. One word per query is "
+        "perturbed: " + "; ".join(f"{k} {NOISE_DESCRIPTIONS[k]}" for k in kinds if k != "clean") + ".",
+        "",
+        "| system | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for name in dict.fromkeys(robustness["name"]):
+        lines.append(f"| {name} | " + " | ".join(measure_cell(by.loc[(k, name)], "nDCG@10") for k in kinds) + " |")
+    lines.append("| changed queries | " + " | ".join(f"{first.loc[k, 'changed_queries']}/{n}" for k in kinds) + " |")
+    return "\n".join(lines)
+
+
+def _scoring(summary: dict[str, Any]) -> str:
+    rates = ", ".join(
+        f"{k} {v['pairs_scored']} pairs" + (f" at {v['pairs_per_s']:.0f} pairs/s" if v["pairs_per_s"] else "")
+        for k, v in summary["scoring"].items()
+    )
+    through = summary["recipe"].get("pairs_through_backbone")
+    if through is None:
+        return f"Scoring (each distinct pair once): {rates}."
+    return (
+        f"Scoring (each distinct pair once): {rates}; the heads read cached backbone features ({through} pairs, "
+        "training and test, through the backbone once), so these rates leave the backbone out."
+    )

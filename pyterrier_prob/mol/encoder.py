@@ -1,0 +1,149 @@
+"""Mixture-of-Logits encoding for PyTerrier: query and document component embeddings f_pq(q), g_px(x) (Eq. 2 of
+``shared/papers/mixture-of-logits.txt``) as frame columns, via :func:`st_extensions.mol.encode_components`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+
+from pyterrier_prob.mol.scoring import MoLReranker
+from pyterrier_prob.validation import check_ids, check_texts, positive_int, unique_texts
+from st_extensions import load_model
+
+
+def _st_mol() -> Any:
+    """:mod:`st_extensions.mol`, looked up when used (so that a test can substitute the model side)."""
+    return importlib.import_module("st_extensions.mol")
+
+
+class MoLEncoder:
+    """Encodes queries and documents into MoL component embeddings (a transformer factory).
+
+    :meth:`query_encoder` adds ``query_comp`` (``(P_q, d)`` float32 per row), :meth:`doc_encoder` ``doc_comp``
+    (``(P_x, d)``), L2-normalised (Eq. 2), plus ``query_feat`` / ``doc_feat`` for a gate with side features (App.
+    A.3); :attr:`mol` is what :class:`MoLRetriever` and :class:`MoLReranker` score with. Example::
+
+        encoder = MoLEncoder(model)
+        index = (encoder.doc_encoder() >> MoLIndex("docs.mol").indexer()).index(dataset.get_corpus_iter())
+        pipeline = encoder.query_encoder() >> MoLRetriever(index, encoder.mol, method="exact", num_results=100)
+    """
+
+    def __init__(self, model: Any, batch_size: int = 32, text_field: str = "text", verbose: bool = False) -> None:
+        self.model = load_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.text_field = text_field
+        self.verbose = bool(verbose)
+
+    @property
+    def mol(self) -> Any:
+        """The model's MixtureOfLogits module (:func:`st_extensions.mol.find_mol`)."""
+        return _st_mol().find_mol(self.model)
+
+    @cached_property
+    def gate_features(self) -> bool:
+        """Whether the MoL gate also reads query/document features (App. A.3): the encoders then add them."""
+        return bool(getattr(self.mol, "gate_features", False))
+
+    def encode_with_features(
+        self, texts: Sequence[str], task: str, batch_size: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(components (n, P, d), gate features (n, F) or None)`` of ``texts`` for ``task`` (query/document)."""
+        if isinstance(texts, str):
+            raise TypeError(f"expected a list of texts, got a single str {texts[:40]!r}")
+        texts = list(texts)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise ValueError(f"texts[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
+        bs, encode, feats = batch_size or self.batch_size, _st_mol().encode_components, None
+        if self.gate_features:
+            arr, feats = encode(self.model, texts, task=task, batch_size=bs, return_features=True)
+            feats = np.asarray(feats, dtype=np.float32)
+        else:
+            arr = encode(self.model, texts, task=task, batch_size=bs)
+        return np.asarray(arr, dtype=np.float32), feats
+
+    def encode_queries(self, texts: Sequence[str], batch_size: int | None = None) -> np.ndarray:
+        """Query component embeddings ``f_pq(q)``, float32 ``(Q, P_q, d)``."""
+        return self.encode_with_features(texts, "query", batch_size)[0]
+
+    def encode_docs(self, texts: Sequence[str], batch_size: int | None = None) -> np.ndarray:
+        """Document component embeddings ``g_px(x)``, float32 ``(N, P_x, d)``."""
+        return self.encode_with_features(texts, "document", batch_size)[0]
+
+    def query_encoder(self, batch_size: int | None = None) -> MoLQueryEncoder:
+        """Transformer adding ``query_comp`` to a query frame."""
+        return MoLQueryEncoder(self, batch_size=batch_size)
+
+    def doc_encoder(self, batch_size: int | None = None) -> MoLDocEncoder:
+        """Transformer adding ``doc_comp`` to a document (or candidate) frame."""
+        return MoLDocEncoder(self, batch_size=batch_size)
+
+    def text_scorer(self, num_results: int | None = None, batch_size: int | None = None) -> pt.Transformer:
+        """Re-ranks candidates with text by MoL: ``bm25 % 100 >> pt.text.get_text(...) >> encoder.text_scorer()``."""
+        return (
+            self.query_encoder(batch_size)
+            >> self.doc_encoder(batch_size)
+            >> MoLReranker(None, self.mol, num_results=num_results, drop_doc_comp=True)
+        )
+
+    def __repr__(self) -> str:
+        name = getattr(getattr(self.model, "model_card_data", None), "base_model", None) or type(self.model).__name__
+        return f"MoLEncoder({name!r})"
+
+
+class _SideEncoder(pt.Transformer):
+    """Adds ``<side>_comp`` (and ``<side>_feat`` for a gate with side features) encoded from ``text_field``."""
+
+    task = side = text_field = frame = ""  # frame: the pt.validate check of the input frame
+
+    def __init__(self, encoder: MoLEncoder, batch_size: int | None = None) -> None:
+        self.encoder = encoder
+        self.batch_size = positive_int("batch_size", batch_size, allow_none=True) or encoder.batch_size
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        with pt.validate.any(inp) as v:
+            getattr(v, self.frame)(extra_columns=[self.text_field])
+            v.columns(includes=[self.text_field])
+        comp, feat = f"{self.side}_comp", f"{self.side}_feat"
+        if not len(inp):
+            feats = {feat: pd.Series(dtype=object)} if self.encoder.gate_features else {}
+            return inp.assign(**{comp: pd.Series(dtype=object)}, **feats)
+        if self.side == "query":
+            check_ids(inp, ["qid"], type(self).__name__)
+        texts, inv = unique_texts(check_texts(inp, self.text_field, type(self).__name__))
+        comps, feats = self.encoder.encode_with_features(texts, self.task, batch_size=self.batch_size)
+        cols = {comp: list(comps)} if feats is None else {comp: list(comps), feat: list(feats)}
+        # rows of one text share one array object (compared by identity first downstream)
+        return inp.assign(**{c: [rows[i] for i in inv] for c, rows in cols.items()})
+
+    def __repr__(self) -> str:
+        return f"{self.encoder!r}.{self.side}_encoder()"
+
+    def subtransformers(self) -> dict:
+        return {}
+
+
+class MoLQueryEncoder(_SideEncoder):
+    """``(qid, query)`` -> adds ``query_comp`` (``(P_q, d)`` per row); made by :meth:`MoLEncoder.query_encoder`."""
+
+    task, side, text_field, frame = "query", "query", "query", "query_frame"
+
+
+class MoLDocEncoder(_SideEncoder):
+    """``(docno, text)`` -> adds ``doc_comp`` (``(P_x, d)`` per row), also to candidates; by :meth:`doc_encoder`."""
+
+    task, side, frame = "document", "doc", "document_frame"
+
+    def __init__(self, encoder: MoLEncoder, batch_size: int | None = None) -> None:
+        super().__init__(encoder, batch_size)
+        self.text_field = encoder.text_field
+
+    def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
+        return pt.RankCutoff(k) >> self
