@@ -34,6 +34,7 @@ from pyterrier_prob.validation import (
     positive_int,
     row_namer,
     stack_arrays,
+    text_list,
     unique_texts,
 )
 from st_extensions import encode_queries as _encode_queries_with_params
@@ -114,7 +115,7 @@ class ProbBiEncoder(BiEncoder):
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(embeddings (Q, dim) float32, params (Q, k) float64 or None)`` for query texts."""
         batch_size = batch_size or self.batch_size
-        texts = _text_list(texts, "query texts")
+        texts = text_list(texts, "query texts")
         if self._head is not None:
             return _encode_queries_with_params(
                 self.model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar
@@ -137,7 +138,7 @@ class ProbBiEncoder(BiEncoder):
         self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
     ) -> np.ndarray:
         """Document embeddings, ``(N, dim)`` float32, L2-normalised (the document path skips the head)."""
-        texts = _text_list(texts, "document texts")
+        texts = text_list(texts, "document texts")
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         emb = self.model.encode_document(
@@ -222,17 +223,6 @@ class ProbDocEncoder(_EncoderStage):
 
     def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
         return pt.RankCutoff(k) >> self
-
-
-def _text_list(texts: Any, what: str) -> list[str]:
-    """``texts`` as a list of str; a ValueError naming the position of a None / NaN / non-str entry."""
-    if isinstance(texts, str):
-        raise TypeError(f"expected a list of {what}, got a single str {texts[:40]!r}")
-    texts = list(texts)
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise ValueError(f"{what}[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
-    return texts
 
 
 class DenseRetriever(pt.Transformer):

@@ -288,3 +288,14 @@ def user_stacklevel(packages: Sequence[str] = ("pyterrier_prob", "pyterrier")) -
         frame = frame.f_back
         level += 1
     return level
+
+
+def text_list(texts: Any, what: str) -> list[str]:
+    """``texts`` as a list of str; a ValueError naming the position of a None / NaN / non-str entry."""
+    if isinstance(texts, str):
+        raise TypeError(f"expected a list of {what}, got a single str {texts[:40]!r}")
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise ValueError(f"{what}[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
+    return texts

@@ -14,7 +14,7 @@ import pandas as pd
 import pyterrier as pt
 
 from pyterrier_prob.mol.scoring import MoLReranker
-from pyterrier_prob.validation import check_ids, check_texts, positive_int, unique_texts
+from pyterrier_prob.validation import check_ids, check_texts, positive_int, text_list, unique_texts
 from st_extensions import load_model
 
 
@@ -55,12 +55,7 @@ class MoLEncoder:
         self, texts: Sequence[str], task: str, batch_size: int | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(components (n, P, d), gate features (n, F) or None)`` of ``texts`` for ``task`` (query/document)."""
-        if isinstance(texts, str):
-            raise TypeError(f"expected a list of texts, got a single str {texts[:40]!r}")
-        texts = list(texts)
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise ValueError(f"texts[{i}] is {t!r} ({type(t).__name__}), not a str: every text must be a str")
+        texts = text_list(texts, "texts")
         bs, encode, feats = batch_size or self.batch_size, _st_mol().encode_components, None
         if self.gate_features:
             arr, feats = encode(self.model, texts, task=task, batch_size=bs, return_features=True)
