@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 
@@ -23,3 +24,10 @@ def describe() -> dict:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "python": platform.python_version(),
     }
+
+
+def write_result(path: str, result: dict, indent: int = 2) -> None:
+    """Write a benchmark's ``result`` as JSON to ``path``, creating its folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf8") as f:
+        json.dump(result, f, indent=indent)

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import describe  # noqa: E402
+from _machine import describe, write_result  # noqa: E402
 
 CONFIGS = ("torch:fp32", "onnx:fp32", "onnx:int8", "openvino:fp32", "openvino:int8")
 BASELINE = ("torch", "fp32")
@@ -327,9 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command,
         "rows": list(rows.values()),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w", encoding="utf8") as f:
-        json.dump(result, f, indent=2)
+    write_result(a.out, result)
     print(
         f"\nCross-encoder inference ({data['collection']}/{a.split}: {data['queries']} queries, BM25 top {a.depth}, "
         f"BM25 nDCG@10 {bm25_ndcg:.4f}; {len(timed)} timed pairs, batch {a.batch_size}, {threads} threads, "

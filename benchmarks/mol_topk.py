@@ -78,43 +78,27 @@ HR_AT = (1, 5, 10, 50, 100)
 BATCH = 32
 CHUNK = 65536  # documents per seeded chunk of the scaled collections
 TARGET_HR, TARGET_SPEEDUP, TARGET_N = 0.99, 50.0, 1_000_000
+#: the MoLRetriever settings every timed configuration shares
+TIMED = {"num_results": K, "batch_size": BATCH, "count_candidates": True, "drop_query_comp": True}
 # the approximate candidate stages (MoLRetriever(searcher=...)): faiss IVF on the means / on each component
 IVF_NLIST, IVF_TRAIN = 2048, 81920
 IVF_MEAN = {"backend": "ivf_flat", "nlist": IVF_NLIST, "train_size": IVF_TRAIN}
 IVF_COMP = {"backend": "ivf_sq8", "nlist": IVF_NLIST, "train_size": IVF_TRAIN}
 
-# (label, method, N1 = n_per_embedding, N2 = n_avg)
-CONFIGS_REAL = [
-    ("BruteForce", "brute_force", None, None),
-    ("Exact", "exact", None, None),
-    ("TopKPerEmbd 10", "topk_per_embedding", 10, None),
-    ("TopKPerEmbd 50", "topk_per_embedding", 50, None),
-    ("TopKPerEmbd 100", "topk_per_embedding", 100, None),
-    ("TopKPerEmbd 200", "topk_per_embedding", 200, None),
-    ("TopKAvg 100", "topk_avg", None, 100),
-    ("TopKAvg 200", "topk_avg", None, 200),
-    ("TopKAvg 500", "topk_avg", None, 500),
-    ("TopKAvg 1000", "topk_avg", None, 1000),
-    ("CombTopK 5_100", "comb_topk", 5, 100),
-    ("CombTopK 10_200", "comb_topk", 10, 200),
-    ("CombTopK 50_500", "comb_topk", 50, 500),
-]
-CONFIGS_SCALE = [
-    ("BruteForce", "brute_force", None, None),
-    ("Exact", "exact", None, None),
-    ("TopKPerEmbd 10", "topk_per_embedding", 10, None),
-    ("TopKPerEmbd 50", "topk_per_embedding", 50, None),
-    ("TopKPerEmbd 200", "topk_per_embedding", 200, None),
-    ("TopKAvg 100", "topk_avg", None, 100),
-    ("TopKAvg 500", "topk_avg", None, 500),
-    ("TopKAvg 2000", "topk_avg", None, 2000),
-    ("TopKAvg 8000", "topk_avg", None, 8000),
-    ("TopKAvg 32000", "topk_avg", None, 32000),
-    ("TopKAvg 100000", "topk_avg", None, 100000),
-    ("CombTopK 5_200", "comb_topk", 5, 200),
-    ("CombTopK 50_1000", "comb_topk", 50, 1000),
-    ("CombTopK 200_8000", "comb_topk", 200, 8000),
-]
+
+def _configs(per_embedding: tuple, avg: tuple, comb: tuple) -> list:
+    """(label, method, N1 = n_per_embedding, N2 = n_avg): the exact scorers, then each method at each setting."""
+    return [
+        ("BruteForce", "brute_force", None, None),
+        ("Exact", "exact", None, None),
+        *((f"TopKPerEmbd {n}", "topk_per_embedding", n, None) for n in per_embedding),
+        *((f"TopKAvg {n}", "topk_avg", None, n) for n in avg),
+        *((f"CombTopK {n1}_{n2}", "comb_topk", n1, n2) for n1, n2 in comb),
+    ]
+
+
+CONFIGS_REAL = _configs((10, 50, 100, 200), (100, 200, 500, 1000), ((5, 100), (10, 200), (50, 500)))
+CONFIGS_SCALE = _configs((10, 50, 200), (100, 500, 2000, 8000, 32000, 100000), ((5, 200), (50, 1000), (200, 8000)))
 # --ann: the same methods with an approximate candidate stage (label, method, N1, N2, searcher)
 CONFIGS_ANN = [
     ("TopKAvg 500 IVF np8", "topk_avg", None, 500, IVF_MEAN | {"nprobe": 8}),
@@ -460,18 +444,8 @@ def measure(index, mol, frames: list[pd.DataFrame], configs: list, bf_batches: i
     retrievers, build_s = {}, {}
     for label, method, n1, n2, *ann in configs:
         t = time.perf_counter()  # a searcher's faiss indexes are built (or read from the index folder) here
-        retrievers[label] = MoLRetriever(
-            index,
-            mol,
-            method=method,
-            num_results=K,
-            n_per_embedding=n1,
-            n_avg=n2,
-            batch_size=BATCH,
-            count_candidates=True,
-            drop_query_comp=True,
-            searcher=ann[0] if ann else None,
-        )
+        searcher = ann[0] if ann else None
+        retrievers[label] = MoLRetriever(index, mol, method, n_per_embedding=n1, n_avg=n2, searcher=searcher, **TIMED)
         build_s[label] = time.perf_counter() - t
     limit = {label: len(frames) for label in retrievers}
     limit |= {label: min(len(frames), bf_batches) for label, m, *_ in configs if m == "brute_force"}

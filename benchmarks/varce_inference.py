@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import describe  # noqa: E402
+from _machine import describe, write_result  # noqa: E402
 
 BASELINE = "CE"
 TARGET = 1.05
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = build_models(a.model, a.max_seq_length, a.seed)
     speed = inference_time(models, pairs, a.repeats, a.batch_size)
     result = {"machine": machine, "settings": vars(a), **speed}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w", encoding="utf8") as f:
-        json.dump(result, f, indent=2)
+    write_result(a.out, result)
     print(
         f"\nInference time ({a.dataset} test pairs: {speed['pairs']}, batch {a.batch_size}, max_seq_length "
         f"{a.max_seq_length}, {a.repeats} interleaved repeats; target VarCE / CE <= {TARGET})"

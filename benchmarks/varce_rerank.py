@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("extra", nargs="*", help="further pyterrier-prob varce options (after --)")
     a = ap.parse_args()
 
-    from benchmarks._machine import describe
+    from benchmarks._machine import describe, write_result
     from pyterrier_prob.cli import main as cli
 
     args = ["varce", *RECIPE, "--teacher", a.teacher, "--output", a.output, *a.extra]
@@ -66,9 +66,7 @@ def main() -> int:
         "machine": describe(),
         **summary,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w", encoding="utf8") as f:
-        json.dump(result, f, indent=1)
+    write_result(a.out, result, indent=1)
     print(f"wrote {a.out}")
     plot = os.path.join(a.output, "reliability.png")
     if os.path.isfile(plot):  # the reliability diagram of the nfcorpus/test pairs, beside the JSON

@@ -13,6 +13,7 @@ import importlib
 import shlex
 import sys
 
+from pyterrier_prob import __version__
 from pyterrier_prob.console import setup_console
 
 #: Subcommand -> module of :mod:`pyterrier_prob.experiments` (each has DESCRIPTION, add_arguments,
@@ -67,6 +68,7 @@ def build_parser(paper: str = DEFAULT, commands: bool = False) -> argparse.Argum
             "'pyterrier-prob --help' lists them).",
         }
     ap = argparse.ArgumentParser(formatter_class=HelpFormatter, **kwargs)
+    ap.add_argument("--version", action="version", version=f"pyterrier-prob {__version__}")
     mod.add_arguments(ap)
     ap.add_argument(
         "--verbose",
@@ -80,6 +82,9 @@ def build_parser(paper: str = DEFAULT, commands: bool = False) -> argparse.Argum
 def main(argv: list[str] | None = None) -> int:
     """Run ``pyterrier-prob [paper] [options]``; the exit status (2 for a bad setting or input, with a message)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # answered before a parser imports an experiment (torch, the models)
+        print(f"pyterrier-prob {__version__}")
+        return 0
     command = shlex.join(["pyterrier-prob", *argv])
     named = bool(argv) and argv[0] in PAPERS
     paper = argv.pop(0) if named else DEFAULT

@@ -1,16 +1,10 @@
 """The command line's console: our own progress bars and the final table, the libraries' chatter only on request.
 
-At default verbosity ``pyterrier-prob <paper>`` calls :func:`setup_console` (``verbose=False``), which silences what
-the libraries print on their own: ir_datasets' ``[INFO]`` lines (its loggers go to WARNING), Hugging Face's
-"Loading weights" / download bars, the inner bars of sentence-transformers (``encode``'s "Batches", the model card's
-"Computing widget examples" while a trainer is made; see :func:`library_bars`) and torch's harmless ``pin_memory``
-warning on a machine without an accelerator (:data:`PIN_MEMORY_WARNING`). ``pyterrier-prob <paper> --verbose``
-calls ``setup_console(verbose=True)``, which keeps (or restores) all of them.
-
-Used as a library, nothing here runs unless asked and every library prints as it does by default; a script or a
-notebook that wants the command line's quiet console calls ``setup_console()`` itself, and wraps native code that
-prints on its own (PISA's indexer) in :func:`native_output_to`.
-"""
+:func:`setup_console` (what ``pyterrier-prob <paper>`` calls; ``--verbose`` keeps or restores everything) silences
+ir_datasets' ``[INFO]`` lines, the Hugging Face bars, sentence-transformers' inner bars (:func:`library_bars`) and
+torch's harmless ``pin_memory`` warning without an accelerator (:data:`PIN_MEMORY_WARNING`). Used as a library, nothing
+here runs unless asked; a script or notebook that wants the quiet console calls ``setup_console()`` itself and wraps
+native code that prints on its own (PISA's indexer) in :func:`native_output_to`."""
 
 from __future__ import annotations
 

@@ -7,36 +7,41 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import ir_measures
+import numpy as np
+import pandas as pd
 import torch
+from safetensors.torch import load_file, save
 from transformers import TrainerCallback
 
-from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.atomic import atomic_write, read_checked
+from st_extensions.checks import positive_int
 
-__all__ = ["DevCurve"]
+__all__ = ["DevCurve", "DevRetrieval", "cosine_scores", "curve_summaries"]
+
+#: what to do with a corrupted curve file of a run being resumed
+REMEDY = "delete the curve's .json and .best.safetensors and rerun the training without --resume"
+
+
+def _read_points(path: str) -> list[dict[str, float]]:
+    with open(path, encoding="utf8") as f:
+        return list(json.load(f)["points"])
 
 
 class DevCurve(TrainerCallback):
-    """Evaluates ``evaluate(model) -> float`` (higher is better, e.g. dev nDCG@10) every ``every`` optimiser steps and
-    at the last step; each point ``{"step", "dev", "train_s"}`` is appended to ``path`` (JSON, written atomically) as
-    it comes.
+    """Evaluates ``evaluate(model) -> float`` (higher is better, e.g. dev nDCG@10) every ``every`` optimiser steps, at
+    the last step and (``evaluate_at_start``) at step 0; each point ``{"step", "dev", "train_s"}`` is appended to
+    ``path`` (JSON, written atomically; None: memory only, and a resume starts afresh) as it comes.
 
     ``model`` is the model the trainer trains (under the frozen and partial recipes the training stand-in, which
     shares its trained modules with the real model and scores exactly as it does up to the cache's storage rounding).
     With ``keep_best`` the trainable parameters at the best point so far are kept (also on disk beside ``path``, so a
     resumed run knows them) and put back into the model when training ends: the model is then the one at the best dev
-    step. A resumed run keeps the points up to the step it resumes from; a fresh run (step 0) starts a new curve.
-
-    Args:
-        every: steps between evaluations (>= 1).
-        evaluate: the dev measure of a model.
-        path: the curve's JSON file (None: memory only; then a resume starts afresh).
-        keep_best: restore the best point's trainable parameters at the end of training.
-        evaluate_at_start: also evaluate before the first step (step 0: the untrained start).
-        patience: stop training after this many evaluations without a better dev value (None: never).
-    """
+    step. ``patience``: stop training after this many evaluations without a better dev value (None: never). A resumed
+    run keeps the points up to the step it resumes from; a fresh run (step 0) starts a new curve."""
 
     def __init__(
         self,
@@ -47,12 +52,8 @@ class DevCurve(TrainerCallback):
         evaluate_at_start: bool = True,
         patience: int | None = None,
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an int >= 1, got {every!r}")
-        if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
-            raise ValueError(f"patience must be an int >= 1 or None, got {patience!r}")
-        self.patience = patience
-        self.every, self.evaluate = every, evaluate
+        self.every, self.evaluate = positive_int("every", every), evaluate
+        self.patience = positive_int("patience", patience, allow_none=True)
         self.path = os.fspath(path) if path is not None else None
         self.keep_best, self.evaluate_at_start = bool(keep_best), bool(evaluate_at_start)
         self.points: list[dict[str, float]] = []
@@ -67,7 +68,6 @@ class DevCurve(TrainerCallback):
 
     def _write(self) -> None:
         if self.path is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
             atomic_write(self.path, json.dumps({"points": self.points, "best": self.best_point()}, indent=1))
 
     def best_point(self) -> dict[str, float] | None:
@@ -80,16 +80,14 @@ class DevCurve(TrainerCallback):
         step = int(state.global_step)
         self.points, self.best, self.train_s = [], None, 0.0
         if step and self.path is not None and os.path.isfile(self.path):  # resumed: keep what came before
-            with open(self.path, encoding="utf8") as f:
-                self.points = [p for p in json.load(f).get("points", []) if p["step"] <= step]
+            saved = read_checked(self.path, _read_points, REMEDY)
+            self.points = [p for p in saved if p["step"] <= step]
             self.train_s = max((p["train_s"] for p in self.points), default=0.0)
             best = self.best_point()
             if self.keep_best and best is not None and best["step"] == step and model is not None:
                 self.best = self._trainable(model)  # the checkpoint resumed from is the best point
             elif self.keep_best and best is not None and os.path.isfile(self.best_path):
-                from safetensors.torch import load_file
-
-                self.best = load_file(self.best_path)
+                self.best = read_checked(self.best_path, load_file, REMEDY)
         if step == 0 and self.evaluate_at_start and model is not None:
             self._record(0, model)
 
@@ -135,10 +133,73 @@ class DevCurve(TrainerCallback):
         if self.keep_best and self.best_point() is self.points[-1]:
             self.best = self._trainable(model)
             if self.best_path is not None:
-                from safetensors.torch import save_file
-
-                os.makedirs(os.path.dirname(os.path.abspath(self.best_path)) or ".", exist_ok=True)
-                tmp = f"{self.best_path}.tmp"
-                save_file(self.best, tmp)
-                os.replace(tmp, self.best_path)
+                atomic_write(self.best_path, save(self.best))
         self._write()
+
+
+def curve_summaries(
+    folder: str, measures: Mapping[str, str], recipes: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """name -> the saved :class:`DevCurve` ``folder/<name>.json`` of each trained system in ``measures`` (name ->
+    dev measure), capped at its recipe's ``steps``: best step and dev value, evaluations, ``stopped_by``
+    (``"patience"`` when the last point is before the cap, else ``"steps"``)."""
+    out = {}
+    for name, measure in measures.items():
+        path = os.path.join(folder, f"{name}.json")
+        try:
+            with open(path, encoding="utf8") as f:
+                curve = json.load(f)
+        except (OSError, ValueError):
+            continue
+        points, best = curve.get("points") or [], curve.get("best") or {}
+        last = points[-1]["step"] if points else 0
+        out[name] = {
+            "measure": measure,
+            "best_step": best.get("step"),
+            "best_dev": best.get("dev"),
+            "evaluations": len(points),
+            "stopped_by": "patience" if last < recipes.get(name, {}).get("steps", 0) else "steps",
+            "curve": path,
+        }
+    return out
+
+
+def cosine_scores(model: Any, topics: pd.DataFrame, docs: list[str]) -> np.ndarray:
+    """``(queries, docs)`` cosine similarities of a bi-encoder's ``encode_query`` / ``encode_document`` embeddings."""
+    kw = {"batch_size": 64, "normalize_embeddings": True, "convert_to_numpy": True}
+    q = model.encode_query(topics["query"].tolist(), **kw)
+    return q @ model.encode_document(list(docs), **kw).T
+
+
+class DevRetrieval:
+    """``model -> mean dev measure`` (``"nDCG@10"`` or ``"R@100"``) of a model searching a fixed candidate ``pool``
+    (docno -> text) exactly for the dev ``topics``, every query counted (none retrieved: 0); the ``evaluate`` of a
+    :class:`DevCurve`. ``score(model, topics, texts) -> (queries, docs)`` array, higher better (default:
+    :func:`cosine_scores`)."""
+
+    def __init__(
+        self,
+        topics: pd.DataFrame,
+        qrels: pd.DataFrame,
+        pool: Mapping[str, str],
+        measure: str = "nDCG@10",
+        score: Callable[[Any, pd.DataFrame, list[str]], Any] | None = None,
+    ) -> None:
+        self.topics, self.measure = topics.astype({"qid": str}), ir_measures.parse_measure(measure)
+        q = qrels.astype({"qid": str, "docno": str})
+        self.qrels = [ir_measures.Qrel(a, b, int(c)) for a, b, c in q[["qid", "docno", "label"]].itertuples(False)]
+        self.docnos, self.texts = list(pool), list(pool.values())
+        self.score = score or cosine_scores
+
+    def __call__(self, model: Any) -> float:
+        with torch.no_grad():
+            scores = np.asarray(self.score(model, self.topics, self.texts), dtype=np.float32)
+        k = min(100, scores.shape[1])
+        top = np.argpartition(-scores, k - 1, axis=1)[:, :k] if k else np.zeros((len(scores), 0), int)
+        run = [
+            ir_measures.ScoredDoc(qid, self.docnos[j], float(scores[i, j]))
+            for i, qid in enumerate(self.topics["qid"])
+            for j in top[i]
+        ]
+        values = {m.query_id: m.value for m in ir_measures.iter_calc([self.measure], self.qrels, run)}
+        return float(np.mean([values.get(q, 0.0) for q in self.topics["qid"]])) if len(self.topics) else 0.0

@@ -20,9 +20,8 @@ import torch
 from pyterrier_dr import BiEncoder
 from sentence_transformers import SentenceTransformer
 
-from pyterrier_prob.index.dense import as_dense_index
-from pyterrier_prob.index.exact import QUERY_BATCH, candidate_scores, docnos_of, f32_ceil, threshold_search, unit_rows
-from pyterrier_prob.index.search import Searcher, check_searcher
+from pyterrier_prob.index import Searcher, as_dense_index, check_searcher, docnos_of, threshold_search
+from pyterrier_prob.index.exact import QUERY_BATCH, candidate_scores, f32_ceil, top_per_query, unit_rows
 from pyterrier_prob.validation import (
     check_ids,
     check_rows_match_query,
@@ -49,6 +48,25 @@ PARAM_COLUMNS: dict[str, tuple[str, ...]] = {
     "beta": ("query_temp",),
     "beta_mle": ("query_alpha", "query_beta", "query_alpha_neg", "query_beta_neg"),
 }
+
+
+def validate_columns(owner: pt.Transformer, inp: pd.DataFrame, cols: list[str], hint: str, rerank: bool | None) -> bool:
+    """pt.validate with a message naming what is missing and how to get it; True for a candidate frame (``rerank``:
+    True / False to require one / a query frame, None for either)."""
+    try:
+        with pt.validate.any(inp) as v:
+            if rerank is not True:
+                v.query_frame(extra_columns=cols, mode="retrieve")
+            if rerank is not False:
+                v.result_frame(extra_columns=cols, mode="rerank")
+    except pt.validate.InputValidationError as e:
+        missing = sorted({c for m in e.modes for c in m.missing_columns if rerank is not None or c != "docno"})
+        need = ["qid", *cols] if rerank is not True else ["qid", "docno", *cols]
+        extra = " (plus docno to re-rank)" if rerank is None else ""
+        raise pt.validate.InputValidationError(
+            f"{type(owner).__name__} needs columns {need}{extra}; missing {missing}: {hint}.", e.modes
+        ) from e
+    return v.mode == "rerank"
 
 
 class ProbBiEncoder(BiEncoder):
@@ -165,67 +183,96 @@ class ProbBiEncoder(BiEncoder):
         return f"ProbBiEncoder({name!r}, family={self.family!r})"
 
 
-class _EncoderStage(pt.Transformer):
-    """A transformer made by a :class:`ProbBiEncoder` (``verbose`` / ``batch_size``: the encoder's by default)."""
+class TextEncoderStage(pt.Transformer):
+    """A transformer made by an ``encoder`` (``verbose`` / ``batch_size``: the encoder's by default) adding the
+    columns :meth:`_encode` gives to a query (``frame="query_frame"``, texts in ``query``) or document frame (texts in
+    the encoder's ``text_field``); identical texts are encoded once and their rows share one array object (the
+    retrievers compare them by identity first)."""
 
-    _made_by = ""
+    frame = "query_frame"  # the pt.validate check of the input frame
+    made_by = "query_encoder"  # the encoder's method making it, for repr
 
-    def __init__(self, bi_encoder: ProbBiEncoder, verbose: bool | None = None, batch_size: int | None = None) -> None:
-        self.bi_encoder = bi_encoder
-        self.verbose = bi_encoder.verbose if verbose is None else verbose
-        self.batch_size = bi_encoder.batch_size if batch_size is None else batch_size
+    def __init__(self, encoder: Any, verbose: bool | None = None, batch_size: int | None = None) -> None:
+        self.encoder = encoder
+        self.verbose = encoder.verbose if verbose is None else bool(verbose)
+        self.batch_size = positive_int("batch_size", batch_size, allow_none=True) or encoder.batch_size
+
+    def _columns(self) -> dict[str, Any]:
+        """The added columns and their dtypes (of an empty frame)."""
+        raise NotImplementedError
+
+    def _encode(self, texts: list[str]) -> dict[str, Any]:
+        """Each added column's values for ``texts``: a list of arrays or a 1-D array."""
+        raise NotImplementedError
+
+    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
+        field = "query" if self.frame == "query_frame" else self.encoder.text_field
+        with pt.validate.any(inp) as v:
+            getattr(v, self.frame)(extra_columns=[field])
+            v.columns(includes=[field])
+        if not len(inp):
+            return inp.assign(**{c: pd.Series(dtype=d) for c, d in self._columns().items()})
+        if self.frame == "query_frame":
+            check_ids(inp, ["qid"], type(self).__name__)
+        texts, inv = unique_texts(check_texts(inp, field, type(self).__name__))
+        cols = self._encode(texts)
+        return inp.assign(**{c: v[inv] if isinstance(v, np.ndarray) else [v[i] for i in inv] for c, v in cols.items()})
 
     def __repr__(self) -> str:
-        return f"{self.bi_encoder!r}.{self._made_by}()"
+        return f"{self.encoder!r}.{self.made_by}()"
 
     def subtransformers(self) -> dict:
         return {}
 
 
-class ProbQueryEncoder(_EncoderStage):
+class ProbQueryEncoder(TextEncoderStage):
     """``(qid, query)`` -> adds ``query_vec`` and the per-query distribution parameters; made by
-    :meth:`ProbBiEncoder.query_encoder`. Identical query texts are encoded once."""
+    :meth:`ProbBiEncoder.query_encoder`."""
 
-    _made_by = "query_encoder"
+    def _columns(self) -> dict[str, Any]:
+        return {"query_vec": object, **{c: np.float64 for c in self.encoder.param_columns}}
 
-    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        with pt.validate.any(inp) as v:
-            v.query_frame(extra_columns=["query"])
-            v.columns(includes=["query"])
-        cols = self.bi_encoder.param_columns
-        if not len(inp):
-            return inp.assign(query_vec=pd.Series(dtype=object), **{c: pd.Series(dtype=np.float64) for c in cols})
-        check_ids(inp, ["qid"], "ProbQueryEncoder")
-        texts, inv = unique_texts(check_texts(inp, "query", "ProbQueryEncoder"))
-        emb, params = self.bi_encoder.encode_queries_with_params(
+    def _encode(self, texts: list[str]) -> dict[str, Any]:
+        emb, params = self.encoder.encode_queries_with_params(
             texts, batch_size=self.batch_size, show_progress_bar=self.verbose
         )
-        rows = list(emb)  # rows of one text share one array object (the retrievers compare them by identity first)
-        extra = {c: params[inv, j] for j, c in enumerate(cols)} if params is not None else {}
-        return inp.assign(query_vec=[rows[i] for i in inv], **extra)
+        extra = {c: params[:, j] for j, c in enumerate(self.encoder.param_columns)} if params is not None else {}
+        return {"query_vec": list(emb), **extra}
 
 
-class ProbDocEncoder(_EncoderStage):
+class ProbDocEncoder(TextEncoderStage):
     """``(docno, text)`` -> adds ``doc_vec`` (L2-normalised float32); made by :meth:`ProbBiEncoder.doc_encoder`."""
 
-    _made_by = "doc_encoder"
+    frame, made_by = "document_frame", "doc_encoder"
 
-    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        field = self.bi_encoder.text_field
-        with pt.validate.any(inp) as v:
-            v.document_frame(extra_columns=[field])
-            v.columns(includes=[field])
-        if not len(inp):
-            return inp.assign(doc_vec=pd.Series(dtype=object))
-        texts = check_texts(inp, field, "ProbDocEncoder")
-        show = bool(self.verbose) and len(texts) > self.batch_size
-        return inp.assign(doc_vec=list(self.bi_encoder.encode_docs(texts, self.batch_size, show_progress_bar=show)))
+    def _columns(self) -> dict[str, Any]:
+        return {"doc_vec": object}
+
+    def _encode(self, texts: list[str]) -> dict[str, Any]:
+        show = self.verbose and len(texts) > self.batch_size
+        return {"doc_vec": list(self.encoder.encode_docs(texts, self.batch_size, show_progress_bar=show))}
 
     def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
         return pt.RankCutoff(k) >> self
 
 
-class DenseRetriever(pt.Transformer):
+class Capped(pt.Transformer):
+    """A transformer keeping at most ``num_results`` per query (``None``: all) of no subtransformers."""
+
+    num_results: int | None
+
+    def fuse_rank_cutoff(self, k: int) -> Any:
+        """``transformer % k``: the same transformer with ``num_results = min(k, num_results)``."""
+        k = positive_int("k", k)
+        out = copy.copy(self)
+        out.num_results = k if self.num_results is None else min(k, self.num_results)
+        return out
+
+    def subtransformers(self) -> dict:
+        return {}
+
+
+class DenseRetriever(Capped):
     """``S_{t,K}(q) = Top_K({d : cos(q, d) >= t_q})`` over a DenseIndex / FlexIndex (pEBR Appendix A); a subclass
     gives the per-query thresholds (:meth:`_thresholds`, ``-inf``: top-K), ``num_results`` is the cap K.
 
@@ -275,34 +322,8 @@ class DenseRetriever(pt.Transformer):
         extra = "" if self.searcher is None else f", searcher={self.searcher.backend}[{self.searcher.setting()}]"
         return f"{type(self).__name__}({self.index!r}, {self._params()}num_results={self.num_results}{extra})"
 
-    def fuse_rank_cutoff(self, k: int) -> DenseRetriever:
-        """``retriever % k``: the same retriever with ``num_results = min(k, num_results)``."""
-        k = positive_int("num_results", k)
-        out = copy.copy(self)
-        out.num_results = k if self.num_results is None else min(k, self.num_results)
-        return out
-
-    def subtransformers(self) -> dict:
-        return {}
-
-    def _validate(self, inp: pd.DataFrame) -> bool:
-        """Validate the input columns; True for re-ranking mode (input has docno), False for first stage."""
-        cols = self._columns()
-        try:
-            with pt.validate.any(inp) as v:
-                v.query_frame(extra_columns=cols, mode="retrieve")
-                v.result_frame(extra_columns=cols, mode="rerank")
-        except pt.validate.InputValidationError as e:
-            missing = sorted({c for m in e.modes for c in m.missing_columns if c != "docno"})
-            raise pt.validate.InputValidationError(
-                f"{type(self).__name__} needs columns {['qid', *cols]} (plus docno to re-rank); missing "
-                f"{missing}: {self._hint()}.",
-                e.modes,
-            ) from e
-        return v.mode == "rerank"
-
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        rerank = self._validate(inp)
+        rerank = validate_columns(self, inp, self._columns(), self._hint(), rerank=None)
         inp = inp.reset_index(drop=True)
         check_ids(inp, ["qid", "docno"] if rerank else ["qid"], type(self).__name__)
         out = self._rerank(inp) if rerank else self._retrieve(inp)
@@ -313,8 +334,8 @@ class DenseRetriever(pt.Transformer):
     def _retrieve(self, inp: pd.DataFrame) -> pd.DataFrame:
         if not len(inp):
             return empty_results(inp)
-        inp = self._one_row_per_query(inp)
-        Q = self._query_vectors(inp)
+        _, first, Q = self._queries(inp)
+        inp = inp.iloc[first].reset_index(drop=True)
         t = self._thresholds(inp)
         if self.searcher is None:
             hits = threshold_search(
@@ -337,63 +358,36 @@ class DenseRetriever(pt.Transformer):
         """A look at the per-query result counts of one first-stage call (nothing here; see CDFCutoffRetriever)."""
 
     # ---- the query side of the input frame -------------------------------------------------------------------
-    def _raw_query_vectors(self, inp: pd.DataFrame, rows: np.ndarray | None = None) -> np.ndarray:
-        """``query_vec`` of ``rows`` (all by default) stacked as float32, with errors naming the row and qid."""
-        values = inp["query_vec"].to_numpy()
-        name = row_namer(inp)
-        if rows is not None:
-            values = values[rows]
-            name = (lambda n, r: lambda i: n(int(r[i])))(name, rows)
-        return stack_arrays(values, "query_vec", name, type(self).__name__, ndim=1)
-
-    def _query_vectors(self, inp: pd.DataFrame) -> np.ndarray:
-        """The unit query vectors of a frame with one row per query."""
-        return unit_rows(self._raw_query_vectors(inp), self.index.dim, row_namer(inp))
-
-    def _check_query_rows(self, inp: pd.DataFrame, codes: np.ndarray, first: np.ndarray, raw: np.ndarray) -> None:
-        """Every row of a qid carries its first row's ``query_vec`` (``raw``, one per query) and parameters."""
-        owner = type(self).__name__
-        cols = [c for c in self._columns() if c != "query_vec"]  # the thresholds' parameters
-        params = {col: float_column(inp, col, owner) for col in cols}  # missing / non-numeric
-        check_rows_match_query(inp, codes, first, "query_vec", raw, owner)
-        rest = np.flatnonzero(first[codes] != np.arange(len(codes)))
-        for col, vals in params.items():
-            check_same_per_query(inp, codes, first, col, vals[rest], vals[first], owner, rows=rest)
-
-    def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
-        """A query frame with each qid once (its first row); repeated qids must repeat their query exactly."""
+    def _queries(self, inp: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(codes, first, Q)``: each row's query number, each query's first row and the unit query vectors; every
+        row of a qid must carry its first row's ``query_vec`` and threshold parameters (errors name row and qid)."""
         codes, first = first_rows(inp["qid"])
-        if len(first) == len(inp):
-            return inp
-        self._check_query_rows(inp, codes, first, self._raw_query_vectors(inp, first))
-        return inp.iloc[first].reset_index(drop=True)
+        namer, owner = row_namer(inp), type(self).__name__
+
+        def name(i: int) -> str:  # the i-th query's first row
+            return namer(int(first[i]))
+
+        raw = stack_arrays(inp["query_vec"].to_numpy()[first], "query_vec", name, owner, ndim=1)
+        if len(first) < len(inp):
+            params = {col: float_column(inp, col, owner) for col in self._columns() if col != "query_vec"}
+            check_rows_match_query(inp, codes, first, "query_vec", raw, owner)
+            rest = np.flatnonzero(first[codes] != np.arange(len(codes)))
+            for col, vals in params.items():
+                check_same_per_query(inp, codes, first, col, vals[rest], vals[first], owner, rows=rest)
+        return codes, first, unit_rows(raw, self.index.dim, name)
 
     def _rerank(self, inp: pd.DataFrame) -> pd.DataFrame:
         base = inp.drop(columns=[c for c in ("score", "rank") if c in inp.columns])
         if not len(inp):
             return base.assign(score=pd.Series(dtype=np.float32), rank=pd.Series(dtype=np.int64))
-        codes, first = first_rows(inp["qid"])
-        raw = self._raw_query_vectors(inp, first)
-        self._check_query_rows(inp, codes, first, raw)
-        Q = unit_rows(raw, self.index.dim, lambda i: row_namer(inp)(int(first[i])))
+        codes, first, Q = self._queries(inp)
         t32 = f32_ceil(self._thresholds(inp.iloc[first].reset_index(drop=True)))
 
-        docids = np.asarray(self.index.docnos().inv[inp["docno"].to_numpy(dtype=str)], dtype=np.int64)
-        if (docids < 0).any():
-            bad = inp["docno"].to_numpy()[docids < 0]
-            raise ValueError(
-                f"{int((docids < 0).sum())} candidate docno(s) are not in {self.index!r} (e.g. {list(bad[:3])}): "
-                "re-ranking needs the candidates' vectors in the index"
-            )
+        docids = self.index.candidate_docids(inp["docno"], "re-ranking needs the candidates' vectors in the index")
         scores = candidate_scores(self.index, Q, codes, docids)  # exact, as the search layer scores them
         keep = np.flatnonzero(scores >= t32[codes])
-        order = np.lexsort((-scores[keep], codes[keep]))  # stable: ties keep the input order
+        order, rank = top_per_query(codes[keep], keep, scores[keep], self.num_results)  # ties keep the input order
         sel = keep[order]
-        counts = np.bincount(codes[sel], minlength=len(first))
-        rank = np.arange(sel.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        if self.num_results is not None:
-            m = rank < self.num_results
-            sel, rank = sel[m], rank[m]
         return base.iloc[sel].reset_index(drop=True).assign(score=scores[sel], rank=rank)
 
 

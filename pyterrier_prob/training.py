@@ -8,7 +8,10 @@ import io
 import json
 import os
 import re
+import shutil
 import tempfile
+import time
+import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -27,15 +30,27 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from pyterrier_prob.atomic import atomic_write, read_checked
 from pyterrier_prob.console import library_bars
 from st_extensions.checks import choice, finite_float, non_negative_int, positive_int
 from st_extensions.cross_encoder.frozen import cached_cross_encoder
 from st_extensions.cross_encoder.split import SplitTransformer, split_state_cache
 from st_extensions.frozen import CachedEmbeddings, cached_model
+from st_extensions.modules.safetensors_module import check_safetensors_file
 from st_extensions.partial import partial_model
 from st_extensions.sampler import QueryBalancedBatchSampler
+from st_extensions.threads import torch_threads
 
-__all__ = ["COMPLETE", "MODES", "Recipe", "complete_checkpoints", "fine_tune", "head_learning_rates", "text_columns"]
+__all__ = [
+    "COMPLETE",
+    "MODES",
+    "Recipe",
+    "StepRate",
+    "complete_checkpoints",
+    "fine_tune",
+    "head_learning_rates",
+    "text_columns",
+]
 
 
 class _LossBar(TrainerCallback):
@@ -61,6 +76,26 @@ class _LossBar(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class StepRate(TrainerCallback):
+    """Optimiser steps per second of a training (``steps_per_second``, None before two steps), timed from its first
+    step's end to its last: set-up, caches and the first step's warm-up left out."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last, self.steps = 0.0, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.last = time.perf_counter()
+        if self.first is None:
+            self.first = self.last
+        else:
+            self.steps += 1
+
+    @property
+    def steps_per_second(self) -> float | None:
+        return self.steps / (self.last - self.first) if self.steps and self.first is not None else None
 
 
 def head_learning_rates(
@@ -100,8 +135,9 @@ def text_columns(train: Dataset) -> list[str]:
 
 @contextlib.contextmanager
 def _loss_on(loss: nn.Module, model: nn.Module, stand_in: nn.Module):
-    """Point every ``.model`` of ``loss`` (and of its submodules) that is ``model`` at ``stand_in`` for a while."""
-    swapped = [m for m in loss.modules() if getattr(m, "model", None) is model]
+    """Point every ``.model`` of ``loss`` (and of its submodules) that is ``model`` at ``stand_in`` for a while (nothing
+    to do when ``stand_in`` is ``model``)."""
+    swapped = [m for m in loss.modules() if getattr(m, "model", None) is model and stand_in is not model]
     for m in swapped:
         m.model = stand_in
     try:
@@ -231,8 +267,6 @@ class Recipe:
 
     def save(self, path: str) -> None:
         """Write the recipe to ``path`` as JSON (atomically)."""
-        from pyterrier_prob.atomic import atomic_write
-
         atomic_write(path, json.dumps(self.to_dict(), indent=1, sort_keys=True))
 
     @classmethod
@@ -245,14 +279,20 @@ class Recipe:
 def complete_checkpoints(folder: str) -> list[str]:
     """The complete checkpoints (``checkpoint-<step>`` folders holding the :data:`COMPLETE` marker) in ``folder``,
     oldest first. A checkpoint whose writing was interrupted has no marker and is not listed."""
-    if not os.path.isdir(folder):
-        return []
-    found = []
-    for name in os.listdir(folder):
-        m = re.fullmatch(r"checkpoint-(\d+)", name)
-        if m and os.path.isfile(os.path.join(folder, name, COMPLETE)):
-            found.append((int(m.group(1)), os.path.join(folder, name)))
-    return [p for _, p in sorted(found)]
+    return [p for _, p in sorted(_checkpoints(folder).items()) if os.path.isfile(os.path.join(p, COMPLETE))]
+
+
+def _checkpoints(folder: str) -> dict[int, str]:
+    """step -> path of every ``checkpoint-<step>`` folder in ``folder``, complete or not."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return {int(m.group(1)): os.path.join(folder, n) for n in names if (m := re.fullmatch(r"checkpoint-(\d+)", n))}
+
+
+def _remove_checkpoints(folder: str, after: int = -1) -> None:
+    """Remove the checkpoints of ``folder`` beyond step ``after`` (default: all of them)."""
+    for step, path in _checkpoints(folder).items():
+        if step > after:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _pairs_of(train: Dataset) -> list[tuple[str, str]]:
@@ -277,8 +317,6 @@ class _SamplerEpoch(TrainerCallback):
     accelerate's ``BatchSamplerShard``, not the sampler), which would otherwise be drawn as epoch 0."""
 
     def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
-        from st_extensions.sampler import QueryBalancedBatchSampler
-
         steps = len(train_dataloader) // max(1, args.gradient_accumulation_steps) if train_dataloader else 0
         inner = train_dataloader
         for _ in range(6):  # DataLoaderShard -> (SkipBatchSampler ->) BatchSamplerShard -> the sampler
@@ -294,8 +332,6 @@ class _MarkComplete(TrainerCallback):
     trainer state with the sampler's position): an interrupted write leaves no marker, and resuming skips it."""
 
     def on_save(self, args, state, control, **kwargs):
-        from pyterrier_prob.atomic import atomic_write
-
         if state.is_world_process_zero:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             atomic_write(os.path.join(folder, COMPLETE), json.dumps({"step": state.global_step}))
@@ -361,63 +397,27 @@ def fine_tune(
     encoder_cache: CachedEmbeddings | None = None,
     state_cache: str | None = None,
 ) -> list[float]:
-    """Train ``model`` in place under ``recipe`` (:class:`Recipe`: mode, steps, batch, rates, checkpoints).
+    """Train ``model`` in place under ``recipe`` (:class:`Recipe`); returns the logged training loss of every step (a
+    resumed run: those its checkpoint recorded, then its own). Recipes, caches and checkpoints: ``docs/recipes.md``.
 
-    A :class:`~sentence_transformers.CrossEncoder` (e.g. a VarCrossEncoder) trains with
-    :class:`~sentence_transformers.cross_encoder.CrossEncoderTrainer` on its ``(query, document, label)`` rows as
-    given (shuffled, every column kept). Any other model trains with
-    :class:`~sentence_transformers.SentenceTransformerTrainer` on query-balanced batches
-    (:class:`~st_extensions.sampler.QueryBalancedBatchSampler`: distinct queries per global batch, each query's
-    relevant documents cycled across epochs), linear warm-up. Only columns named ``anchor*``, ``positive*`` and
-    ``negative*`` are trained on, in their order (so UniERF's ``anchor_<branch>`` / ``positive_doc`` /
-    ``negative_<branch>`` layout passes), plus a ``label`` column (the :func:`~st_extensions.judged.pair_labels`
-    keys with which the losses mask judged-relevant in-batch negatives).
-
-    Modes: ``frozen`` trains only the added modules on the encoder's outputs of every training text computed once
-    (:func:`st_extensions.frozen.cached_model`; for a cross-encoder its head on the backbone's [CLS] features of every
-    training pair, :func:`st_extensions.cross_encoder.frozen.cached_cross_encoder`; ``encoder_cache`` reuses and
-    extends a cache of the same encoder, a :class:`~st_extensions.cross_encoder.frozen.CachedPairFeatures` for a
-    cross-encoder);
-    ``partial`` trains the top ``recipe.train_layers`` layers, pooling and added modules on the lower layers'
-    hidden states cached once in ``state_cache`` (a folder, reused across runs; default: under ``output_dir``, or
-    a temporary folder; :func:`st_extensions.partial.partial_model`); ``full`` trains everything. In every mode the
-    model is then saved and used exactly as after full training: no cache is needed.
-
-    Learning rates: the encoder trains at ``recipe.learning_rate``; the parameters of every module a builder added
-    train at that module's declared ``learning_rate`` (:func:`head_learning_rates`), or ``recipe.head_learning_rate``,
-    or ``recipe.module_learning_rates[<class name>]``; ``recipe.learning_rate_mapping`` overrides all of them.
-
-    Checkpoints (``recipe.checkpoint_every`` > 0, which needs ``output_dir``): every that many steps the trainer
-    writes ``output_dir/checkpoint-<step>`` (the model's safetensors weights, optimizer, scheduler, RNG states and
-    the trainer state, from which the batch sampler's position follows), keeping the newest
-    ``recipe.checkpoint_limit``; a checkpoint counts once its :data:`COMPLETE` marker is written, last.
-    ``resume=True`` continues from the newest complete checkpoint (none: from the start) and needs the recipe
-    that wrote them (``output_dir/recipe.json``): the resumed run sees the same batches and ends with the same
-    weights as an uninterrupted one.
-
-    ``callbacks`` are added to the trainer (e.g. to evaluate on dev every few steps). Progress is one bar over the
-    steps (``desc``, the running loss as postfix; none when ``show_progress`` is false).
-
-    Returns:
-        The logged training loss of every step (a resumed run: those its checkpoint recorded, then its own).
-    """
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
-    recipe.check()
-    if recipe.checkpoint_every and not output_dir:
-        raise ValueError("Recipe.checkpoint_every needs output_dir: the folder the checkpoints go to")
-    if resume and not output_dir:
-        raise ValueError("resume=True needs output_dir: the folder holding the checkpoints")
+    A :class:`~sentence_transformers.CrossEncoder` trains with ``CrossEncoderTrainer`` on its rows as given
+    (shuffled); any other model with ``SentenceTransformerTrainer`` on query-balanced batches
+    (:class:`~st_extensions.sampler.QueryBalancedBatchSampler`) of its ``anchor*``, ``positive*`` and ``negative*``
+    columns in their order, plus ``label`` (:func:`~st_extensions.judged.pair_labels`), linear warm-up. Under
+    ``frozen`` and ``partial`` a stand-in trains on inputs computed once (:func:`_stand_in`): ``encoder_cache`` reuses
+    and extends a cache of the same encoder (frozen), ``state_cache`` is the folder of the lower layers' states
+    (partial; default under ``output_dir``, else temporary); the model is then saved and used exactly as after full
+    training. Rates: :func:`head_learning_rates`, ``recipe.learning_rate_mapping`` over all. ``output_dir`` receives
+    ``recipe.json`` and the checkpoints (``recipe.checkpoint_every``; one counts once its :data:`COMPLETE` marker is
+    written); ``resume=True`` continues from the newest complete one, under the same recipe only, and ends with the
+    weights of an uninterrupted run. ``callbacks`` join the trainer (e.g. a dev curve); ``desc`` labels the one
+    progress bar over the steps (none without ``show_progress``)."""
+    _check_run(recipe, output_dir, resume)
     if recipe.gather_across_devices:
         _gather(loss)
     cross = isinstance(model, CrossEncoder)
-    if cross:
-        Trainer, Arguments, sampler = CrossEncoderTrainer, CrossEncoderTrainingArguments, {}
-    else:
-        Trainer, Arguments = SentenceTransformerTrainer, SentenceTransformerTrainingArguments
-        sampler = {"batch_sampler": QueryBalancedBatchSampler}
-        keep = text_columns(train) + (["label"] if "label" in train.column_names else [])
-        train = train.select_columns(keep)
+    if not cross:
+        train = train.select_columns(text_columns(train) + (["label"] if "label" in train.column_names else []))
     # which checkpoint to resume from (or a refusal, for another recipe) before any cache is built
     checkpoint = _resume_point(output_dir, recipe) if resume else None
     trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
@@ -425,19 +425,19 @@ def fine_tune(
         folder = state_cache or os.path.join(output_dir or tmp, "states")
         trained = _stand_in(model, train, recipe, cross, folder, encoder_cache, show_progress)
         run_dir = output_dir or os.path.join(tmp, "run")
-        if output_dir and not resume:
-            _clear_checkpoints(run_dir)
         if output_dir:
+            if not resume:
+                _remove_checkpoints(run_dir)  # a fresh run must not mix with an earlier run's checkpoints
             os.makedirs(run_dir, exist_ok=True)
             recipe.save(os.path.join(run_dir, "recipe.json"))
-        swap = _loss_on(loss, model, trained) if trained is not model else contextlib.nullcontext()
-        with swap:
-            trainer = _trainer(Trainer, Arguments, model, trained, loss, train, recipe, run_dir, sampler, show_progress)
+        with _loss_on(loss, model, trained):
+            trainer = _trainer(model, trained, loss, train, recipe, run_dir, show_progress)
             trainer.add_callback(_LossBar(show_progress, desc))
             for cb in callbacks:
                 trainer.add_callback(cb)
-            try:
-                trainer.train(resume_from_checkpoint=checkpoint)
+            try:  # heads on cached features gain little from more threads and lose much on shared CPUs
+                with torch_threads() if recipe.caches_features else contextlib.nullcontext():
+                    trainer.train(resume_from_checkpoint=checkpoint)
             finally:
                 if recipe.caches_states:  # the lower layers were frozen for the run only
                     for p in model.parameters():
@@ -446,6 +446,17 @@ def fine_tune(
                         model[0].state_cache = None  # its folder is the temporary one, removed below
     model.eval()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _check_run(recipe: Recipe, output_dir: str | None, resume: bool) -> None:
+    """The recipe of :func:`fine_tune` checked, and the output folder that checkpoints and resuming need."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
+    recipe.check()
+    if recipe.checkpoint_every and not output_dir:
+        raise ValueError("Recipe.checkpoint_every needs output_dir: the folder the checkpoints go to")
+    if resume and not output_dir:
+        raise ValueError("resume=True needs output_dir: the folder holding the checkpoints")
 
 
 def _stand_in(
@@ -458,11 +469,12 @@ def _stand_in(
     show_progress: bool,
 ) -> nn.Module:
     """What the trainer trains under ``recipe``: ``model`` itself (full), or a stand-in on inputs computed once --
-    the encoder's outputs (frozen), the lower layers' states cached in ``folder`` (partial)."""
+    the encoder's outputs (frozen; a cross-encoder's head on the backbone's [CLS] features of every training pair),
+    the lower layers' states cached in ``folder`` (partial)."""
     if recipe.mode == "frozen":
         # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
         bar = show_progress and library_bars()
-        if cross:  # the head on the backbone's [CLS] features of every training pair, computed once
+        if cross:
             return cached_cross_encoder(model, _pairs_of(train), cache=encoder_cache, show_progress_bar=bar)
         return cached_model(model, _texts_of(train), show_progress_bar=bar, cache=encoder_cache)
     if recipe.mode == "partial" and isinstance(model[0], SplitTransformer):
@@ -483,20 +495,22 @@ def _stand_in(
 
 
 def _trainer(
-    trainer_class: type,
-    arguments_class: type,
     model: nn.Module,
     trained: nn.Module,
     loss: nn.Module,
     train: Dataset,
     recipe: Recipe,
     run_dir: str,
-    sampler: Mapping[str, Any],
     show_progress: bool,
 ) -> Any:
     """The trainer of :func:`fine_tune`: ``trained`` (the model or its stand-in on cached inputs) under ``recipe``
     (learning rates through :func:`head_learning_rates`, checkpoints, seed), saving ``model`` itself in its
     checkpoints; our callbacks (complete-checkpoint marker, sampler epoch) instead of transformers' printers."""
+    if isinstance(model, CrossEncoder):  # its rows as given, shuffled
+        trainer_class, arguments_class, sampler = CrossEncoderTrainer, CrossEncoderTrainingArguments, {}
+    else:
+        trainer_class, arguments_class = SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+        sampler = {"batch_sampler": QueryBalancedBatchSampler}
     # names as the trainer sees them, through the (swapped) loss
     mapping = head_learning_rates(model, loss, recipe.module_learning_rates, recipe.head_learning_rate)
     mapping.update(recipe.learning_rate_mapping)
@@ -548,21 +562,9 @@ def _ddp_arguments() -> dict[str, Any]:
     return ddp if torch.cuda.is_available() else {**ddp, "use_cpu": True, "ddp_backend": "gloo"}
 
 
-def _clear_checkpoints(folder: str) -> None:
-    """Remove the checkpoints of an earlier run in ``folder`` (a fresh run must not mix with them)."""
-    import shutil
-
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            if re.fullmatch(r"checkpoint-\d+", name):
-                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-
-
 def _resume_point(folder: str, recipe: Recipe) -> str | None:
     """The newest complete checkpoint in ``folder`` written under ``recipe`` (None: start afresh); checkpoints
     newer than it (interrupted writes) are removed so the trainer's rotation never keeps them over it."""
-    import shutil
-
     done = complete_checkpoints(folder)
     if not done:
         return None
@@ -573,10 +575,33 @@ def _resume_point(folder: str, recipe: Recipe) -> str | None:
     if before != recipe:
         diff = {k: (v, getattr(recipe, k)) for k, v in before.to_dict().items() if getattr(recipe, k) != v}
         raise ValueError(f"cannot resume from {folder}: it was written under another recipe (was, now): {diff}")
-    newest = done[-1]
-    step = int(newest.rsplit("-", 1)[1])
-    for name in os.listdir(folder):
-        m = re.fullmatch(r"checkpoint-(\d+)", name)
-        if m and int(m.group(1)) > step:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    return newest
+    _remove_checkpoints(folder, after=int(done[-1].rsplit("-", 1)[1]))
+    _check_checkpoint(done[-1])
+    return done[-1]
+
+
+def _check_checkpoint(path: str) -> None:
+    """Every file of the checkpoint ``path`` reads back whole (safetensors sizes, the CRCs of torch's zip files, JSON);
+    else ``CorruptFileError`` naming the file and what to do."""
+    remedy = f"delete {path!r} and rerun with --resume (it continues from the checkpoint before, if any)"
+    for root, _dirs, files in os.walk(path):
+        for name in sorted(files):
+            file = os.path.join(root, name)
+            if name.endswith(".safetensors"):
+                check_safetensors_file(file, remedy)
+            elif name.endswith((".pt", ".pth")):
+                read_checked(file, _test_zip, remedy)
+            elif name.endswith(".json"):
+                read_checked(file, _read_json, remedy)
+
+
+def _test_zip(path: str) -> None:
+    with zipfile.ZipFile(path) as z:
+        bad = z.testzip()
+    if bad is not None:
+        raise ValueError(f"its member {bad} fails its CRC check")
+
+
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf8") as f:
+        return json.load(f)

@@ -50,12 +50,8 @@ def _as_param(value: ArrayLike, name: str) -> NDArray[np.float64]:
     return arr
 
 
-def _scalar_or_array(arr: NDArray[np.float64]) -> FloatOrArray:
-    return float(arr) if arr.ndim == 0 else arr
-
-
 def _out(arr: NDArray[np.float64]) -> FloatOrArray:
-    """Results: a numpy float for 0-d results, the array otherwise."""
+    """Results and parameters: a numpy float (a ``float``) for 0-d ones, the array otherwise."""
     arr = np.asarray(arr, dtype=np.float64)
     return arr[()] if arr.ndim == 0 else arr
 
@@ -96,11 +92,10 @@ class _CosineLaw:
         return 0.0 if self._dim is None else (self._dim - 3) / 2.0
 
     # ---- broadcasting -------------------------------------------------------------------------------------
-    def _align(self, values: ArrayLike, name: str) -> tuple[NDArray[np.float64], tuple[int, ...]]:
-        """``values`` validated, and the shape the parameters take to broadcast against it: scalar parameters as numpy;
-        Q per-query parameters accept a scalar, (Q,) or (Q, K, ...) (leading axis = queries), anything else a
-        ValueError.
-        """
+    def align(self, values: ArrayLike, name: str) -> tuple[NDArray[np.float64], tuple[int, ...]]:
+        """``(values as a float array, the shape the parameters take to broadcast against it)``: scalar parameters as
+        numpy; Q per-query parameters accept a scalar, (Q,) or (Q, K, ...) (leading axis = queries), else a ValueError
+        naming ``name``."""
         try:
             v = np.asarray(values, dtype=np.float64)
         except (TypeError, ValueError) as exc:
@@ -118,13 +113,13 @@ class _CosineLaw:
         return v, (q,) + (1,) * (v.ndim - 1)
 
     def _finite(self, values: ArrayLike, name: str) -> tuple[NDArray[np.float64], tuple[int, ...]]:
-        v, pshape = self._align(values, name)
+        v, pshape = self.align(values, name)
         if not np.all(np.isfinite(v)):
             raise ValueError(f"{name} must be finite (got nan or inf)")
         return v, pshape
 
     def _probabilities(self, q: ArrayLike) -> tuple[NDArray[np.float64], tuple[int, ...]]:
-        v, pshape = self._align(q, "q")
+        v, pshape = self.align(q, "q")
         if not np.all((v >= 0.0) & (v <= 1.0)):  # also rejects nan
             raise ValueError("q must lie in [0, 1] (and not be nan)")
         return v, pshape
@@ -141,7 +136,7 @@ class _CosineLaw:
         return _out(np.exp(self._logpdf(v, pshape)))
 
     def cdf(self, t: ArrayLike) -> FloatOrArray:
-        """F_q(t) = P(x <= t) (Sec. 3.2.1 / 3.2.2; Eq. 4 with ``dim``): 0 below -1, 1 above 1; shapes: ``_align``."""
+        """F_q(t) = P(x <= t) (Sec. 3.2.1 / 3.2.2; Eq. 4 with ``dim``): 0 below -1, 1 above 1; shapes: :meth:`align`."""
         v, pshape = self._finite(t, "t")
         return _out(np.clip(self._cdf(v, pshape), 0.0, 1.0))
 
@@ -156,7 +151,7 @@ class _CosineLaw:
         """Per-query threshold ``t_q = ppf(1 - p)``, so ``P(x >= t_q) = p`` (Sec. 4.4.2): a larger ``p`` in (0, 1) keeps
         more items (Table 3).
         """
-        v, _ = self._align(p, "p")
+        v, _ = self.align(p, "p")
         if not np.all((v > 0.0) & (v < 1.0)):  # also rejects nan
             raise ValueError("p must lie strictly inside (0, 1): it is the share of the relevant-item law kept")
         return self.ppf(1.0 - v)
@@ -381,7 +376,7 @@ class ExpCosine(_CosineLaw):
     @property
     def tau(self) -> FloatOrArray:
         """Temperature(s) tau_q."""
-        return _scalar_or_array(self._tau)
+        return _out(self._tau)
 
     def __repr__(self) -> str:
         return f"ExpCosine(tau={_fmt(self._tau)}, dim={self._dim})"
@@ -395,7 +390,7 @@ class ExpCosine(_CosineLaw):
         return _ExpSphereQuadrature(self._tau.reshape(-1), self._m)
 
     def _rows(self, v: NDArray[np.float64]) -> tuple[NDArray[np.intp], NDArray[np.float64]]:
-        """Quadrature-table row of every value of ``v`` (aligned by :meth:`_align`), and v flattened."""
+        """Quadrature-table row of every value of ``v`` (aligned by :meth:`align`), and v flattened."""
         if not self._shape:
             return np.zeros(v.size, dtype=np.intp), v.reshape(-1)
         per_row = v.size // self._shape[0] if self._shape[0] else 0
@@ -466,17 +461,17 @@ class BetaCosine(_CosineLaw):
     @property
     def alpha(self) -> FloatOrArray:
         """alpha parameter(s) of the law h (as given, before the sphere correction)."""
-        return _scalar_or_array(self._alpha)
+        return _out(self._alpha)
 
     @property
     def beta(self) -> FloatOrArray:
         """beta parameter(s) of the law h (as given, before the sphere correction)."""
-        return _scalar_or_array(self._beta)
+        return _out(self._beta)
 
     @property
     def z_params(self) -> tuple[FloatOrArray, FloatOrArray]:
         """(a, b) with z = (1 + x) / 2 ~ Beta(a, b): (alpha, beta) + (n - 3) / 2, or (alpha, beta) if 1-D."""
-        return _scalar_or_array(self._a), _scalar_or_array(self._b)
+        return _out(self._a), _out(self._b)
 
     def __repr__(self) -> str:
         return f"BetaCosine(alpha={_fmt(self._alpha)}, beta={_fmt(self._beta)}, dim={self._dim})"

@@ -19,7 +19,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule
 from torch import Tensor
 
-from st_extensions.atomic import atomic_write
+from st_extensions.atomic import atomic_write, read_checked
 from st_extensions.defaults import base_modules
 from st_extensions.modules.adapter import LinearAdapter
 
@@ -97,17 +97,23 @@ class CachedEmbeddings(InputModule):
 
     @classmethod
     def load_cache(cls, path: str) -> CachedEmbeddings:
-        """Read a cache written by :meth:`save_cache` (safetensors, never pickle)."""
-        with safe_open(path, framework="pt") as f:
-            texts = json.loads(f.metadata()["texts"])
-            table = f.get_tensor("table")
-        return cls(texts, table)
+        """Read a cache written by :meth:`save_cache` (safetensors, never pickle); ``CorruptFileError`` naming
+        a truncated or corrupted file."""
+        return cls(*read_checked(path, _read_cache, "delete it: the cache is rebuilt on the next run"))
 
     def save(self, output_path: str, *args, **kwargs) -> None:
         raise NotImplementedError("CachedEmbeddings is a training-time stand-in: save the full model instead")
 
     def __repr__(self) -> str:
         return f"CachedEmbeddings({len(self.index)} texts, dim={self.table.shape[-1]})"
+
+
+def _read_cache(path: str) -> tuple[list[str], Tensor]:
+    with safe_open(path, framework="pt") as f:
+        texts, table = json.loads(f.metadata()["texts"]), f.get_tensor("table")
+    if len(texts) != len(table):
+        raise ValueError(f"{len(texts)} texts but {len(table)} rows")
+    return texts, table
 
 
 def frozen_prefix_length(model: SentenceTransformer, require_added: bool = True) -> int:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +21,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 from transformers import PreTrainedModel
 
-from st_extensions.atomic import fcntl
+from st_extensions.atomic import recover_directory
 from st_extensions.modules import LinearAdapter, MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.modules.safetensors_module import check_safetensors_file
 
@@ -173,59 +172,6 @@ def _compress_keys(keys: list[str], limit: int = 6) -> str:
     return ", ".join(parts[:limit]) + more
 
 
-# ---- a previous version left aside by a killed writer (pyterrier_prob.atomic's naming) -----------------------------
-
-_OLD_RE = re.compile(r"^\.(?P<name>.+)\.old-(?:(?P<pid>\d+)-)?[0-9a-z_]{8,12}$")
-
-
-def _recover_previous_version(path: str) -> None:
-    """If ``path`` is missing but a writer that replaced it died between moving the previous version aside (as
-    ``.<name>.old-<pid>-<tag>``) and renaming the new one in, move the previous version back. Mirrors
-    ``pyterrier_prob.atomic.recover_directory`` (st_extensions never imports pyterrier_prob)."""
-    parent, name = os.path.split(os.path.abspath(path))
-    try:
-        entries = [e for e in os.scandir(parent) if (m := _OLD_RE.match(e.name)) and m["name"] == name]
-    except OSError:
-        return
-    for entry in sorted(entries, key=lambda e: e.stat(follow_symlinks=False).st_ctime, reverse=True):
-        pid = _OLD_RE.match(entry.name)["pid"]
-        if _held(entry.path, int(pid) if pid else None):
-            continue
-        with contextlib.suppress(OSError):
-            os.rename(entry.path, path)
-            return
-
-
-def _held(path: str, pid: int | None) -> bool:
-    """Whether a live writer still holds ``path`` (its flock; without flock, its pid; else a short grace time)."""
-    try:
-        fd = os.open(path, os.O_RDONLY) if fcntl is not None else None
-    except OSError:
-        fd = None
-    if fd is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = False
-        except BlockingIOError:
-            locked = True
-        except OSError:
-            locked = None
-        finally:
-            os.close(fd)
-        if locked:
-            return True
-    if pid is not None and os.name == "posix":
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except OSError:
-            pass
-    with contextlib.suppress(OSError):
-        return time.time() - os.stat(path).st_mtime < 10.0
-    return True
-
-
 def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -> SentenceTransformer | CrossEncoder:
     """Load a saved model (local folder) that may contain this package's Modules, refusing any other foreign class.
 
@@ -239,7 +185,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
         raise ValueError("load_model does not take trust_remote_code: it allows our own module classes only")
     path = os.fspath(path)
     if not os.path.exists(path):
-        _recover_previous_version(path)
+        recover_directory(path)  # a previous version a killed writer left aside
     if not os.path.isdir(path):
         raise ValueError(f"load_model expects a local model directory, got {path!r}")
     types = _module_types(path)

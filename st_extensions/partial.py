@@ -29,13 +29,14 @@ from tqdm.autonotebook import tqdm
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bert.modeling_bert import BertModel
 
-from st_extensions.atomic import atomic_write, locked
+from st_extensions.atomic import CorruptFileError, atomic_write, locked, read_checked
 from st_extensions.checks import choice, is_int, positive_int
 from st_extensions.frozen import evaluating
 
 __all__ = [
     "LayerStateCache", "PartialTransformer", "check_layers", "check_partial_transformer", "freeze_lower_layers",
-    "layer_attention_mask", "pair_key", "partial_model", "run_top_layers", "state_fingerprint", "states_entering",
+    "layer_attention_mask", "longest_first", "pair_key", "partial_model", "run_top_layers", "state_fingerprint",
+    "states_entering",
 ]  # fmt: skip
 
 FORMAT = "st_extensions.partial/layer-states"
@@ -147,6 +148,17 @@ def run_top_layers(
     return hidden_states
 
 
+def longest_first(keys: Sequence[Any], batch_size: int, desc: str, show_progress_bar: bool) -> Iterator[list[int]]:
+    """The positions of ``keys`` in batches of ``batch_size``, longest input first (as ``predict`` orders them), with
+    a progress bar over the keys."""
+    order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
+    with tqdm(total=len(keys), desc=desc, disable=not show_progress_bar) as bar:
+        for start in range(0, len(keys), batch_size):
+            idx = [int(i) for i in order[start : start + batch_size]]
+            yield idx
+            bar.update(len(idx))
+
+
 class _Stop(Exception):
     pass
 
@@ -160,7 +172,8 @@ def states_entering(transformer: Transformer, features: dict[str, Any], layer: i
         captured.append(args[0])
         raise _Stop
 
-    handle = transformer.auto_model.encoder.layer[layer].register_forward_pre_hook(hook)
+    # first among the layer's pre-hooks: the states before any (a MoL token_layer's), which the top layers apply
+    handle = transformer.auto_model.encoder.layer[layer].register_forward_pre_hook(hook, prepend=True)
     try:
         with contextlib.suppress(_Stop):
             transformer(features)
@@ -246,6 +259,11 @@ def pair_key(x: Any) -> tuple[str, str]:
     if not all(isinstance(t, str) for t in x):
         raise ValueError(f"a (query, document) pair holds two strings, got {x!r:.80}")
     return (x[0], x[1])
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf8") as f:
+        return dict(json.load(f))
 
 
 def _as_key(x: Any, pairs: bool) -> Key:
@@ -345,8 +363,7 @@ class LayerStateCache:
         path = os.path.join(self.folder, META)
         if not os.path.isfile(path):
             return None
-        with open(path, encoding="utf8") as f:
-            meta = json.load(f)
+        meta = read_checked(path, _read_json, f"delete {self.folder!r} to rebuild the layer-state cache")
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path!r} is not a layer-state cache (format {meta.get('format')!r})")
         return meta
@@ -365,8 +382,8 @@ class LayerStateCache:
         atomic_write(os.path.join(self.folder, INDEX), lambda f: f.write(json.dumps(counts).encode()))
 
     def _read_index(self) -> tuple[int, int, int]:
-        with open(os.path.join(self.folder, INDEX), encoding="utf8") as f:
-            counts = json.load(f)
+        path, remedy = os.path.join(self.folder, INDEX), f"delete {self.folder!r} to rebuild the layer-state cache"
+        counts = read_checked(path, _read_json, remedy)
         return int(counts["keys"]), int(counts["tokens"]), int(counts["key_bytes"])
 
     def _sizes(self, n_keys: int, n_tokens: int, n_key_bytes: int) -> dict[str, int]:
@@ -392,7 +409,10 @@ class LayerStateCache:
         for name, needed in self._sizes(n_keys, n_tokens, n_key_bytes).items():
             have = os.path.getsize(os.path.join(self.folder, name))
             if have < needed:
-                raise ValueError(f"{name} in {self.folder!r} is shorter than its index says ({have} < {needed} bytes)")
+                raise CorruptFileError(
+                    f"{os.path.join(self.folder, name)!r} is shorter than its index says ({have} < {needed} bytes): "
+                    f"the layer-state cache is corrupted; delete {self.folder!r} to rebuild it"
+                )
         old = len(self._rows)
         if n_keys > old:
             ends = np.fromfile(
@@ -408,7 +428,10 @@ class LayerStateCache:
             self._offsets = np.concatenate([self._offsets, ends[:, 1]])
             self._key_bytes = n_key_bytes
         if int(self._offsets[-1]) != n_tokens:
-            raise ValueError(f"the index of the layer-state cache in {self.folder!r} is inconsistent")
+            raise CorruptFileError(
+                f"{os.path.join(self.folder, ROWS)!r} disagrees with {INDEX}: the layer-state cache is corrupted; "
+                f"delete {self.folder!r} to rebuild it"
+            )
         if n_tokens and (self._states is None or len(self._states) != n_tokens):
             self._states = np.memmap(
                 os.path.join(self.folder, STATES), dtype=self._np_dtype, mode="r", shape=(n_tokens, self.hidden_size)
@@ -523,11 +546,8 @@ class LayerStateCache:
         """Per batch (longest keys first): (position in ``keys``, token ids, states) of each of its keys."""
         transformer = self.encoder
         device = next(transformer.auto_model.parameters()).device
-        order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
-        bar = tqdm(total=len(keys), desc="layer states", disable=not self.show_progress_bar)
-        with evaluating(transformer), bar, torch.inference_mode():
-            for start in range(0, len(keys), self.batch_size):
-                idx = [int(i) for i in order[start : start + self.batch_size]]
+        with evaluating(transformer), torch.inference_mode():
+            for idx in longest_first(keys, self.batch_size, "layer states", self.show_progress_bar):
                 features = transformer.preprocess([keys[i] for i in idx])
                 if "attention_mask" not in features or "input_ids" not in features:
                     raise ValueError("the Transformer's preprocess gave no input_ids / attention_mask")
@@ -538,7 +558,6 @@ class LayerStateCache:
                     (i, ids[j][mask[j]].numpy().astype(np.int32), hidden[j][mask[j]].numpy().astype(self._np_dtype))
                     for j, i in enumerate(idx)
                 ]
-                bar.update(len(idx))
 
     def _append(self, keys: list[Key]) -> None:
         """Append ``keys``' states (in the order computed: longest first) and commit them, at the end and about
@@ -711,6 +730,9 @@ def partial_model(
     backbone = check_partial_transformer(transformer)
     num_layers = _num_layers(backbone)
     frozen = num_layers - check_layers("train_layers", train_layers, 1, num_layers, num_layers)
+    hooked = [i for i, m in enumerate(backbone.encoder.layer[:frozen]) if m._forward_pre_hooks or m._forward_hooks]
+    if hooked:  # e.g. a MoL token_layer below the trained layers: the cached states would not follow it
+        raise ValueError(f"layers {hooked} under the top {train_layers} trained have hooks the cache cannot hold")
     pairs = isinstance(model, CrossEncoder)
     if pairs and len(modules) < 2:
         raise ValueError("partial training of a CrossEncoder needs a head after its Transformer (Pooling + head)")

@@ -91,12 +91,8 @@ def encode_branches(
         if isinstance(texts, str):
             raise ValueError(f"branch_texts[{branch!r}] must be a sequence of texts, got a single string")
         texts = [str(t) for t in texts]
-        if not texts:
-            out[branch] = np.zeros((0, head.in_features), np.float32)
-            continue
-        emb = model.encode_query(
-            texts, batch_size=batch_size, branch=branch, convert_to_numpy=True, show_progress_bar=show_progress_bar
-        )
+        kwargs = {"batch_size": batch_size, "branch": branch, "show_progress_bar": show_progress_bar}
+        emb = model.encode_query(texts, convert_to_numpy=True, **kwargs) if texts else np.zeros((0, head.in_features))
         out[branch] = np.asarray(emb, dtype=np.float32)
     return out
 
@@ -112,16 +108,24 @@ def unierf_columns(
     (True: all).
     """
     names = check_branch_names(branches)
-    hard = names if hard_negatives is True else [] if hard_negatives is False else list(hard_negatives)
-    unknown = [b for b in hard if b not in names]
-    if unknown:
-        raise ValueError(f"hard-negative branches {unknown} are not among the branches {names}")
+    hard = hard_negative_branches(names, hard_negatives)
     return [
         *(anchor_column(b) for b in names),
         POSITIVE_COLUMN,
         *([RANDOM_NEGATIVE_COLUMN] if random_negative else []),
         *(negative_column(b) for b in names if b in hard),
     ]
+
+
+def hard_negative_branches(branches: Sequence[str], hard_negatives: Sequence[str] | bool = True) -> list[str]:
+    """The branches with a hard negative ``negative_<b>``: all (True), none (False) or those named, in the order of
+    ``branches``. ValueError: a name not among ``branches``."""
+    if isinstance(hard_negatives, bool):
+        return list(branches) if hard_negatives else []
+    unknown = [b for b in hard_negatives if b not in branches]
+    if unknown:
+        raise ValueError(f"hard_negatives names unknown branches {unknown}: the branches are {list(branches)}")
+    return [b for b in branches if b in hard_negatives]
 
 
 def parse_unierf_columns(columns: Sequence[str], branches: Sequence[str]) -> tuple[list[str], list[str | None]]:
@@ -131,18 +135,13 @@ def parse_unierf_columns(columns: Sequence[str], branches: Sequence[str]) -> tup
     any other ``negative*`` is shared (``None``). ValueError: unknown column or branch, repeated anchor, wrong order.
     """
     columns = list(columns)
-    anchors: list[str] = []
-    i = 0
-    while i < len(columns) and columns[i].startswith("anchor_"):
-        name = columns[i][len("anchor_") :]
+    i = next((i for i, c in enumerate(columns) if not c.startswith("anchor_")), len(columns))
+    anchors = [c.removeprefix("anchor_") for c in columns[:i]]
+    for k, (col, name) in enumerate(zip(columns, anchors)):
         if name not in branches:
-            raise ValueError(
-                f"column {columns[i]!r} names an unknown branch {name!r}: the branches are {list(branches)}"
-            )
-        if name in anchors:
-            raise ValueError(f"column {columns[i]!r} appears twice")
-        anchors.append(name)
-        i += 1
+            raise ValueError(f"column {col!r} names an unknown branch {name!r}: the branches are {list(branches)}")
+        if name in anchors[:k]:
+            raise ValueError(f"column {col!r} appears twice")
     if not anchors:
         raise ValueError(
             f"UniERF rows start with one anchor_<branch> column per branch, got columns {columns}: "
@@ -152,15 +151,14 @@ def parse_unierf_columns(columns: Sequence[str], branches: Sequence[str]) -> tup
         raise ValueError(
             f"after the anchor columns UniERF rows need one positive column (e.g. {POSITIVE_COLUMN!r}), got {columns}"
         )
-    i += 1
     negatives: list[str | None] = []
-    for col in columns[i:]:
+    for col in columns[i + 1 :]:
         if not col.startswith("negative"):
             raise ValueError(
                 f"column {col!r} is neither anchor_<branch>, positive nor negative*: drop it before training "
                 f"(UniERF layout: {unierf_columns(branches)})"
             )
-        tag = col[len("negative_") :] if col.startswith("negative_") else None
+        tag = col.removeprefix("negative_") if col.startswith("negative_") else None
         negatives.append(tag if tag in branches else None)
     return anchors, negatives
 
@@ -181,10 +179,8 @@ class _NegativeDraws:
     def __init__(
         self, pool: list[str], categories: Mapping[str, str] | None, same_category_share: float, seed: int
     ) -> None:
-        self.rng = random.Random(seed)
-        self.pool = pool
+        self.rng, self.pool, self.share = random.Random(seed), pool, same_category_share
         self.categories = categories or {}
-        self.share = same_category_share
         self.by_category: dict[str, list[str]] = {}
         for doc in pool:
             if doc in self.categories:
@@ -193,10 +189,8 @@ class _NegativeDraws:
     def random(self, i: int, positive: str, excluded: Collection[str]) -> str:
         """Uniform over the corpus; for a share of the rows over the positive's category (if it has other docs)."""
         category = self.categories.get(positive)
-        if category is not None and self.rng.random() < self.share:
-            doc = _sample_random(self.rng, self.by_category.get(category, []) or self.pool, excluded)
-        else:
-            doc = _sample_random(self.rng, self.pool, excluded)
+        same = category is not None and self.rng.random() < self.share
+        doc = _sample_random(self.rng, (self.by_category.get(category, []) if same else []) or self.pool, excluded)
         if doc is None:
             raise ValueError(f"example {i} has no document left to draw a negative from")
         return doc
@@ -267,9 +261,7 @@ def _check_dataset_inputs(
         if isinstance(texts, str) or len(texts) != n:
             raise ValueError(f"anchors[{b!r}] must hold one text per example ({n}), got {len(texts)}")
     hard_negatives = dict(hard_negatives or {})
-    unknown = [b for b in hard_negatives if b not in branches]
-    if unknown:
-        raise ValueError(f"hard_negatives for unknown branches {unknown}: the anchors' branches are {branches}")
+    hard_negative_branches(branches, list(hard_negatives))
     for b, cands in hard_negatives.items():
         if len(cands) != n:
             raise ValueError(f"hard_negatives[{b!r}] must hold one candidate list per example ({n}), got {len(cands)}")

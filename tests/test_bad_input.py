@@ -32,9 +32,9 @@ from pyterrier_prob import (
     ScoreCutoffRetriever,
     TopKRetriever,
     VarCrossEncoderReranker,
-    atomic,
 )
 from pyterrier_prob.evaluation import calibrate_mean_k, retrieved_counts
+from st_extensions import atomic
 
 DIM, PQ, PX, D = 8, 2, 3, 6
 
@@ -456,6 +456,15 @@ def _temporaries(path: Path) -> list[str]:
     return sorted(n for n in os.listdir(path.parent) if n.startswith(f".{path.name}."))
 
 
+def _dead_pid() -> int:
+    """The pid of a child process that has already exited (a writer that died)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
 @pytest.mark.parametrize("exchange", [True, False], ids=["atomic-swap", "two-renames"])
 def test_overwrite_killed_at_every_step_leaves_a_loadable_index(tmp_path, exchange):
     if exchange and not atomic._exchange_supported(tmp_path):
@@ -508,10 +517,7 @@ def test_overwrite_never_leaves_the_path_empty_for_a_reader(tmp_path):
 def test_stale_temporaries_are_cleaned_and_live_ones_kept(tmp_path):
     path = tmp_path / "idx.flex"
     DenseIndex(path).index(_frame(V1))
-    dead = os.fork()
-    if dead == 0:  # pragma: no cover
-        os._exit(0)
-    os.waitpid(dead, 0)
+    dead = _dead_pid()
     for name in (
         f".idx.flex.tmp-{dead}-0123456789ab",
         f".idx.flex.old-{dead}-ba9876543210",
@@ -540,10 +546,7 @@ def test_a_previous_version_left_aside_is_recovered_on_load(tmp_path):
     (an index, or a model with st_extensions.load_model) moves the previous version back."""
     path = tmp_path / "idx.flex"
     DenseIndex(path).index(_frame(V1))
-    dead = os.fork()
-    if dead == 0:  # pragma: no cover
-        os._exit(0)
-    os.waitpid(dead, 0)
+    dead = _dead_pid()
     os.rename(path, tmp_path / f".idx.flex.old-{dead}-0123456789ab")
     assert not path.exists()
     assert DenseIndex(path).docno_array().tolist() == V1 and _temporaries(path) == []
@@ -552,10 +555,7 @@ def test_a_previous_version_left_aside_is_recovered_on_load(tmp_path):
 def test_a_model_left_aside_is_recovered_by_load_model(minilm_path, tmp_path):
     from st_extensions import load_model
 
-    dead = os.fork()
-    if dead == 0:  # pragma: no cover
-        os._exit(0)
-    os.waitpid(dead, 0)
+    dead = _dead_pid()
     _linked_model(minilm_path, tmp_path / f".model.old-{dead}-0123456789ab")
     model = load_model(str(tmp_path / "model"), device="cpu")
     assert model.get_embedding_dimension() == 384 and (tmp_path / "model").is_dir()

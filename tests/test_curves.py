@@ -78,7 +78,7 @@ def test_a_fresh_run_starts_a_new_curve(tmp_path):
 
 
 def test_bad_every():
-    with pytest.raises(ValueError, match="every must be an int >= 1"):
+    with pytest.raises(ValueError, match="every must be a positive int"):
         DevCurve(0, _dev)
 
 
@@ -101,3 +101,71 @@ def test_patience_stops_after_evaluations_without_a_better_point():
     assert stopped_at == 5 and curve.best_point()["step"] == 3
     with pytest.raises(ValueError, match="patience"):
         DevCurve(1, _dev, patience=0)
+
+
+# ---- the harness's dev curves (--dev-every, --patience) and DevRetrieval
+
+
+def test_dev_retrieval_ranks_the_pool_exactly():
+    import pandas as pd
+
+    from pyterrier_prob.curves import DevRetrieval
+
+    topics = pd.DataFrame({"qid": ["1", "2"], "query": ["a", "b"]})
+    qrels = pd.DataFrame({"qid": ["1", "2"], "docno": ["d1", "d2"], "label": [1, 1]})
+    pool = {"d1": "x", "d2": "y", "d3": "z"}
+
+    def score(model, t, texts):  # query 1 ranks d1 first; query 2 ranks d2 last
+        assert list(t["qid"]) == ["1", "2"] and texts == ["x", "y", "z"]
+        return [[3.0, 2.0, 1.0], [3.0, 1.0, 2.0]]
+
+    assert DevRetrieval(topics, qrels, pool, "nDCG@10", score)(None) == pytest.approx((1.0 + 0.5) / 2)
+    assert DevRetrieval(topics, qrels, pool, "R@100", score)(None) == 1.0
+
+
+class _Scripted:
+    """A dev measure that returns scripted values (the real one is computed too) and keeps each point's weights."""
+
+    def __init__(self, real, values):
+        self.real, self.values, self.weights, self.measure = real, list(values), [], "nDCG@10"
+
+    def __call__(self, model):
+        assert 0.0 <= self.real(model) <= 1.0
+        self.weights.append(model[-1].linear.weight.detach().clone())
+        return self.values[len(self.weights) - 1]
+
+
+def test_harness_training_stops_on_patience_and_keeps_the_best_steps_weights(small_beir, tmp_path):
+    from functools import partial
+
+    from pyterrier_prob.experiments.harness import CommonConfig, Harness, TrainingPairs
+    from st_extensions import default_model_path, load_model
+    from st_extensions.frozen import build_adapter_model
+    from st_extensions.losses import MaskedMultipleNegativesRankingLoss
+
+    cfg = CommonConfig(dataset=str(small_beir[0]), output=str(tmp_path / "o"), quiet=True, steps=10, batch_size=4)
+    cfg.dev_every, cfg.patience, cfg.lr = 1, 1, 1e-2
+    h = Harness("t", cfg)
+    data = h.load_data()
+    pairs = TrainingPairs(data, 0)
+    dev = _Scripted(h.dev_evaluator(data, "nDCG@10"), [0.1, 0.5, 0.2, 0.9])
+    build = partial(build_adapter_model, load_model(str(default_model_path()), device="cpu"))
+    model, _ = h.train(
+        "sys", build, lambda m: MaskedMultipleNegativesRankingLoss(m, judged=pairs.judged), pairs, dev=dev
+    )
+    assert len(dev.weights) == 3  # steps 0, 1 (best), 2 (worse: patience 1 stops the run)
+    assert not torch.equal(dev.weights[1], dev.weights[2])
+    assert torch.equal(model[-1].linear.weight, dev.weights[1])  # the best step's weights are kept ...
+    saved = load_model(h.path("models", "sys"), device="cpu")
+    assert torch.equal(saved[-1].linear.weight, dev.weights[1])  # ... and saved
+    curve = h.finish("t", "", {}, {}, data)["dev_curves"]["sys"]
+    assert curve["best_step"] == 1 and curve["best_dev"] == 0.5 and curve["stopped_by"] == "patience"
+    assert curve["measure"] == "nDCG@10" and curve["evaluations"] == 3
+
+
+def test_dev_options_are_checked():
+    from pyterrier_prob.experiments.harness import CommonConfig
+
+    for flag in ("dev_every", "patience"):
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be a positive int"):
+            CommonConfig(**{flag: 0}).check()

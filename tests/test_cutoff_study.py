@@ -186,7 +186,7 @@ def test_list_features_against_a_loop():
         assert feats["logit_top1"][q] == pytest.approx(np.log(z1 / (1 - z1)))
         assert feats["logit_mean_top"][q] == pytest.approx(np.log(zm / (1 - zm)))
     assert len(list_features(ranked.iloc[:0])) == 0
-    with pytest.raises(ValueError, match="top must be an int"):
+    with pytest.raises(ValueError, match="top must be a positive int"):
         list_features(ranked, top=0)
 
 
@@ -210,7 +210,7 @@ def test_recall_gain_statistic_against_a_loop():
             raw.append(0.0 if hi == lo else (one.cdf(s[lo]) - one.cdf(s[hi])) / (hi - lo))
         rows = (ranked["qid"] == f"q{q}").to_numpy()
         np.testing.assert_allclose(stat[rows], np.minimum.accumulate(raw), rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="window must be an int"):
+    with pytest.raises(ValueError, match="window must be a positive int"):
         gain_stat(ranked, law, window=0)
 
 

@@ -58,16 +58,9 @@ def _perturb(module: torch.nn.Module, std: float, seed: int = 0) -> None:
 
 def _case(name: str, base):
     """``(model, make_loss(gather, judged), columns)`` for one loss; heads perturbed away from their neutral start."""
-    from st_extensions import build_mol_model, build_pebr_model, build_unierf_model, find_mol
+    from st_extensions import build_mol_model, build_pebr_model, build_unierf_model, find_mol, losses
     from st_extensions.frozen import build_adapter_model
-    from st_extensions.losses import (
-        BetaMLELoss,
-        BetaNCELoss,
-        ExpNCELoss,
-        MaskedMultipleNegativesRankingLoss,
-        MoLLoss,
-        UniERFLoss,
-    )
+    from st_extensions.losses import MaskedMultipleNegativesRankingLoss, MoLLoss, UniERFLoss
     from st_extensions.losses.unierf import FrozenDocumentTower
 
     torch.manual_seed(0)
@@ -79,7 +72,7 @@ def _case(name: str, base):
     if name in ("exp", "beta", "beta_mle"):
         model = build_pebr_model(base, family=name)
         _perturb(model[-1], 0.05)
-        cls = {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[name]
+        cls = {"exp": losses.ExpNCELoss, "beta": losses.BetaNCELoss, "beta_mle": losses.BetaMLELoss}[name]
         return model, lambda g, j: cls(model, judged=j, gather_across_devices=g), pairs
     if name == "mol":
         model = build_mol_model(base, 2, 3, component_dim=8, component_source="heads", gate_features=True)

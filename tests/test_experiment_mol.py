@@ -6,38 +6,17 @@ import stat
 import numpy as np
 import pandas as pd
 import pytest
+from helpers import cli_help
 
 from pyterrier_prob.cli import main
 from st_extensions.modules.mol import MixtureOfLogits
 
 
 def test_mol_help(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["mol", "--help"])
-    assert e.value.code == 0
-    out = capsys.readouterr().out
+    out = cli_help(
+        capsys, "mol", "--alpha --scale --head-lr --pq --px --component-dim --component-source --k --mi-ablation"
+    )
     assert "pyterrier-prob mol" in out
-    for option in (
-        "--dataset",
-        "--test-dataset",
-        "--model",
-        "--steps",
-        "--batch-size",
-        "--max-seq-length",
-        "--output",
-        "--reuse",
-        "--quiet",
-        "--alpha",
-        "--scale",
-        "--head-lr",
-        "--pq",
-        "--px",
-        "--component-dim",
-        "--component-source",
-        "--k",
-        "--mi-ablation",
-    ):
-        assert option in out
 
 
 def test_mol_defaults():
@@ -124,10 +103,21 @@ def test_mol_tiny_run(tmp_path, small_beir, small_beir_no_train_no_dev):
     folder, info = small_beir
     out = tmp_path / "mol"
     argv = ["mol", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
-    assert main([*argv, "--output", str(out), "--quiet"]) == 0
+    claims = tmp_path / "claims.json"
+    assert main([*argv, "--output", str(out), "--quiet", "--claims-json", str(claims)]) == 0
 
     results = pd.read_csv(out / "results.csv")
     assert list(results["name"]) == ["base model (no fine-tuning)", "bi-encoder", "MoL"]
+    rows = json.loads(claims.read_text())["rows"]  # mol_vs_dot, paired t-tests as pt.Experiment's
+    assert [(r["claim"], r["recipe"], r["system"], r["baseline"]) for r in rows] == [
+        ("mol_vs_dot", "frozen", "MoL", "bi-encoder")
+    ] * 2
+    r = results.set_index("name")
+    for row in rows:
+        assert row["value"] == pytest.approx(r.loc["MoL", row["metric"]])
+        assert row["baseline_value"] == pytest.approx(r.loc["bi-encoder", row["metric"]])
+        p = r.loc["MoL", f"{row['metric']} p-value"]
+        assert row["p"] == pytest.approx(p) if row["p"] is not None else np.isnan(p)
     assert list(results["fine-tuned"]) == [False, True, True]
     assert results[["nDCG@10", "R@100"]].apply(lambda c: c.between(0, 1)).all().all()
     assert {"nDCG@10 p-value", "R@100 p-value"} <= set(results.columns)

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import DOCS, QUERIES, tiny_training_args
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
 from st_extensions import MixtureOfLogits, build_mol_model, encode_components, find_mol, load_model
@@ -19,13 +20,6 @@ from st_extensions.modules.mol import (
     mutual_information_loss,
 )
 
-QUERIES = ["vitamin d and bone health", "statins side effects", "breast cancer diet", "gut bacteria"]
-DOCS = [
-    "Vitamin D supplementation improves bone mineral density in older adults.",
-    "Muscle pain is a frequently reported adverse effect of statin therapy.",
-    "Dietary fat intake and the risk of breast cancer in a cohort study.",
-    "The human microbiome and its role in metabolic disease.",
-]
 NEGS = ["Coffee consumption and mortality.", "Sleep duration in teenagers.", "Red meat and colon cancer.", "Yoga."]
 
 
@@ -414,16 +408,7 @@ def test_trainer_few_steps_then_save_load_identical(tmp_path, base_model, source
 
     model = build_mol_model(base_model, 2, 2, component_dim=8, component_source=source, gate_features=True)
     train = Dataset.from_dict({"anchor": QUERIES * 2, "positive": DOCS * 2})
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-    )
+    args = tiny_training_args(SentenceTransformerTrainingArguments, tmp_path)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=MoLLoss(model, alpha=0.01))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -444,3 +429,43 @@ def test_trainer_few_steps_then_save_load_identical(tmp_path, base_model, source
     np.testing.assert_array_equal(xf, xf2)
     s1 = mol.score_all(*map(torch.tensor, (q, x, qf, xf)))
     assert torch.equal(s1, find_mol(loaded).score_all(*map(torch.tensor, (q2, x2, qf2, xf2))))
+
+
+def test_token_layer_offsets_train_under_partial_and_the_embedding_table_does_not(base_model, tmp_path):
+    """The aggregation tokens' trainable inputs (token_layer = L - train_layers, above the cached layers) change in a
+    few partial steps, the frozen embedding table does not; the offsets save and load with the model, and states
+    cached after they moved still give the full model's outputs (the cache holds the states before them)."""
+    from datasets import Dataset
+
+    from pyterrier_prob.training import Recipe, fine_tune
+    from st_extensions.partial import partial_model
+
+    model = build_mol_model(base_model, 2, 2, component_dim=16, token_layer=5, seed=0, device="cpu")
+    model.max_seq_length = 32
+    mol, table = find_mol(model), model[0].auto_model.get_input_embeddings().weight.detach().clone()
+    assert torch.equal(mol.token_shift, torch.zeros(4, 384))
+    rows = Dataset.from_dict({"anchor": QUERIES * 2, "positive": DOCS * 2})
+    recipe = Recipe(mode="partial", train_layers=1, steps=3, batch_size=4)
+    fine_tune(model, MoLLoss(model), rows, recipe, output_dir=str(tmp_path / "run"), show_progress=False)
+    assert mol.token_shift.abs().sum() > 0  # the token inputs trained ...
+    assert torch.equal(model[0].auto_model.get_input_embeddings().weight, table)  # ... the embedding table did not
+    model.save(str(tmp_path / "m"))
+    loaded = load_model(str(tmp_path / "m"), device="cpu")
+    assert torch.equal(find_mol(loaded).token_shift, mol.token_shift)
+    texts = ["a text no cache has seen", "another new one"]
+    full = encode_components(loaded, texts, "document")
+    np.testing.assert_allclose(encode_components(model.eval(), texts, "document"), full, atol=1e-6)
+    stand_in = partial_model(loaded, 1, dtype="float32").eval()
+    np.testing.assert_allclose(encode_components(stand_in, texts, "document"), full, atol=1e-4)
+
+
+def test_token_layer_below_the_trained_layers_or_with_heads_is_refused(base_model):
+    from st_extensions.partial import partial_model
+
+    low = build_mol_model(base_model, 2, 2, component_dim=16, token_layer=2, seed=0, device="cpu")
+    with pytest.raises(ValueError, match="hooks the cache cannot hold"):
+        partial_model(low, 1)
+    with pytest.raises(ValueError, match="token_layer"):
+        build_mol_model(base_model, 2, 2, component_source="heads", token_layer=0, device="cpu")
+    with pytest.raises(ValueError, match="token_layer"):
+        build_mol_model(base_model, 2, 2, component_dim=16, token_layer=6, device="cpu")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from helpers import tiny_training_args
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
@@ -141,17 +142,7 @@ def test_trainer_steps_train_the_top_layers_in_place(model, tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     stand_in = partial_model(model, n, TEXTS, cache_dir=tmp_path / "states")
     train = Dataset.from_dict({"anchor": QUERIES + QUERIES[:1], "positive": DOCS + DOCS[:1]})
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    args = tiny_training_args(SentenceTransformerTrainingArguments, tmp_path, disable_tqdm=True)
     trainer = SentenceTransformerTrainer(
         model=stand_in, args=args, train_dataset=train, loss=MultipleNegativesRankingLoss(stand_in)
     )
@@ -303,16 +294,7 @@ def test_cross_encoder_scores_equal_the_full_model(base_model, kind, tmp_path):
     rows = Dataset.from_dict(
         {"query": [q for q, _ in PAIRS], "document": [d for _, d in PAIRS], "label": [1.0, 0.0, 1.0, 0.0]}
     )
-    args = CrossEncoderTrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    args = tiny_training_args(CrossEncoderTrainingArguments, tmp_path, max_steps=2, disable_tqdm=True)
     CrossEncoderTrainer(model=stand_in, args=args, train_dataset=rows, loss=BinaryCrossEntropyLoss(stand_in)).train()
     after = ce.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}

@@ -4,19 +4,13 @@ import math
 
 import pytest
 import torch
+from helpers import DOCS, QUERIES
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import nn
 
 from st_extensions import QueryDistributionHead, build_pebr_model
 from st_extensions.losses import BetaMLELoss, BetaNCELoss, ExpNCELoss
 
-QUERIES = ["vitamin d and bone health", "statins side effects", "breast cancer diet", "gut bacteria"]
-DOCS = [
-    "Vitamin D supplementation improves bone mineral density in older adults.",
-    "Muscle pain is a frequently reported adverse effect of statin therapy.",
-    "Dietary fat intake and the risk of breast cancer in a cohort study.",
-    "The human microbiome and its role in metabolic disease.",
-]
 NEGS = [
     "Coffee consumption and mortality.",
     "Sleep duration in teenagers.",

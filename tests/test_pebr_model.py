@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_training_args
 
 from st_extensions import (
     BetaCosine,
@@ -152,16 +153,13 @@ def test_trainer_few_steps_on_nfcorpus_save_reload_identical_tau(tmp_path, base_
 
     train = training_pairs("irds:beir/nfcorpus/train", max_pairs=64, seed=0).remove_columns("qid")
     model = build_pebr_model(base_model, family="beta")
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"),
+    args = tiny_training_args(
+        SentenceTransformerTrainingArguments,
+        tmp_path,
         max_steps=4,
         per_device_train_batch_size=8,
         learning_rate=1e-4,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
         batch_sampler=BatchSamplers.NO_DUPLICATES,
-        use_cpu=True,
     )
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=BetaNCELoss(model))
     trainer.train()

@@ -11,6 +11,7 @@ import pyterrier as pt
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tiny_training_args
 from torch import nn
 
 from pyterrier_prob import DenseIndex, MultiBranchRetriever, TriggerText, UniERFEncoder
@@ -712,17 +713,7 @@ def test_trainer_few_steps_then_retrieve(tmp_path, base_model):
     model = build_unierf_model(base_model, branches=BRANCHES, device="cpu")
     before = {n: p.detach().clone() for n, p in model[-1].named_parameters()}
     loss = UniERFLoss(model, columns=train.column_names)
-    args = SentenceTransformerTrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        batch_sampler=BatchSamplers.NO_DUPLICATES,
-        use_cpu=True,
-    )
+    args = tiny_training_args(SentenceTransformerTrainingArguments, tmp_path, batch_sampler=BatchSamplers.NO_DUPLICATES)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train, loss=loss)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

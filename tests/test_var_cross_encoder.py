@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import tiny_training_args
 
 from st_extensions import load_model
 from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead, build_var_cross_encoder, find_var_head
@@ -252,17 +253,7 @@ def test_all_modules_train_with_cross_encoder_trainer(tmp_path, base_model, vari
     train = Dataset.from_dict(
         {"query": [q for q, _ in PAIRS] * 3, "document": [d for _, d in PAIRS] * 3, "label": [1, 0, 1, 0] * 3}
     )
-    args = CrossEncoderTrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-        seed=0,
-    )
+    args = tiny_training_args(CrossEncoderTrainingArguments, tmp_path, seed=0)
     loss = VariationalBCELoss(model, beta=1e-6, num_samples=2)
     CrossEncoderTrainer(model=model, args=args, train_dataset=train, loss=loss).train()
     after = model.head.state_dict()

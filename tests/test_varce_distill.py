@@ -12,6 +12,7 @@ from sentence_transformers import SentenceTransformer
 from pyterrier_prob.fusion import interpolate
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
+from pyterrier_prob.varce.analysis import uncertainty_stats
 from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
 from st_extensions.loading import load_model
 from st_extensions.losses import VariationalMarginMSELoss
@@ -176,14 +177,24 @@ def test_ece_and_platt():
 
 
 def test_uncertainty_spread_and_hard_queries():
-    qids = np.array(["a", "a", "b", "b"])
-    spread = cal.uncertainty_spread(qids, np.array([1.0, 1.0, 3.0, 3.0]))
-    assert spread["sd_between_queries"] == pytest.approx(1.0)
-    assert spread["cv_within_query"] == 0.0 and spread["share_between_queries"] == pytest.approx(1.0)
-    run = pd.DataFrame({"qid": list("aabbcc"), "score": [2, 1, 2, 1, 2, 1], "std": [1, 1, 2, 2, 3, 3.0]})
+    """One measure of the spread of std[s] and of whether uncertain queries are hard (analysis.uncertainty_stats,
+    which the distillation's report uses too); a share with a zero denominator is NaN, not 0."""
+    ranks = [0, 1, 0, 1]
+    run = pd.DataFrame({"qid": list("aabb"), "rank": ranks, "score_mean": 0.0, "score_std": [1.0, 1.0, 3.0, 3.0]})
+    spread = uncertainty_stats(run, pd.Series([0.5, 0.4], index=list("ab")))
+    assert spread["std_between_queries_sd"] == pytest.approx(1.0)
+    assert spread["std_within_query_cv_median"] == 0.0
+    assert spread["std_between_query_variance_share"] == pytest.approx(1.0)
+    assert np.isnan(
+        uncertainty_stats(run.assign(score_std=2.0), pd.Series([0.5, 0.4], index=list("ab")))[
+            "std_between_query_variance_share"
+        ]
+    )
+    std = [1, 1, 2, 2, 3, 3.0]
+    run = pd.DataFrame({"qid": list("aabbcc"), "rank": [0, 1] * 3, "score_mean": [2, 1] * 3, "score_std": std})
     ndcg = pd.Series([0.9, 0.5, 0.1], index=list("abc"))
-    out = cal.uncertain_queries_are_hard(run, ndcg)
-    assert out["rho"] == pytest.approx(-1.0) and out["queries"] == 3
+    out = uncertainty_stats(run, ndcg)
+    assert out["rho_top10_std_vs_nDCG@10"] == pytest.approx(-1.0) and out["n_queries"] == 3
 
 
 @pytest.mark.slow

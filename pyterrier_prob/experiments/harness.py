@@ -1,14 +1,8 @@
-"""The shared experiment harness: what every paper's experiment needs, written once.
-
-A paper's module (:mod:`pyterrier_prob.experiments.pebr`, ``mol``, ``varce``, ``unierf``) describes its protocol
-as a sequence of stages and calls this for everything else: the options (:class:`CommonConfig`, :func:`option`,
-:func:`add_options`); collections and splits (:meth:`Harness.load_data`: discovered splits, held-out dev queries,
-zero-shot transfer); training (:meth:`Harness.train` under the run's :class:`~pyterrier_prob.training.Recipe`,
-models saved with their settings and reused by ``--reuse`` only when those match; :class:`TrainingPairs`);
-encoding and indexing (:meth:`Harness.dense_index`, :meth:`Harness.mol_index`) and BM25 through PISA
-(:meth:`Harness.bm25`); ``pt.Experiment`` with paired t-tests (:meth:`Harness.experiment`); and the report
-(:meth:`Harness.finish`: ``results.md``, CSV tables, ``summary.json``, plots, all written atomically, and the
-summary's copy for ``--results-json``). Progress is one bar per stage; ``quiet`` silences them.
+"""The shared experiment harness: what every paper's experiment (:mod:`~pyterrier_prob.experiments.pebr`, ``mol``,
+``varce``, ``unierf``) needs besides its own stages, written once: the options (:class:`CommonConfig`,
+:func:`option`, :func:`add_options`), collections and splits (:meth:`Harness.load_data`), training under the run's
+recipe with ``--reuse``/``--resume`` (:meth:`Harness.train`), dense and BM25 (PISA) indexes, ``pt.Experiment`` with
+paired t-tests (:meth:`Harness.experiment`) and the atomically written report (:meth:`Harness.finish`).
 """
 
 from __future__ import annotations
@@ -20,26 +14,35 @@ import os
 import re
 import shutil
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from functools import cached_property
 from typing import Any, TypeVar
 
+import ir_measures
 import numpy as np
 import pandas as pd
 import pyterrier as pt
 import torch
+from pyterrier_pisa import PisaIndex
+from tqdm.auto import tqdm
 
 from pyterrier_prob import console
-from pyterrier_prob.atomic import atomic_directory, atomic_write, make_dirs, save_figure
+from pyterrier_prob.atomic import atomic_directory, atomic_write, make_dirs
 from pyterrier_prob.collections import Collection
 from pyterrier_prob.console import native_output_to
+from pyterrier_prob.curves import DevCurve, DevRetrieval, curve_summaries
 from pyterrier_prob.data import judged_pairs, training_pairs
 from pyterrier_prob.experiments.splits import Data, load_data
 from pyterrier_prob.index import DenseIndex, MoLIndex
-from pyterrier_prob.training import MODES, Recipe, fine_tune
+from pyterrier_prob.training import MODES, Recipe, StepRate, fine_tune
 from st_extensions import load_model
-from st_extensions.checks import is_int
+from st_extensions.atomic import FILE_MODE, locked
+from st_extensions.checks import is_int, positive_int
 from st_extensions.frozen import CachedEmbeddings, cached_model, prefix_model
+from st_extensions.model_card import save_with_card, set_card_figures
+from st_extensions.threads import configure_threads, thread_count
 
 C = TypeVar("C", bound="CommonConfig")
 
@@ -51,6 +54,7 @@ __all__ = [
     "add_common_arguments",
     "add_options",
     "config_from_args",
+    "lock_output",
     "loss_ends",
     "markdown_table",
     "measure_cell",
@@ -94,14 +98,10 @@ SPLITS, TRAINING, OUTPUT = "collection and splits", "model and training", "outpu
 
 @dataclass
 class CommonConfig:
-    """Options every experiment takes (the ``pyterrier-prob <paper>`` options shared by all four): each field's help
-    is its documentation (:func:`option`). The training options (``recipe``, ``steps``, ``batch_size``, ``lr``,
-    ``seed``, ``train_layers``, ``checkpoint_every``, ``checkpoint_limit``) are
-    :class:`~pyterrier_prob.training.Recipe`'s fields, documented there (:data:`RECIPE_OPTIONS`;
-    :meth:`training_recipe` makes the Recipe); ``lr`` is the encoder's rate, the modules a method adds train at
-    their own declared rate (``fine_tune``). ``command`` is the command line that ran the experiment (set by
-    ``pyterrier-prob``; in the summary).
-    """
+    """Options every experiment takes, each field's help its documentation (:func:`option`); the training options
+    (:data:`RECIPE_OPTIONS`) are :class:`~pyterrier_prob.training.Recipe`'s fields, documented there (``lr`` is the
+    encoder's rate; the modules a method adds train at their own). ``command`` is the command line that ran the
+    experiment (set by ``pyterrier-prob``; in the summary)."""
 
     dataset: str = option(
         "irds:beir/nfcorpus",
@@ -138,6 +138,24 @@ class CommonConfig:
     train_layers: int | None = None
     checkpoint_every: int | None = None
     checkpoint_limit: int = 2
+    threads: int | None = option(
+        None,
+        "CPU threads of torch, faiss and the tokenizers (default: the CPUs this process may use: OMP_NUM_THREADS, "
+        "else its affinity (taskset, a cluster's cpuset) capped by its cgroup's CPU quota)",
+        TRAINING,
+        type=int,
+    )
+    dev_every: int | None = option(
+        None,
+        "steps between dev evaluations of each trained system (its own dev retrieval measure on the calibration "
+        "queries; the best dev step's weights are kept, curves/<system>.json); default: 250 when the encoder trains, "
+        "none under frozen",
+        TRAINING,
+        type=int,
+    )
+    patience: int | None = option(
+        None, "with --dev-every: stop after this many dev points without a better one", TRAINING, type=int
+    )
     output: str = option("outputs/experiment", "folder for models, indexes, tables and plots", OUTPUT)
     reuse: bool = option(False, "reuse models (same settings) and indexes in --output", OUTPUT)
     resume: bool = option(
@@ -151,6 +169,13 @@ class CommonConfig:
         None,
         "also write the run's summary.json, with the command line as 'command', to PATH (a file, or a folder that "
         "gets <experiment>.json), e.g. benchmarks/results/ for the docs' tables",
+        OUTPUT,
+        metavar="PATH",
+    )
+    claims_json: str | None = option(
+        None,
+        "add/replace this run's rows (paper, claim, recipe, system, metric, p...) in the claims file PATH, e.g. "
+        "benchmarks/results/claims.json",
         OUTPUT,
         metavar="PATH",
     )
@@ -181,6 +206,8 @@ class CommonConfig:
             for option, field_ in RECIPE_OPTIONS.items():
                 message = message.replace(f"Recipe.{field_} ", _flag(option) + " ")
             raise ValueError(message.replace("mode '", "--recipe '")) from None
+        for flag in ("threads", "dev_every", "patience"):
+            positive_int(_flag(flag), getattr(self, flag), allow_none=True)
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
         if not 0 <= self.dev_from_train < 1:
@@ -215,8 +242,9 @@ def add_options(
         if default is False:
             group.add_argument(_flag(f.name), action="store_true", **meta)
             continue
-        if isinstance(default, tuple):
-            meta.setdefault("type", type(default[0]))
+        if isinstance(default, tuple):  # an empty default needs its own ``type`` (else str)
+            if default and "type" not in meta:
+                meta["type"] = type(default[0])
             meta.setdefault("nargs", "+")
             default = list(default)
         elif default is not None:
@@ -266,19 +294,17 @@ class TrainingPairs:
 
     def __init__(self, data: Data, seed: int) -> None:
         self.data, self.seed = data, seed
-        self._rows: Any = None
-        self._judged: Any = None
 
     def __call__(self) -> Any:
-        if self._rows is None:
-            self._rows = training_pairs(self.data.train_collection, self.data.train, seed=self.seed)
-        return self._rows
+        return self.rows
 
-    @property
+    @cached_property
+    def rows(self) -> Any:
+        return training_pairs(self.data.train_collection, self.data.train, seed=self.seed)
+
+    @cached_property
     def judged(self) -> Any:
-        if self._judged is None:
-            self._judged = judged_pairs(self.data.train_collection, self.data.train)
-        return self._judged
+        return judged_pairs(self.data.train_collection, self.data.train)
 
 
 def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
@@ -295,6 +321,36 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
     return "\n".join(lines)
 
 
+LOCK_FILE = ".pyterrier-prob.lock"
+_OUTPUT_LOCKS: dict[str, contextlib.ExitStack] = {}  # lock file -> this process's hold on it
+
+
+def lock_output(folder: str) -> contextlib.ExitStack:
+    """Hold an exclusive flock on ``folder/.pyterrier-prob.lock``, noting this process's pid and start time in it,
+    until the returned stack is closed or the process ends (a killed run's lock is free: the next run takes it).
+    ``ValueError`` at once, naming the holder, when another process holds it; this process's own earlier hold on the
+    folder (a finished or failed run) is taken over."""
+    path = os.path.join(folder, LOCK_FILE)
+    held = _OUTPUT_LOCKS.pop(os.path.realpath(path), None)
+    if held is not None:
+        held.close()
+    stack = contextlib.ExitStack()
+    try:
+        fd = stack.enter_context(locked(path, blocking=False))
+    except BlockingIOError:
+        holder = (_read_text(path) or "").strip() or "another run"
+        raise ValueError(
+            f"--output {folder!r} is in use by pyterrier-prob {holder}; wait for it to finish or choose another "
+            "--output"
+        ) from None
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+        os.fchmod(fd, FILE_MODE)
+    _OUTPUT_LOCKS[os.path.realpath(path)] = stack
+    return stack
+
+
 class Harness:
     """Stages, models, indexes, ``pt.Experiment`` and the report of one experiment run (module docstring)."""
 
@@ -309,17 +365,28 @@ class Harness:
             raise ValueError(f"--output {cfg.output!r} cannot be created: {e.strerror or e}") from e
         if not os.access(self.output, os.W_OK | os.X_OK):
             raise ValueError(f"--output {cfg.output!r} is not writable")
+        self._lock = lock_output(self.output)  # held until finish() (or the process ends)
+        weakref.finalize(self, self._lock.close)
+        self.threads = configure_threads(cfg.threads)
         self.verbose = not cfg.quiet
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
         self._fresh: set[str] = set()  # models trained in this run: their indexes are rebuilt
         self._model_settings: dict[str, dict[str, Any]] = {}  # name -> what made the model (for index reuse)
         self._held_out: dict[str, Any] = {}  # the train queries held out as dev (load_data), part of a model's settings
+        self._train_data: str | None = None  # "<collection>/<split>" the models train on (load_data; model cards)
         self._bm25: dict[str, Any] = {}  # collection name -> its PISA index, built once per run
         self._cache: Any = None  # the frozen recipe's encoder-output cache (st_extensions.frozen.CachedEmbeddings)
+        self._cache_file = self.path("cache", "encoder.safetensors")
+        self._base = {"model": cfg.model, "max_seq_length": cfg.max_seq_length}  # what makes the base encoder
         self.recipes: dict[str, dict[str, Any]] = {}  # model name -> the recipe it trained under (summary.json)
+        self.step_rates: dict[str, float | None] = {}  # model name -> its training's steps/s (summary.json)
+        self.dev_measures: dict[str, str] = {}  # model name -> its dev curve's measure (summary.json's dev_curves)
+        self._dev_pool: Any = None  # (dev topics, docno -> text) every system's dev measure searches
+        self.saved_models: dict[str, str] = {}  # model name -> its folder: finish() adds the figures to its card
         self.recipe = cfg.training_recipe(max(cfg.steps, 1))  # the run's recipe (what its options choose)
-        _silence_library_bars()
+        if not console.verbose():  # the libraries' own bars and INFO lines are not stages (unless --verbose)
+            console.quiet_libraries()
 
     # ---- stages and progress ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -335,8 +402,6 @@ class Harness:
 
     def progress(self, iterable: Iterable[Any], desc: str, total: int | None = None, unit: str = "it") -> Iterable[Any]:
         """A tqdm bar over ``iterable`` (none when quiet)."""
-        from tqdm.auto import tqdm
-
         return tqdm(iterable, desc=desc, total=total, unit=unit, disable=not self.verbose, dynamic_ncols=True)
 
     def path(self, *parts: str) -> str:
@@ -351,6 +416,7 @@ class Harness:
         with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
             data = load_data(cfg, calibrate)
         self._held_out = data.held_out
+        self._train_data = data.describe()["train"]
         return data
 
     # ---- models -----------------------------------------------------------------------------------------------
@@ -364,24 +430,28 @@ class Harness:
         settings: Mapping[str, Any] | None = None,
         encoder_cache: Any = None,
         callbacks: Sequence[Any] = (),
+        dev: Callable[[Any], float] | None = None,
         **recipe_fields: Any,
     ) -> tuple[Any, list[float]]:
         """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
 
-        The training runs under the run's recipe (:meth:`CommonConfig.training_recipe`) with the
-        :class:`~pyterrier_prob.training.Recipe` fields given in ``recipe_fields`` replaced (e.g. ``steps``,
-        ``learning_rate_mapping``, ``module_learning_rates``; None: as the run's), written as ``recipe.json`` beside
-        the model; its checkpoints go to ``output/runs/<name>`` and are removed once the model is saved. ``data``
-        builds the training rows (None, or ``steps`` 0: the built model is returned untrained and not saved). With
-        ``--reuse``, a saved model whose ``train_settings.json`` matches these ``settings`` is loaded instead of
-        trained again; with ``--resume`` a training that was cut off continues from its newest complete checkpoint.
-        ``encoder_cache`` is the frozen recipe's cache of encoder outputs to train on (default: the run's
-        :meth:`encoder_cache`; e.g. a cross-encoder's :class:`~st_extensions.cross_encoder.frozen.CachedPairFeatures`,
-        shared by the re-rankers). ``callbacks`` go to the trainer (e.g. a :class:`~pyterrier_prob.curves.DevCurve`).
+        It trains under the run's recipe with the :class:`~pyterrier_prob.training.Recipe` fields in
+        ``recipe_fields`` replaced (None: as the run's), saved as ``recipe.json`` beside the model; checkpoints go to
+        ``output/runs/<name>`` until it is saved. ``data`` builds the rows (None, or ``steps`` 0: the built model,
+        untrained, unsaved). ``--reuse`` loads a saved model whose ``train_settings.json`` matches ``settings``;
+        ``--resume`` continues a cut-off training. ``encoder_cache``: the frozen recipe's cache to train on
+        (default: :meth:`encoder_cache`); ``callbacks`` go to the trainer. ``dev``: the system's dev measure
+        (:meth:`dev_evaluator`), evaluated every ``--dev-every`` steps (default: 250 when the encoder trains) with
+        ``--patience``: the best dev step's weights are the ones kept and saved, the curve ``curves/<name>.json``.
         """
         overrides = {k: dict(v) if isinstance(v, Mapping) else v for k, v in recipe_fields.items() if v is not None}
         steps = overrides.pop("steps", self.cfg.steps)
         recipe = self.cfg.training_recipe(steps, **overrides) if data is not None and steps else None
+        every = self.cfg.dev_every or (250 if self.recipe.trains_encoder else None)
+        if recipe is not None and dev is not None and every:  # the dev choice of the step is part of the model
+            settings = {**(settings or {}), "dev": {"every": every, "patience": self.cfg.patience}}
+            curve = DevCurve(every, dev, self.path("curves", f"{name}.json"), patience=self.cfg.patience)
+            callbacks, self.dev_measures[name] = [*callbacks, curve], str(getattr(dev, "measure", "dev"))
         wanted = self._train_settings(name, recipe, settings)
         if recipe is None:
             return self._built_model(build), []
@@ -394,9 +464,10 @@ class Harness:
             model = self._built_model(build)
             own_cache = recipe.caches_features and encoder_cache is None
             rows = data()  # before the loss: a loss may use what the rows' making found (e.g. the judged pairs)
+            rate, training_loss = StepRate(), loss(model)
             losses = fine_tune(
                 model,
-                loss(model),
+                training_loss,
                 rows,
                 recipe,
                 output_dir=self.path("runs", name),
@@ -405,13 +476,31 @@ class Harness:
                 desc=f"training {name}",
                 encoder_cache=self.encoder_cache(model) if own_cache else encoder_cache,
                 state_cache=self.state_cache_path(recipe) if recipe.caches_states else None,
-                callbacks=callbacks,
+                callbacks=[*callbacks, rate],
             )
+            self.step_rates[name] = rate.steps_per_second
             if own_cache:
                 self.save_encoder_cache()
-            self._save_trained(name, model, recipe, {"settings": wanted, "losses": losses})
+            self._save_trained(name, model, recipe, {"settings": wanted, "losses": losses}, training_loss, rows)
         self._fresh.add(name)
         return model, losses
+
+    def dev_evaluator(
+        self, data: Data, measure: str = "nDCG@10", score: Callable[..., Any] | None = None, queries: int = 200
+    ) -> DevRetrieval | None:
+        """:meth:`train`'s ``dev``: ``measure`` of exact search (``score``: :class:`DevRetrieval`) over the union of
+        BM25's top 100 of ``queries`` seeded dev queries (pool built once per run); None: no dev curves."""
+        if not (self.cfg.dev_every or self.recipe.trains_encoder):
+            return None
+        if self._dev_pool is None:
+            topics = data.cal_topics.astype({"qid": str})
+            topics = topics.sample(n=min(queries, len(topics)), random_state=self.cfg.seed).sort_values("qid")
+            if topics.empty:
+                raise ValueError("--dev-every needs calibration/dev queries, this run has none")
+            coll = data.train_collection if data.dev else data.test_collection  # where the dev queries come from
+            wanted = set(self.bm25_run(self.bm25(coll), topics, 100)["docno"].astype(str))
+            self._dev_pool = topics, {d["docno"]: d["text"] for d in coll.corpus_iter() if d["docno"] in wanted}
+        return DevRetrieval(self._dev_pool[0], data.cal_qrels, self._dev_pool[1], measure, score)
 
     def _built_model(self, build: Callable[[], Any]) -> Any:
         model = build()
@@ -421,42 +510,40 @@ class Harness:
     def _train_settings(self, name: str, recipe: Recipe | None, settings: Mapping[str, Any] | None) -> dict[str, Any]:
         """What makes the model ``name``: compared with a saved model's by ``--reuse``, and part of its indexes'
         settings (an index is reused only for a model made the same way)."""
-        cfg = self.cfg
         if recipe is None:
-            wanted = {"model": cfg.model, "max_seq_length": cfg.max_seq_length, "trained": False, **(settings or {})}
+            wanted = {**self._base, "trained": False}
         else:
-            wanted = {
-                "model": cfg.model,
-                "dataset": cfg.dataset,
-                "max_seq_length": cfg.max_seq_length,
-                "recipe": {k: v for k, v in recipe.to_dict().items() if not k.startswith("checkpoint_")},
-                **({"held_out_dev": self._held_out} if self._held_out else {}),
-                **dict(settings or {}),
-            }
-        self._model_settings[name] = json.loads(json.dumps(wanted, default=str))
+            recipe_settings = {k: v for k, v in recipe.to_dict().items() if not k.startswith("checkpoint_")}
+            wanted = {**self._base, "dataset": self.cfg.dataset, "recipe": recipe_settings}
+            wanted |= {"held_out_dev": self._held_out} if self._held_out else {}
+        self._model_settings[name] = json.loads(json.dumps({**wanted, **(settings or {})}, default=str))
         return self._model_settings[name]
 
     def _reused_model(self, name: str, wanted: dict[str, Any]) -> tuple[Any, list[float]] | None:
         """With ``--reuse``: the saved model ``name`` and its losses when it was made with the ``wanted`` settings."""
         path = self.path("models", name)
-        info_path = os.path.join(path, "train_settings.json")
-        if not (self.cfg.reuse and os.path.isfile(info_path)):
-            return None
-        with open(info_path, encoding="utf8") as f:
-            saved = json.load(f)
-        if saved.get("settings") != wanted:
+        saved = _read_json(os.path.join(path, "train_settings.json")) if self.cfg.reuse else None
+        if not isinstance(saved, dict) or saved.get("settings") != wanted:
             return None
         with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
             model = self._built_model(lambda: load_model(path, device="cpu"))
+        self.saved_models[name] = path
         return model, list(saved.get("losses", []))
 
-    def _save_trained(self, name: str, model: Any, recipe: Recipe, info: dict[str, Any]) -> None:
-        """Save a trained model with its recipe and ``info`` (settings, losses); drop its checkpoints."""
+    def _save_trained(
+        self, name: str, model: Any, recipe: Recipe, info: dict[str, Any], loss: Any = None, rows: Any = None
+    ) -> None:
+        """Save a trained model with its recipe, ``info`` (settings, losses) and model card (``loss``, recipe, the
+        training data and its ``rows``; :meth:`finish` adds the run's figures); drop its checkpoints."""
         path = self.path("models", name)
-        _save_model(model, path)
+        train_data = self._train_data or self.cfg.dataset
+        save_with_card(
+            path, model, loss=loss, recipe=recipe.describe(), train_data=train_data, rows=rows, model_name=name
+        )
+        self.saved_models[name] = path
         recipe.save(os.path.join(path, "recipe.json"))
         atomic_write(os.path.join(path, "train_settings.json"), json.dumps(info, indent=1))
-        _remove_checkpoints(self.path("runs", name))
+        shutil.rmtree(self.path("runs", name), ignore_errors=True)  # the saved model replaces the checkpoints
 
     def state_cache_path(self, recipe: Any) -> str:
         """Where the partial recipe caches the lower layers' hidden states: ``output/cache/states-<base>-<max len>-
@@ -465,25 +552,12 @@ class Harness:
         return self.path("cache", f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}")
 
     # ---- the frozen recipe's encoder cache ---------------------------------------------------------------------
-    def _cache_path(self) -> str:
-        return self.path("cache", "encoder.safetensors")
-
-    def _cache_settings(self) -> dict[str, Any]:
-        return {"model": self.cfg.model, "max_seq_length": self.cfg.max_seq_length}
-
     def encoder_cache(self, model: Any) -> Any:
-        """The run's cache of base-encoder outputs (:class:`st_extensions.frozen.CachedEmbeddings`): every text is
-        encoded once per output folder by the base encoder (``model``'s frozen prefix) and then shared by every
-        system's training and indexing. Kept in ``output/cache/`` and reused when made with the same base model and
-        ``max_seq_length`` (an interrupted run resumes without encoding again)."""
+        """The run's cache of base-encoder outputs (:class:`st_extensions.frozen.CachedEmbeddings`), shared by every
+        system's training and indexing; kept in ``output/cache/``, reused while base model and token budget match."""
         if self._cache is None:
-            path = self._cache_path()
-            try:
-                with open(f"{path}.settings.json", encoding="utf8") as f:
-                    same = json.load(f) == self._cache_settings()
-            except (OSError, ValueError):
-                same = False
-            if same and os.path.isfile(path):
+            path = self._cache_file
+            if _read_json(f"{path}.settings.json") == self._base and os.path.isfile(path):
                 self._cache = CachedEmbeddings.load_cache(path)
             else:
                 self._cache = CachedEmbeddings([], torch.zeros(0, model.get_embedding_dimension()))
@@ -495,9 +569,9 @@ class Harness:
         """Write the encoder cache (atomically) so a later or resumed run does not encode the texts again."""
         if self._cache is None:
             return
-        make_dirs(os.path.dirname(self._cache_path()))
-        self._cache.save_cache(self._cache_path())
-        atomic_write(f"{self._cache_path()}.settings.json", json.dumps(self._cache_settings()))
+        make_dirs(os.path.dirname(self._cache_file))
+        self._cache.save_cache(self._cache_file)
+        atomic_write(f"{self._cache_file}.settings.json", json.dumps(self._base))
 
     def encoding_model(self, model: Any) -> Any:
         """What to encode queries and documents with: under the frozen recipe, ``model``'s added modules on the
@@ -510,24 +584,14 @@ class Harness:
     def _index_path(self, name: str, collection: Collection, ext: str) -> str:
         return self.path("indexes", f"{name}-{_slug(collection.name)}.{ext}")
 
-    def _reusable(self, name: str, index: Any, path: str) -> bool:
+    def _reusable(self, name: str, path: str) -> bool:
         """With ``--reuse``: the index exists and was built by a model made with the same settings."""
         if not self.cfg.reuse or name in self._fresh or not os.path.isfile(os.path.join(path, "pt_meta.json")):
             return False
-        try:
-            with open(f"{path}.settings.json", encoding="utf8") as f:
-                return json.load(f) == self._index_settings(name)
-        except (OSError, ValueError):
-            return False
+        return _read_json(f"{path}.settings.json") == self._index_settings(name)
 
     def _index_settings(self, name: str) -> dict[str, Any]:
-        made = self._model_settings.get(name, {"model": self.cfg.model, "max_seq_length": self.cfg.max_seq_length})
-        return {"model": made, "max_seq_length": self.cfg.max_seq_length}
-
-    def _built(self, name: str, path: str) -> None:
-        atomic_write(f"{path}.settings.json", json.dumps(self._index_settings(name), indent=1))
-        if self.recipe.caches_features:  # the documents just encoded join the run's encoder cache on disk
-            self.save_encoder_cache()
+        return {"model": self._model_settings.get(name, self._base), "max_seq_length": self.cfg.max_seq_length}
 
     def dense_index(self, name: str, encoder: Any, collection: Collection) -> Any:
         """Encode ``collection`` with a :class:`~pyterrier_prob.ProbBiEncoder` (or any pyterrier-dr BiEncoder) into a
@@ -543,28 +607,29 @@ class Harness:
     def _index(self, name: str, cls: type, ext: str, doc_encoder: Any, collection: Collection) -> Any:
         path = self._index_path(name, collection, ext)
         index = cls(path, verbose=self.verbose)
-        if self._reusable(name, index, path):
+        if self._reusable(name, path):
             return index
         with self.stage(f"index_{name}", f"encoding {collection.name} with {name} into {path}"):
             (doc_encoder >> index.indexer(mode="overwrite")).index(collection.corpus_iter())
-        self._built(name, path)
+        atomic_write(f"{path}.settings.json", json.dumps(self._index_settings(name), indent=1))
+        if self.recipe.caches_features:  # the documents just encoded join the run's encoder cache on disk
+            self.save_encoder_cache()
         return index
 
     def bm25(self, collection: Collection) -> Any:
         """A PISA index of ``collection`` for BM25: built once per run (and, with ``--reuse``, once per output
         folder); PISA's own log goes to a file beside it."""
-        from pyterrier_pisa import PisaIndex
-
         if collection.name in self._bm25:
             return self._bm25[collection.name]
         path = self._index_path("bm25", collection, "pisa")
         make_dirs(os.path.dirname(path))
-        index = PisaIndex(path, text_field="text", threads=max(1, os.cpu_count() or 1), overwrite=True)
+        index = PisaIndex(path, text_field="text", threads=thread_count(), overwrite=True)
         if not (self.cfg.reuse and index.built()):
             with self.stage("index_bm25", f"indexing {collection.name} with PISA for BM25 (log: {path}.log)"):
-                with native_output_to(f"{path}.log", fds=(1, 2)):
-                    index.index(self.progress(collection.corpus_iter(), "indexing BM25", collection.num_docs, "doc"))
-                    index.bm25(num_results=1)(pd.DataFrame({"qid": ["warm-up"], "query": ["warm up"]}))
+                with native_output_to(f"{path}.log", fds=(1, 2)), atomic_directory(path, overwrite=True) as tmp:
+                    built = PisaIndex(str(tmp), text_field="text", threads=thread_count(), overwrite=True)
+                    built.index(self.progress(collection.corpus_iter(), "indexing BM25", collection.num_docs, "doc"))
+                    built.bm25(num_results=1)(pd.DataFrame({"qid": ["warm-up"], "query": ["warm up"]}))
         self._bm25[collection.name] = index
         return index
 
@@ -586,28 +651,15 @@ class Harness:
         baseline: str | None = None,
         perquery: bool = False,
     ) -> pd.DataFrame:
-        """``pt.Experiment`` over precomputed runs, with paired t-tests against ``baseline`` (its name).
-
-        Returns pt.Experiment's frame (``name``, one column per measure, and ``<measure> p-value`` columns when a
-        baseline is given); with ``perquery`` the per-query frame instead.
-        """
-        import ir_measures
-
+        """``pt.Experiment`` over precomputed runs: ``name``, one column per measure and, with a ``baseline`` (its
+        name), paired t-tests' ``<measure> p-value`` columns; with ``perquery`` the per-query frame instead."""
         names = list(runs)
         ms = [ir_measures.parse_measure(m) if isinstance(m, str) else m for m in measures]
         frames = [r[["qid", "docno", "score"]].assign(qid=r["qid"].astype(str)) for r in runs.values()]
-        kwargs: dict[str, Any] = {"names": names, "eval_metrics": ms}
-        if perquery:
-            kwargs["perquery"] = True
-        elif baseline is not None:
-            kwargs["baseline"] = names.index(baseline)
-        return pt.Experiment(frames, topics, qrels, **kwargs)
+        base = names.index(baseline) if baseline is not None and not perquery else None
+        return pt.Experiment(frames, topics, qrels, eval_metrics=ms, names=names, perquery=perquery, baseline=base)
 
     # ---- report -----------------------------------------------------------------------------------------------
-    def figure(self, fig: Any, filename: str) -> str:
-        """Save a matplotlib figure as ``output/<filename>`` (PNG, atomic, 0644)."""
-        return save_figure(fig, self.path(filename))
-
     def finish(
         self,
         title: str,
@@ -616,19 +668,16 @@ class Harness:
         summary: Mapping[str, Any],
         data: Data | None = None,
     ) -> dict[str, Any]:
-        """Write ``results.md``, ``<table>.csv`` per table and ``summary.json``; print the report and its location
-        (also with ``quiet``: it silences only the progress output).
-
-        Returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs`` added).
-        """
+        """Write ``results.md``, ``<table>.csv`` per table and ``summary.json`` and print the report (also when
+        ``quiet``); returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs``)."""
         total = round(time.perf_counter() - self.t0, 1)
         text = "\n".join(self._report_head(title, data)) + "\n" + markdown.strip() + f"\n\nWall time: {total:.0f} s.\n"
-        outputs = {}
-        for name, frame in tables.items():
-            outputs[name] = atomic_write(self.path(f"{name}.csv"), frame.to_csv(index=False))
+        outputs = {name: atomic_write(self.path(f"{name}.csv"), f.to_csv(index=False)) for name, f in tables.items()}
         outputs["results.md"] = atomic_write(self.path("results.md"), text)
         if self.recipes:  # the recipe every model of this run trained under
             outputs["recipes.json"] = atomic_write(self.path("recipes.json"), json.dumps(self.recipes, indent=1))
+        for name, folder in self.saved_models.items():  # each saved model's card gets the figures this run measured
+            set_card_figures(folder, f"{self.name}: {title}", _figures(name, tables))
         full = {
             "experiment": self.name,
             "config": asdict(self.cfg) if hasattr(self.cfg, "__dataclass_fields__") else dict(vars(self.cfg)),
@@ -636,7 +685,10 @@ class Harness:
             "recipes": dict(self.recipes),
             **dict(summary),
             "timings_s": dict(self.timings),
+            "train_steps_per_s": dict(self.step_rates),
+            "dev_curves": curve_summaries(self.path("curves"), self.dev_measures, self.recipes),
             "total_s": total,
+            "tables": {name: f.to_dict(orient="records") for name, f in tables.items()},  # the report's figures
         }
         full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
         atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
@@ -650,6 +702,7 @@ class Harness:
             )
         print("\n" + text, flush=True)
         print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
+        self._lock.close()  # the folder is complete: another run may take it
         return full
 
     def _report_head(self, title: str, data: Data | None) -> list[str]:
@@ -688,52 +741,52 @@ class _NativeLogged(pt.Transformer):
         return repr(self.inner)
 
 
+def _figures(name: str, tables: Mapping[str, pd.DataFrame]) -> str:
+    """The rows of ``tables`` whose first text column names the model ``name`` (e.g. ``MoL`` for ``mol``), as
+    Markdown; no such row: the first table whole (the run's figures, all systems)."""
+    parts = []
+    for title, frame in tables.items():
+        text = [c for c in frame.columns if pd.api.types.is_string_dtype(frame[c])]
+        rows = frame[frame[text[0]].astype(str).str.lower().str.contains(name.lower(), regex=False)] if text else None
+        if rows is not None and len(rows):
+            parts.append(f"`{title}`:\n\n{markdown_table(rows)}")
+    if not parts and tables:
+        title, frame = next(iter(tables.items()))
+        parts.append(f"`{title}` (all systems of the run):\n\n{markdown_table(frame)}")
+    return "\n\n".join(parts) or "none"
+
+
 def _json_default(o: Any) -> Any:
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    return str(o)
+    return o.tolist() if isinstance(o, (np.integer, np.floating, np.ndarray)) else str(o)
 
 
-def _silence_library_bars() -> None:
-    """transformers' and huggingface_hub's own bars (loading weights, writing shards) are not stages: hide them; and
-    ir_datasets' INFO lines (which file it opens) -- unless the command line asked for ``--verbose``
-    (:mod:`pyterrier_prob.console`)."""
-    if not console.verbose():
-        console.quiet_libraries()
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf8") as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
 
 
-def _position_limit(model: Any) -> int | None:
-    """The most tokens the model's transformer can take (``max_position_embeddings``), if it says."""
-    for m in model.modules() if isinstance(model, torch.nn.Module) else []:
-        config = getattr(m, "config", None)
-        limit = getattr(config, "max_position_embeddings", None)
-        if isinstance(limit, int) and limit > 0:
-            return limit
-    return None
+def _read_json(path: str) -> Any:
+    """The JSON saved in ``path`` (a model's or an index's settings), None when missing or unreadable."""
+    try:
+        with open(path, encoding="utf8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _set_max_len(model: Any, n: int) -> None:
-    """Set the model's token budget; ``ValueError`` naming ``--max-seq-length`` beyond its position limit."""
-    limit = _position_limit(model)
-    if limit is not None and n > limit:
-        raise ValueError(f"--max-seq-length {n} exceeds the model's position limit of {limit} tokens")
+    """Set the model's token budget; ``ValueError`` naming ``--max-seq-length`` beyond the most tokens its transformer
+    takes (``max_position_embeddings``)."""
+    for m in model.modules() if isinstance(model, torch.nn.Module) else []:
+        limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int) and limit > 0:
+            if n > limit:
+                raise ValueError(f"--max-seq-length {n} exceeds the model's position limit of {limit} tokens")
+            break
     if hasattr(model, "max_seq_length"):
         model.max_seq_length = n
     elif hasattr(model, "max_length"):
         model.max_length = n
-
-
-def _remove_checkpoints(folder: str) -> None:
-    """Drop a finished training's checkpoints (the saved model replaces them; disk stays bounded)."""
-    if os.path.isdir(folder):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _save_model(model: Any, path: str) -> None:
-    """Save a model atomically: into a sibling folder renamed into place (folders 0755, files 0644)."""
-    with atomic_directory(path, overwrite=True) as tmp:
-        model.save(str(tmp))

@@ -23,6 +23,7 @@ import pandas as pd
 from ir_measures import R, nDCG
 
 from pyterrier_prob.experiments import harness
+from pyterrier_prob.experiments.claims import perquery_claims, record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
@@ -37,7 +38,8 @@ from pyterrier_prob.experiments.harness import (
 from pyterrier_prob.mol import MoLEncoder, MoLRetriever
 from pyterrier_prob.mol.gate import gate_statistics
 from pyterrier_prob.pebr import ProbBiEncoder, TopKRetriever
-from st_extensions import build_mol_model, default_model_path, find_mol, load_model
+from st_extensions import MixtureOfLogits, build_mol_model, default_model_path, encode_components, find_mol, load_model
+from st_extensions.checks import choice
 from st_extensions.frozen import build_adapter_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, MoLLoss
 
@@ -126,10 +128,8 @@ class MolJobConfig(CommonConfig):
             raise ValueError(f"--pq and --px must be >= 1, got {self.pq} and {self.px}")
         if self.component_dim is not None and self.component_dim < 1:
             raise ValueError(f"--component-dim must be >= 1, got {self.component_dim}")
-        if self.component_source not in ("tokens", "heads"):
-            raise ValueError(f"--component-source must be 'tokens' or 'heads', got {self.component_source!r}")
-        if self.head_init not in ("identity", "orthogonal"):
-            raise ValueError(f"--head-init must be 'identity' or 'orthogonal', got {self.head_init!r}")
+        choice("--component-source", self.component_source, ("tokens", "heads"))
+        choice("--head-init", self.head_init, ("identity", "orthogonal"))
         if self.component_source == "tokens" and self.steps and self.training_recipe(1).caches_features:
             raise ValueError(
                 "--component-source tokens reads the encoder's token outputs, which the frozen recipe does not "
@@ -166,14 +166,6 @@ class _System:
     mapping: dict[str, float] | None = None
 
 
-def _has_mol(model: Any) -> bool:
-    try:
-        find_mol(model)
-    except ValueError:
-        return False
-    return True
-
-
 def _base(cfg: MolJobConfig, adapter: bool = False) -> Any:
     """``--model`` (default: the packaged MiniLM); with ``adapter`` (a recipe that caches the encoder's outputs)
     the LinearAdapter a dense baseline trains on them."""
@@ -187,6 +179,8 @@ def _mol_model(cfg: MolJobConfig, given_is_mol: bool) -> Any:
     if given_is_mol:
         return model
     model.max_seq_length = cfg.max_seq_length  # the position pooling covers the inputs the model will see
+    tokens_train = cfg.component_source == "tokens" and cfg.recipe == "partial"  # their inputs enter the top layers
+    layers = model[0].auto_model.config.num_hidden_layers
     return build_mol_model(
         model,
         num_query_components=cfg.pq,
@@ -194,6 +188,7 @@ def _mol_model(cfg: MolJobConfig, given_is_mol: bool) -> Any:
         component_dim=cfg.component_dim,
         component_source=cfg.component_source,
         head_init=cfg.head_init,
+        token_layer=layers - cfg.train_layers if tokens_train else None,
         seed=cfg.seed,
         device="cpu",
     )
@@ -208,22 +203,19 @@ def systems(cfg: MolJobConfig, h: Harness, data: Data, pairs: TrainingPairs, giv
             out.append(_System(MOL_UNTRAINED, ref + "-mol", "mol", partial(_base, cfg), None))
         return out
     mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
-    dense_loss = partial(_masked_mnrl, scale=cfg.scale, pairs=pairs)
+    dense_loss = partial(_loss, cls=MaskedMultipleNegativesRankingLoss, pairs=pairs, scale=cfg.scale)
     out.append(_System(BASELINE, "bi-encoder", "dense", partial(_base, cfg, h.recipe.caches_features), dense_loss))
     alphas = [(MOL, "mol", cfg.alpha)] + ([(MOL_NO_MI, "mol-no-lmi", 0.0)] if cfg.mi_ablation else [])
     for name, model_name, alpha in alphas:
-        loss = partial(_mol_loss, alpha=alpha, scale=cfg.scale, pairs=pairs)
+        loss = partial(_loss, cls=MoLLoss, pairs=pairs, alpha=alpha, scale=cfg.scale)
         build = partial(_mol_model, cfg, given_is_mol)
         out.append(_System(name, model_name, "mol", build, loss, alpha=alpha, mapping=mapping))
     return out
 
 
-def _masked_mnrl(model: Any, scale: float, pairs: TrainingPairs) -> Any:
-    return MaskedMultipleNegativesRankingLoss(model, scale=scale, judged=pairs.judged)
-
-
-def _mol_loss(model: Any, alpha: float, scale: float, pairs: TrainingPairs) -> Any:
-    return MoLLoss(model, alpha=alpha, scale=scale, judged=pairs.judged)
+def _loss(model: Any, cls: type, pairs: TrainingPairs, **settings: Any) -> Any:
+    """``cls(model, ...)`` masking the train split's judged pairs (read only when a model trains)."""
+    return cls(model, judged=pairs.judged, **settings)
 
 
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
@@ -237,8 +229,11 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
         ``{"experiment": frame, "gate": frame, "training": frame, "summary": dict}``.
     """
     h = Harness("mol", cfg)
-    data = h.load_data(calibrate=False)  # nothing is calibrated: every test query is reported
-    given_is_mol = bool(cfg.model) and _has_mol(load_model(cfg.model, device="cpu"))
+    dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
+    data = h.load_data(calibrate=dev_curves)  # every test query is reported
+    given = load_model(cfg.model, device="cpu") if cfg.model else None
+    given_is_mol = given is not None and any(isinstance(m, MixtureOfLogits) for m in given.modules())
+    del given
     if given_is_mol:
         data.notes.append(f"--model {cfg.model} is a MoL model: the dense rows read its pooled embedding")
     pairs = TrainingPairs(data, cfg.seed)  # the same rows (and, through the seed, batches) for every system
@@ -262,6 +257,11 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     names = [s.name for s in rows]
     baseline = BASELINE if BASELINE in names else (REFERENCE if len(names) > 1 else None)
     experiment = evaluate(cfg, h, data, runs, info, baseline)
+    if baseline == BASELINE:  # claim mol_vs_dot: each trained MoL system against the dot-product model
+        trained = [s.name for s in rows if s.kind == "mol" and s.loss is not None]
+        measures = [str(m) for m in (nDCG @ 10, R @ cfg.k)]
+        claims = [perquery_claims(h, runs, data, "mol", "mol_vs_dot", n, BASELINE, measures) for n in trained]
+        record_claims(cfg, [{**r, "construction": cfg.component_source} for rs in claims for r in rs])
     return report(cfg, h, data, rows, experiment, info, gate, given_is_mol, baseline)
 
 
@@ -279,8 +279,9 @@ def train_system(
         "mol": None if s.kind == "dense" else mol_settings,
     }
     train = pairs if s.loss is not None and data.train else None
+    dev = h.dev_evaluator(data, "nDCG@10", _mol_dev_scores if s.kind == "mol" else None) if train else None
     model, losses = h.train(
-        s.model_name, s.build, s.loss or _no_loss, train, learning_rate_mapping=s.mapping, settings=settings
+        s.model_name, s.build, s.loss or _no_loss, train, learning_rate_mapping=s.mapping, settings=settings, dev=dev
     )
     if s.loss is not None:
         entry["loss"] = "MoLLoss" if s.kind == "mol" else "MaskedMultipleNegativesRankingLoss"
@@ -299,15 +300,17 @@ def _no_loss(model: Any) -> None:
     return None
 
 
+def _mol_dev_scores(model: Any, topics: pd.DataFrame, texts: list[str]) -> np.ndarray:
+    """phi(q, x) (Eq. 1) of the dev queries against the dev pool (the MoL systems' dev measure)."""
+    q, qf = encode_components(model, topics["query"].tolist(), "query", return_features=True)
+    x, xf = encode_components(model, texts, "document", return_features=True)
+    return find_mol(model).score_all(q, x, qf, xf).float().cpu().numpy()
+
+
 def _loss_summary(losses: list[float]) -> dict[str, Any]:
     first10, last10 = loss_ends(losses)
-    return {
-        "first": round(losses[0], 4),
-        "last": round(losses[-1], 4),
-        "mean_first_10": round(first10, 4),
-        "mean_last_10": round(last10, 4),
-        "steps_logged": len(losses),
-    }
+    ends = {"first": losses[0], "last": losses[-1], "mean_first_10": first10, "mean_last_10": last10}
+    return {**{k: round(v, 4) for k, v in ends.items()}, "steps_logged": len(losses)}
 
 
 def retrieve_dense(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model: Any) -> pd.DataFrame:
@@ -393,13 +396,10 @@ def report(
         [{"system": n, "loss": e["loss"], **e.get("train_loss", {})} for n, e in info.items() if "loss" in e]
     )
     measures = [str(m) for m in (nDCG @ 10, R @ cfg.k)]
+    significance = f"paired t-test per measure against {baseline!r} (pt.Experiment, no correction)"
     summary = {
         "systems": [s.name for s in rows],
-        "significance": (
-            f"paired t-test per measure against {baseline!r} (pt.Experiment, no correction)"
-            if baseline
-            else "none (one system)"
-        ),
+        "significance": significance if baseline else "none (one system)",
         "measures": measures,
         "base_model": cfg.model or f"packaged all-MiniLM-L6-v2 ({default_model_path()})",
         "given_model_is_mol": given_is_mol,
@@ -412,7 +412,7 @@ def report(
         "gate": gate,
         "models": {s.name: h.path("models", s.model_name) for s in rows if s.loss is not None and data.train},
     }
-    md = _markdown(experiment, gate_table, training, measures, summary)
+    md = _markdown(experiment, gate_table, training, measures, summary["significance"])
     if data.train:
         title = "Mixture-of-Logits against the dot-product bi-encoder (same backbone and budget)"
     else:
@@ -423,27 +423,18 @@ def report(
 
 
 def _markdown(
-    experiment: pd.DataFrame,
-    gate: pd.DataFrame,
-    training: pd.DataFrame,
-    measures: list[Any],
-    summary: dict[str, Any],
+    experiment: pd.DataFrame, gate: pd.DataFrame, training: pd.DataFrame, measures: list[str], significance: str
 ) -> str:
     """The job's tables as Markdown (what goes into the README)."""
-    ms = [str(m) for m in measures]
-    sig = summary["significance"]
-    lines = ["", f"`*`: p < 0.05, {sig}." if sig.startswith("paired") else "No significance test (one system).", ""]
-    lines += ["| system | similarity | fine-tuned | " + " | ".join(ms) + " |", "|---|---|---|" + "---|" * len(ms)]
-    for _, r in experiment.iterrows():
-        cells = [measure_cell(r, m) for m in ms]
-        tuned = "yes" if r["fine-tuned"] else "no"
-        lines.append(f"| {r['name']} | {r['similarity']} | {tuned} | " + " | ".join(cells) + " |")
+    paired = significance.startswith("paired")
+    lines = ["", f"`*`: p < 0.05, {significance}." if paired else "No significance test (one system).", ""]
+    table = pd.DataFrame({"system": experiment["name"], "similarity": experiment["similarity"]})
+    table["fine-tuned"] = ["yes" if t else "no" for t in experiment["fine-tuned"]]
+    for m in measures:
+        table[m] = [measure_cell(r, m) for _, r in experiment.iterrows()]
+    lines.append(markdown_table(table))
     if len(gate):
-        lines += [
-            "",
-            "Gate pi(q, x) of the MoL models (nats; uniform: H(pi|q,x) = H(p) = log P, MI = 0):",
-            "",
-        ]
+        lines += ["", "Gate pi(q, x) of the MoL models (nats; uniform: H(pi|q,x) = H(p) = log P, MI = 0):", ""]
         cols = ["system", "pairs_of", "pairs", "log_P", "H_pi_given_qx", "H_p", "MI", "mean_max_pi"]
         lines.append(markdown_table(gate[cols]))
     if len(training):

@@ -1,17 +1,16 @@
 """The pEBR experiment (``pyterrier-prob pebr``, and plain ``pyterrier-prob``): fine-tune, index, calibrate on dev,
 compare cutoffs on test at matched mean depth.
 
-pEBR (``shared/papers/pebr.md``): a BetaNCE head (Sec. 3.2.2) against an MNRL baseline with the same budget; every
-variable-depth retriever calibrated on the calibration queries to a mean depth k (Sec. 4.1.3) and compared on test
-with set measures, overall and per head/torso/tail stratum (Table 1), with Table 3 and Figure 2. Each stage
-(:func:`train_models`, :func:`encode`, :func:`calibrate`, :func:`test_runs`, :func:`ranking_quality`,
-:func:`table3_and_figure2`, :func:`cutoffs`) can be called on its own, e.g. from a notebook; the protocol in
-full: ``docs/pebr.md`` (The protocol).
+pEBR (``shared/papers/pebr.md``): a BetaNCE head (Sec. 3.2.2) against an MNRL baseline with the same budget, every
+variable-depth retriever calibrated to a mean depth k (Sec. 4.1.3) and compared on test with set measures, overall
+and per stratum (Table 1), with Table 3 and Figure 2. Each stage can be called on its own (e.g. from a notebook);
+the protocol: ``docs/pebr.md`` (The protocol).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +22,7 @@ from scipy.stats import spearmanr
 
 from pyterrier_prob.evaluation import Calibration, assign_strata, calibrate_mean_k, evaluate_set_measures, table3_grid
 from pyterrier_prob.experiments import harness
+from pyterrier_prob.experiments.claims import record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
@@ -37,6 +37,7 @@ from pyterrier_prob.experiments.pebr_cutoffs import StudyConfig, cutoff_study, s
 from pyterrier_prob.pebr import CDFCutoffRetriever, ProbBiEncoder, ScoreCutoffRetriever, TopKRetriever
 from pyterrier_prob.plots import retrieved_count_histogram, table3_plot
 from st_extensions import build_pebr_model, default_model_path, load_model
+from st_extensions.checks import choice
 from st_extensions.frozen import build_adapter_model
 from st_extensions.losses import BetaMLELoss, BetaNCELoss, ExpNCELoss, MaskedMultipleNegativesRankingLoss
 from st_extensions.pebr import find_head
@@ -65,18 +66,7 @@ DESCRIPTION = (
     "mean depth k on the dev split, and compare them on the test split with pt.Experiment, overall and per stratum."
 )
 
-SYSTEMS = (
-    "BM25",
-    "untrained top-k",
-    "baseline top-k",
-    "baseline score cutoff",
-    "pEBR top-k",
-    "pEBR score cutoff",
-    "pEBR CDF cutoff",
-)
-"""System names in the result tables, in order; significance is tested against ``SIGNIFICANCE_BASELINE``."""
-
-SIGNIFICANCE_BASELINE = "pEBR top-k"
+SIGNIFICANCE_BASELINE = "pEBR top-k"  # the systems' paired t-tests are against it (the order: _runs_at)
 MEASURES = ("SetR", "SetP")
 RANKING_MEASURES = ("nDCG@10", "R@100")
 FAMILIES = ("beta", "exp", "beta_mle")
@@ -113,20 +103,17 @@ class PebrJobConfig(CommonConfig):
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
         super().check()
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be 'beta', 'exp' or 'beta_mle', got {self.family!r}")
-        if self.geometry not in ("line", "sphere"):
-            raise ValueError(f"geometry must be 'line' or 'sphere', got {self.geometry!r}")
+        choice("family", self.family, FAMILIES)
+        choice("geometry", self.geometry, ("line", "sphere"))
         if not self.ks or any(int(k) != k or k < 1 for k in self.ks):
             raise ValueError(f"ks must be positive integers, got {list(self.ks)}")
-        if self.cap < max(self.ks):
-            raise ValueError(f"cap ({self.cap}) must be at least the largest k ({max(self.ks)})")
-        if self.study_cap < max(self.ks):
-            raise ValueError(f"study_cap ({self.study_cap}) must be at least the largest k ({max(self.ks)})")
-        if not self.recall_targets or any(not 0 < r < 1 for r in self.recall_targets):
-            raise ValueError(f"recall_targets must lie strictly inside (0, 1), got {list(self.recall_targets)}")
-        if not self.table3_ps or any(not 0 < p < 1 for p in self.table3_ps):
-            raise ValueError(f"table3_ps must lie strictly inside (0, 1), got {list(self.table3_ps)}")
+        for name in ("cap", "study_cap"):
+            if getattr(self, name) < max(self.ks):
+                raise ValueError(f"{name} ({getattr(self, name)}) must be at least the largest k ({max(self.ks)})")
+        for name in ("recall_targets", "table3_ps"):
+            values = list(getattr(self, name))
+            if not values or any(not 0 < v < 1 for v in values):
+                raise ValueError(f"{name} must lie strictly inside (0, 1), got {values}")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -139,14 +126,11 @@ def config_from_args(a: argparse.Namespace) -> PebrJobConfig:
 
 
 def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
-    """Run the pEBR experiment (module docstring) and write its outputs to ``cfg.output``.
+    """Run the pEBR experiment (module docstring) and write to ``cfg.output`` its tables as CSV (``results.csv``:
+    pt.Experiment, all k; ``strata.csv``, ``table3.csv``, ``calibration.csv``, ...) and as ``results.md``,
+    ``summary.json`` and the figures; models under ``models/``, indexes under ``indexes/``.
 
-    Writes ``results.csv`` (pt.Experiment tables, all k), ``strata.csv`` (per head/torso/tail stratum),
-    ``table3.csv``, ``calibration.csv``, ``summary.json``, ``results.md`` (the tables as Markdown),
-    ``figure2.png`` and ``table3.png``; models under ``models/``, indexes under ``indexes/``.
-
-    Returns:
-        ``{"experiment": frame, "strata": frame, "table3": frame, "calibration": frame, "summary": dict}``.
+    Returns ``{"experiment": frame, "strata": frame, "table3": frame, "calibration": frame, "summary": dict}``.
     """
     h = Harness("pebr", cfg)
     data = h.load_data()
@@ -172,13 +156,7 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
             str(r["name"]): {m: float(r[m]) for m in RANKING_MEASURES} for _, r in ranking.iterrows()
         },
     }
-    md = "\n".join(
-        [
-            _ranking_markdown(ranking),
-            _markdown(tested["experiment"], tested["per_stratum"], table3, calibration, summary),
-            study_markdown(study, data.cal_source),
-        ]
-    )
+    md = _markdown(ranking, tested, table3, calibration, summary) + "\n" + study_markdown(study, data.cal_source)
     tables = {
         "results": tested["experiment"],
         "ranking": ranking,
@@ -188,6 +166,7 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
         "cutoffs_matched_depth": study["matched"],
         "cutoffs_recall_targets": study["targets"],
     }
+    record_claims(cfg, cutoff_claims(data, study["matched"]))
     summary = h.finish("pEBR: CDF cutoff vs top-k and score cutoff at matched mean depth", md, tables, summary, data)
     cfg.timings.update(h.timings)
     return {
@@ -199,6 +178,23 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
     }
 
 
+def cutoff_claims(data: Data, matched: pd.DataFrame) -> list[dict[str, Any]]:
+    """Claims ``cutoff_vs_topk_k<k>``: the best per-query cutoff rule's SetR against top-k's at matched mean depth k
+    (the matched-depth table's paired t-test on the test queries; the rule in ``rule``)."""
+    rows = []
+    for k, g in matched.groupby("k"):
+        g = g.set_index("name")
+        rules = g[(g.index != "top-k") & ~g.index.str.startswith("oracle")]
+        if "top-k" not in g.index or rules.empty:
+            continue
+        best = rules["SetR"].astype(float).idxmax()
+        row = {"paper": "pebr", "claim": f"cutoff_vs_topk_k{k}", "system": "best per-query cutoff", "rule": best}
+        row |= {"baseline": "top-k", "metric": "SetR", "value": float(g.loc[best, "SetR"])}
+        row |= {"baseline_value": float(g.loc["top-k", "SetR"]), "p": g.loc[best].get("SetR p-value")}
+        rows.append({**row, "queries": len(data.test_topics)})
+    return rows
+
+
 # ---- the stages -------------------------------------------------------------------------------------------------
 
 
@@ -206,11 +202,9 @@ def _pebr_model(cfg: PebrJobConfig, projection: bool) -> Any:
     """``--model`` when it has a pEBR head, else a new head (``projection``: on a LinearAdapter) on it."""
     if cfg.model:
         model = load_model(cfg.model, device="cpu")
-        try:
+        with contextlib.suppress(ValueError):  # no head: a new one below
             find_head(model)
             return model
-        except ValueError:
-            pass
     return build_pebr_model(cfg.model, family=cfg.family, device="cpu", projection=projection)
 
 
@@ -222,38 +216,39 @@ def _encoder_model(cfg: PebrJobConfig, adapter: bool = False) -> Any:
 
 
 def train_models(cfg: PebrJobConfig, h: Harness, data: Data) -> dict[str, Any]:
-    """The pEBR and baseline models trained with the same recipe and budget (query-balanced batches, judged
-    negatives masked; when the recipe caches the encoder's outputs, a LinearAdapter + head on them, the baseline the
-    same adapter with masked MNRL), or (no train split / ``--steps 0``) the given model as it is, with an untrained
-    head on the pEBR side unless it already has one; and the untrained starting point.
+    """The pEBR and baseline (masked MNRL) models trained with the same recipe, rows and budget (judged negatives
+    masked; under the frozen recipe a LinearAdapter (+ head) on the cached encoder outputs), or (no train split /
+    ``--steps 0``) the given model as it is (with a new head on the pEBR side unless it has one); and the untrained one.
 
     Returns ``{"models": {"pebr", "baseline", "untrained"}, "losses": {"pebr", "baseline"}}``.
     """
     adapter = h.recipe.caches_features
     pairs = TrainingPairs(data, cfg.seed) if data.train else None
-    loss_cls = {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[cfg.family]
     settings = {"family": cfg.family, "train": f"{data.train_collection.name}/{data.train}", "judged_masked": True}
-    rates = MLE_FROZEN_RATES if adapter and cfg.family == "beta_mle" else None
-    pebr, l1 = h.train(
-        "pebr",
-        partial(_pebr_model, cfg, adapter),
-        lambda m: loss_cls(m, judged=pairs.judged),
-        pairs,
-        module_learning_rates=rates,
-        settings=settings,
-    )
-    base, l2 = h.train(
-        "baseline",
-        partial(_encoder_model, cfg, adapter),
-        lambda m: MaskedMultipleNegativesRankingLoss(m, judged=pairs.judged),
-        pairs,
-        settings=settings,
-    )
-    untrained, _ = h.train("untrained", partial(_encoder_model, cfg), None, None)
-    return {
-        "models": {"pebr": pebr, "baseline": base, "untrained": untrained},
-        "losses": {"pebr": l1, "baseline": l2},
+    systems = {  # name -> (model, loss): the same recipe, rows and budget
+        "pebr": (_pebr_model, {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[cfg.family]),
+        "baseline": (_encoder_model, MaskedMultipleNegativesRankingLoss),
     }
+    rates = {"pebr": MLE_FROZEN_RATES if adapter and cfg.family == "beta_mle" else None}
+    dev = h.dev_evaluator(data, "nDCG@10") if pairs else None  # both systems' dev curve: the same measure and pool
+    models, losses = {}, {}
+    for name, (build, loss) in systems.items():
+        models[name], losses[name] = h.train(
+            name,
+            partial(build, cfg, adapter),
+            partial(_masked, loss, pairs),
+            pairs,
+            module_learning_rates=rates.get(name),
+            settings=settings,
+            dev=dev,
+        )
+    models["untrained"], _ = h.train("untrained", partial(_encoder_model, cfg), None, None)
+    return {"models": models, "losses": losses}
+
+
+def _masked(loss: type, pairs: TrainingPairs, model: Any) -> Any:
+    """``loss`` on ``model``, with the train split's judged pairs masked as in-batch negatives."""
+    return loss(model, judged=pairs.judged)
 
 
 @dataclass
@@ -332,18 +327,10 @@ def calibrate(
                     f"{system}: mean depth {k} is unreachable on the calibration queries (at most {c.mean_k:.2f})"
                 )
             settings.setdefault(k, {})[system] = float(c.value)
-            rows.append(
-                {
-                    "k": k,
-                    "system": system,
-                    "parameter": "p" if system == "pEBR CDF cutoff" else "threshold",
-                    "value": float(c.value),
-                    "dev_mean_k": c.mean_k,
-                    "achieved_within_1pct": c.achieved,
-                    "iterations": c.iterations,
-                }
-            )
-    return pd.DataFrame(rows), settings
+            parameter = "p" if system == "pEBR CDF cutoff" else "threshold"
+            rows.append([k, system, parameter, float(c.value), c.mean_k, c.achieved, c.iterations])
+    columns = ["k", "system", "parameter", "value", "dev_mean_k", "achieved_within_1pct", "iterations"]
+    return pd.DataFrame(rows, columns=columns), settings
 
 
 def _runs_at(h: Harness, enc: Encoded, bm25: Any, topics: pd.DataFrame, k: int, s: dict[str, float]) -> dict:
@@ -468,21 +455,12 @@ def _setting(name: str, s: dict[str, float]) -> str:
     return "top-k"
 
 
-def _ranking_markdown(ranking: pd.DataFrame) -> str:
-    """The ranking table (top 100 of each model; paired t-test against the untrained model)."""
-    rows = [[r["name"], *(measure_cell(r, m) for m in RANKING_MEASURES)] for _, r in ranking.iterrows()]
-    table = markdown_table(pd.DataFrame(rows, columns=["model", *RANKING_MEASURES]))
-    return f"Ranking (top 100 of each model; `*`: p < 0.05, paired t-test against the untrained model):\n\n{table}\n"
-
-
 def _markdown(
-    experiment: pd.DataFrame,
-    per_stratum: pd.DataFrame,
-    table3: pd.DataFrame,
-    calibration: pd.DataFrame,
-    summary: dict[str, Any],
+    ranking: pd.DataFrame, tested: dict[str, Any], table3: pd.DataFrame, calibration: pd.DataFrame, summary: dict
 ) -> str:
-    """The job's tables as Markdown (what goes into the README)."""
+    """The job's tables as Markdown (what goes into the README; the cutoff study's: :func:`study_markdown`)."""
+    experiment, per_stratum = tested["experiment"], tested["per_stratum"]
+    ranked = [[r["name"], *(measure_cell(r, m) for m in RANKING_MEASURES)] for _, r in ranking.iterrows()]
     main = [
         [r["k"], r["name"], r["setting"], f"{r['test_mean_k']:.1f}", measure_cell(r, "SetR"), measure_cell(r, "SetP")]
         for _, r in experiment.iterrows()
@@ -501,6 +479,11 @@ def _markdown(
     ]
     ps = [f"p={float(p):g}" for p in table3.columns if p != "stratum"]
     parts = [
+        (
+            "Ranking (top 100 of each model; `*`: p < 0.05, paired t-test against the untrained model):",
+            ranked,
+            ["model", *RANKING_MEASURES],
+        ),
         (f"`*`: p < 0.05, {summary['significance']}.", main, ["k", "system", "setting", "test mean k", "SetR", "SetP"]),
         (f"Per stratum ({summary['strata_basis']}): SetR (mean k)", by_stratum, ["k", "system", *strata]),
         ("Table 3 (pEBR CDF cutoff, test queries): mean retrieved documents per query", t3, ["stratum", *ps]),

@@ -1,24 +1,9 @@
-"""The per-query cutoff study of ``pyterrier-prob pebr`` (issue #13): calibrated laws, recall targets with a conformal
-guarantee, and ranked-list-truncation baselines at matched mean depth.
-
-Everything works on the pEBR model's ranked lists (its top ``cap`` documents per query, scores = cosines) of the
-calibration (dev) and test queries:
-
-* **calibrated laws** (:class:`~pyterrier_prob.pebr.calibration.CalibratedLaw`): fitted by maximum likelihood on
-  the calibration queries' relevant cosines (all of them, not only those in the top ``cap``), from the head's
-  per-query parameters alone and from those plus the query's list features
-  (:func:`~pyterrier_prob.pebr.rlt.list_features`); each gives a CDF cutoff (every query keeps a share p of its
-  relevant documents) and the second a recall-gain cutoff (:func:`~pyterrier_prob.pebr.rlt.gain_stat`). The PIT
-  of the test queries' relevant cosines before (the head's own law) and after calibration is summarised, per pair
-  and per query, and plotted;
-* **recall targets**: conformal risk control (:func:`~pyterrier_prob.pebr.rlt.conformal_recall_level`) picks each
-  rule's level on the calibration queries so that expected recall on new exchangeable queries is at least r; on
-  test: the achieved mean recall, the mean depth, and the fixed k top-k needs for the same recall; when calibration
-  and test queries share a collection, the same over 200 random re-splits of their pool
-  (:func:`~pyterrier_prob.pebr.rlt.conformal_resplits`);
-* **matched depth**: every rule (:mod:`pyterrier_prob.pebr.rlt`) calibrated on the calibration queries to a mean
-  depth k and applied to test: SetR / SetP / SetF with paired t-tests against top-k, and the oracle depth (qrels
-  known) as an upper bound; recall / precision / F1 against mean depth for each rule (PNG).
+"""The per-query cutoff study of ``pyterrier-prob pebr`` (issue #13) on the pEBR model's ranked lists of the
+calibration and test queries: calibrated per-query laws (:class:`~pyterrier_prob.pebr.calibration.CalibratedLaw`)
+and the PIT of the test queries' relevant cosines before and after calibration; recall targets met by conformal risk
+control (:func:`~pyterrier_prob.pebr.rlt.conformal_recall_level`, checked over random re-splits); and every
+ranked-list-truncation rule of :mod:`pyterrier_prob.pebr.rlt` at matched mean depth, against top-k and the oracle
+depth. What each part does, and the results: ``docs/pebr.md`` (Per-query cutoffs beyond the paper).
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from pyterrier_prob.dense import PARAM_COLUMNS
-from pyterrier_prob.experiments.harness import measure_cell
+from pyterrier_prob.experiments.harness import markdown_table, measure_cell
 from pyterrier_prob.pebr.calibration import (
     CalibratedLaw,
     beta_mle_laws,
@@ -79,14 +64,6 @@ def relevant_cosines(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame) -> 
             d = d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
         out.append(d @ q)
     return out
-
-
-def _params(frame: pd.DataFrame, family: str) -> pd.DataFrame:
-    return frame[list(PARAM_COLUMNS[family])].reset_index(drop=True)
-
-
-def _fmt_targets(targets: Sequence[float]) -> str:
-    return ", ".join(f"{t:g}" for t in targets)
 
 
 CAL = "calibrated law"
@@ -160,12 +137,9 @@ class _Split:
 def cutoff_study(
     h: Any, data: Any, indexes: dict[str, Any], queries: dict[str, pd.DataFrame], study: StudyConfig
 ) -> dict[str, Any]:
-    """Run the study of the module docstring on the pEBR model's indexes of the calibration (``"dev"``) and
-    ``"test"`` collections (the same index unless ``--test-dataset`` transfers); ``queries`` are the encoded
-    calibration and test queries (``qid``, ``query_vec``, the head's parameters).
-
-    Returns ``{"matched": frame, "targets": frame, "pit": dict, "pit_per_query": dict, "calibrated_law": dict,
-    "calibrated_law_list_features": dict, "curves": dict, "figures": dict}``.
+    """Run the study (module docstring) on the pEBR model's indexes of the calibration (``"dev"``) and ``"test"``
+    collections and their encoded queries (``qid``, ``query_vec``, the head's parameters). Returns ``{"matched",
+    "targets", "pit", "pit_per_query", "calibrated_law", "calibrated_law_list_features", "curves", "figures"}``.
     """
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
     with h.stage(
@@ -181,7 +155,9 @@ def cutoff_study(
     topk_recall = _topk_recall_curve(test.ranked["rank"].to_numpy(), *test.relinfo, study.cap)
     with h.stage("matched_depth", f"every rule at matched mean depth {list(study.ks)} (levels from {data.cal_source})"):
         out["matched"] = _matched_depth(h, data, splits, stats, study.ks, topk_recall)
-    with h.stage("recall_targets", f"recall targets {_fmt_targets(study.targets)} by conformal risk control"):
+    with h.stage(
+        "recall_targets", f"recall targets {', '.join(f'{t:g}' for t in study.targets)} by conformal risk control"
+    ):
         same = indexes["dev"] is indexes["test"]
         out["targets"] = _recall_targets(splits, stats, study.targets, topk_recall, same)
     with h.stage("curves", "recall, precision and F1 against mean depth for every rule"):
@@ -197,7 +173,7 @@ def _split(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame, study: StudyC
         ranked=ranked,
         qids=qids,
         rel=relevant_cosines(index, queries, qrels),
-        params=_params(queries, study.family),
+        params=queries[list(PARAM_COLUMNS[study.family])].reset_index(drop=True),
         feats=list_features(ranked),
         relinfo=row_relevance(ranked, qrels, qids),
     )
@@ -209,9 +185,9 @@ def _calibrated_laws(h: Any, splits: dict[str, _Split], study: StudyConfig, out:
     calibration (``out``'s ``pit``, ``pit_per_query`` and its figure)."""
     dev, test = splits["dev"], splits["test"]
     dev_rel = [dev.rel[i] for i in dev.has]
-    cal = CalibratedLaw(family=study.family, dim=study.dim).fit(dev.params.iloc[dev.has], dev_rel)
-    cal_f = CalibratedLaw(family=study.family, dim=study.dim).fit(
-        dev.params.iloc[dev.has], dev_rel, features=dev.feats.iloc[dev.has]
+    cal, cal_f = (  # from the head's parameters alone, and with the query's list features
+        CalibratedLaw(family=study.family, dim=study.dim).fit(dev.params.iloc[dev.has], dev_rel, features=f)
+        for f in (None, dev.feats.iloc[dev.has])
     )
     out["calibrated_law"] = cal.to_dict()
     out["calibrated_law_list_features"] = cal_f.to_dict()
@@ -349,65 +325,63 @@ def _curves(test: _Split, stats: dict[str, np.ndarray], cap: int) -> dict[str, p
 
 def study_markdown(study: dict[str, Any], cal_source: str) -> str:
     """The cutoff study's tables (issue #13) as Markdown."""
-    lines = [
-        "## Per-query cutoffs: calibrated law, recall targets, ranked-list-truncation baselines",
-        "",
-        f"Levels chosen on {cal_source}; lists = the pEBR model's top documents per query.",
-        "",
-        "PIT of the test queries' relevant cosines (uniform if the law describes them; KS against U(0, 1)), over "
-        "all relevant pairs and per query (each query weighted once, as mean recall weighs it):",
-        "",
-        "| law | pairs | KS | mean | share < 0.01 | share > 0.99 | KS per query | mean per query |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name, p in study["pit"].items():
-        q = study["pit_per_query"][name]
-        lines.append(
-            f"| {name} | {p['n']:.0f} | {p['ks_statistic']:.3f} | {p['mean']:.3f} | {p['below_tail']:.3f} | "
-            f"{p['above_tail']:.3f} | {q['ks_statistic']:.3f} | {q['mean']:.3f} |"
-        )
-    targets = study["targets"]
-    resplit = "resplit_mean_recall" in targets
-    lines += [
-        "",
-        "Recall targets (level by conformal risk control on the calibration queries; achieved on test"
-        + (
-            f"; re-splits: the calibration and test queries pooled and split again at random, "
-            f"{int(targets['resplits'].iloc[0])} times"
-            if resplit
-            else ""
-        )
-        + "):",
-        "",
-        "| target | rule | reachable | test mean recall | test mean depth | test SetP | top-k k for same recall |"
-        + (" re-splits: mean recall (5-95%) | share in [r-0.02, r+0.05] |" if resplit else ""),
-        "|---|---|---|---|---|---|---|" + ("---|---|" if resplit else ""),
-    ]
-    for _, r in targets.iterrows():
-        k = "—" if pd.isna(r["topk_k_for_same_recall"]) else f"{int(r['topk_k_for_same_recall'])}"
-        extra = (
-            f" {r['resplit_mean_recall']:.3f} ({r['resplit_recall_5']:.3f}-{r['resplit_recall_95']:.3f}) | "
-            f"{r['resplit_share_in_range']:.2f} |"
-            if resplit
-            else ""
-        )
-        lines.append(
-            f"| {r['target_recall']:g} | {r['rule']} | {'yes' if r['reachable_on_calibration'] else 'no'} | "
-            f"{r['test_mean_recall']:.3f} | {r['test_mean_depth']:.1f} | {r['test_SetP']:.3f} | {k} |" + extra
-        )
-    lines += [
-        "",
-        "Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k at k; the "
-        "last column: top-k's SetR at the rule's own test mean depth, interpolated):",
-        "",
-        "| k | rule | test mean depth | SetR | SetP | SetF | top-k SetR at the same test depth |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for _, r in study["matched"].iterrows():
-        cells = [measure_cell(r, m) for m in ("SetR", "SetP", "SetF")]
-        cells.append(f"{r['topk_SetR_at_same_depth']:.4f}")
-        lines.append(f"| {r['k']} | {r['name']} | {r['test_mean_depth']:.1f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    per_query = study["pit_per_query"]
+    pit = pd.DataFrame(
+        [
+            [name, int(p["n"]), *(p[c] for c in ("ks_statistic", "mean", "below_tail", "above_tail"))]
+            + [per_query[name]["ks_statistic"], per_query[name]["mean"]]
+            for name, p in study["pit"].items()
+        ],
+        columns=["law", "pairs", "KS", "mean", "share < 0.01", "share > 0.99", "KS per query", "mean per query"],
+    )
+    t, m = study["targets"], study["matched"]
+    targets = pd.DataFrame(
+        {
+            "target": t["target_recall"].map("{:g}".format),
+            "rule": t["rule"],
+            "reachable": np.where(t["reachable_on_calibration"], "yes", "no"),
+            "test mean recall": t["test_mean_recall"].map("{:.3f}".format),
+            "test mean depth": t["test_mean_depth"].map("{:.1f}".format),
+            "test SetP": t["test_SetP"].map("{:.3f}".format),
+            "top-k k for same recall": t["topk_k_for_same_recall"].map(lambda k: "—" if pd.isna(k) else f"{int(k)}"),
+        }
+    )
+    resplits = ""
+    if "resplit_mean_recall" in t:
+        n = int(t["resplits"].iloc[0])
+        resplits = f"; re-splits: the calibration and test queries pooled and split again at random, {n} times"
+        targets["re-splits: mean recall (5-95%)"] = [
+            f"{r['resplit_mean_recall']:.3f} ({r['resplit_recall_5']:.3f}-{r['resplit_recall_95']:.3f})"
+            for _, r in t.iterrows()
+        ]
+        targets["share in [r-0.02, r+0.05]"] = t["resplit_share_in_range"].map("{:.2f}".format)
+    matched = pd.DataFrame(
+        {
+            "k": m["k"],
+            "rule": m["name"],
+            "test mean depth": m["test_mean_depth"].map("{:.1f}".format),
+            **{s: [measure_cell(r, s) for _, r in m.iterrows()] for s in ("SetR", "SetP", "SetF")},
+            "top-k SetR at the same test depth": m["topk_SetR_at_same_depth"],
+        }
+    )
+    return f"""## Per-query cutoffs: calibrated law, recall targets, ranked-list-truncation baselines
+
+Levels chosen on {cal_source}; lists = the pEBR model's top documents per query.
+
+PIT of the test queries' relevant cosines (uniform if the law describes them; KS against U(0, 1)), over all relevant \
+pairs and per query (each query weighted once, as mean recall weighs it):
+
+{markdown_table(pit, ".3f")}
+
+Recall targets (level by conformal risk control on the calibration queries; achieved on test{resplits}):
+
+{markdown_table(targets)}
+
+Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k at k; the last \
+column: top-k's SetR at the rule's own test mean depth, interpolated):
+
+{markdown_table(matched)}
+"""
 
 
 def _interp(curve: np.ndarray, depth: float) -> float:

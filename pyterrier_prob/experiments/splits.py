@@ -61,26 +61,24 @@ def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
     """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries.
 
     Args:
-        calibrate: whether the experiment needs calibration queries. With no dev split they are a seeded share
-            (``dev_from_train``) of the train queries, held out from training; with no train split either (or
-            ``dev_from_train`` 0) a seeded half of the test queries, and the results are reported on the other
-            half. An experiment that calibrates nothing passes False and is reported on every test query
-            (``cal_topics`` is then empty).
+        calibrate: whether the experiment needs calibration queries. With no dev split: a seeded share
+            (``dev_from_train``) of the train queries, held out from training, else (no train split, or
+            ``dev_from_train`` 0) a seeded half of the test queries, the results then on the other half. False: none
+            (``cal_topics`` empty), the results on every test query.
     """
-    train_coll = load_collection(cfg.dataset)
+    train_coll = test_coll = load_collection(cfg.dataset)
     notes: list[str] = []
     held_out: dict[str, Any] = {}
     if cfg.test_dataset:
         test_coll = load_collection(cfg.test_dataset)
         train, dev = source_splits(train_coll, cfg.train_split, cfg.dev_split)
         test = choose_splits(test_coll, None, None, cfg.test_split).test
-        notes.append(
-            f"zero-shot transfer: trained on {train_coll.name}"
-            + (f"/{train}" if train else " (no train split)")
-            + f", evaluated on {test_coll.name}/{test}"
-        )
+        if cfg.steps:
+            trained = f"/{train}" if train else " (no train split)"
+            notes.append(
+                f"zero-shot transfer: trained on {train_coll.name}{trained}, evaluated on {test_coll.name}/{test}"
+            )
     else:
-        test_coll = train_coll
         ch = choose_splits(train_coll, cfg.train_split, cfg.dev_split, cfg.test_split)
         train, dev, test = ch.train, ch.dev, ch.test
     if calibrate and dev is None and train is not None and cfg.dev_from_train > 0:
@@ -98,7 +96,6 @@ def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
         test_coll = held if test_coll is train_coll else test_coll
         train_coll, train, dev = held, held.fit_split, held.dev_split
     if cfg.steps == 0:
-        notes = [n for n in notes if not n.startswith("zero-shot transfer")]
         if cfg.test_dataset:
             notes.append(f"zero-shot: evaluated on {test_coll.name}/{test}")
         notes.append(f"--steps 0: {cfg.model or 'the base model'} evaluated without fine-tuning")

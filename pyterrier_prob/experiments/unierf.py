@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,6 +24,7 @@ import pandas as pd
 from sentence_transformers import SentenceTransformer
 
 from pyterrier_prob.experiments import harness
+from pyterrier_prob.experiments.claims import perquery_claims, record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
@@ -50,6 +51,7 @@ from pyterrier_prob.unierf.branches import (
     UniERFEncoder,
     unierf_training_data,
 )
+from pyterrier_prob.validation import choice
 from st_extensions import build_unierf_model, default_model_path, load_model
 from st_extensions.judged import JudgedPairs, pair_labels
 from st_extensions.losses.unierf import FrozenDocumentTower
@@ -157,10 +159,8 @@ class UniERFJobConfig(CommonConfig):
             raise ValueError(f"--budgets must be integers >= 2 (each branch gets B/2), got {list(self.budgets)}")
         if len(set(self.budgets)) != len(self.budgets):
             raise ValueError(f"--budgets must be distinct, got {list(self.budgets)}")
-        if self.ablations not in ABLATIONS:
-            raise ValueError(f"--ablations must be one of {list(ABLATIONS)}, got {self.ablations!r}")
-        if self.doc_tower not in ("frozen", "joint"):
-            raise ValueError(f"--doc-tower must be 'frozen' or 'joint', got {self.doc_tower!r}")
+        choice("--ablations", self.ablations, tuple(ABLATIONS))
+        choice("--doc-tower", self.doc_tower, ("frozen", "joint"))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -188,41 +188,10 @@ def _with_triggers(
     return TriggerText(bm25, texts)(topics)
 
 
-def _training_rows(
-    cfg: UniERFJobConfig, h: Harness, data: Data, bm25_index: Any, dense_index: Any
-) -> tuple[Any, dict[str, str]]:
-    """The UniERF training rows of the train split (all six columns) and the train corpus' texts."""
-    coll = data.train_collection
-    with h.stage("training_data", f"mining UniERF training rows (differentiated negatives) from {coll.name}"):
-        doc_texts = {d["docno"]: d["text"] for d in coll.corpus_iter()}
-        topics = _with_triggers(h, bm25_index, coll, coll.topics(data.train), doc_texts)
-        rows = unierf_training_data(
-            topics,
-            coll.qrels(data.train),
-            doc_texts,
-            BRANCHES,
-            retriever=h.bm25_retriever(bm25_index, HARD_DEPTH),
-            index=dense_index,
-            hard_negatives=True,
-            depth=HARD_DEPTH,
-            tail=HARD_TAIL,
-            max_examples=cfg.steps * cfg.batch_size * 2,
-            seed=cfg.seed,
-        )
-    if len(rows) < cfg.batch_size:
-        raise ValueError(
-            f"{coll.name}/{data.train} gives {len(rows)} training rows, fewer than one batch of {cfg.batch_size}"
-        )
-    return rows, doc_texts
-
-
 def _frozen_tower(start: Any, rows: Any, doc_texts: dict[str, str], index: Any) -> Any:
     """A :class:`FrozenDocumentTower` of the start model, primed with ``index``'s vectors of the rows' documents."""
     tower = FrozenDocumentTower(start)
-    wanted: set[str] = set()
-    for c in rows.column_names:
-        if c.startswith(("positive", "negative")):
-            wanted.update(rows[c])
+    wanted = {t for c in rows.column_names if c.startswith(("positive", "negative")) for t in rows[c]}
     docno_of: dict[str, str] = {}
     for d, t in doc_texts.items():
         if t in wanted and t not in docno_of:
@@ -240,36 +209,23 @@ def _frozen_tower(start: Any, rows: Any, doc_texts: dict[str, str], index: Any) 
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _load(cfg: UniERFJobConfig) -> Any:
-    return load_model(cfg.model or default_model_path(), device="cpu")
-
-
-def _is_unierf(model: Any) -> bool:
-    return any(isinstance(m, MultiBranchQueryEncoder) for m in model.modules())
-
-
-def _start_model(cfg: UniERFJobConfig) -> Any:
-    """The two-branch start model: ``--model`` as it is when it is a UniERF model with both branches, else the
-    model (default: the packaged MiniLM) with identity-initialised semantic and trigger heads (``given_heads``
-    says which)."""
-    model = _load(cfg)
-    if _is_unierf(model):
-        missing = [b for b in BRANCHES if b not in find_branches(model).branches]
+def _start_model(cfg: UniERFJobConfig, branches: Sequence[str] = BRANCHES) -> Any:
+    """The start model: ``--model`` as it is when it is a UniERF model with ``branches``, else the model (default: the
+    packaged MiniLM; a UniERF one loses its heads) with identity-initialised heads for ``branches`` (``given_heads``
+    says which); (c) builds its one-branch models with one branch."""
+    model = load_model(cfg.model or default_model_path(), device="cpu")
+    heads = [m for m in model.modules() if isinstance(m, MultiBranchQueryEncoder)]
+    if heads and len(branches) > 1:
+        missing = [b for b in branches if b not in find_branches(model).branches]
         if missing:
             raise ValueError(f"--model {cfg.model} is a UniERF model without the branches {missing}")
         model.given_heads = True
         return model
-    model = build_unierf_model(model, branches=BRANCHES, seed=cfg.seed, device="cpu")
+    if heads:
+        model = SentenceTransformer(modules=[m for m in model if not isinstance(m, MultiBranchQueryEncoder)])
+    model = build_unierf_model(model, branches=branches, seed=cfg.seed, device="cpu")
     model.given_heads = False
     return model
-
-
-def _single_branch_model(cfg: UniERFJobConfig, branch: str) -> Any:
-    """(c): a model with one head, ``branch``, on the start model's encoder (a UniERF ``--model`` loses its heads)."""
-    model = _load(cfg)
-    if _is_unierf(model):
-        model = SentenceTransformer(modules=[m for m in model if not isinstance(m, MultiBranchQueryEncoder)])
-    return build_unierf_model(model, branches=(branch,), seed=cfg.seed, device="cpu")
 
 
 def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
@@ -282,8 +238,9 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
         ``{"results": frame, "overlap": frame, "training": frame, "summary": dict}``.
     """
     h = Harness("unierf", cfg)
-    data = h.load_data(calibrate=False)  # nothing is calibrated: every test query is reported
-    if data.dev is not None:
+    dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
+    data = h.load_data(calibrate=dev_curves)  # every test query is reported
+    if data.dev is not None and not dev_curves:
         data.notes.append(f"the dev split ({data.cal_source}) is not used: UniERF calibrates nothing")
     run = start(cfg, h, data)
     train_systems(run)
@@ -310,6 +267,7 @@ class UniERFRun:
     rows: Any = None
     judged: Any = None
     tower: Any = None
+    dev: Any = None  # the dev curves' scores (_MergedDev), shared by every system
 
     @property
     def budgets(self) -> list[int]:
@@ -361,46 +319,55 @@ def start(cfg: UniERFJobConfig, h: Harness, data: Data) -> UniERFRun:
 
 
 def training_rows(run: UniERFRun, model: Any, bm25_index: Any, dense_index: Any) -> None:
-    """The training rows (Sec. 4.3) with their judged-pair labels, and (document tower frozen, encoder trained) the
-    frozen document tower primed with the start model's vectors."""
-    rows, doc_texts = _training_rows(run.cfg, run.h, run.data, bm25_index, dense_index)
+    """The training rows of the train split (Sec. 4.3, all six columns) with their judged-pair labels, and (document
+    tower frozen, encoder trained) the frozen document tower primed with the start model's vectors."""
+    cfg, h, coll = run.cfg, run.h, run.data.train_collection
+    with h.stage("training_data", f"mining UniERF training rows (differentiated negatives) from {coll.name}"):
+        doc_texts = {d["docno"]: d["text"] for d in coll.corpus_iter()}
+        topics = _with_triggers(h, bm25_index, coll, coll.topics(run.data.train), doc_texts)
+        rows = unierf_training_data(
+            topics,
+            coll.qrels(run.data.train),
+            doc_texts,
+            BRANCHES,
+            retriever=h.bm25_retriever(bm25_index, HARD_DEPTH),
+            index=dense_index,
+            hard_negatives=True,
+            depth=HARD_DEPTH,
+            tail=HARD_TAIL,
+            max_examples=cfg.steps * cfg.batch_size * 2,
+            seed=cfg.seed,
+        )
+    if len(rows) < cfg.batch_size:
+        raise ValueError(
+            f"{coll.name}/{run.data.train} gives {len(rows)} training rows, fewer than one batch of {cfg.batch_size}"
+        )
     # judged negatives: rows hold every judged-relevant pair unless max_examples cut them
     anchors, positives = rows[anchor_column(BRANCHES[0])], rows[POSITIVE_COLUMN]
     run.judged = JudgedPairs(zip(anchors, positives))
     run.rows = rows.add_column("label", pair_labels(anchors, positives))
-    if run.cfg.doc_tower == "frozen" and run.h.recipe.trains_encoder:  # else the whole encoder is frozen anyway
-        with run.h.stage("frozen_tower", "priming the frozen document tower with the start model's index"):
+    if cfg.doc_tower == "frozen" and h.recipe.trains_encoder:  # else the whole encoder is frozen anyway
+        with h.stage("frozen_tower", "priming the frozen document tower with the start model's index"):
             run.tower = _frozen_tower(model, run.rows, doc_texts, dense_index)
 
 
 def train_systems(run: UniERFRun) -> None:
     """Train the systems ``--ablations`` names on the same rows and retrieve with each one's branches: the joint
     ones ((a) and its ablations) and (c) the independently trained branches."""
-    cfg, h = run.cfg, run.h
+    cfg = run.cfg
     wanted = ABLATIONS[cfg.ablations] if run.rows is not None else ()
     hard_cols = [negative_column(b) for b in BRANCHES]
     for s in (s for s in JOINT if s.key in wanted):
         alpha = cfg.low_alpha if s.low_alpha else cfg.alpha
         ignore = [] if s.hard_negatives else hard_cols
-        slug = f"unierf-{s.key}"
-        model = _train_one(run, slug, s.name, partial(_start_model, cfg), BRANCHES, ignore, s.diversity, alpha)
-        index = run.index_of(slug, model)
-        with h.stage(f"retrieve_{s.key}", f"retrieving with {s.name}'s branches"):
-            q = run.query_vectors(model)
-            run.add_lists(s.name, {b: q for b in BRANCHES}, {b: index for b in BRANCHES})
-        del model
-        gc.collect()
+        q, index = _train_one(run, f"unierf-{s.key}", s.name, BRANCHES, ignore, s.diversity, alpha)
+        run.add_lists(s.name, {b: q for b in BRANCHES}, {b: index for b in BRANCHES})
     if INDEPENDENT in wanted:
         frames, indexes = {}, {}
         for b in BRANCHES:
             ignore = [c for o in BRANCHES if o != b for c in (anchor_column(o), negative_column(o))]
-            build = partial(_single_branch_model, cfg, b)
-            model = _train_one(run, f"independent-{b}", f"{INDEPENDENT} {b}", build, (b,), ignore, False, cfg.alpha)
-            indexes[b] = run.index_of(f"independent-{b}", model)
-            with h.stage(f"retrieve_independent_{b}", f"retrieving with the independent {b} model"):
-                frames[b] = run.query_vectors(model)
-            del model
-            gc.collect()
+            name = f"{INDEPENDENT} {b}"
+            frames[b], indexes[b] = _train_one(run, f"independent-{b}", name, (b,), ignore, False, cfg.alpha)
         run.add_lists(INDEPENDENT, frames, indexes)
 
 
@@ -408,14 +375,13 @@ def _train_one(
     run: UniERFRun,
     slug: str,
     name: str,
-    build: Callable[[], Any],
     branches: Sequence[str],
     ignore: list[str],
     diversity: bool,
     alpha: float,
-) -> Any:
-    """Train one system by the terms it keeps (``diversity``, the columns it does not ``ignore``); its training
-    summary goes to ``run.info[name]``."""
+) -> tuple[pd.DataFrame, Any]:
+    """Train one system by the terms it keeps (``diversity``, the columns it does not ``ignore``), its training
+    summary to ``run.info[name]``; returns its test query vectors and the index it searches."""
     cfg, h = run.cfg, run.h
     columns = text_columns(run.rows)
     loss = LossFactory(
@@ -437,7 +403,12 @@ def _train_one(
         "rows": len(run.rows),
     }
     mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
-    model, losses = h.train(slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings)
+    build = partial(_start_model, cfg, branches)
+    run.dev = run.dev or _MergedDev(run)
+    dev = h.dev_evaluator(run.data, "R@100", run.dev)
+    model, losses = h.train(
+        slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
+    )
     rec = loss.loss
     stats = rec.stats if rec is not None else {}
     several = len(branches) > 1
@@ -452,7 +423,12 @@ def _train_one(
         **{f"{k}_first_last_10": loss_ends(stats.get(k, [])) for k in RECORDED},
         "batch_fingerprint": rec.digest.hexdigest()[:16] if rec is not None else None,
     }
-    return model
+    index = run.index_of(slug, model)
+    with h.stage(f"retrieve_{slug}", f"retrieving with {name}'s branches"):
+        frame = run.query_vectors(model)
+    del model
+    gc.collect()
+    return frame, index
 
 
 def _order(run: UniERFRun) -> tuple[str, list[str]]:
@@ -460,6 +436,52 @@ def _order(run: UniERFRun) -> tuple[str, list[str]]:
     trained = [s for s in run.lists if s != run.start_name]
     baseline = BASELINE if BASELINE in trained else run.start_name
     return baseline, [baseline] + [s for s in [*trained, run.start_name] if s != baseline]
+
+
+class _MergedDev:
+    """UniERF's dev scores for :class:`~pyterrier_prob.curves.DevRetrieval`: each dev query's branch rankings of the
+    dev pool merged as the test lists are (equal quotas, dedup, refill: a document ranks by its best rank over the
+    branches); the documents encoded by the start model when the document tower stays frozen (as its index)."""
+
+    def __init__(self, run: UniERFRun) -> None:
+        self.run, self.topics, self.docs = run, None, None
+
+    def __call__(self, model: Any, topics: pd.DataFrame, texts: list[str]) -> np.ndarray:
+        h, data, cfg = self.run.h, self.run.data, self.run.cfg
+        if self.topics is None:  # the dev queries with their trigger documents (top BM25), in the given order
+            coll = data.train_collection if data.dev else data.test_collection
+            found = _with_triggers(h, h.bm25(coll), coll, topics).set_index("qid", drop=False)
+            self.topics = found.loc[topics["qid"].astype(str)].reset_index(drop=True)
+        docs = self.docs
+        if docs is None:
+            frozen, tower = cfg.doc_tower == "frozen" or h.recipe.caches_features, model
+            if frozen:
+                tower = _start_model(cfg)
+                tower.max_seq_length = cfg.max_seq_length
+                tower = h.encoding_model(tower)
+            docs = tower.encode_document(texts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True)
+            self.docs = docs if frozen else None
+        queries = UniERFEncoder(model, batch_size=64).encode(self.topics)
+        ranks = [np.argsort(np.argsort(-(q @ docs.T), axis=1), axis=1) for q in queries.values()]
+        return -np.min(ranks, axis=0).astype(np.float32)
+
+
+def claims(run: UniERFRun, budget: int = 100) -> list[dict[str, Any]]:
+    """Claims at B = ``budget`` (R@B on the test queries): ``merged_vs_best_branch``, the full model's merged list
+    against its better branch alone, and ``ablation_<key>``, each other jointly trained system against the full one."""
+    if budget not in run.budgets or BASELINE not in run.lists:
+        return []
+    h, data, metric = run.h, run.data, [f"R@{budget}"]
+    merged = {s: merged_run([run.lists[s][b] for b in BRANCHES], budget)[0] for s in run.lists}
+    alone = []
+    for b in BRANCHES:
+        runs = {BASELINE: merged[BASELINE], f"{b} branch alone": alone_run(run.lists[BASELINE][b], budget)}
+        alone += perquery_claims(h, runs, data, "unierf", "merged_vs_best_branch", *runs, metric)
+    rows = [max(alone, key=lambda r: r["baseline_value"])]
+    for s in JOINT:
+        if s.name in merged and s.name != BASELINE:
+            rows += perquery_claims(h, merged, data, "unierf", f"ablation_{s.key}", s.name, BASELINE, metric)
+    return rows
 
 
 def recall_at_budgets(run: UniERFRun) -> tuple[pd.DataFrame, dict[str, dict[int, float]]]:
@@ -505,24 +527,14 @@ def overlap_table(run: UniERFRun, shares: dict[str, dict[int, float]]) -> pd.Dat
 def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict[str, Any]:
     """The training table, ``summary.json`` and ``results.md`` (:meth:`Harness.finish`)."""
     cfg, info = run.cfg, run.info
-    nan2 = (np.nan, np.nan)
-    training = pd.DataFrame(
-        [
-            {
-                "system": name,
-                "columns": " ".join(i["columns"]),
-                "L_div": i["use_diversity"],
-                "alpha": i["alpha"],
-                "train_s": i["train_s"],
-                "loss_first10": (i["loss_first_last_10"] or nan2)[0],
-                "loss_last10": (i["loss_first_last_10"] or nan2)[1],
-                "branch_cos_first10": (i["branch_cos_first_last_10"] or nan2)[0],
-                "branch_cos_last10": (i["branch_cos_first_last_10"] or nan2)[1],
-                "batch_fingerprint": i["batch_fingerprint"],
-            }
-            for name, i in info.items()
-        ]
-    )
+    rows = []
+    for name, i in info.items():
+        row = {"system": name, "columns": " ".join(i["columns"]), "L_div": i["use_diversity"], "alpha": i["alpha"]}
+        row["train_s"] = i["train_s"]
+        for key in ("loss", "branch_cos"):
+            row[f"{key}_first10"], row[f"{key}_last10"] = i[f"{key}_first_last_10"] or (np.nan, np.nan)
+        rows.append({**row, "batch_fingerprint": i["batch_fingerprint"]})
+    training = pd.DataFrame(rows)
     baseline = _order(run)[0]
     prints = {n: i["batch_fingerprint"] for n, i in info.items() if i["batch_fingerprint"]}
     summary: dict[str, Any] = {
@@ -541,23 +553,18 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
         "identical_batches": (len(set(prints.values())) == 1) if len(prints) > 1 else None,
         "frozen_tower": run.tower.stats if run.tower is not None else None,
         "training": info,
-        "recall": _json_records(results),
-        "overlap": _json_records(overlap),
+        **{
+            k: f.astype(object).where(f.notna(), None).to_dict("records")
+            for k, f in (("recall", results), ("overlap", overlap))
+        },
     }
     md = _markdown(results, overlap, training, run.budgets, summary)
     title = "UniERF: merged recall at budget B, Table 2 ablation and branch overlap"
     tables = {"results": results, "overlap": overlap, "training": training}
+    record_claims(cfg, claims(run))
     summary = run.h.finish(title, md, tables, summary, run.data)
     cfg.timings.update(run.h.timings)
     return {"results": results, "overlap": overlap, "training": training, "summary": summary}
-
-
-def _json_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """A frame as JSON-ready records (NaN as None)."""
-    return [
-        {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
-        for r in frame.to_dict(orient="records")
-    ]
 
 
 def _markdown(
@@ -568,28 +575,19 @@ def _markdown(
     summary: dict[str, Any],
 ) -> str:
     """The report: the main table (R@B with `*` marks, overlap of the merged systems), then the details."""
-    ov = overlap.set_index("system")
-    head = ["system", *[f"R@{b}" for b in budgets], *[f"J@{b // 2}" for b in budgets], "cos(H_sem, H_trig)"]
+    names = results["name"].astype(str)
+    merged = names.str.removesuffix(": merged").where(names.str.endswith(": merged"))
+    main = overlap.set_index("system").reindex(merged)[[*(f"J@{b // 2}" for b in budgets), "cos(H_sem, H_trig)"]]
+    for i, b in enumerate(budgets):
+        main.insert(i, f"R@{b}", [measure_cell(r, f"R@{b}") for _, r in results.iterrows()])
+    main.insert(0, "system", names.to_numpy())
     lines = [
         f"R@B: recall of the B merged candidates (equal quotas B/2, dedup, refill); `*`: p < 0.05, "
         f"{summary['significance']}. J@B/2: Jaccard of the two branches' top-B/2 lists, mean over queries; "
-        "cos: mean cosine of a query's two branch vectors. Document tower: "
-        f"{summary['doc_tower']}.",
+        f"cos: mean cosine of a query's two branch vectors. Document tower: {summary['doc_tower']}.",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        markdown_table(main, ".3f"),
     ]
-    for _, r in results.iterrows():
-        name = str(r["name"])
-        cells = [name]
-        for b in budgets:
-            cells.append(measure_cell(r, f"R@{b}"))
-        system = name[: -len(": merged")] if name.endswith(": merged") else None
-        for b in budgets:
-            cells.append(f"{ov.loc[system, f'J@{b // 2}']:.3f}" if system in ov.index else "")
-        cos = ov.loc[system, "cos(H_sem, H_trig)"] if system in ov.index else np.nan
-        cells.append(f"{cos:.3f}" if np.isfinite(cos) else "")
-        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Overlap (means over the test queries; both@B: share of the merged B found by both branches):", ""]
     lines.append(markdown_table(overlap, ".3f"))
     if len(training):

@@ -64,7 +64,7 @@ DESCRIPTION = (
 MEASURES = ("nDCG@10", "RR@10")
 NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
 NEGATIVE_SOURCES = ("bm25", "dense")
-_ROBUST, _DEV = "robustness (Table 4)", "learning curve and choices on dev"
+_ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev", "zero-shot collections"
 
 
 @dataclass
@@ -84,9 +84,11 @@ class VarceJobConfig(CommonConfig):
     noise: Sequence[str] = option(
         NOISE_ORDER, "perturbations (docs/varce.md explains the codes)", _ROBUST, choices=NOISE_ORDER
     )
-    ood: Sequence[str] = ()  # the zero-shot options: add_arguments (add_options needs a non-empty tuple default)
-    ood_queries: int = 60
-    ood_depth: int = 20
+    ood: Sequence[str] = option(
+        (), "further collections to evaluate zero-shot (test split), e.g. irds:beir/scifact", _OOD, type=str, nargs="*"
+    )
+    ood_queries: int = option(60, "seeded query cap per --ood collection", _OOD)
+    ood_depth: int = option(20, "BM25 depth re-ranked per --ood collection", _OOD)
     inference_batch_size: int = option(32, "pairs per forward pass")
     negatives_from: Sequence[str] = option(
         NEGATIVE_SOURCES,
@@ -138,13 +140,7 @@ class VarceJobConfig(CommonConfig):
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``pyterrier-prob varce`` options."""
-    d = VarceJobConfig()
-    add_options(ap, d, "VarCrossEncoder")
-    ood = ap.add_argument_group("zero-shot collections")
-    ood.add_argument("--ood", nargs="*", type=str, default=[], help="further collections to evaluate zero-shot (test "
-                     "split), e.g. irds:beir/scifact")  # fmt: skip
-    ood.add_argument("--ood-queries", type=int, default=d.ood_queries, help="seeded query cap per --ood collection")
-    ood.add_argument("--ood-depth", type=int, default=d.ood_depth, help="BM25 depth re-ranked per --ood collection")
+    add_options(ap, VarceJobConfig(), "VarCrossEncoder")
 
 
 def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
@@ -153,7 +149,7 @@ def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
 
 def run(cfg: VarceJobConfig) -> dict[str, Any]:
     if cfg.teacher:
-        return varce_distill.run(varce_distill.config_from_varce(cfg))
+        return varce_distill.run(varce_distill.config_from_varce(cfg), Harness("varce", cfg))
     return run_varce_job(cfg)
 
 
@@ -165,8 +161,7 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     (pt.Experiment per collection), ``uncertainty.csv``, ``risk.csv``, ``hard_queries.csv``, ``robustness.csv``,
     ``summary.json`` and ``results.md``; models under ``models/``, indexes under ``indexes/``, scores under
     ``scores/``. Returns those tables and ``"summary"``."""
-    cfg.check()
-    h = Harness("varce", cfg)
+    h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=False)  # dev queries choose lambda and alpha; every test query is evaluated
     trained = train_stage(cfg, h, data)
     targets = target_stage(cfg, h, data)
@@ -194,7 +189,7 @@ class _Job:
         self.var_systems = [n for n in trained.models if n.startswith("VarCE")]
         self.risks = sorted({0.0, *map(float, cfg.risks)})
         self.shared = None
-        if cfg.recipe == "partial" and trained.fine_tuned:
+        if h.recipe.caches_states and trained.fine_tuned:
             self.shared = SharedLayers.find(trained.models, cfg.train_layers, cfg.inference_batch_size, h.progress)
         self.scorers = {
             n: PairScorer(

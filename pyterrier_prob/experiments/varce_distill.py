@@ -1,10 +1,11 @@
 """``pyterrier-prob varce --teacher``: cross-encoders distilled from the strongest ranker we can build, as BM25
 re-rankers in domain and zero-shot (docs/varce.md, "Cross-encoders distilled ...").
 
-Stages, each reusing what an earlier run in the same output folder made: :func:`bm25_run`, :func:`teacher_stage`
-(teacher embeddings, fusion weight chosen on dev, training pools), :func:`train_students` (CE and VarCEs,
-split-attention students trained on the same Margin-MSE rows, best dev point kept), :func:`score_stage` (E[s],
-std[s]) and :func:`run`'s report (nDCG@10 with paired t-tests, calibration, risk-aware lambda, hard queries).
+Stages over the shared :class:`~pyterrier_prob.experiments.harness.Harness` (its BM25 indexes, stages and report),
+each reusing what an earlier run in the same output folder made: :func:`teacher_stage` (teacher embeddings, fusion
+weight chosen on dev, training pools), :func:`train_students` (CE and VarCEs, split-attention students trained on the
+same Margin-MSE rows, best dev point kept), :func:`score_stage` (E[s], std[s]) and :func:`run`'s report (nDCG@10
+with paired t-tests, calibration, risk-aware lambda, uncertainty).
 """
 
 from __future__ import annotations
@@ -19,25 +20,24 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from pyterrier_pisa import PisaIndex
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.cross_encoder.losses import MarginMSELoss
 
-from pyterrier_prob.atomic import atomic_write, make_dirs
-from pyterrier_prob.collections import load_collection
-from pyterrier_prob.console import native_output_to
+from pyterrier_prob.atomic import atomic_write, make_dirs, read_checked
+from pyterrier_prob.collections import Collection, load_collection
 from pyterrier_prob.curves import DevCurve
 from pyterrier_prob.data import judged_pairs, training_pairs
-from pyterrier_prob.experiments.harness import markdown_table
+from pyterrier_prob.experiments.harness import Harness, markdown_table
 from pyterrier_prob.training import Recipe, fine_tune
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
-from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, system_rows
+from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
 from pyterrier_prob.varce.rerank import risk_adjusted
 from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
 from st_extensions.defaults import default_model_path
 from st_extensions.loading import load_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, VariationalMarginMSELoss
+from st_extensions.model_card import save_with_card
 
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
 RISKS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -89,31 +89,7 @@ def _slug(spec: str) -> str:
     return spec.replace("irds:", "").replace("/", "_")
 
 
-def _write_json(path: str, data: Any) -> None:
-    make_dirs(os.path.dirname(path))
-    atomic_write(path, json.dumps(data, indent=1, default=float))
-
-
-# ------------------------------------------------------------------------------------------------ 1. BM25
-def bm25_run(cfg: DistillConfig, spec: str, topics: pd.DataFrame, k: int, tag: str) -> pd.DataFrame:
-    """BM25's top ``k`` (PISA) of ``topics`` on collection ``spec``, cached as ``bm25/<slug>-<tag>.parquet``."""
-    slug = _slug(spec)
-    path = cfg.path("bm25", f"{slug}-{tag}-{k}.parquet")
-    if os.path.isfile(path):
-        return pd.read_parquet(path)
-    index_path = cfg.path("bm25", f"{slug}.pisa")
-    make_dirs(cfg.path("bm25"))
-    index = PisaIndex(index_path, text_field="text", threads=1)
-    with native_output_to(f"{index_path}.log", fds=(1, 2)):
-        if not index.built():
-            index.index(load_collection(spec).corpus_iter())
-        run = index.bm25(num_results=k)(topics[["qid", "query"]])
-    run = run[["qid", "docno", "score", "rank"]].astype({"qid": str, "docno": str})
-    atomic_write(path, lambda f: run.to_parquet(f))
-    return run
-
-
-# ------------------------------------------------------------------------------------------------ 2. teacher
+# ------------------------------------------------------------------------------------------------ 1. teacher
 def build_teacher(cfg: DistillConfig) -> str:
     """The teacher's folder: ``cfg.teacher`` itself, or for ``"partial"`` the MNRL bi-encoder fine-tuned on the
     training split (top ``teacher_layers`` layers, query-balanced batches, judged negatives masked), dev nDCG@10 by
@@ -142,17 +118,29 @@ def build_teacher(cfg: DistillConfig) -> str:
         cfg.recipe(cfg.teacher_steps, 32, 5e-5, cfg.teacher_layers, cfg.teacher_dev_every),
         DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience),
         cfg.path("teacher", "states"),
+        folder,
     )
-    model.save(folder)
     return folder
 
 
 def _train_partial(
-    cfg: DistillConfig, name: str, model: Any, loss: Any, rows: Any, recipe: Any, curve: Any, states: str
+    cfg: DistillConfig, name: str, model: Any, loss: Any, rows: Any, recipe: Any, curve: Any, states: str, folder: str
 ) -> None:
-    """``fine_tune`` under the partial ``recipe`` into ``runs/<name>`` (resumable), dev ``curve`` as callback."""
+    """``fine_tune`` under the partial ``recipe`` into ``runs/<name>`` (resumable), dev ``curve`` as callback; then
+    save the model to ``folder`` (atomically) with its model card."""
     out = cfg.path("runs", name)
     fine_tune(model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve], state_cache=states)
+    if hasattr(model[0], "state_cache"):
+        model[0].state_cache = None  # a split cross-encoder's cache of the run: not part of the model
+    save_with_card(
+        folder,
+        model,
+        loss=loss,
+        recipe=recipe.describe(),
+        train_data=f"{cfg.dataset}/train",
+        rows=rows,
+        model_name=name,
+    )
 
 
 @dataclass
@@ -160,6 +148,7 @@ class Side:
     """One collection's texts and the teacher's embeddings of them."""
 
     spec: str
+    collection: Collection
     corpus: dict[str, str]
     topics: dict[str, pd.DataFrame]
     qrels: dict[str, pd.DataFrame]
@@ -180,28 +169,34 @@ def load_side(cfg: DistillConfig, teacher: Any, spec: str, splits: tuple[str, ..
         s: distill.encode(teacher, topics[s]["query"].tolist(), cfg.path("teacher", f"{slug}-{s}.npy"), query=True)
         for s in splits
     }
-    return Side(spec, corpus, topics, qrels, docnos, d_emb, q_emb)
+    return Side(spec, coll, corpus, topics, qrels, docnos, d_emb, q_emb)
 
 
-def candidates(cfg: DistillConfig, side: Side, split: str) -> pd.DataFrame:
+def bm25_run(h: Harness, side: Side, topics: pd.DataFrame, k: int) -> pd.DataFrame:
+    """BM25's top ``k`` of ``topics`` (``qid, docno, score, rank``) from the harness's PISA index of the collection."""
+    run = h.bm25_run(h.bm25(side.collection), topics[["qid", "query"]], k)
+    return run[["qid", "docno", "score", "rank"]].astype({"qid": str, "docno": str})
+
+
+def candidates(cfg: DistillConfig, h: Harness, side: Side, split: str) -> pd.DataFrame:
     """BM25's top ``depth`` of a split with the teacher's cosine: ``qid, docno, bm25, dense, query, text``."""
     topics = side.topics[split]
-    run = bm25_run(cfg, side.spec, topics, cfg.depth, split).rename(columns={"score": "bm25"})
+    run = bm25_run(h, side, topics, cfg.depth).rename(columns={"score": "bm25"})
     run = distill.add_cosines(run, topics["qid"].tolist(), side.q_emb[split], side.docnos, side.d_emb)
     queries = dict(zip(topics["qid"], topics["query"]))
     return run.assign(query=run["qid"].map(queries), text=run["docno"].map(side.corpus))
 
 
-def teacher_stage(cfg: DistillConfig, teacher: Any, side: Side) -> dict[str, Any]:
+def teacher_stage(cfg: DistillConfig, h: Harness, side: Side) -> dict[str, Any]:
     """Choose the fusion weight on dev; build the training pools with teacher scores (cached)."""
-    dev = candidates(cfg, side, "dev")
+    dev = candidates(cfg, h, side, "dev")
     chosen = distill.choose_teacher(dev, side.qrels["dev"])
     pool_path = cfg.path("teacher", f"pool-a{chosen['alpha']}-d{cfg.pool_depth}.parquet")
     if os.path.isfile(pool_path):
-        pool = pd.read_parquet(pool_path)
+        pool = read_checked(pool_path, pd.read_parquet, "delete it: the next run scores the pool again")
     else:
         topics = side.topics["train"]
-        bm25 = bm25_run(cfg, side.spec, topics, cfg.bm25_train_depth, "train")
+        bm25 = bm25_run(h, side, topics, cfg.bm25_train_depth)
         dense = distill.dense_run(topics, side.q_emb["train"], side.docnos, side.d_emb, cfg.pool_depth)
         pool = distill.candidate_pool(bm25, dense, cfg.pool_depth)
         pool = distill.add_cosines(pool, topics["qid"].tolist(), side.q_emb["train"], side.docnos, side.d_emb)
@@ -210,10 +205,10 @@ def teacher_stage(cfg: DistillConfig, teacher: Any, side: Side) -> dict[str, Any
     return {"alpha": chosen["alpha"], "dev": chosen["dev"], "pool": pool}
 
 
-# ------------------------------------------------------------------------------------------------ 3. students
-def dev_subset(cfg: DistillConfig, side: Side) -> pd.DataFrame:
+# ------------------------------------------------------------------------------------------------ 2. students
+def dev_subset(cfg: DistillConfig, h: Harness, side: Side) -> pd.DataFrame:
     """BM25's top ``dev_depth`` of ``dev_queries`` seeded dev queries: the learning curves' and the choices' pairs."""
-    dev = candidates(cfg, side, "dev")
+    dev = candidates(cfg, h, side, "dev")
     rng = np.random.default_rng(cfg.seed)
     qids = sorted(dev["qid"].unique())
     keep = set(rng.choice(qids, size=min(cfg.dev_queries, len(qids)), replace=False).tolist())
@@ -231,9 +226,9 @@ def build_student(cfg: DistillConfig, name: str) -> Any:
     )
 
 
-def train_students(cfg: DistillConfig, side: Side, rows: Any) -> dict[str, Any]:
+def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any) -> dict[str, Any]:
     """Train (or load, when saved by an earlier run) every student on the same rows, steps and budget."""
-    evaluate = DevRerank(dev_subset(cfg, side), side.qrels["dev"])
+    evaluate = DevRerank(dev_subset(cfg, h, side), side.qrels["dev"])
     models, curves = {}, {}
     for name in cfg.students:
         folder = cfg.path("models", name)
@@ -247,22 +242,21 @@ def train_students(cfg: DistillConfig, side: Side, rows: Any) -> dict[str, Any]:
             recipe = cfg.recipe(cfg.steps, cfg.batch_size, cfg.learning_rate, cfg.joint_layers, cfg.checkpoint_every)
             curve = DevCurve(cfg.dev_every, evaluate, curve_path, patience=cfg.patience)
             t0 = time.perf_counter()
-            _train_partial(cfg, name, model, loss, rows, recipe, curve, cfg.path("states"))
-            model[0].state_cache = None
-            model.save(folder)
-            _write_json(os.path.join(folder, "training.json"), {"train_wall_s": time.perf_counter() - t0})
+            _train_partial(cfg, name, model, loss, rows, recipe, curve, cfg.path("states"), folder)
+            atomic_write(os.path.join(folder, "training.json"), json.dumps({"train_wall_s": time.perf_counter() - t0}))
         split_state_cache(model, cfg.path("states"))
-        models[name] = model
+        models[name], h.saved_models[name] = model, folder
         with open(curve_path, encoding="utf8") as f:
             curves[name] = json.load(f)
     return {"models": models, "curves": curves}
 
 
-# ------------------------------------------------------------------------------------------------ 4. scoring
+# ------------------------------------------------------------------------------------------------ 3. scoring
 def score_stage(cfg: DistillConfig, models: dict[str, Any], name: str, cand: pd.DataFrame) -> pd.DataFrame:
     """``cand`` with ``<model>`` (E[s]) and ``<model>_std`` columns for every student (cached per collection)."""
     path = cfg.path("scores", f"{name}.parquet")
-    done = pd.read_parquet(path) if os.path.isfile(path) else cand[["qid", "docno"]].copy()
+    fresh = not os.path.isfile(path)
+    done = cand[["qid", "docno"]].copy() if fresh else read_checked(path, pd.read_parquet, "delete it and rerun")
     for m, model in models.items():
         if m in done.columns:
             continue
@@ -275,28 +269,17 @@ def score_stage(cfg: DistillConfig, models: dict[str, Any], name: str, cand: pd.
     return cand.merge(done, on=["qid", "docno"], how="left")
 
 
-# ------------------------------------------------------------------------------------------------ 5. report
-def system_scores(frame: pd.DataFrame, alpha: float, students: list[str]) -> dict[str, np.ndarray]:
-    """Each system's score per candidate: BM25, the teacher (fused and bi-encoder alone), every student."""
-    out = {
-        "BM25": frame["bm25"].to_numpy(),
-        "Teacher (bi-encoder)": frame["dense"].to_numpy(),
-        f"Teacher (bi-encoder + BM25, alpha {alpha})": distill.teacher_scores(frame, alpha),
-    }
-    out.update({s: frame[s].to_numpy() for s in students})
-    return out
-
-
+# ------------------------------------------------------------------------------------------------ 4. report
 def rerank_rows(
     cfg: DistillConfig, frame: pd.DataFrame, qrels: pd.DataFrame, alpha: float, spec: str, qids: list[str]
 ) -> tuple:
-    """Rows (collection, depth, system, queries, nDCG@10, p_vs_bm25, p_vs_CE) over all ``qids`` (a query BM25
-    retrieves nothing for scores 0 for every system) and the per-query values."""
-    students = [s for s in cfg.students if s in frame.columns]
-    per_query = {
-        name: distill.ndcg_at_10(frame.assign(score=score), qrels, qids=qids)
-        for name, score in system_scores(frame, alpha, students).items()
-    }
+    """Rows (collection, depth, system, queries, nDCG@10, p_vs_bm25, p_vs_CE) of BM25, the teacher (fused and
+    bi-encoder alone) and every student over all ``qids`` (a query BM25 retrieves nothing for scores 0 for every
+    system) and the per-query values."""
+    scores = {"BM25": frame["bm25"], "Teacher (bi-encoder)": frame["dense"]}
+    scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
+    scores |= {s: frame[s] for s in cfg.students if s in frame.columns}
+    per_query = {n: distill.ndcg_at_10(frame.assign(score=v), qrels, qids=qids) for n, v in scores.items()}
     return system_rows(per_query, spec, cfg.depth), per_query
 
 
@@ -340,8 +323,8 @@ def uncertainty_stage(
     students: list[str],
     per_query: dict[str, pd.Series],
 ) -> dict[str, Any]:
-    """For every VarCE: spread of std[s], lambda of the risk-aware ranking chosen on dev and its test value, and
-    whether uncertain queries are the hard ones."""
+    """For every VarCE: :func:`~pyterrier_prob.varce.analysis.uncertainty_stats` (the spread of std[s], whether
+    uncertain queries are the hard ones), lambda of the risk-aware ranking chosen on dev and its test value."""
     out = {}
     for s in students:
         std_col = f"{s}_std"
@@ -350,55 +333,49 @@ def uncertainty_stage(
         lam, dev_values = choose_risk(partial(_ndcg_at_risk, dev, dev_qrels, s, None), RISKS)
         test_values = _ndcg_at_risk(frame, qrels, s, per_query[s].index.tolist(), lam)  # every query, as the rows
         out[s] = {
-            "spread": cal.uncertainty_spread(frame["qid"].to_numpy(), frame[std_col].to_numpy()),
+            **uncertainty_stats(ranked(frame, frame[s].to_numpy(), frame[std_col].to_numpy()), per_query[s]),
             "risk_dev": dev_values,
             "risk_chosen": lam,
             "risk_test": float(test_values.mean()),
             "risk_p_vs_lambda0": paired_p(test_values, per_query[s]),
-            "hard_queries": cal.uncertain_queries_are_hard(
-                frame.assign(score=frame[s], std=frame[std_col]), per_query[s]
-            ),
         }
     return out
 
 
-def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
-    """All the stages; writes ``summary.json`` and ``results.md`` into ``cfg.output`` and returns the summary."""
-    make_dirs(cfg.output)
+def run(cfg: DistillConfig, h: Harness) -> dict[str, Any]:
+    """All the stages under the run's harness ``h``; writes ``summary.json``, ``results.md``, ``rows.csv`` and
+    ``reliability.png`` into ``cfg.output`` (:meth:`Harness.finish`) and returns the summary."""
+    h.cfg.reuse = True  # every stage reuses what an earlier run in the output folder made (the BM25 indexes too)
     cfg.teacher = build_teacher(cfg)
     teacher = SentenceTransformer(cfg.teacher, device="cpu")
     teacher.max_seq_length = cfg.max_seq_length
-    log(f"teacher {cfg.teacher}: embeddings of {cfg.dataset}")
-    side = load_side(cfg, teacher, cfg.dataset, ("train", "dev", "test"))
-    chosen = teacher_stage(cfg, teacher, side)
-    log(f"teacher fusion weight chosen on dev: alpha {chosen['alpha']} ({chosen['dev'][chosen['alpha']]:.4f})")
+    with h.stage("teacher", f"teacher {cfg.teacher}: embeddings of {cfg.dataset}, fusion weight on dev, pools"):
+        side = load_side(cfg, teacher, cfg.dataset, ("train", "dev", "test"))
+        chosen = teacher_stage(cfg, h, side)
     pool = chosen["pool"]
     queries = dict(zip(side.topics["train"]["qid"], side.topics["train"]["query"]))
     rows = distill.distillation_rows(
         pool, queries, side.corpus, cfg.steps * cfg.batch_size, negatives=cfg.negatives, seed=cfg.seed
     )
-    trained = train_students(cfg, side, rows)
+    trained = train_students(cfg, h, side, rows)
     models = trained["models"]
     students = list(models)
-    rows_out, per_query_all, calibration, uncertainty = [], {}, {}, {}
-    dev_sub = dev_subset(cfg, side)
+    rows_out, calibration, uncertainty = [], {}, {}
+    dev_sub = dev_subset(cfg, h, side)
     dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
-    targets = [(cfg.dataset, side, "test")]
-    for spec in cfg.ood:
-        targets.append((spec, load_side(cfg, teacher, spec, ("test",)), "test"))
-    for spec, s, split in targets:
-        log(f"re-ranking BM25's top {cfg.depth} of {spec} ({split})")
-        cand = candidates(cfg, s, split)
-        scored = score_stage(cfg, models, f"{_slug(spec)}-{split}", cand)
-        r, per_query = rerank_rows(cfg, scored, s.qrels[split], chosen["alpha"], spec, s.topics[split]["qid"].tolist())
-        per_query_all[spec] = per_query
+    targets = [(cfg.dataset, side)] + [(spec, load_side(cfg, teacher, spec, ("test",))) for spec in cfg.ood]
+    for spec, s in targets:
+        with h.stage(f"rerank_{_slug(spec)}", f"re-ranking BM25's top {cfg.depth} of {spec} (test)"):
+            scored = score_stage(cfg, models, f"{_slug(spec)}-test", candidates(cfg, h, s, "test"))
+            qids = s.topics["test"]["qid"].tolist()
+            r, per_query = rerank_rows(cfg, scored, s.qrels["test"], chosen["alpha"], spec, qids)
         if spec == cfg.dataset:
-            calibration = calibration_stage(dev_scored, scored, side.qrels["dev"], s.qrels[split], students)
+            calibration = calibration_stage(dev_scored, scored, side.qrels["dev"], s.qrels["test"], students)
             for row in r:
                 if row["system"] in calibration:
                     row["ece"] = calibration[row["system"]]["ece"]
         uncertainty[spec] = uncertainty_stage(
-            scored, dev_scored, s.qrels[split], side.qrels["dev"], students, per_query
+            scored, dev_scored, s.qrels["test"], side.qrels["dev"], students, per_query
         )
         rows_out.extend(r)
     summary = {
@@ -415,14 +392,12 @@ def run(cfg: DistillConfig, *, log: Any = print) -> dict[str, Any]:
         "uncertainty": uncertainty,
         "dev_candidates": int(len(dev_sub)),
     }
-    _write_json(cfg.path("summary.json"), summary)
     if calibration:
-        from pyterrier_prob.plots import reliability_plot
+        from pyterrier_prob.plots import reliability_plot  # matplotlib: optional
 
         reliability_plot(calibration, cfg.path("reliability.png"))
-    atomic_write(cfg.path("results.md"), markdown(summary))
-    log(markdown(summary))
-    return summary
+    title = "Cross-encoders distilled from a bi-encoder + BM25 teacher, re-ranking BM25"
+    return h.finish(title, markdown(summary), {"rows": pd.DataFrame(rows_out)}, summary)
 
 
 def _fmt_p(p: float | None) -> str:

@@ -102,19 +102,12 @@ def _dev_choices(summary: dict[str, Any]) -> str:
     return "\n".join(lines).strip()
 
 
-_UNCERTAINTY_COLUMNS = {
-    "collection": "collection",
-    "name": "name",
-    "n_queries": "n_queries",
-    "std 5/50/95%": "std 5/50/95%",
-    "std_within_query_cv_median": "CV in query",
-    "std_between_queries_sd": "SD between queries",
-    "std_within_query_sd_mean": "SD within query",
-    "std_between_query_variance_share": "between-query share",
-    "rho(std, nDCG@10)": "rho(std, nDCG@10)",
-    "rho(mean, nDCG@10)": "rho(mean, nDCG@10)",
-    "rho_pairs_std_vs_mean": "rho(std, mean) pairs",
-}
+_UNCERTAINTY_COLUMNS = ["collection", "name", "n_queries", "std 5/50/95%", "std_within_query_cv_median"]
+_UNCERTAINTY_COLUMNS += ["std_between_queries_sd", "std_within_query_sd_mean", "std_between_query_variance_share"]
+_UNCERTAINTY_COLUMNS += ["rho(std, nDCG@10)", "rho(mean, nDCG@10)", "rho_pairs_std_vs_mean"]
+_UNCERTAINTY_NAMES = {"std_within_query_cv_median": "CV in query", "std_between_queries_sd": "SD between queries"}
+_UNCERTAINTY_NAMES |= {"std_within_query_sd_mean": "SD within query", "rho_pairs_std_vs_mean": "rho(std, mean) pairs"}
+_UNCERTAINTY_NAMES["std_between_query_variance_share"] = "between-query share"
 
 
 def _rho(u: pd.DataFrame, of: str) -> list[str]:
@@ -126,7 +119,7 @@ def _uncertainty(u: pd.DataFrame) -> str:
         return ""
     q = [f"{a:.5f} / {b:.5f} / {c:.5f}" for a, b, c in zip(u["std_q05"], u["std_q50"], u["std_q95"])]
     u = u.assign(**{"std 5/50/95%": q, "rho(std, nDCG@10)": _rho(u, "std"), "rho(mean, nDCG@10)": _rho(u, "mean")})
-    table = markdown_table(u[list(_UNCERTAINTY_COLUMNS)].rename(columns=_UNCERTAINTY_COLUMNS), floatfmt=".3g")
+    table = markdown_table(u[_UNCERTAINTY_COLUMNS].rename(columns=_UNCERTAINTY_NAMES), floatfmt=".3g")
     return (
         "Is the uncertainty informative? std[s] (Eq. 23): its 5/50/95% quantiles over the re-ranked pairs and median "
         "within-query coefficient of variation; Spearman rho of each query's mean std[s] over its top 10 with its "
@@ -137,18 +130,12 @@ def _uncertainty(u: pd.DataFrame) -> str:
 def _risk(risk: pd.DataFrame) -> str:
     if risk.empty:
         return ""
-    cols = list(dict.fromkeys(risk["name"]))
-    lines = [
-        "Risk-aware ranking E[s] - lambda * std[s]: nDCG@10 (`*` vs lambda = 0; share of queries whose top 10 changed)",
-        "",
-        "| collection | model | " + " | ".join(cols) + " |",
-        "|---|---|" + "---|" * len(cols),
-    ]
-    for (c, m), g in risk.groupby(["collection", "model"], sort=False):
-        g = g.set_index("name")
-        cells = [f"{measure_cell(g.loc[x], 'nDCG@10')} ({g.loc[x, 'changed_top10']:.2f})" for x in cols]
-        lines.append(f"| {c} | {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    cells = [f"{measure_cell(r, 'nDCG@10')} ({r['changed_top10']:.2f})" for _, r in risk.iterrows()]
+    table = risk.assign(cell=cells).pivot_table("cell", ["collection", "model"], "name", aggfunc="first", sort=False)
+    return (
+        "Risk-aware ranking E[s] - lambda * std[s]: nDCG@10 (`*` vs lambda = 0; share of queries whose top 10 changed)"
+        "\n\n" + markdown_table(table.reset_index().rename_axis(columns=None))
+    )
 
 
 def _hard(hard: pd.DataFrame) -> str:
@@ -162,22 +149,19 @@ def _hard(hard: pd.DataFrame) -> str:
 def _robustness(robustness: pd.DataFrame, baseline: str) -> str:
     if robustness.empty:
         return ""
-    kinds = list(dict.fromkeys(robustness["perturbation"]))
     first = robustness.drop_duplicates("perturbation").set_index("perturbation")
     n = int(first["queries"].iloc[0])
-    by = robustness.set_index(["perturbation", "name"])
-    lines = [
+    cells = [measure_cell(r, "nDCG@10") for _, r in robustness.iterrows()]
+    table = robustness.assign(cell=cells).pivot_table("cell", "name", "perturbation", aggfunc="first", sort=False)
+    table.loc["changed queries"] = [f"{first.loc[k, 'changed_queries']}/{n}" for k in table.columns]
+    return (
         f"Robustness (Table 4): nDCG@10 on {n} seeded test queries, BM25 candidates of the (perturbed) query; `*` vs "
         f"{baseline} under the same perturbation; the last row counts the changed queries. One word per query is "
-        "perturbed: " + "; ".join(f"{k} {NOISE_DESCRIPTIONS[k]}" for k in kinds if k != "clean") + ".",
-        "",
-        "| system | " + " | ".join(kinds) + " |",
-        "|---|" + "---|" * len(kinds),
-    ]
-    for name in dict.fromkeys(robustness["name"]):
-        lines.append(f"| {name} | " + " | ".join(measure_cell(by.loc[(k, name)], "nDCG@10") for k in kinds) + " |")
-    lines.append("| changed queries | " + " | ".join(f"{first.loc[k, 'changed_queries']}/{n}" for k in kinds) + " |")
-    return "\n".join(lines)
+        "perturbed: "
+        + "; ".join(f"{k} {NOISE_DESCRIPTIONS[k]}" for k in first.index if k != "clean")
+        + ".\n\n"
+        + markdown_table(table.rename_axis(index="system", columns=None).reset_index())
+    )
 
 
 def _scoring(summary: dict[str, Any]) -> str:

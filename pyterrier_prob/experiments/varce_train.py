@@ -44,6 +44,8 @@ CE_HEAD_PARAMETERS = r"^model\.\d+\.linear\.(weight|bias)$"
 """The parameters of the CE's linear ranker (``build_cross_encoder``'s ``Dense``: module 2, or 1 in the frozen
 recipe's stand-in) as the trainer names them (through the loss)."""
 
+#: The rate of every head: the VarCE head's declared one (the CE's linear ranker alike, as a new head should).
+HEAD_RATE = float(VariationalHead.learning_rate)
 #: Most training groups (1 relevant + ``negatives`` rows each) under the frozen recipe: about one round over
 #: nfcorpus/train's queries; each pair is encoded once, and the heads then train over them for several epochs.
 FROZEN_GROUPS = 2000
@@ -77,7 +79,7 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         data.notes.append(f"{name}: {cfg.model} evaluated as given (no fine-tuning)")
         return Trained({name: model}, kind)
     base = cfg.model or default_model_path()
-    frozen = cfg.recipe == "frozen"
+    frozen = h.recipe.caches_features
     out = Trained({}, kind, fine_tuned=data.train is not None)
     out.features = CachedPairFeatures([], torch.zeros(0)) if frozen else None  # filled as pairs come
     rows = _TrainingRows(cfg, h, data, base) if data.train else None
@@ -98,7 +100,7 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         curve_path = h.path("curves", f"{name}.json")
         callbacks = [] if evaluate is None else [DevCurve(_dev_every(cfg), evaluate, path=curve_path)]
         if variant is None:  # the CE's new linear ranker trains at the rate the VarCE heads declare
-            loss, rates, own = BinaryCrossEntropyLoss, {CE_HEAD_PARAMETERS: _head_rate()}, settings
+            loss, rates, own = BinaryCrossEntropyLoss, {CE_HEAD_PARAMETERS: HEAD_RATE}, settings
         else:
             loss, rates = partial(VariationalBCELoss, beta=cfg.beta, num_samples=1), None
             own = {**settings, "variant": variant, "beta": cfg.beta, "num_samples": 1}
@@ -133,11 +135,6 @@ def _build(base: str, variant: str | None, max_seq_length: int, seed: int) -> Cr
     return build_var_cross_encoder(base, variant=variant, max_seq_length=max_seq_length, device="cpu")
 
 
-def _head_rate() -> float:
-    """The rate of every head: the VarCE head's declared one (the CE's linear ranker alike, as a new head should)."""
-    return float(VariationalHead.learning_rate)
-
-
 class _TrainingRows:
     """The training rows (:func:`~pyterrier_prob.varce.data.cross_encoder_training_data`), built on first use (a
     reused model needs none): ``Harness.train``'s ``data``."""
@@ -161,7 +158,7 @@ class _TrainingRows:
                     coll,
                     self.data.train,
                     stages,
-                    n_groups=min(groups, FROZEN_GROUPS) if cfg.recipe == "frozen" else groups,
+                    n_groups=min(groups, FROZEN_GROUPS) if self.h.recipe.caches_features else groups,
                     negatives=cfg.negatives,
                     pool_depth=cfg.pool_depth,
                     seed=cfg.seed,
@@ -304,28 +301,25 @@ def recipe_summary(cfg: VarceJobConfig, h: Harness, trained: Trained) -> dict[st
     (:meth:`~pyterrier_prob.training.Recipe.describe`) followed by ``training``, what this run's heads did."""
     features = trained.features
     pairs = None if features is None else len(features.index)
-    out: dict[str, Any] = {"name": cfg.recipe, "backbone": "as given", "pairs_through_backbone": pairs}
-    if features is not None:
-        out["backbone"] = "frozen (as pre-trained)"
-        shared = f"computed once per (query, document) pair and shared by every re-ranker ({pairs} pairs through it)"
+    backbone = "as given" if features is None else "frozen (as pre-trained)"
+    out: dict[str, Any] = {"name": cfg.recipe, "backbone": backbone, "pairs_through_backbone": pairs}
+    shared = f"computed once per (query, document) pair and shared by every re-ranker ({pairs} pairs through it)"
     if not trained.fine_tuned:
         what = "every re-ranker scored with its own backbone" if features is None else f"the heads read its {shared}"
         out["training"] = f"nothing fine-tuned; {what}."
         out["description"] = f"**{cfg.recipe}** -- {out['training']}"
         return out
-    rate = out["head_learning_rate"] = _head_rate()
+    rate = out["head_learning_rate"] = HEAD_RATE
+    heads = f"lr {rate:g} (the VarCE head's declared rate; the CE's linear ranker alike)"
     if features is not None:
         out["training"] = (
-            f"Nothing trains at the encoder's rate: the backbone is kept as pre-trained and every head trains at lr "
-            f"{rate:g} (the VarCE head's declared rate; the CE's linear ranker alike) on its [CLS] features, {shared}."
+            f"Nothing trains at the encoder's rate: the backbone is kept as pre-trained and every head trains at "
+            f"{heads} on its [CLS] features, {shared}."
         )
     else:
-        out["backbone"] = f"fine-tuned at lr {cfg.lr:g}" + (
-            f", top {cfg.train_layers} layers" * (cfg.recipe == "partial")
-        )
-        out["training"] = (
-            f"The heads train at lr {rate:g} (the VarCE head's declared rate; the CE's linear ranker alike)."
-        )
+        layers = f", top {cfg.train_layers} layers" * h.recipe.caches_states
+        out["backbone"] = f"fine-tuned at lr {cfg.lr:g}{layers}"
+        out["training"] = f"The heads train at {heads}."
     out["description"] = f"{h.recipe.describe()} {out['training']}"
     return out
 

@@ -10,12 +10,10 @@ atomic indexing, checked input and clear errors on a corrupt directory. ``search
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import pandas as pd
 from pyterrier_dr import FlexIndex, SimFn
 
 from pyterrier_prob.index.indexer import AtomicIndexer, IndexArtifact, IndexingMode
@@ -109,29 +107,24 @@ class DenseIndexer(AtomicIndexer):
     def __repr__(self) -> str:
         return f"{self._index!r}.indexer(mode={self.mode.value!r}, normalize={self.normalize})"
 
-    def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
-        dim: int | None = None
-        with open(tmp / "vecs.f4", "wb") as fvecs:
-            for count, docnos, vecs, _ in self._records(inp, tmp):
-                shape = None if dim is None else (dim,)
-                arr = self._stack(vecs, "doc_vec", count, docnos, 1, shape, "vector dimensions")
-                dim = int(arr.shape[1])
-                if self.normalize:
-                    norms = np.linalg.norm(arr.astype(np.float64), axis=1)
-                    zero = np.flatnonzero(norms == 0)
-                    if zero.size:
-                        raise ValueError(
-                            f"doc_vec of record #{count + zero[0]} (docno {docnos[zero[0]]!r}) is all zeros: it "
-                            "has no direction and cannot be normalised for cosine retrieval"
-                        )
-                    arr = (arr / norms[:, None]).astype(np.float32)
-                fvecs.write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
-                total = count + len(docnos)
-            self._sync(fvecs)
+    def _arrays(self, shapes: dict, offset: int, docnos: list, vecs: list, extra: list | None) -> dict[str, Any]:
+        arr = self._stack(shapes, vecs, "doc_vec", offset, docnos, 1, "vector dimensions")
+        if self.normalize:
+            norms = np.linalg.norm(arr.astype(np.float64), axis=1)
+            zero = np.flatnonzero(norms == 0)
+            if zero.size:
+                raise ValueError(
+                    f"doc_vec of record #{offset + zero[0]} (docno {docnos[zero[0]]!r}) is all zeros: it "
+                    "has no direction and cannot be normalised for cosine retrieval"
+                )
+            arr = arr / norms[:, None]
+        return {"vecs.f4": arr}
+
+    def _meta(self, shapes: dict[str, tuple[int, ...]], total: int) -> dict[str, Any]:
         return {
             "type": DenseIndex.ARTIFACT_TYPE,
             "format": DenseIndex.ARTIFACT_FORMAT,
-            "vec_size": dim,
+            "vec_size": int(shapes["doc_vec"][0]),
             "doc_count": total,
             "normalized": self.normalize,
             "package_hint": "pyterrier-dr",

@@ -7,7 +7,6 @@ seen so far, so later chunks keep few candidates. Scores are cosines (unnormalis
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import pyterrier as pt
 
 from pyterrier_prob.index.dense import DenseIndex, as_dense_index
 from pyterrier_prob.validation import positive_int
+from st_extensions.threads import thread_count
 
 __all__ = [
     "DOC_BATCH",
@@ -33,7 +33,9 @@ __all__ = [
     "pair_scores",
     "query_matrix",
     "search_vectors",
+    "sort_hits",
     "threshold_search",
+    "top_per_query",
     "unit_rows",
 ]
 
@@ -68,12 +70,9 @@ class CutoffHits:
 
 
 def n_threads() -> int:
-    """CPU threads this process may use (its affinity), at most 16."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not on Linux
-        n = os.cpu_count() or 1
-    return max(1, min(n, 16))
+    """Threads of the search's own pool: the run's (:func:`st_extensions.threads.thread_count`: ``--threads``, else
+    the CPUs this process may use), at most 16."""
+    return min(thread_count(), 16)
 
 
 def f32_ceil(t: np.ndarray) -> np.ndarray:
@@ -246,11 +245,12 @@ def _search_block(
         if budget is not None and total > budget and len(parts) > 1:  # prune across chunks
             parts = [_prune(*(np.concatenate(x) for x in zip(*parts)), eff, k, grouped=False)]
             total = parts[0][0].size
-    return _sort_block(B, *(np.concatenate(x) for x in zip(*parts)), k)
+    return sort_hits(B, *(np.concatenate(x) for x in zip(*parts)), k)
 
 
-def _sort_block(B: int, qi: np.ndarray, di: np.ndarray, sc: np.ndarray, k: int | None) -> CutoffHits:
-    """Each query's best ``k`` candidates (ties: lower docid); one sort per query beats one 3-key sort of all."""
+def sort_hits(B: int, qi: np.ndarray, di: np.ndarray, sc: np.ndarray, k: int | None) -> CutoffHits:
+    """Each of the ``B`` queries' best ``k`` of the distinct (query ``qi``, docid ``di``, score ``sc``) candidates
+    (ties: lower docid); one sort per query beats one 3-key sort of all."""
     order = np.argsort(qi, kind="stable")
     counts = np.bincount(qi, minlength=B)
     ends = np.cumsum(counts)
@@ -268,6 +268,20 @@ def _sort_block(B: int, qi: np.ndarray, di: np.ndarray, sc: np.ndarray, k: int |
     return CutoffHits.from_parts(counts, out_d, out_s)
 
 
+def top_per_query(qi: np.ndarray, keys: np.ndarray, scores: np.ndarray, k: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of each query's k best pairs, grouped by query, best first (ties: lower ``keys``), and their ranks."""
+    order = np.lexsort((keys, -scores, qi))
+    q = qi[order]
+    if not q.size:
+        return order, np.zeros(0, np.int64)
+    starts = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])
+    rank = np.arange(q.size, dtype=np.int64) - np.repeat(starts, np.diff(np.r_[starts, q.size]))
+    if k is None:
+        return order, rank
+    keep = rank < k
+    return order[keep], rank[keep]
+
+
 def search_vectors(
     vecs: np.ndarray,
     Q: np.ndarray,
@@ -281,14 +295,10 @@ def search_vectors(
 ) -> CutoffHits:
     """The exact ``Top_K({d : <q, d> * scale_d >= t_q})`` of float32 rows ``Q`` over ``vecs`` (array or memmap,
     read in chunks); inner products, no normalisation here."""
-    t32 = f32_ceil(thresholds)
-    n = Q.shape[0]
-    blocks = range(0, n, batch_size)
-    if verbose and len(blocks) > 1:
-        blocks = pt.tqdm(blocks, desc="cutoff retrieval", unit="qblock")
+    t32, b, k, dbs = f32_ceil(thresholds), batch_size, num_results, doc_batch_size
+    quiet = not verbose or Q.shape[0] <= b
+    blocks = pt.tqdm(range(0, Q.shape[0], b), desc="cutoff retrieval", unit="qblock", disable=quiet)
     with _Masker() as m:
-        b = batch_size
-        k, dbs = num_results, doc_batch_size
         hits = [_search_block(Q[q : q + b], t32[q : q + b].copy(), vecs, scale, k, dbs, m) for q in blocks]
     counts = np.concatenate([h.counts for h in hits] or [np.zeros(0, np.int64)])
     return CutoffHits.from_parts(counts, [h.docids for h in hits], [h.scores for h in hits])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,9 @@ class IndexArtifact:
             with open(meta_path, encoding="utf8") as f:
                 meta = json.load(f)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{str(meta_path)!r} is not valid JSON: the index is corrupt ({e})") from e
+            raise ValueError(
+                f"{str(meta_path)!r} is not valid JSON: the index is corrupt ({e}); {self._rebuild()}"
+            ) from e
         if not isinstance(meta, dict):
             raise ValueError(
                 f"{str(meta_path)!r} does not hold a JSON object (got {type(meta).__name__}): the index is corrupt"
@@ -111,7 +114,7 @@ class IndexArtifact:
             if size != want:
                 raise ValueError(
                     f"{str(path)!r} is corrupt: {file} has {size} bytes, pt_meta.json says "
-                    f"{' x '.join(map(str, shape))} float32 ({want} bytes)"
+                    f"{' x '.join(map(str, shape))} float32 ({want} bytes); " + self._rebuild()
                 )
         sizes = meta.get("file_sizes")  # the sizes the indexer recorded: truncated files (docnos.npids)
         for file, want in sizes.items() if isinstance(sizes, Mapping) else ():
@@ -156,6 +159,23 @@ class IndexArtifact:
             self._cache["pyterrier_prob.docnos"] = np.asarray(docnos, dtype=object)
         return self._cache["pyterrier_prob.docnos"]
 
+    def docids_of(self, docnos: Iterable[str]) -> np.ndarray:
+        """Rows of the index of ``docnos`` (int64; -1 for docnos not in the index)."""
+        arr = np.asarray(list(docnos) if not isinstance(docnos, np.ndarray) else docnos, dtype=str)
+        if not arr.size:
+            return np.zeros(0, np.int64)
+        return np.asarray(self.docnos().inv[arr], dtype=np.int64).reshape(-1)
+
+    def candidate_docids(self, docnos: Any, hint: str) -> np.ndarray:
+        """The rows of candidates' ``docnos``; a ValueError ending in ``hint`` when some are not in the index."""
+        docids = self.docids_of(np.asarray(docnos, dtype=str))
+        if (docids < 0).any():
+            raise ValueError(
+                f"{int((docids < 0).sum())} candidate docno(s) are not in {self!r} (e.g. "
+                f"{np.asarray(docnos)[docids < 0][:3].tolist()}): {hint}"
+            )
+        return docids
+
     def _check_finite(self, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
         """Raise ValueError naming the file, row and docno if a row of ``arrays`` holds nan/inf (once per opened
         index, before the first search: a corrupt file would otherwise match nothing or give nan scores)."""
@@ -192,9 +212,29 @@ class AtomicIndexer(pt.Indexer):
     def index_inputs(self) -> list[list[str]]:
         return [["docno", self.VECTOR]]
 
-    def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
-        """Write the index files into ``tmp``; return the metadata for ``pt_meta.json``."""
+    def _arrays(self, shapes: dict, offset: int, docnos: list, vecs: list, extra: list | None) -> dict[str, Any]:
+        """The rows of a batch (records ``offset, ...``) for each float32 file of the index (:meth:`_stack` them)."""
         raise NotImplementedError
+
+    def _meta(self, shapes: dict[str, tuple[int, ...]], total: int) -> dict[str, Any]:
+        """The metadata for ``pt_meta.json`` of ``total`` documents whose columns have ``shapes``."""
+        raise NotImplementedError
+
+    def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
+        """Write the docno store and the float32 files of :meth:`_arrays` into ``tmp``; return :meth:`_meta`."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        with ExitStack() as stack:
+            files: dict[str, Any] = {}
+            for offset, docnos, vecs, extra in self._records(inp, tmp):
+                for file, arr in self._arrays(shapes, offset, docnos, vecs, extra).items():
+                    if file not in files:
+                        files[file] = stack.enter_context(open(tmp / file, "wb"))
+                    files[file].write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
+                total = offset + len(docnos)
+            for f in files.values():
+                f.flush()
+                os.fsync(f.fileno())
+        return self._meta(shapes, total)
 
     def _check_target(self) -> None:
         path = self._index.index_path
@@ -225,23 +265,20 @@ class AtomicIndexer(pt.Indexer):
     def _batches(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Iterator[tuple[list, list, list | None]]:
         """``(docnos, vectors, optional column or None)`` per batch of :data:`_BATCH` records."""
         need, opt = ("docno", self.VECTOR), self.OPTIONAL
-        if isinstance(inp, pd.DataFrame):
+        if isinstance(inp, pd.DataFrame):  # its rows as records
             missing = [c for c in need if c not in inp.columns]
             if missing:
                 raise self._missing(missing, list(inp.columns))
-            docnos, vecs = inp["docno"].tolist(), inp[self.VECTOR].tolist()
-            extra = inp[opt].tolist() if opt is not None and opt in inp.columns else None
-            for i in range(0, len(docnos), _BATCH):
-                yield docnos[i : i + _BATCH], vecs[i : i + _BATCH], None if extra is None else extra[i : i + _BATCH]
-            return
-        if isinstance(inp, Mapping):
+            cols = [c for c in (*need, opt) if c is not None and c in inp.columns]
+            inp = (dict(zip(cols, row)) for row in zip(*(inp[c].tolist() for c in cols)))
+        elif isinstance(inp, Mapping):
             raise TypeError("index() takes an iterable of records (dicts) or a DataFrame, not a single dict")
         docnos, vecs, extra = [], [], []
         has_opt: bool | None = None
         for rec in inp:
             if not isinstance(rec, Mapping) or any(c not in rec for c in need):
-                cols = list(rec) if isinstance(rec, Mapping) else type(rec).__name__
-                raise self._missing([c for c in need if not isinstance(rec, Mapping) or c not in rec], cols)
+                have = list(rec) if isinstance(rec, Mapping) else type(rec).__name__
+                raise self._missing([c for c in need if not isinstance(rec, Mapping) or c not in rec], have)
             if opt is not None and has_opt is None:
                 has_opt = opt in rec
             elif opt is not None and has_opt != (opt in rec):
@@ -285,22 +322,16 @@ class AtomicIndexer(pt.Indexer):
                     "hold one)"
                 )
 
-    @staticmethod
-    def _sync(*files: Any) -> None:
-        """Flush the (open) files to disk; ``None`` entries are skipped."""
-        for f in files:
-            if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
-
-    def _stack(self, values: list, column: str, offset: int, docnos: list, ndim: int, shape: Any, kind: str) -> Any:
-        """A batch of ``ndim``-d arrays stacked into checked float32 ``(n, *shape)`` (``shape`` None: the first
-        record's); errors name the record and its docno."""
+    def _stack(self, shapes: dict, values: list, column: str, offset: int, docnos: list, ndim: int, kind: str) -> Any:
+        """A batch of ``ndim``-d arrays of ``column`` stacked into checked float32 ``(n, *shape)``, ``shape`` that of
+        the first batch (kept in ``shapes``); errors name the record and its docno."""
 
         def name(i: int) -> str:
             return f"record #{offset + i} (docno={docnos[i]!r})"
 
-        return stack_arrays(values, column, name, type(self).__name__, ndim=ndim, shape=shape, kind=kind)
+        arr = stack_arrays(values, column, name, type(self).__name__, ndim=ndim, shape=shapes.get(column), kind=kind)
+        shapes[column] = arr.shape[1:]
+        return arr
 
 
 # ---- index files ------------------------------------------------------------------------------------------------

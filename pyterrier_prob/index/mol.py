@@ -9,18 +9,16 @@ atomically and checked on loading (:class:`~pyterrier_prob.index.indexer.IndexAr
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
-from contextlib import ExitStack
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import pyterrier as pt
 from npids import Lookup
 
 from pyterrier_prob.index.indexer import AtomicIndexer, IndexArtifact, IndexingMode
-from pyterrier_prob.index.search import Searcher, cached_searcher, import_faiss
+from pyterrier_prob.index.search import Searcher, SearchSettings, _build_faiss, cached_searcher, import_faiss
 from pyterrier_prob.validation import is_int
 
 __all__ = ["MoLIndex", "MoLIndexer", "as_mol_index"]
@@ -124,13 +122,6 @@ class MoLIndex(IndexArtifact, pt.Artifact):
             self._docnos = self._open_docnos(len(self))
         return self._docnos
 
-    def docids_of(self, docnos: Iterable[str]) -> np.ndarray:
-        """Rows of the index of ``docnos`` (int64; -1 for docnos not in the index)."""
-        arr = np.asarray(list(docnos) if not isinstance(docnos, np.ndarray) else docnos, dtype=str)
-        if not arr.size:
-            return np.zeros(0, np.int64)
-        return np.asarray(self.docnos().inv[arr], dtype=np.int64).reshape(-1)
-
     # ---- faiss -------------------------------------------------------------------------------------------
     def _part(self, part: int | str) -> tuple[np.ndarray, str]:
         """The vectors of component ``part`` of every document (an int) or of their means (``"mean"``), and a name."""
@@ -148,9 +139,7 @@ class MoLIndex(IndexArtifact, pt.Artifact):
             if gpu:  # pragma: no cover - needs faiss-gpu and a GPU
                 self._cache[key] = import_faiss().index_cpu_to_all_gpus(self.faiss_flat(part, False))
             else:
-                self._cache[key] = index = import_faiss().IndexFlatIP(self.dim)
-                for a in range(0, len(self), 65536):
-                    index.add(np.ascontiguousarray(vectors[a : a + 65536], dtype=np.float32))
+                self._cache[key] = _build_faiss(vectors, "flat", None, SearchSettings(), verbose=False)
         return self._cache[key]
 
     def searcher(self, part: int | str = "mean", backend: str = "exact", **params: Any) -> Searcher:
@@ -178,35 +167,22 @@ class MoLIndexer(AtomicIndexer):
     OPTIONAL = "doc_feat"
     HINT = "MoLEncoder(model).doc_encoder() >> index.indexer()"
 
-    def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
-        shape: tuple[int, ...] | None = None
-        fshape: tuple[int, ...] | None = None
-        ffeats = None
-        with ExitStack() as stack:
-            fcomps = stack.enter_context(open(tmp / "comps.f4", "wb"))
-            fmean = stack.enter_context(open(tmp / "mean.f4", "wb"))
-            for count, docnos, comps, feats in self._records(inp, tmp):
-                arr = self._stack(comps, "doc_comp", count, docnos, 2, shape, "component shapes")
-                shape = arr.shape[1:]
-                if feats is not None:
-                    farr = self._stack(feats, "doc_feat", count, docnos, 1, fshape, "doc_feat dimensions")
-                    fshape = farr.shape[1:]
-                    if ffeats is None:
-                        ffeats = stack.enter_context(open(tmp / "feats.f4", "wb"))
-                    ffeats.write(np.ascontiguousarray(farr).tobytes())
-                fcomps.write(np.ascontiguousarray(arr, dtype=np.float32).tobytes())
-                fmean.write(np.ascontiguousarray(arr.astype(np.float64).mean(axis=1).astype(np.float32)).tobytes())
-                total = count + len(docnos)
-            self._sync(fcomps, fmean, ffeats)
-        assert shape is not None
-        fdim = None if fshape is None else int(fshape[0])
+    def _arrays(self, shapes: dict, offset: int, docnos: list, comps: list, feats: list | None) -> dict[str, Any]:
+        arr = self._stack(shapes, comps, "doc_comp", offset, docnos, 2, "component shapes")
+        out = {"comps.f4": arr, "mean.f4": arr.astype(np.float64).mean(axis=1)}
+        if feats is not None:
+            out["feats.f4"] = self._stack(shapes, feats, "doc_feat", offset, docnos, 1, "doc_feat dimensions")
+        return out
+
+    def _meta(self, shapes: dict[str, tuple[int, ...]], total: int) -> dict[str, Any]:
+        (px, dim), fdim = shapes["doc_comp"], shapes.get("doc_feat", (None,))[0]
         return {
             "type": MoLIndex.ARTIFACT_TYPE,
             "format": MoLIndex.ARTIFACT_FORMAT,
             "doc_count": total,
-            "num_components": int(shape[0]),
-            "dim": int(shape[1]),
-            "feature_dim": fdim,
+            "num_components": int(px),
+            "dim": int(dim),
+            "feature_dim": None if fdim is None else int(fdim),
             "dtype": "float32",
             "files": {"comps.f4": "(doc_count, num_components, dim)", "mean.f4": "(doc_count, dim)"}
             | ({"feats.f4": "(doc_count, feature_dim)"} if fdim is not None else {}),
@@ -216,13 +192,10 @@ class MoLIndexer(AtomicIndexer):
 
 def as_mol_index(index: Any) -> MoLIndex:
     """``index`` as a checked :class:`MoLIndex` (itself, or opened from a path); TypeError for anything else."""
-    if isinstance(index, MoLIndex):
+    if isinstance(index, (MoLIndex, str, os.PathLike)):
+        index = index if isinstance(index, MoLIndex) else MoLIndex(index)
         index._load_meta()
         return index
-    if isinstance(index, (str, os.PathLike)):
-        out = MoLIndex(index)
-        out._load_meta()
-        return out
     raise TypeError(
         f"expected a pyterrier_prob.MoLIndex, got {type(index).__name__}: build one with "
         "MoLIndex(path).indexer().index(records with 'docno' and 'doc_comp') and open it with MoLIndex(path)"

@@ -36,6 +36,7 @@ from pyterrier_prob.index.exact import (
     n_threads,
     pair_scores,
     search_vectors,
+    sort_hits,
 )
 from pyterrier_prob.validation import choice, finite_float, positive_int
 
@@ -160,18 +161,12 @@ def hits_from_pairs(
     """:class:`CutoffHits` from (query, docid, score) triples: per query best first (ties: lower docid), a repeated
     (query, docid) kept once (its best score), at most ``num_results`` each."""
     qi, docids, scores = np.asarray(qi, np.int64), np.asarray(docids, np.int64), np.asarray(scores, np.float32)
-    order = np.lexsort((docids, -scores, qi))
-    qi, docids, scores = qi[order], docids[order], scores[order]
-    if qi.size:  # np.unique's first index of a (query, docid) is its best; kept indices stay in sorted order
-        keep = np.sort(np.unique(qi * (int(docids.max()) + 1) + docids, return_index=True)[1])
-        if keep.size < qi.size:
-            qi, docids, scores = qi[keep], docids[keep], scores[keep]
-    counts = np.bincount(qi, minlength=n_queries)
-    if num_results is not None and qi.size:
-        keep = np.arange(qi.size) - (np.cumsum(counts) - counts)[qi] < num_results
-        qi, docids, scores = qi[keep], docids[keep], scores[keep]
-        counts = np.bincount(qi, minlength=n_queries)
-    return CutoffHits.from_parts(counts, [docids], [scores])
+    if qi.size:  # each (query, docid) once: the first of its run, sorted best first
+        key = qi * (int(docids.max()) + 1) + docids
+        order = np.lexsort((-scores, key))
+        order = order[np.r_[True, key[order][1:] != key[order][:-1]]]
+        qi, docids, scores = qi[order], docids[order], scores[order]
+    return sort_hits(n_queries, qi, docids, scores, num_results)
 
 
 class Searcher(ABC):
@@ -391,14 +386,10 @@ class FaissSearcher(Searcher):
         radius, index = self._radius(t), self.cpu_index
         if self.settings.probe_margin is not None:
             parts = self._adaptive_range(Q, t, radius)
-        else:
-
-            def one(i: int) -> tuple[np.ndarray, np.ndarray]:
-                _, D, ids = index.range_search(Q[i : i + 1], float(radius[i]))
-                return D, ids
-
+        else:  # one query per call, each at its own radius, in threads
             with ThreadPoolExecutor(max(1, min(n_threads(), Q.shape[0]))) as pool:
-                parts = list(pool.map(one, range(Q.shape[0])))
+                found = pool.map(lambda i: index.range_search(Q[i : i + 1], float(radius[i])), range(Q.shape[0]))
+                parts = [(D, ids) for _, D, ids in found]
         qi = np.repeat(np.arange(Q.shape[0]), [p[1].size for p in parts])
         ids = np.concatenate([p[1] for p in parts]).astype(np.int64)
         return qi, ids, np.concatenate([p[0] for p in parts])

@@ -10,11 +10,11 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import pyterrier as pt
 
+from pyterrier_prob.dense import TextEncoderStage
 from pyterrier_prob.mol.scoring import MoLReranker
-from pyterrier_prob.validation import check_ids, check_texts, positive_int, text_list, unique_texts
+from pyterrier_prob.validation import positive_int, text_list
 from st_extensions import load_model
 
 
@@ -93,52 +93,31 @@ class MoLEncoder:
         return f"MoLEncoder({name!r})"
 
 
-class _SideEncoder(pt.Transformer):
-    """Adds ``<side>_comp`` (and ``<side>_feat`` for a gate with side features) encoded from ``text_field``."""
+class _MoLStage(TextEncoderStage):
+    """Adds ``<side>_comp`` (and ``<side>_feat`` for a gate with side features); ``side``: ``query`` or ``doc``."""
 
-    task = side = text_field = frame = ""  # frame: the pt.validate check of the input frame
+    @property
+    def side(self) -> str:
+        return "query" if self.frame == "query_frame" else "doc"
 
-    def __init__(self, encoder: MoLEncoder, batch_size: int | None = None) -> None:
-        self.encoder = encoder
-        self.batch_size = positive_int("batch_size", batch_size, allow_none=True) or encoder.batch_size
+    def _columns(self) -> dict[str, Any]:
+        feat = {f"{self.side}_feat": object} if self.encoder.gate_features else {}
+        return {f"{self.side}_comp": object, **feat}
 
-    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        with pt.validate.any(inp) as v:
-            getattr(v, self.frame)(extra_columns=[self.text_field])
-            v.columns(includes=[self.text_field])
-        comp, feat = f"{self.side}_comp", f"{self.side}_feat"
-        if not len(inp):
-            feats = {feat: pd.Series(dtype=object)} if self.encoder.gate_features else {}
-            return inp.assign(**{comp: pd.Series(dtype=object)}, **feats)
-        if self.side == "query":
-            check_ids(inp, ["qid"], type(self).__name__)
-        texts, inv = unique_texts(check_texts(inp, self.text_field, type(self).__name__))
-        comps, feats = self.encoder.encode_with_features(texts, self.task, batch_size=self.batch_size)
-        cols = {comp: list(comps)} if feats is None else {comp: list(comps), feat: list(feats)}
-        # rows of one text share one array object (compared by identity first downstream)
-        return inp.assign(**{c: [rows[i] for i in inv] for c, rows in cols.items()})
-
-    def __repr__(self) -> str:
-        return f"{self.encoder!r}.{self.side}_encoder()"
-
-    def subtransformers(self) -> dict:
-        return {}
+    def _encode(self, texts: list[str]) -> dict[str, Any]:
+        task = "query" if self.side == "query" else "document"
+        comps, feats = self.encoder.encode_with_features(texts, task, batch_size=self.batch_size)
+        return {f"{self.side}_comp": list(comps), **({} if feats is None else {f"{self.side}_feat": list(feats)})}
 
 
-class MoLQueryEncoder(_SideEncoder):
+class MoLQueryEncoder(_MoLStage):
     """``(qid, query)`` -> adds ``query_comp`` (``(P_q, d)`` per row); made by :meth:`MoLEncoder.query_encoder`."""
 
-    task, side, text_field, frame = "query", "query", "query", "query_frame"
 
-
-class MoLDocEncoder(_SideEncoder):
+class MoLDocEncoder(_MoLStage):
     """``(docno, text)`` -> adds ``doc_comp`` (``(P_x, d)`` per row), also to candidates; by :meth:`doc_encoder`."""
 
-    task, side, frame = "document", "doc", "document_frame"
-
-    def __init__(self, encoder: MoLEncoder, batch_size: int | None = None) -> None:
-        super().__init__(encoder, batch_size)
-        self.text_field = encoder.text_field
+    frame, made_by = "document_frame", "doc_encoder"
 
     def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
         return pt.RankCutoff(k) >> self

@@ -16,8 +16,10 @@ import pandas as pd
 import pyterrier as pt
 import torch
 
+from pyterrier_prob.dense import Capped, validate_columns
+from pyterrier_prob.index.exact import search_vectors, top_per_query
 from pyterrier_prob.index.mol import MoLIndex, as_mol_index
-from pyterrier_prob.index.search import Searcher, check_searcher, import_faiss
+from pyterrier_prob.index.search import _GPU_MAX_K, Searcher, check_searcher, import_faiss
 from pyterrier_prob.mol.scoring import (
     _SCORE_BUDGET,
     IndexDocs,
@@ -29,8 +31,6 @@ from pyterrier_prob.mol.scoring import (
     query_rows,
     score_pairs,
     tensor,
-    top_per_query,
-    validate_columns,
 )
 from pyterrier_prob.validation import check_ids, choice, positive_int
 
@@ -43,26 +43,15 @@ _AVERAGED = ("topk_avg", "comb_topk")  # methods with an averaged-embedding cand
 
 QUERY_BATCH = 256  # queries per block
 _RANGE_SLACK = 1e-4  # relative slack of Algorithm 1's range search: float32 MoL scores vs faiss dot products
-_GPU_MAX_K = 2048  # faiss GPU k-NN limit; deeper searches run on the CPU index
 _SCAN_BUDGET = 1 << 23  # float32 scores of one block of a CPU exhaustive scan (queries x documents), ~32 MiB
 
 
 def _flat_vectors(index: Any) -> np.ndarray | None:
     """The ``(ntotal, d)`` float32 vectors of a CPU faiss ``IndexFlat`` (a zero-copy view), else ``None``."""
     faiss = import_faiss()
-
     if not isinstance(index, faiss.IndexFlat) or index.ntotal == 0:
         return None
     return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
-
-
-def _scan_blocks(vectors: np.ndarray, X: np.ndarray):
-    """``(start, X @ vectors[start:start + block].T)`` over document blocks, as torch float32 on the CPU (faiss-cpu
-    scans the vectors once per query below its BLAS threshold: slower than blocked GEMMs here)."""
-    Xt = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32))
-    block = max(1024, _SCAN_BUDGET // max(1, len(X)))
-    for a in range(0, len(vectors), block):
-        yield a, Xt @ torch.from_numpy(vectors[a : a + block]).T
 
 
 def _row_topk(S: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,9 +65,14 @@ def _row_topk(S: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _knn_scan(vectors: np.ndarray, X: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exhaustive top-k by inner product, best first: ``(D, I)`` of shape ``(len(X), k)``, k <= len(vectors)."""
+    """Exhaustive top-k by inner product, best first: ``(D, I)`` of shape ``(len(X), k)``, k <= len(vectors); torch
+    float32 GEMMs over document blocks on the CPU (faiss-cpu scans the vectors once per query below its BLAS
+    threshold: slower than blocked GEMMs here)."""
+    Xt = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float32))
+    block = max(1024, _SCAN_BUDGET // max(1, len(X)))
     best_v = best_i = None
-    for a, S in _scan_blocks(vectors, X):
+    for a in range(0, len(vectors), block):
+        S = Xt @ torch.from_numpy(vectors[a : a + block]).T
         v, i = _row_topk(S, min(k, S.shape[1]))
         i = i + a
         if best_v is not None:
@@ -153,7 +147,7 @@ class MoLRunOptions:
         object.__setattr__(self, "batch_size", positive_int("batch_size", self.batch_size))
 
 
-class MoLRetriever(pt.Transformer):
+class MoLRetriever(Capped):
     """Top-K retrieval with a Mixture-of-Logits similarity from a :class:`~pyterrier_prob.MoLIndex` (Sec. 3).
 
     Input: ``qid``, ``query_comp`` (``(P_q, d)`` per row, :meth:`MoLEncoder.query_encoder`; plus ``query_feat`` for
@@ -244,9 +238,6 @@ class MoLRetriever(pt.Transformer):
         out.num_results = min(k, self.num_results)
         return out
 
-    def subtransformers(self) -> dict:
-        return {}
-
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         hint = "encode the queries with MoLEncoder(model).query_encoder() >> retriever"
         cols = ["query_comp", "query_feat"] if self.shapes.gate_features else ["query_comp"]
@@ -262,9 +253,8 @@ class MoLRetriever(pt.Transformer):
             inp = inp.iloc[first].reset_index(drop=True)
             self.index.check_finite()
             bs = self.options.batch_size
-            starts = range(0, len(Q), bs)
-            if self.options.verbose and len(starts) > 1:
-                starts = pt.tqdm(starts, desc=f"MoL {self.method}", unit="qblock")
+            quiet = not self.options.verbose or len(Q) <= bs
+            starts = pt.tqdm(range(0, len(Q), bs), desc=f"MoL {self.method}", unit="qblock", disable=quiet)
             with inference(self.mol):
                 for q0 in starts:
                     blk = self._search_block(Q[q0 : q0 + bs], None if Qf is None else Qf[q0 : q0 + bs])
@@ -352,15 +342,13 @@ class MoLRetriever(pt.Transformer):
             t = float(thresh[b])
             scale = max(1.0, abs(t), float(np.abs(D[b][np.isfinite(D[b])]).max(initial=0.0)))
             radius[j] = np.nextafter(np.float32(t - _RANGE_SLACK * scale), np.float32(-np.inf))
-        # every (query, item) with some <f_pq(q), g_px(x)> >= the query's radius: one blocked scan per component
+        # every (query, item) with some <f_pq(q), g_px(x)> >= the query's radius: an exact range search per component
         pq, n_docs = self.shapes.pq, len(self.index)
-        Qa = Q[active].reshape(-1, Q.shape[-1])
-        row_radius = torch.from_numpy(np.repeat(radius, pq))[:, None]
+        Qa, row_radius = Q[active].reshape(-1, Q.shape[-1]), np.repeat(radius, pq)
         found = [np.zeros(0, np.int64)]
         for px in range(self.shapes.px):
-            for a, S in _scan_blocks(_flat_vectors(self.index.faiss_flat(px)), Qa):
-                r, c = torch.nonzero(S >= row_radius, as_tuple=True)
-                found.append(active[r.numpy() // pq].astype(np.int64) * n_docs + (c.numpy() + a))
+            hits = search_vectors(_flat_vectors(self.index.faiss_flat(px)), Qa, row_radius, None)
+            found.append(active[np.repeat(np.arange(len(Qa)), hits.counts) // pq] * n_docs + hits.docids)
         keys = np.setdiff1d(
             _sorted_unique(np.concatenate(found)), qi.astype(np.int64) * n_docs + di, assume_unique=True
         )

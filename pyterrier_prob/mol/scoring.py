@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -13,9 +12,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyterrier as pt
 import torch
 
+from pyterrier_prob.dense import Capped, validate_columns
+from pyterrier_prob.index.exact import top_per_query
 from pyterrier_prob.index.mol import MoLIndex, as_mol_index
 from pyterrier_prob.validation import (
     check_ids,
@@ -126,20 +126,6 @@ def query_rows(
     return codes, first, Q, Qf
 
 
-def top_per_query(qi: np.ndarray, keys: np.ndarray, scores: np.ndarray, k: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of each query's k best pairs, grouped by query, best first (ties: lower ``keys``), and their ranks."""
-    order = np.lexsort((keys, -scores, qi))
-    q = qi[order]
-    if not q.size:
-        return order, np.zeros(0, np.int64)
-    starts = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])
-    rank = np.arange(q.size, dtype=np.int64) - np.repeat(starts, np.diff(np.r_[starts, q.size]))
-    if k is None:
-        return order, rank
-    keep = rank < k
-    return order[keep], rank[keep]
-
-
 def check_index_matches(index: MoLIndex, shapes: Shapes) -> None:
     if index.num_components != shapes.px or index.dim != shapes.dim:
         raise ValueError(
@@ -158,24 +144,6 @@ def check_index_matches(index: MoLIndex, shapes: Shapes) -> None:
             )
 
 
-def validate_columns(owner: pt.Transformer, inp: pd.DataFrame, cols: list[str], hint: str, rerank: bool | None):
-    """pt.validate with a message naming what is missing and how to get it; True for a candidate frame."""
-    try:
-        with pt.validate.any(inp) as v:
-            if rerank is not True:
-                v.query_frame(extra_columns=cols, mode="retrieve")
-            if rerank is not False:
-                v.result_frame(extra_columns=cols, mode="rerank")
-    except pt.validate.InputValidationError as e:
-        missing = sorted({c for m in e.modes for c in m.missing_columns if rerank is not None or c != "docno"})
-        need = ["qid", *cols] if rerank is not True else ["qid", "docno", *cols]
-        extra = " (plus docno to re-rank)" if rerank is None else ""
-        raise pt.validate.InputValidationError(
-            f"{type(owner).__name__} needs columns {need}{extra}; missing {missing}: {hint}.", e.modes
-        ) from e
-    return v.mode == "rerank"
-
-
 def gather_rows(arr: np.ndarray, docids: np.ndarray) -> np.ndarray:
     """``arr[docids]`` read in sorted order (memmap-friendly)."""
     uniq, inv = np.unique(docids, return_inverse=True)
@@ -192,13 +160,9 @@ class IndexDocs:
     def __call__(self, rows: Any) -> tuple[np.ndarray, np.ndarray | None]:
         docids = self.docids[rows]
         out = (gather_rows(self.comps, docids), None if self.feats is None else gather_rows(self.feats, docids))
-        for name, arr in zip(("comps.f4", "feats.f4"), out):
-            if arr is not None and not np.isfinite(arr).all():  # a corrupt index file: name it and the document
-                d = int(docids[np.flatnonzero(~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1))[0]])
-                raise ValueError(
-                    f"{str(self.index.index_path / name)!r} is corrupt: row {d} (docno "
-                    f"{str(self.index.docno_array()[d])!r}) has non-finite values (nan or inf); rebuild the index"
-                )
+        if not all(arr is None or np.isfinite(arr).all() for arr in out):
+            self.index.check_finite()  # a corrupt index file: names it, the row and its docno
+            raise ValueError(f"non-finite components of candidates in {self.index!r}: rebuild the index")
         return out
 
 
@@ -287,7 +251,7 @@ def score_pairs(mol: Any, shapes: Shapes, Q: np.ndarray, Qf: np.ndarray | None, 
     return out
 
 
-class MoLReranker(pt.Transformer):
+class MoLReranker(Capped):
     """Re-scores candidates (``qid, docno, query_comp``) with MoL's phi (Eq. 1) and re-ranks them.
 
     Document components come from ``index`` (a :class:`~pyterrier_prob.MoLIndex` or its path, by ``docno``:
@@ -321,13 +285,8 @@ class MoLReranker(pt.Transformer):
     def _docs(self, inp: pd.DataFrame) -> DocSource:
         if self.index is None:
             return ArrayDocs(*frame_side(inp, np.arange(len(inp)), self.shapes, "doc", type(self).__name__))
-        docids = self.index.docids_of(inp["docno"].astype(str).to_numpy())
-        if (docids < 0).any():
-            raise ValueError(
-                f"{int((docids < 0).sum())} candidate docno(s) are not in {self.index!r} (e.g. "
-                f"{list(inp['docno'].to_numpy()[docids < 0][:3])}): re-ranking from an index needs the candidates' "
-                "components in it (or use MoLReranker(None, mol) after MoLEncoder(model).doc_encoder())"
-            )
+        hint = "re-ranking from an index needs the candidates' components in it (or use MoLReranker(None, mol) after "
+        docids = self.index.candidate_docids(inp["docno"], hint + "MoLEncoder(model).doc_encoder())")
         return IndexDocs(self.index, docids)
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
@@ -351,15 +310,5 @@ class MoLReranker(pt.Transformer):
         drop = [c for c, d in (("query_comp", self.drop_query_comp), ("doc_comp", self.drop_doc_comp)) if d]
         return out.drop(columns=[c for c in drop if c in out.columns])
 
-    def fuse_rank_cutoff(self, k: int) -> MoLReranker:
-        """``reranker % k``: the same re-ranker keeping ``min(k, num_results)`` per query."""
-        k = positive_int("k", k)
-        out = copy.copy(self)
-        out.num_results = k if self.num_results is None else min(k, self.num_results)
-        return out
-
     def __repr__(self) -> str:
         return f"MoLReranker({self.index!r}, {type(self.mol).__name__}, num_results={self.num_results})"
-
-    def subtransformers(self) -> dict:
-        return {}

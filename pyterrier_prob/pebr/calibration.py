@@ -188,15 +188,13 @@ def model_law(params: Any, family: Family, dim: int | None = None) -> ExpCosine 
     """The relevant-item law the head itself predicts (the uncalibrated law): ``exp`` truncated exponential (Sec.
     3.2.1), ``beta`` Beta(1 / tau_q, 1) (Eq. 3), ``beta_mle`` Beta(alpha+, beta+) (Sec. 3.1); ``dim=n``: the sphere (Eq.
     4)."""
-    family = choice("family", family, tuple(PARAM_COLUMNS))
-    dim = positive_int("dim", dim, allow_none=True, minimum=2)  # None: the line (Sec. 3.2); n: the sphere (App. A)
+    family = choice("family", family, tuple(PARAM_COLUMNS))  # dim is checked by the law (None: the line; n: the sphere)
     return distribution_from_params(_param_matrix(params, family), family, dim=dim)
 
 
 def beta_mle_laws(params: Any, dim: int | None = None) -> tuple[BetaCosine, BetaCosine]:
     """(relevant, irrelevant) laws of a ``beta_mle`` head (Sec. 3.1): Beta(alpha+, beta+) and Beta(alpha-, beta-)."""
     p = _param_matrix(params, "beta_mle")
-    dim = positive_int("dim", dim, allow_none=True, minimum=2)
     return BetaCosine(p[:, 0], p[:, 1], dim=dim), BetaCosine(p[:, 2], p[:, 3], dim=dim)
 
 
@@ -609,27 +607,12 @@ _STATUS = np.array(["crossing", "all", "none", "inverted"])
 _U_MAX = 80.0  # logit(z) range: tanh(40) == 1.0 in float64, so [-80, 80] spans every float cosine
 
 
-def _lr_broadcast(coefs: tuple[NDArray, NDArray, NDArray], log_ratio: ArrayLike) -> tuple[NDArray, ...]:
+def _lr_broadcast(law: BetaCosine, coefs: tuple[NDArray, NDArray, NDArray], log_ratio: ArrayLike) -> tuple:
     """(A, B, C, lambda) broadcast to the thresholds' shape: the queries', or ``log_ratio``'s ``(Q, L)``."""
-    try:
-        lam = np.asarray(log_ratio, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"log_ratio must be a number or an array of numbers, got {log_ratio!r}") from exc
+    lam, pshape = law.align(log_ratio, "log_ratio")
     if np.any(np.isnan(lam)):
         raise ValueError("log_ratio must not be nan")
-    a_coef = coefs[0]
-    if a_coef.ndim == 0:  # one law for all: numpy broadcasting
-        shape, pshape = lam.shape, ()
-    elif lam.ndim == 0:
-        shape, pshape = a_coef.shape, a_coef.shape
-    elif lam.shape[0] == a_coef.shape[0]:
-        shape, pshape = lam.shape, a_coef.shape + (1,) * (lam.ndim - 1)
-    else:
-        raise ValueError(
-            f"mismatched dimensions: log_ratio has shape {lam.shape} but the laws have {a_coef.shape[0]} queries; "
-            f"pass a scalar, an array of shape ({a_coef.shape[0]},) or ({a_coef.shape[0]}, L)"
-        )
-    return (*(np.broadcast_to(v.reshape(pshape), shape) for v in coefs), np.broadcast_to(lam, shape).astype(np.float64))
+    return (*(np.broadcast_to(v.reshape(pshape), lam.shape) for v in coefs), lam)
 
 
 def _lr_gap(u: NDArray[np.float64], a: NDArray, b: NDArray, c: NDArray, lam: NDArray) -> NDArray[np.float64]:
@@ -648,7 +631,7 @@ def likelihood_ratio_cutoff(
     for prior odds pi / (1 - pi). ``log_ratio``: a scalar, ``(Q,)`` or ``(Q, L)``. The status per threshold
     (``return_status``) is ``"crossing"``, ``"all"`` (-inf), ``"none"`` or ``"inverted"`` (+inf); rules in
     ``docs/pebr.md``. Crossings are bisected in logit(z) to float precision."""
-    big_a, big_b, big_c, lam = _lr_broadcast(_lr_coefficients(relevant, irrelevant), log_ratio)
+    big_a, big_b, big_c, lam = _lr_broadcast(relevant, _lr_coefficients(relevant, irrelevant), log_ratio)
     shape = lam.shape
     zero = (big_a == 0) & (big_b == 0)
     inc = (big_a >= 0) & (big_b <= 0) & ~zero

@@ -70,8 +70,7 @@ class CDFCutoffRetriever(DenseRetriever):
             )
 
     def _columns(self) -> list[str]:
-        params = PARAM_COLUMNS[self.family][:2] if self.family == "beta_mle" else PARAM_COLUMNS[self.family]
-        return ["query_vec", *params]
+        return ["query_vec", *PARAM_COLUMNS[self.family][:2]]  # beta_mle: the law of the relevant items
 
     def _hint(self) -> str:
         return (

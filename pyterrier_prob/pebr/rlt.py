@@ -16,6 +16,7 @@ from scipy import stats
 
 from pyterrier_prob.dense import TopKRetriever
 from pyterrier_prob.pebr.calibration import pit_values
+from pyterrier_prob.validation import positive_int
 
 __all__ = [
     "RecallTargetCutoff",
@@ -92,8 +93,7 @@ def _logit_z(cos: np.ndarray) -> np.ndarray:
 def list_features(ranked: pd.DataFrame, top: int = 100) -> pd.DataFrame:
     """Per-query features of a ranked list for ``CalibratedLaw``, in query order: ``logit_top1`` = logit((1 + s_1) / 2)
     of the top cosine and ``logit_mean_top`` = logit of the mean (1 + s) / 2 over the top ``top``."""
-    if not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be an int >= 1, got {top!r}")
+    top = positive_int("top", top)
     if len(ranked) == 0:
         return pd.DataFrame({"logit_top1": [], "logit_mean_top": []})
     first = ranked.groupby("qid", sort=False)["score"].first()
@@ -108,8 +108,7 @@ def gain_stat(ranked: pd.DataFrame, law: Any, window: int = 5) -> np.ndarray:
         g_qj = (F_q(s_{j - w}) - F_q(s_{j + w})) / (j_+ - j_-),   j_- = max(j - w, 0), j_+ = min(j + w, n_q - 1)
 
     (0 for a one-document list): the oracle depth's greedy rule with the law in place of the qrels."""
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    window = positive_int("window", window)
     cdf = law_stat(ranked, law) + 1.0
     out = np.zeros(len(ranked))
     for idx in ranked.groupby("qid", sort=False).indices.values():

@@ -106,7 +106,7 @@ class RecordedUniERFLoss(UniERFLoss):
             h1, h2 = (e.detach() for e in branch_emb.values())
             cos = (h1 * h2).sum(-1)
             self.stats["branch_cos"].append(float(cos.mean()))
-            self.stats["share_above_alpha"].append(float((cos > self.diversity_threshold).float().mean()))
+            self.stats["share_above_alpha"].append(float((cos > self.config.diversity_threshold).float().mean()))
             self.stats["diversity_term"].append(float(terms["diversity"].detach()))
         return terms
 

@@ -40,7 +40,14 @@ from pyterrier_prob.validation import (
 )
 from st_extensions import load_model
 from st_extensions.modules.branches import check_branch_names
-from st_extensions.unierf import SEP, branch_text, build_unierf_dataset, encode_branches, find_branches
+from st_extensions.unierf import (
+    SEP,
+    branch_text,
+    build_unierf_dataset,
+    encode_branches,
+    find_branches,
+    hard_negative_branches,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -108,8 +115,17 @@ def _frame_error(
     )
 
 
-def _quota_weights(weights: Any) -> np.ndarray:
-    """Per-branch quota weights as float64, each finite and > 0."""
+def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.ndarray:
+    """Per-branch quota weights as float64, each finite and > 0; with ``branches``, ``weights`` may be None (all 1)
+    or a mapping branch -> weight (missing ones 1)."""
+    if branches is not None:
+        if weights is None or isinstance(weights, Mapping):
+            unknown = [b for b in weights or {} if b not in branches]
+            if unknown:
+                raise ValueError(f"weights for unknown branches {unknown}: the branches are {branches}")
+            weights = [(weights or {}).get(b, 1.0) for b in branches]
+        elif len(weights := list(weights)) != len(branches):
+            raise ValueError(f"need one weight per branch ({len(branches)}), got {len(weights)}")
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or not w.size or not np.all(np.isfinite(w)) or np.any(w <= 0):
         raise ValueError(f"weights must be finite and > 0, one per branch, got {list(np.atleast_1d(w))}")
@@ -143,8 +159,7 @@ class TriggerText(pt.Transformer):
         self.column = column
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        with pt.validate.any(inp) as v:
-            v.query_frame(extra_columns=["query"])
+        pt.validate.query_frame(inp, extra_columns=["query"])
         if not len(inp):
             return inp.assign(trigger_docno=pd.Series(dtype=object), **{self.column: pd.Series(dtype=object)})
         top = _top_depth(self.retriever, inp[["qid", "query"]].drop_duplicates("qid"), self.rank + 1)
@@ -185,18 +200,13 @@ class UniERFEncoder:
         text_field: str = "text",
         verbose: bool = False,
     ) -> None:
-        if isinstance(model, (str, os.PathLike)):
-            model = load_model(str(model))
-        head = find_branches(model)
-        self.model = model
-        names = list(head.branches) if branches is None else check_branch_names(branches)
-        for b in names:
+        self.model = load_model(str(model)) if isinstance(model, (str, os.PathLike)) else model
+        head = find_branches(self.model)
+        self.branches = list(head.branches) if branches is None else check_branch_names(branches)
+        for b in self.branches:
             head.branch_index(b)
-        self.branches = names
-        self.inputs = _branch_inputs(names, inputs)
-        self.sep = sep
+        self.inputs, self.sep, self.text_field = _branch_inputs(self.branches, inputs), sep, text_field
         self.batch_size = positive_int("batch_size", batch_size)
-        self.text_field = text_field
         self.verbose = bool(verbose)
 
     @property
@@ -286,12 +296,8 @@ def merge_branch_lists(
     lists: Sequence[tuple[np.ndarray, np.ndarray]], budget: int, quotas: Sequence[int]
 ) -> list[tuple[int, float, list[int], int]]:
     """Merge per-branch ranked ``(docids, scores)`` lists (descending, at least ``budget`` long for an exact merge) into
-    one deduplicated set of ``min(budget, |union|)`` documents under per-branch ``quotas``.
-
-    The branches walk their lists in rounds; a new document is claimed by the first branch to meet it (one slot of its
-    quota), a selected one only adds a finder; then quotas are lifted, then each branch walks over the selected
-    documents right after its stop (the walk: ``docs/unierf.md``). Returns ``[(docid, best score, finders ascending,
-    claimer)]`` in selection order."""
+    one deduplicated set of ``min(budget, |union|)`` documents under per-branch ``quotas`` (the walk in rounds:
+    ``docs/unierf.md``, The merge). Returns ``[(docid, best score, finders ascending, claimer)]`` in selection order."""
     n = len(lists)
     if len(quotas) != n:
         raise ValueError(f"need one quota per branch ({n}), got {len(quotas)}")
@@ -365,18 +371,7 @@ class MultiBranchRetriever(pt.Transformer):
         self.index = as_dense_index(index)
         self.branches = check_branch_names(branches)
         self.num_results = positive_int("num_results", num_results)
-        if weights is None:
-            w = [1.0] * len(self.branches)
-        elif isinstance(weights, Mapping):
-            unknown = [b for b in weights if b not in self.branches]
-            if unknown:
-                raise ValueError(f"weights for unknown branches {unknown}: the branches are {self.branches}")
-            w = [float(weights.get(b, 1.0)) for b in self.branches]
-        else:
-            w = [float(x) for x in weights]
-            if len(w) != len(self.branches):
-                raise ValueError(f"need one weight per branch ({len(self.branches)}), got {len(w)}")
-        self.weights = _quota_weights(w).tolist()
+        self.weights = _quota_weights(weights, self.branches).tolist()
         self.batch_size = positive_int("batch_size", batch_size)
         self.drop_query_vec = bool(drop_query_vec)
         self.verbose = bool(verbose)
@@ -526,15 +521,7 @@ class UniERFDataConfig:
 
     def hard_branches(self, names: list[str]) -> list[str]:
         """The branches that get hard negatives, checked against ``names`` and the retriever / index they need."""
-        if self.hard_negatives is True:
-            hard = names
-        elif self.hard_negatives is False or not list(self.hard_negatives):
-            hard = []
-        else:
-            hard = check_branch_names(self.hard_negatives)
-        unknown = [b for b in hard if b not in names]
-        if unknown:
-            raise ValueError(f"hard_negatives names unknown branches {unknown}: the branches are {names}")
+        hard = hard_negative_branches(names, self.hard_negatives)
         if hard and self.retriever is None:
             raise ValueError(f"hard negatives for {hard} need a retriever (e.g. BM25) for the candidates")
         if "trigger" in hard and self.index is None:
@@ -548,9 +535,7 @@ def _training_examples(
     """``(topics of the examples, (qid, docno) examples shuffled and sampled, qid -> relevant docnos)``."""
     topics = topics.assign(qid=topics["qid"].astype(str)).drop_duplicates("qid").reset_index(drop=True)
     qrels = qrels.assign(qid=qrels["qid"].astype(str), docno=qrels["docno"].astype(str))
-    relevant: dict[str, set[str]] = {}
-    for qid, docno in zip(qrels.loc[qrels["label"] > 0, "qid"], qrels.loc[qrels["label"] > 0, "docno"]):
-        relevant.setdefault(qid, set()).add(docno)
+    relevant: dict[str, set[str]] = qrels[qrels["label"] > 0].groupby("qid")["docno"].agg(set).to_dict()
     keep = (qrels["label"] >= cfg.min_relevance) & qrels["qid"].isin(set(topics["qid"]))
     pos = qrels[keep & qrels["docno"].isin(doc_texts)]
     examples = list(zip(pos["qid"], pos["docno"]))
@@ -564,18 +549,23 @@ def _training_examples(
     return topics.set_index("qid").loc[used].reset_index(), examples, relevant
 
 
-def _trigger_candidates(
-    topics: pd.DataFrame, relevant: dict[str, set[str]], cfg: UniERFDataConfig
+def _lexical_candidates(
+    qids: Sequence[str], texts: Sequence[str], relevant: dict[str, set[str]], cfg: UniERFDataConfig
 ) -> dict[str, list[str]]:
-    """Trigger hard negatives (Eq. 25): the ``tail`` share of the top-``depth`` lexical candidates least similar to the
-    trigger document."""
-    queries = pd.DataFrame({"qid": topics["qid"], "query": [_lexical_query(str(q)) for q in topics["query"]]})
+    """qid -> the retriever's top-``depth`` for ``texts`` as bags of words, without the query's relevant documents."""
+    queries = pd.DataFrame({"qid": qids, "query": [_lexical_query(str(t)) for t in texts]})
     top = _top_depth(cfg.retriever, queries, cfg.depth)
+    return {q: [d for d in top.get(q, ([], []))[0] if d not in relevant.get(q, ())] for q in qids}
+
+
+def _trigger_candidates(topics: pd.DataFrame, top: dict[str, list[str]], cfg: UniERFDataConfig) -> dict[str, list[str]]:
+    """Trigger hard negatives (Eq. 25): the ``tail`` share of the lexical candidates ``top`` least similar to the
+    trigger document."""
     dense = as_dense_index(cfg.index)
     vecs, lookup = dense.vectors(), dense.docnos()
     cands: dict[str, list[str]] = {}
     for qid, trig in zip(topics["qid"], topics["trigger_docno"]):
-        docnos = [d for d in top.get(qid, ([], []))[0] if d not in relevant.get(qid, ()) and d != trig]
+        docnos = [d for d in top[qid] if d != trig]
         if trig is None or (isinstance(trig, float) and np.isnan(trig)) or not docnos:
             cands[qid] = []
             continue
@@ -603,10 +593,9 @@ def unierf_training_data(
     """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier.
 
     One row per judged-relevant (query, document) pair of ``topics`` / ``qrels``: every branch's input text, the
-    document as positive (Eq. 20) and the negatives of :func:`st_extensions.build_unierf_dataset` (random ones from
-    ``doc_texts``). Hard negatives ``negative_<branch>``: the bottom ``tail`` of the ``retriever``'s top-``depth`` --
-    least similar to the trigger document for ``trigger`` (Eq. 25; needs ``trigger_docno`` and ``index``), lowest scored
-    for the branch's own text otherwise (Eq. 24); relevant documents never (``docs/unierf.md``). Options: a
+    document as positive (Eq. 20) and the negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom
+    ``tail`` of the ``retriever``'s top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25; needs
+    ``trigger_docno`` and ``index``), lowest scored otherwise (Eq. 24; ``docs/unierf.md``, Training rows). Options: a
     :class:`UniERFDataConfig` or its fields as keywords. Returns a :class:`datasets.Dataset` for ``UniERFLoss``."""
     if config is not None and options:
         raise TypeError(f"pass either config or keyword options, not both (got {sorted(options)})")
@@ -622,16 +611,13 @@ def unierf_training_data(
     topics, examples, relevant = _training_examples(topics, qrels, doc_texts, cfg)
     texts = _frame_branch_texts(topics, branch_inputs, cfg.sep)
     candidates: dict[str, dict[str, list[str]]] = {}
-    for b in hard:
-        if b == "trigger":
-            candidates[b] = _trigger_candidates(topics, relevant, cfg)
-            continue
-        queries = pd.DataFrame({"qid": topics["qid"], "query": [_lexical_query(t) for t in texts[b]]})
-        top = _top_depth(cfg.retriever, queries, cfg.depth)
-        candidates[b] = {
-            qid: _tail([d for d in top.get(qid, ([], []))[0] if d not in relevant.get(qid, ())], cfg.tail)
-            for qid in topics["qid"]
-        }
+    qids = topics["qid"].tolist()
+    for b in hard:  # the trigger branch's candidates are the query's, the others' those of their own text
+        top = _lexical_candidates(qids, topics["query"] if b == "trigger" else texts[b], relevant, cfg)
+        is_trigger = b == "trigger"
+        candidates[b] = (
+            _trigger_candidates(topics, top, cfg) if is_trigger else {q: _tail(d, cfg.tail) for q, d in top.items()}
+        )
     row_of = {q: i for i, q in enumerate(topics["qid"])}
     return build_unierf_dataset(
         anchors={b: [texts[b][row_of[q]] for q, _ in examples] for b in names},

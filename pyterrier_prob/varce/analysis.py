@@ -158,7 +158,8 @@ def _rho(a: pd.Series, b: pd.Series) -> tuple[float, float]:
 def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
     """Is std[s] (Eq. 23) informative? Its spread over the pairs (quantiles, between and within queries), Spearman's
     rho of each query's mean std[s] over its top 10 with its nDCG@10 (``ndcg``, qid-indexed), the same with the mean
-    E[s] (Eq. 22) for reference, and the rank correlation of std[s] with E[s] over all pairs."""
+    E[s] (Eq. 22) for reference, and the rank correlation of std[s] with E[s] over all pairs. ``run``: :func:`ranked`'s
+    columns. A share or ratio with a zero denominator (std[s] constant, or 0 in a query) is NaN: undefined, not 0."""
     top = run[run["rank"] < 10]
     u = top.groupby("qid")["score_std"].mean().reindex(ndcg.index)
     m = top.groupby("qid")["score_mean"].mean().reindex(ndcg.index)

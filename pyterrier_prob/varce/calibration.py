@@ -1,17 +1,17 @@
 """How far a re-ranker's scores are probabilities, and whether its uncertainty is used: a Platt map fitted on dev pairs
 (:func:`fit_platt`; for a VarCrossEncoder the Gaussian score integrated out with the probit approximation
 ``sigmoid((a mu + b) / sqrt(1 + pi a^2 sigma^2 / 8))``, MacKay 1992), the expected calibration error over equal-mass
-bins and the reliability curve (Guo et al., ICML 2017), the spread of std[s] and whether uncertain queries are hard.
+bins and the reliability curve (Guo et al., ICML 2017). The spread of std[s] and whether uncertain queries are hard:
+:func:`pyterrier_prob.varce.analysis.uncertainty_stats`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import optimize, stats
+from scipy import optimize
 
 __all__ = [
     "expected_calibration_error",
@@ -19,8 +19,6 @@ __all__ = [
     "relevance_labels",
     "relevance_probability",
     "reliability_curve",
-    "uncertain_queries_are_hard",
-    "uncertainty_spread",
 ]
 
 
@@ -77,30 +75,3 @@ def expected_calibration_error(prob: np.ndarray, label: np.ndarray, bins: int = 
     """ECE over equal-mass bins: sum_b (n_b / n) |mean prob_b - fraction relevant_b| (Guo et al., 2017)."""
     curve = reliability_curve(prob, label, bins)
     return float((curve["count"] / curve["count"].sum() * (curve["mean_prob"] - curve["frac_relevant"]).abs()).sum())
-
-
-def uncertainty_spread(qids: np.ndarray, std: np.ndarray) -> dict[str, float]:
-    """How much std[s] varies: its 5/50/95% over pairs, the sd of the per-query means, the mean within-query
-    coefficient of variation, and the share of std[s]'s variance that lies between queries."""
-    frame = pd.DataFrame({"qid": qids, "std": np.asarray(std, np.float64)})
-    per_query = frame.groupby("qid")["std"]
-    means = per_query.mean()
-    total = float(frame["std"].var(ddof=0))
-    return {
-        "p05": float(np.percentile(frame["std"], 5)),
-        "p50": float(np.percentile(frame["std"], 50)),
-        "p95": float(np.percentile(frame["std"], 95)),
-        "sd_between_queries": float(means.std(ddof=0)),
-        "cv_within_query": float((per_query.std(ddof=0) / means).mean()),
-        "share_between_queries": float(means.reindex(frame["qid"]).var(ddof=0) / total) if total > 0 else 0.0,
-    }
-
-
-def uncertain_queries_are_hard(run: pd.DataFrame, ndcg: pd.Series, top: int = 10) -> dict[str, Any]:
-    """Spearman's rho (and p) of each query's mean std[s] over its ``top`` ranked pairs with its nDCG@10.
-    ``run``: ``qid, score, std`` (ranked by ``score`` within each query)."""
-    ranked = run.sort_values(["qid", "score"], ascending=[True, False], kind="stable")
-    mean_std = ranked[ranked.groupby("qid").cumcount() < top].groupby("qid")["std"].mean()
-    common = mean_std.index.intersection(ndcg.index)
-    rho, p = stats.spearmanr(mean_std.loc[common], ndcg.loc[common])
-    return {"rho": float(rho), "p": float(p), "queries": int(len(common))}

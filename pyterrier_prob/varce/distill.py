@@ -12,12 +12,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import ir_measures
 import numpy as np
 import pandas as pd
 from datasets import Dataset
 
-from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.atomic import atomic_write, read_checked
 from pyterrier_prob.fusion import interpolate
+from st_extensions.cross_encoder import VarCrossEncoder
 
 __all__ = [
     "ALPHAS",
@@ -40,7 +42,7 @@ ALPHAS: tuple[float, ...] = tuple(round(a, 1) for a in np.linspace(0.0, 1.0, 11)
 def encode(model: Any, texts: Sequence[str], path: str | None = None, *, query: bool = False) -> np.ndarray:
     """L2-normalised float32 embeddings of ``texts`` by a bi-encoder, cached in ``path`` (``.npy``) when given."""
     if path is not None and os.path.isfile(path):
-        cached = np.load(path)
+        cached = read_checked(path, np.load, "delete it: the embeddings are computed again on the next run")
         if cached.shape[0] == len(texts):
             return cached
     fn = model.encode_query if query else model.encode_document
@@ -109,8 +111,6 @@ def ndcg_at_10(
 ) -> pd.Series:
     """Per-query nDCG@10 (ir_measures) of ``run`` ranked by column ``score``, for every query of ``qids`` (default:
     those of ``run``); a query with no candidate or no judged-relevant document scores 0, as in ``pt.Experiment``."""
-    import ir_measures
-
     q = qrels.astype({"qid": str, "docno": str})
     qrel = [ir_measures.Qrel(a, b, int(c)) for a, b, c in q[["qid", "docno", "label"]].itertuples(index=False)]
     scored = [
@@ -179,8 +179,6 @@ def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], ba
     pairs = list(zip(queries, documents))
     if not pairs:
         return np.zeros(0, np.float32), None
-    from st_extensions.cross_encoder import VarCrossEncoder
-
     if isinstance(model, VarCrossEncoder):
         mean, std = model.predict(pairs, batch_size=batch_size, return_std=True)
         return np.asarray(mean, np.float32), np.asarray(std, np.float32)

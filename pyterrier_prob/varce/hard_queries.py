@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import ir_measures
 import pandas as pd
 
 from pyterrier_prob.evaluation import _parse_measures, per_query_set_measures
@@ -42,23 +43,15 @@ def no_relevant_in_top(
     topics: pd.DataFrame | Iterable[str] | None = None,
 ) -> pd.Series:
     """Per evaluated query: True when none of its top ``k`` documents has label >= ``rel`` (qid-indexed bools)."""
-    import ir_measures
-
     positive_int("k", k)
     p_at_k = per_query(run, qrels, ir_measures.P(rel=rel) @ k, topics=topics, min_label=rel)
     return (p_at_k == 0).rename(f"no_rel@{k}")
 
 
-def percent_no(
-    run: pd.DataFrame,
-    qrels: pd.DataFrame,
-    k: int = 10,
-    *,
-    rel: int = 1,
-    topics: pd.DataFrame | Iterable[str] | None = None,
-) -> float:
-    """Voorhees' %no: the percentage (0-100) of evaluated queries with no relevant document in the top ``k``."""
-    return float(100.0 * no_relevant_in_top(run, qrels, k, rel=rel, topics=topics).mean())
+def percent_no(run: pd.DataFrame, qrels: pd.DataFrame, k: int = 10, **options: Any) -> float:
+    """Voorhees' %no: the percentage (0-100) of evaluated queries with no relevant document in the top ``k``
+    (``options``: :func:`no_relevant_in_top`'s ``rel`` and ``topics``)."""
+    return float(100.0 * no_relevant_in_top(run, qrels, k, **options).mean())
 
 
 def _n_hard(n: int, fraction: float) -> int:

@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyterrier as pt
+import torch
 
+from st_extensions import default_model_path, load_model
 from st_extensions.checks import choice, non_negative_int, positive_int
 
 __all__ = [
@@ -41,13 +43,8 @@ __all__ = [
 ]
 
 NOISE_TYPES: tuple[str, ...] = (
-    "spelling",
-    "wordemb_insert",
-    "wordemb_substitute",
-    "synonym",
-    "random_swap",
-    "random_delete",
-)
+    "spelling", "wordemb_insert", "wordemb_substitute", "synonym", "random_swap", "random_delete"
+)  # fmt: skip
 """The six perturbations of Sec. 4.5.2, in the paper's order."""
 
 ABBREVIATIONS: dict[str, str] = {
@@ -95,10 +92,7 @@ WORDNET_INSTALL = (
 )
 """How to get WordNet, for the error messages."""
 
-_SR_SKIPPED = (
-    "robustness: SR (WordNet synonym replacement) skipped: WordNet is missing; install it with "
-    "'apt-get install wordnet-base' (or set $WORDNET_DIR to a WordNet dict directory) to run it"
-)
+_SR_SKIPPED = f"robustness: SR (WordNet synonym replacement) skipped: WordNet is missing; {WORDNET_INSTALL}"
 _WORD = re.compile(r"^(\W*)(.*?)(\W*)$", re.UNICODE)
 _ALPHA = re.compile(r"[A-Za-z]")
 
@@ -179,22 +173,15 @@ def wordnet_available(wordnet_dir: str | os.PathLike | None = None) -> bool:
 
 
 _POS = ("noun", "verb", "adj", "adv")
+# fmt: off
 _SUBSTITUTIONS: dict[str, tuple[tuple[str, str], ...]] = {  # WordNet's morphy suffix rules
-    "noun": (
-        ("s", ""),
-        ("ses", "s"),
-        ("ves", "f"),
-        ("xes", "x"),
-        ("zes", "z"),
-        ("ches", "ch"),
-        ("shes", "sh"),
-        ("men", "man"),
-        ("ies", "y"),
-    ),  # fmt: skip
+    "noun": (("s", ""), ("ses", "s"), ("ves", "f"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), ("shes", "sh"),
+             ("men", "man"), ("ies", "y")),
     "verb": (("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""), ("ing", "e"), ("ing", "")),
     "adj": (("er", ""), ("est", ""), ("er", "e"), ("est", "e")),
     "adv": (),
 }
+# fmt: on
 
 
 class WordNet:
@@ -280,12 +267,8 @@ class EmbeddingNeighbours:
     sentence-transformers model or CrossEncoder with a Hugging Face encoder, its path, or None (all-MiniLM-L6-v2)."""
 
     def __init__(self, model: Any = None, top_k: int = 10) -> None:
-        import torch
-
         positive_int("top_k", top_k)
         if model is None or isinstance(model, (str, os.PathLike)):
-            from st_extensions import default_model_path, load_model
-
             model = load_model(os.fspath(model) if model is not None else default_model_path(), device="cpu")
         auto_model = getattr(model[0], "auto_model", None) if hasattr(model, "__getitem__") else None
         tokenizer = getattr(model, "tokenizer", None)
@@ -505,11 +488,9 @@ def all_noise(seed: int = 0, *, missing: str = "raise", **kwargs: Any) -> dict[s
     ``"warn"`` leave the perturbation out with a ``UserWarning``, ``"skip"`` leave it out silently."""
     choice("missing", missing, ("raise", "warn", "skip"))
     out: dict[str, QueryNoise] = {}
-    for abbr, kind in ABBREVIATIONS.items():
-        if abbr == "SP":  # the text's other name for SE
-            continue
+    for abbr in NOISE_DESCRIPTIONS:  # Table 4's abbreviations (not SP, the text's other name for SE)
         try:
-            out[abbr] = QueryNoise(kind, seed, **kwargs)
+            out[abbr] = QueryNoise(abbr, seed, **kwargs)
         except (FileNotFoundError, ImportError) as e:
             if missing == "raise":
                 raise
@@ -527,6 +508,7 @@ def build_noises(kinds: Iterable[str], seed: int) -> tuple[dict[str, QueryNoise]
         try:
             noises[abbr] = QueryNoise(abbr, seed)
         except (OSError, ImportError) as e:  # WordNet, or NLPaug's misspelling dictionary, is missing
-            no_wordnet = abbr == "SR" and not wordnet_available()
-            notes.append(_SR_SKIPPED if no_wordnet else f"robustness: {abbr} skipped: {e}")
+            notes.append(
+                _SR_SKIPPED if abbr == "SR" and not wordnet_available() else f"robustness: {abbr} skipped: {e}"
+            )
     return noises, notes

@@ -14,7 +14,9 @@ import pandas as pd
 import pyterrier as pt
 
 from pyterrier_prob.validation import check_ids, check_texts
+from st_extensions import load_model
 from st_extensions.checks import finite_float, positive_int
+from st_extensions.cross_encoder import VarCrossEncoder, find_var_head, load_cross_encoder
 
 __all__ = ["VarCrossEncoderReranker", "risk_adjusted"]
 
@@ -47,16 +49,10 @@ class VarCrossEncoderReranker(pt.Transformer):
         precision: str | None = None,
         backend_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from st_extensions.cross_encoder import VarCrossEncoder, find_var_head
-
         if isinstance(model, (str, os.PathLike)):
             if backend in (None, "torch") and precision in (None, "fp32") and not backend_options:
-                from st_extensions import load_model
-
                 model = load_model(os.fspath(model))
             else:
-                from st_extensions.cross_encoder import load_cross_encoder
-
                 model = load_cross_encoder(
                     os.fspath(model), backend or "torch", precision or "fp32", **dict(backend_options or {})
                 )
@@ -130,13 +126,7 @@ class VarCrossEncoderReranker(pt.Transformer):
                 pairs[a:b], batch_size=self.batch_size, return_std=True, show_progress_bar=False
             )
         score = risk_adjusted(mean, std, self.risk)
-        codes, uniques = pd.factorize(inp["qid"])
-        order = np.lexsort((-score, codes))  # stable: ties keep the input order
-        c = codes[order]
-        counts = np.bincount(c, minlength=len(uniques))
-        rank = np.arange(order.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        return (
-            base.iloc[order]
-            .reset_index(drop=True)
-            .assign(score=score[order], score_mean=mean[order], score_std=std[order], rank=rank)
-        )
+        order = np.lexsort((-score, pd.factorize(inp["qid"])[0]))  # queries as they come; ties keep the input order
+        out = base.iloc[order].reset_index(drop=True).assign(score=score[order], score_mean=mean[order])
+        out = out.assign(score_std=std[order])
+        return out.assign(rank=out.groupby("qid", sort=False).cumcount().to_numpy(np.int64))

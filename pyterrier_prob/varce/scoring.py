@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pyterrier_prob.atomic import atomic_write
 from pyterrier_prob.varce.rerank import VarCrossEncoderReranker
 from st_extensions.cross_encoder import VarCrossEncoder, predict_sharing_layers
 from st_extensions.partial import check_partial_transformer, state_fingerprint
@@ -62,16 +63,18 @@ class PairScorer:
         head = f"# {self.fingerprint}\n"
         if not fresh and os.path.isfile(self.cache_path):
             with open(self.cache_path, encoding="utf8") as f:
-                if f.readline() == head:
-                    for line in f:
-                        parts = line.rstrip("\n").split("\t")
-                        if len(parts) == 5:
-                            self.cache[(parts[0], parts[1], parts[2])] = (float(parts[3]), float(parts[4]))
-                    self.loaded = len(self.cache)
-                    return
-        os.makedirs(os.path.dirname(os.path.abspath(self.cache_path)), exist_ok=True)
-        with open(self.cache_path, "w", encoding="utf8") as f:
-            f.write(head)
+                same, lines = f.readline() == head, f.readlines()
+            if same:
+                whole = [line for line in lines if line.endswith("\n")]  # a kill mid-append cuts the last line
+                for line in whole:
+                    parts = line.rstrip("\n").split("\t")
+                    if len(parts) == 5:
+                        self.cache[(parts[0], parts[1], parts[2])] = (float(parts[3]), float(parts[4]))
+                self.loaded = len(self.cache)
+                if len(whole) < len(lines):  # appends must not continue a cut line
+                    atomic_write(self.cache_path, head + "".join(whole))
+                return
+        atomic_write(self.cache_path, head)
 
     def add(self, collection: str, scored: Iterable[tuple[str, str, float, float]], seconds: float = 0.0) -> None:
         """Record ``(query, docno, E[s], std[s])`` scores computed elsewhere (e.g. by :class:`SharedLayers`),

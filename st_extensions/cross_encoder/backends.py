@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -45,19 +45,6 @@ FILES: dict[tuple[str, str], str] = {
     ("onnx", "int8"): "onnx/model_qint8_avx2.onnx",
     ("openvino", "fp32"): "openvino/openvino_model.xml",
     ("openvino", "int8"): "openvino/openvino_model_qint8_quantized.xml",
-}
-#: the export each other export is made from (the torch encoder is exported to ONNX once)
-_SOURCES: dict[tuple[str, str], tuple[str, str]] = {
-    ("onnx", "int8"): ("onnx", "fp32"),
-    ("openvino", "fp32"): ("onnx", "fp32"),
-    ("openvino", "int8"): ("openvino", "fp32"),
-}
-#: what making each export needs (the ONNX export runs torch's exporter, which needs onnxscript)
-_STEP_PACKAGES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("onnx", "fp32"): ("onnx", "onnxscript"),
-    ("onnx", "int8"): ("onnxruntime", "onnx"),
-    ("openvino", "fp32"): ("openvino",),
-    ("openvino", "int8"): ("openvino", "nncf"),
 }
 #: what running each backend needs
 _RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"onnx": ("onnxruntime",), "openvino": ("openvino",)}
@@ -408,12 +395,14 @@ def _export_openvino_int8(
     }
 
 
-#: how each export is made: ``(model folder, torch model, temporary folder, file name, calibration pairs) -> record``
-_EXPORTERS = {
-    ("onnx", "fp32"): _export_onnx_fp32,
-    ("onnx", "int8"): _export_onnx_int8,
-    ("openvino", "fp32"): _export_openvino_fp32,
-    ("openvino", "int8"): _export_openvino_int8,
+#: per export: the export it is made from (None: the torch encoder, exported to ONNX once), what making it needs (the
+#: ONNX export runs torch's exporter, which needs onnxscript) and how it is made (``(model folder, torch model,
+#: temporary folder, file name, calibration pairs) -> record``)
+_STEPS: dict[tuple[str, str], tuple[tuple[str, str] | None, tuple[str, ...], Callable[..., dict[str, Any]]]] = {
+    ("onnx", "fp32"): (None, ("onnx", "onnxscript"), _export_onnx_fp32),
+    ("onnx", "int8"): (("onnx", "fp32"), ("onnxruntime", "onnx"), _export_onnx_int8),
+    ("openvino", "fp32"): (("onnx", "fp32"), ("openvino",), _export_openvino_fp32),
+    ("openvino", "int8"): (("openvino", "fp32"), ("openvino", "nncf"), _export_openvino_int8),
 }
 
 
@@ -448,10 +437,11 @@ def export_backbone(
     steps, step = [], (backend, precision)
     while step is not None and (step == (backend, precision) or not _is_fresh(path, FILES[step], {})):
         steps.append(step)
-        step = _SOURCES.get(step)
-    _require(backend, precision, sorted({name for st in steps for name in _STEP_PACKAGES[st]}))
-    if (backend, precision) in _SOURCES:  # made from another export: make that one first
-        export_backbone(path, *_SOURCES[backend, precision], model=model)
+        step = _STEPS[step][0]
+    _require(backend, precision, sorted({name for st in steps for name in _STEPS[st][1]}))
+    source, _, make = _STEPS[backend, precision]
+    if source is not None:  # made from another export: make that one first
+        export_backbone(path, *source, model=model)
     if model is None and (backend, precision) in (("onnx", "fp32"), ("openvino", "int8")):
         model = _load_torch(path)  # to trace the encoder / to tokenise the calibration pairs
     folder, main = os.path.split(target)
@@ -463,7 +453,7 @@ def export_backbone(
         logger.info("exporting the backbone of %s to %s (%s)", path, rel, precision)
         tmp = tempfile.mkdtemp(prefix=".export-", dir=folder)
         try:
-            extra = _EXPORTERS[backend, precision](path, model, tmp, main, calibration_pairs)
+            extra = make(path, model, tmp, main, calibration_pairs)
             _install(tmp, folder, main)
             _record(path, rel, extra)
         finally:

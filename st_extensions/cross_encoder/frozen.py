@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from sentence_transformers import CrossEncoder
 from sentence_transformers.base.model import BaseModel
@@ -16,11 +15,10 @@ from sentence_transformers.base.modules import Dense, Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util import batch_to_device
 from torch import Tensor, nn
-from tqdm.autonotebook import trange
 
 from st_extensions.cross_encoder.model import build_var_cross_encoder
 from st_extensions.frozen import CachedEmbeddings, evaluating
-from st_extensions.partial import pair_key
+from st_extensions.partial import longest_first, pair_key
 
 __all__ = ["CachedPairFeatures", "build_cross_encoder", "cached_cross_encoder", "encode_pairs", "pair_prefix_length"]
 
@@ -83,17 +81,16 @@ def encode_pairs(
     pairs = [pair_key(p) for p in pairs]
     if not pairs:
         return torch.zeros(0, prefix[-1].get_embedding_dimension())
-    order = np.argsort([-model._input_length(p) for p in pairs], kind="stable")
-    out = []
+    out, positions = [], []
     with evaluating(*prefix), torch.inference_mode():
-        for start in trange(0, len(pairs), batch_size, desc="pair features", disable=not show_progress_bar):
-            batch = [pairs[i] for i in order[start : start + batch_size]]
-            features = batch_to_device(model.preprocess(batch), model.device)
+        for idx in longest_first(pairs, batch_size, "pair features", show_progress_bar):
+            features = batch_to_device(model.preprocess([pairs[i] for i in idx]), model.device)
             for m in prefix:
                 features = m(features)
             out.append(features["sentence_embedding"].float().cpu())
+            positions += idx
     embeddings = torch.empty(len(pairs), out[0].shape[-1])
-    embeddings[torch.as_tensor(order)] = torch.cat(out)
+    embeddings[torch.as_tensor(positions)] = torch.cat(out)
     return embeddings
 
 

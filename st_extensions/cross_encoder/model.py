@@ -20,7 +20,7 @@ from sentence_transformers.base.modules import Transformer
 from sentence_transformers.sentence_transformer.modules import Pooling
 from sentence_transformers.util import batch_to_device
 from torch import nn
-from tqdm.autonotebook import tqdm, trange
+from tqdm.autonotebook import trange
 
 from st_extensions.checks import positive_int
 from st_extensions.cross_encoder.head import SCORE_VAR_KEY, Variant, VariationalHead
@@ -30,6 +30,7 @@ from st_extensions.loading import register_module
 from st_extensions.partial import (
     check_layers,
     check_partial_transformer,
+    longest_first,
     pair_key,
     run_top_layers,
     state_fingerprint,
@@ -220,11 +221,8 @@ def predict_sharing_layers(
     n = len(keys)
     scores = [np.empty(n, np.float32) for _ in models]
     variances: list[np.ndarray | None] = [None] * len(models)
-    order = np.argsort([-BaseModel._input_length(k) for k in keys], kind="stable")
-    bar = tqdm(total=n, desc="scoring", disable=not show_progress_bar)
-    with evaluating(*models), torch.inference_mode(), bar:
-        for start in range(0, n, batch_size):
-            idx = order[start : start + batch_size]
+    with evaluating(*models), torch.inference_mode():
+        for idx in longest_first(keys, batch_size, "scoring", show_progress_bar):
             features = batch_to_device(transformers[0].preprocess([keys[i] for i in idx]), models[0].device)
             hidden = states_entering(transformers[0], dict(features), frozen)
             for j, (model, t) in enumerate(zip(models, transformers)):
@@ -237,5 +235,4 @@ def predict_sharing_layers(
                     if variances[j] is None:
                         variances[j] = np.empty(n, np.float32)
                     variances[j][idx] = out[SCORE_VAR_KEY].float().reshape(-1).cpu().numpy()
-            bar.update(len(idx))
     return [(s, None if v is None else np.sqrt(np.clip(v, 0.0, None))) for s, v in zip(scores, variances)]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
-from sentence_transformers.losses import MultipleNegativesRankingLoss
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import Tensor
 
 from st_extensions.distributed import global_batch

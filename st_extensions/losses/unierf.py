@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ UNIERF_CITATION = """
 
 TERMS: tuple[str, ...] = ("positive", "triplet", "infonce", "diversity")
 
-__all__ = ["TERMS", "FrozenDocumentTower", "UniERFLoss", "diversity_loss"]
+__all__ = ["TERMS", "FrozenDocumentTower", "UniERFLoss", "UniERFLossConfig", "diversity_loss"]
 
 
 def diversity_loss(branch_embeddings: Tensor, scale: float, margin: float, threshold: float) -> Tensor:
@@ -62,27 +63,15 @@ def diversity_loss(branch_embeddings: Tensor, scale: float, margin: float, thres
     return torch.logsumexp(F.pad(logits, (1, 0)), dim=1).mean()
 
 
-def _row_keys(features: Mapping[str, Any]) -> list[bytes]:
-    """One key per row of a tokenised batch: its token ids where the attention mask is set (padding dropped)."""
-    ids = features["input_ids"]
-    mask = features.get("attention_mask")
-    ids = ids.detach().cpu().numpy().astype(np.int64, copy=False)
-    if mask is None:
-        return [row.tobytes() for row in ids]
-    mask = mask.detach().cpu().numpy().astype(bool, copy=False)
-    return [row[m].tobytes() for row, m in zip(ids, mask)]
-
-
 def _take_rows(features: Mapping[str, Any], rows: Sequence[int], batch: int) -> dict[str, Any]:
     """The sub-batch of ``rows`` (tensors whose first axis is the batch are indexed, the rest copied)."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
-    out: dict[str, Any] = {}
-    for key, value in features.items():
-        if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch:
-            out[key] = value.index_select(0, index.to(value.device))
-        else:
-            out[key] = value
-    return out
+    return {
+        key: value.index_select(0, index.to(value.device))
+        if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch
+        else value
+        for key, value in features.items()
+    }
 
 
 class FrozenDocumentTower:
@@ -101,25 +90,25 @@ class FrozenDocumentTower:
         self.encoder.requires_grad_(False)
         self.use_cache = bool(cache)
         self._cache: dict[bytes, Tensor] = {}
-        self.hits = 0
-        self.computed = 0
-        self.primed = 0
+        self.hits = self.computed = self.primed = 0
 
     def __repr__(self) -> str:
         return f"FrozenDocumentTower(cached={len(self._cache)}, hits={self.hits}, computed={self.computed})"
 
     @staticmethod
     def row_keys(features: Mapping[str, Any]) -> list[bytes]:
-        """The cache key of every row of a tokenised column: its token ids without the padding."""
-        return _row_keys(features)
-
-    def _device(self) -> torch.device:
-        return next(self.encoder.parameters()).device
+        """The cache key of every row of a tokenised column: its token ids where the attention mask is set."""
+        ids = features["input_ids"].detach().cpu().numpy().astype(np.int64, copy=False)
+        mask = features.get("attention_mask")
+        if mask is None:
+            return [row.tobytes() for row in ids]
+        mask = mask.detach().cpu().numpy().astype(bool, copy=False)
+        return [row[m].tobytes() for row, m in zip(ids, mask)]
 
     @torch.no_grad()
     def _forward(self, features: Mapping[str, Any]) -> Tensor:
         device = features["input_ids"].device
-        if self._device() != device:
+        if next(self.encoder.parameters()).device != device:
             self.encoder.to(device)
         self.encoder.eval()
         out = self.encoder(dict(features))["sentence_embedding"]
@@ -131,7 +120,7 @@ class FrozenDocumentTower:
         if not self.use_cache:
             self.computed += int(features["input_ids"].shape[0])
             return self._forward(features)
-        keys = _row_keys(features)
+        keys = self.row_keys(features)
         device = features["input_ids"].device
         missing = [i for i, k in enumerate(keys) if k not in self._cache]
         if missing:
@@ -160,8 +149,7 @@ class FrozenDocumentTower:
         vecs = F.normalize(vecs, dim=-1)
         if check and texts:
             n = min(check, len(texts))
-            features = self.encoder.preprocess(texts[:n])
-            mine = self._forward(features).cpu()
+            mine = self._forward(self.encoder.preprocess(texts[:n])).cpu()
             err = float((mine - vecs[:n]).abs().max())
             if err > atol:
                 raise ValueError(
@@ -170,7 +158,7 @@ class FrozenDocumentTower:
                 )
         for start in range(0, len(texts), chunk):
             features = self.encoder.preprocess(texts[start : start + chunk])
-            for key, vec in zip(_row_keys(features), vecs[start : start + chunk]):
+            for key, vec in zip(self.row_keys(features), vecs[start : start + chunk]):
                 self._cache[key] = vec.clone()
         self.primed += len(texts)
         return len(texts)
@@ -181,12 +169,47 @@ class FrozenDocumentTower:
         return {"cached": len(self._cache), "primed": self.primed, "hits": self.hits, "computed": self.computed}
 
 
+@dataclass
+class UniERFLossConfig:
+    """The hyperparameters of Eq. 28-31: beta (``positive_threshold``), gamma (``triplet_margin``), tau
+    (``temperature``), the diversity term's tau, Delta, alpha (``diversity_scale``, ``_margin``, ``_threshold``;
+    Sec. 5.3.2's 32, 0.8, 0.6), and which terms of Eq. 32 are on (``use_*``). :class:`UniERFLoss` takes them as
+    keywords too."""
+
+    positive_threshold: float = 0.5
+    triplet_margin: float = 0.1
+    temperature: float = 0.05
+    diversity_scale: float = 32.0
+    diversity_margin: float = 0.8
+    diversity_threshold: float = 0.6
+    use_positive: bool = True
+    use_triplet: bool = True
+    use_infonce: bool = True
+    use_diversity: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("use_"):
+                setattr(self, f.name, bool(value))
+            else:
+                check = positive_float if f.name in ("temperature", "diversity_scale") else finite_float
+                setattr(self, f.name, check(f.name, value))
+        if not any(self.use.values()):
+            raise ValueError("every term of the UniERF loss is switched off")
+
+    @property
+    def use(self) -> dict[str, bool]:
+        """term -> switched on (the keys of :data:`TERMS`)."""
+        return {term: getattr(self, f"use_{term}") for term in TERMS}
+
+
 class UniERFLoss(nn.Module):
     """UniERF's training objective, the sum of Eq. 28-32, for a model with a MultiBranchQueryEncoder.
 
-    Positive (Eq. 28, beta = ``positive_threshold``), triplet (Eq. 29, gamma = ``triplet_margin``) and InfoNCE (Eq. 30,
-    positive included, tau = ``temperature``) per branch over its candidates (positives, shared and branch-b negatives),
-    plus :func:`diversity_loss` (Eq. 31); each switched by its ``use_*`` flag. ``columns``: the dataset's column names
+    Positive (Eq. 28), triplet (Eq. 29) and InfoNCE (Eq. 30, positive included) per branch over its candidates
+    (positives, shared and branch-b negatives), plus :func:`diversity_loss` (Eq. 31); their hyperparameters and
+    switches: a :class:`UniERFLossConfig` or its fields as keywords. ``columns``: the dataset's column names
     (:func:`st_extensions.unierf_columns` layout; inferred for B + 1, 2B + 1, 2B + 2 columns); ``ignore_columns`` are
     dropped before embedding; ``document_tower``: a :class:`FrozenDocumentTower` (else ``model`` embeds the documents);
     ``judged`` removes judged-relevant in-batch negatives; ``gather_across_devices``: DDP global batch. Terms, defaults
@@ -197,49 +220,33 @@ class UniERFLoss(nn.Module):
         self,
         model: SentenceTransformer,
         columns: Sequence[str] | None = None,
-        positive_threshold: float = 0.5,
-        triplet_margin: float = 0.1,
-        temperature: float = 0.05,
-        diversity_scale: float = 32.0,
-        diversity_margin: float = 0.8,
-        diversity_threshold: float = 0.6,
-        use_positive: bool = True,
-        use_triplet: bool = True,
-        use_infonce: bool = True,
-        use_diversity: bool = True,
+        config: UniERFLossConfig | None = None,
         ignore_columns: Sequence[str] = (),
         document_tower: FrozenDocumentTower | None = None,
         judged: JudgedPairs | None = None,
         gather_across_devices: bool = False,
+        **options: Any,
     ) -> None:
         super().__init__()
+        if config is not None and options:
+            raise TypeError(f"pass either config or keyword options, not both (got {sorted(options)})")
+        self.config = config if config is not None else UniERFLossConfig(**options)
         self.model = model
         self.judged = judged
         self.gather_across_devices = bool(gather_across_devices)
         self.head = find_branches(model)
-        self.positive_threshold = finite_float("positive_threshold", positive_threshold)
-        self.triplet_margin = finite_float("triplet_margin", triplet_margin)
-        self.temperature = positive_float("temperature", temperature)
-        self.diversity_scale = positive_float("diversity_scale", diversity_scale)
-        self.diversity_margin = finite_float("diversity_margin", diversity_margin)
-        self.diversity_threshold = finite_float("diversity_threshold", diversity_threshold)
-        self.use = dict(zip(TERMS, map(bool, (use_positive, use_triplet, use_infonce, use_diversity))))
-        if not any(self.use.values()):
-            raise ValueError("every term of the UniERF loss is switched off")
         if document_tower is not None and not isinstance(document_tower, FrozenDocumentTower):
             raise TypeError(f"document_tower must be a FrozenDocumentTower, got {type(document_tower).__name__}")
         self.document_tower = document_tower
         self.columns = None if columns is None else list(columns)
         self.ignore_columns = [str(c) for c in ignore_columns]
-        self._keep: list[bool] | None = None
+        if self.ignore_columns and self.columns is None:
+            raise ValueError("ignore_columns needs columns= (the training dataset's column names)")
+        unknown = [c for c in self.ignore_columns if c not in self.columns]
+        if unknown:
+            raise ValueError(f"ignore_columns {unknown} are not among the columns {self.columns}")
+        self._keep = [c not in self.ignore_columns for c in self.columns] if self.ignore_columns else None
         self.layout: tuple[list[str], list[str | None]] | None = None
-        if self.ignore_columns:
-            if self.columns is None:
-                raise ValueError("ignore_columns needs columns= (the training dataset's column names)")
-            unknown = [c for c in self.ignore_columns if c not in self.columns]
-            if unknown:
-                raise ValueError(f"ignore_columns {unknown} are not among the columns {self.columns}")
-            self._keep = [c not in self.ignore_columns for c in self.columns]
         if self.columns is not None:
             kept = [c for c in self.columns if c not in self.ignore_columns]
             self.layout = parse_unierf_columns(kept, self.head.branches)
@@ -295,7 +302,7 @@ class UniERFLoss(nn.Module):
         labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
         """The four terms of Eq. 32 from normalised embeddings (documents gathered over DDP ranks first)."""
-        batch = global_batch(positives.shape[0], self.gather_across_devices)
+        cfg, batch = self.config, global_batch(positives.shape[0], self.gather_across_devices)
         rows = torch.arange(batch.size, device=positives.device)
         target = batch.targets(positives.device)
         positives = batch.candidates(positives)
@@ -308,7 +315,7 @@ class UniERFLoss(nn.Module):
             cands = torch.cat([positives, *(n for n, t in zip(negatives, tags) if t is None or t == branch)], dim=0)
             scores = h @ cands.T  # (B, W * B * (1 + m_b)); column offset + i is row i's positive
             pos = scores[rows, target]
-            out["positive"] = out["positive"] + (self.positive_threshold - pos).clamp_min(0.0).mean()
+            out["positive"] = out["positive"] + (cfg.positive_threshold - pos).clamp_min(0.0).mean()
             judged = (
                 None if self.judged is None else self.judged.mask(labels, scores.shape[1], batch.offset, batch.size)
             )
@@ -318,18 +325,16 @@ class UniERFLoss(nn.Module):
                 is_neg[rows, target] = False
                 if judged is not None:
                     is_neg &= ~judged
-                hinge = (scores - pos[:, None] + self.triplet_margin).clamp_min(0.0)
+                hinge = (scores - pos[:, None] + cfg.triplet_margin).clamp_min(0.0)
                 # each device keeps a different number of negative pairs: the mean is over the global count
                 out["triplet"] = out["triplet"] + batch.mean(hinge[is_neg])
-            logits = scores / self.temperature
+            logits = scores / cfg.temperature
             if judged is not None:
                 logits = logits.masked_fill(judged, float("-inf"))
             out["infonce"] = out["infonce"] + F.cross_entropy(logits, target)
         # the diversity term is per query (its branches only): the local mean is this device's share
         stacked = torch.stack([branch_emb[b] for b in self.head.branches if b in branch_emb], dim=1)
-        out["diversity"] = diversity_loss(
-            stacked, self.diversity_scale, self.diversity_margin, self.diversity_threshold
-        )
+        out["diversity"] = diversity_loss(stacked, cfg.diversity_scale, cfg.diversity_margin, cfg.diversity_threshold)
         return out
 
     def loss_terms(
@@ -340,18 +345,12 @@ class UniERFLoss(nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None = None) -> Tensor:
         terms = self.loss_terms(sentence_features, labels)
-        return torch.stack([terms[name] for name in TERMS if self.use[name]]).sum()
+        return torch.stack([terms[name] for name in TERMS if self.config.use[name]]).sum()
 
     def get_config_dict(self) -> dict[str, Any]:
         return {
             "columns": self.columns,
-            "positive_threshold": self.positive_threshold,
-            "triplet_margin": self.triplet_margin,
-            "temperature": self.temperature,
-            "diversity_scale": self.diversity_scale,
-            "diversity_margin": self.diversity_margin,
-            "diversity_threshold": self.diversity_threshold,
-            **{f"use_{name}": value for name, value in self.use.items()},
+            **asdict(self.config),
             "ignore_columns": list(self.ignore_columns),
             "document_tower": "frozen" if self.document_tower is not None else "shared (trained)",
             "gather_across_devices": self.gather_across_devices,

@@ -149,7 +149,8 @@ class MoLGate(nn.Module):
 class MoLConfig:
     """The settings of a :class:`MixtureOfLogits`, checked; saved flat in the module's ``config.json``. ``"tokens"``
     only: ``token_dim`` (encoder hidden size), ``max_positions``, ``token_offset`` (first aggregation token's
-    position), ``query_tokens`` / ``doc_tokens``, ``pooling_init_logit``. ``"heads"`` only: ``head_init="identity"``
+    position), ``query_tokens`` / ``doc_tokens``, ``pooling_init_logit``, ``token_layer`` (trainable aggregation-token
+    offsets added to the states entering that encoder layer; None: none). ``"heads"`` only: ``head_init="identity"``
     (d_P = embedding_dim) starts each head at the identity plus noise of std ``head_init_std`` (``docs/mol.md``)."""
 
     num_query_components: int
@@ -167,6 +168,7 @@ class MoLConfig:
     gate_features: bool = False
     head_init: str = "orthogonal"
     head_init_std: float = 0.01
+    token_layer: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_query_components", "num_doc_components", "component_dim", "embedding_dim"):
@@ -183,8 +185,8 @@ class MoLConfig:
             for name in ("token_dim", "max_positions"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is for component_source='tokens' only, got {getattr(self, name)!r}")
-            if self.query_tokens or self.doc_tokens:
-                raise ValueError("aggregation tokens are for component_source='tokens' only")
+            if self.query_tokens or self.doc_tokens or self.token_layer is not None:
+                raise ValueError("aggregation tokens (and token_layer) are for component_source='tokens' only")
             if self.head_init == "identity" and self.component_dim != self.embedding_dim:
                 raise ValueError(
                     f"head_init='identity' needs component_dim == embedding_dim ({self.embedding_dim}), "
@@ -195,6 +197,7 @@ class MoLConfig:
         self.token_dim = positive_int("token_dim", self.token_dim)
         self.max_positions = positive_int("max_positions", self.max_positions)
         self.token_offset = non_negative_int("token_offset", self.token_offset)
+        self.token_layer = non_negative_int("token_layer", self.token_layer, allow_none=True)
         if self.token_offset + pq + px > self.max_positions:
             raise ValueError(
                 f"{pq} + {px} aggregation tokens after offset {self.token_offset} do not fit in "
@@ -234,6 +237,8 @@ class MixtureOfLogits(SafetensorsModule):
             self.doc_pool = self._pooling(px, self.token_offset + pq)
             self.query_proj = self._projection(self.token_dim, d)
             self.doc_proj = self._projection(self.token_dim, d)
+            if self.token_layer is not None:  # trainable token inputs, zero at the start (the base model's states)
+                self.token_shift = nn.Parameter(torch.zeros(pq + px, self.token_dim))
         else:
             self.query_heads = self._heads(self.embedding_dim, pq, d, self.head_init, self.head_init_std)
             self.doc_heads = self._heads(self.embedding_dim, px, d, self.head_init, self.head_init_std)
@@ -292,6 +297,34 @@ class MixtureOfLogits(SafetensorsModule):
                 f"aggregation token id {max(ids)} is outside the encoder's {embeddings.num_embeddings} input embeddings"
             )
         self.aggregation_token_ids = torch.tensor(ids, dtype=torch.long, device=self.aggregation_token_ids.device)
+        if self.token_layer is not None:
+            self._install_token_shift(model[0])
+
+    def _install_token_shift(self, transformer: Any) -> None:
+        """Hook :meth:`_shift_tokens` before encoder layer ``token_layer`` of ``transformer``'s BERT backbone (or of
+        the Transformer a partial-training stand-in runs); once per backbone."""
+        backbone = getattr(transformer, "auto_model", None) or getattr(transformer.transformer, "auto_model", None)
+        layers = getattr(getattr(backbone, "encoder", None), "layer", None)
+        if layers is None or self.token_layer >= len(layers):
+            raise ValueError(
+                f"token_layer={self.token_layer} needs a BERT-like encoder (encoder.layer) with more layers, got "
+                f"{type(backbone).__name__} with {None if layers is None else len(layers)}"
+            )
+        layer = layers[self.token_layer]
+        if not any(getattr(h, "__self__", None) is self for h in layer._forward_pre_hooks.values()):
+            layer.register_forward_pre_hook(self._shift_tokens, with_kwargs=True)
+
+    def _shift_tokens(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Add ``token_shift`` to the aggregation tokens' states entering the hooked layer (positions
+        ``token_offset...``): their trainable input, above the layers whose states a partial recipe caches (the
+        cache holds every position's states, which an input embedding would change through attention)."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        start, stop = self.token_offset, self.token_offset + len(self.token_shift)
+        if hidden.shape[1] < stop:
+            return None
+        shifted = hidden[:, start:stop] + self.token_shift.to(hidden.device, hidden.dtype)
+        hidden = torch.cat([hidden[:, :start], shifted, hidden[:, stop:]], dim=1)
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
 
     def pooling_weights(self, features: dict[str, Any], task: str) -> Tensor:
         """The parameterised pooling's distributions over positions, ``(B, P, L)`` (``"tokens"`` only)."""

@@ -9,15 +9,20 @@ import struct
 from safetensors.torch import load_file
 from sentence_transformers.base.modules import Module
 
+from st_extensions.atomic import CorruptFileError
+
 __all__ = ["WEIGHTS_NAME", "SafetensorsModule", "check_safetensors_file"]
 
 WEIGHTS_NAME = "model.safetensors"
 _MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+#: what to do with a truncated or corrupt model file
+REMEDY = "delete the model folder and save, download or train the model again"
 
 
-def check_safetensors_file(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+def check_safetensors_file(path: str | os.PathLike, remedy: str = REMEDY) -> dict[str, tuple[int, ...]]:
     """Read a safetensors file's header and check that the file holds every tensor it lists (a truncated or
-    corrupt file raises ValueError naming it); returns ``{tensor name: shape}``. Reads the header only."""
+    corrupt file raises :class:`~st_extensions.atomic.CorruptFileError` naming it and ``remedy``); returns ``{tensor
+    name: shape}``. Reads the header only."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -39,10 +44,13 @@ def check_safetensors_file(path: str | os.PathLike) -> dict[str, tuple[int, ...]
             end = max(end, int(stop))
             shapes[name] = tuple(int(d) for d in info["shape"])
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path!r} is not a complete safetensors file (truncated or corrupt?): {e}") from e
+        raise CorruptFileError(
+            f"{path!r} is not a complete safetensors file (truncated or corrupt?): {e}; {remedy}"
+        ) from e
     if size < 8 + n + end:
-        raise ValueError(
-            f"{path!r} is truncated: its header lists tensors up to byte {8 + n + end} but the file has {size} bytes"
+        raise CorruptFileError(
+            f"{path!r} is truncated: its header lists tensors up to byte {8 + n + end} but the file has {size} bytes; "
+            + remedy
         )
     return shapes
 

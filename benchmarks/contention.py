@@ -1,0 +1,147 @@
+"""Training speed on a shared core: steps/s of ``pyterrier-prob`` trainings alone, beside a busy process, beside a
+second job of the same kind, all pinned to one core (``taskset -c <cpu>``).
+
+Two workloads: the frozen-head training of ``pyterrier-prob unierf`` (``--ablations none``) and the partial recipe of
+``pyterrier-prob pebr --recipe partial --train-layers 1``. Each runs (a) alone, (b) beside one busy single-threaded
+process (``python -c "while True: pass"``) and (c) beside a second identical job (both measured, averaged), under two
+thread policies: ``after`` (the defaults: threads follow the CPUs the process may use, heads on cached features on
+:data:`st_extensions.threads.SMALL_MODEL_THREADS`) and ``before`` (the old default reproduced: ``--threads <the
+machine's cores>`` and ``ST_SMALL_MODEL_THREADS=0``). Steps/s come from each run's ``summary.json``
+(``train_steps_per_s``: first to last step, set-up and caches left out). A warm-up run per workload fills the encoder
+and state caches the measured runs share. Goal (issue "A release ... on a preemptible cluster"): beside another job at
+least half the speed alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
+
+    python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import describe, write_result  # noqa: E402
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+
+
+def workloads(a: argparse.Namespace) -> dict[str, list[str]]:
+    """Workload name -> its ``pyterrier-prob`` command (without ``--output``)."""
+    common = ["--dataset", a.dataset, "--quiet", *(["--batch-size", str(a.batch_size)] if a.batch_size else [])]
+    return {
+        "unierf_frozen": ["pyterrier-prob", "unierf", "--ablations", "none", "--steps", str(a.unierf_steps), *common],
+        "pebr_partial": [
+            *["pyterrier-prob", "pebr", "--recipe", "partial", "--train-layers", "1"],
+            *["--steps", str(a.partial_steps), "--checkpoint-every", "0", *common],
+        ],
+    }
+
+
+def policies() -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Policy name -> (extra options, environment changes)."""
+    return {"after": ([], {}), "before": (["--threads", str(os.cpu_count() or 1)], {"ST_SMALL_MODEL_THREADS": "0"})}
+
+
+def start(cmd: list[str], cpu: str, output: str | None, env: dict[str, str], log: str) -> subprocess.Popen:
+    """Start ``cmd`` pinned to ``cpu`` (a ``pyterrier-prob`` job writing ``output``, or a busy process)."""
+    args = ["taskset", "-c", cpu, *cmd, *(["--output", output] if output else [])]
+    with open(log, "w") as f:
+        return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
+
+
+def rate_of(output: str, proc: subprocess.Popen, log: str, timeout: float) -> float:
+    """Wait for a job; the mean of its trainings' steps/s from its ``summary.json``."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit(f"timed out after {timeout:.0f} s: {shlex.join(proc.args)} (log: {log})") from None
+    if rc != 0:
+        raise SystemExit(f"exit status {rc}: {shlex.join(proc.args)} (log: {log})")
+    with open(os.path.join(output, "summary.json"), encoding="utf8") as f:
+        rates = [r for r in json.load(f)["train_steps_per_s"].values() if r]
+    if not rates:
+        raise SystemExit(f"no training step measured in {output}/summary.json (more --*-steps?)")
+    return statistics.mean(rates)
+
+
+def fresh_output(work: str, name: str, warm: str) -> str:
+    """An empty output folder sharing the warm-up run's caches (``cache/`` linked)."""
+    out = os.path.join(work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    os.symlink(os.path.abspath(os.path.join(warm, "cache")), os.path.join(out, "cache"))
+    return out
+
+
+def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """One workload's steps/s alone, beside a busy process and beside a second job, under each policy."""
+    work = os.path.join(a.work, name)
+    warm = os.path.join(work, "warm")
+    print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
+    os.makedirs(work, exist_ok=True)
+    every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    rate_of(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log", a.timeout)
+    results: dict[str, dict[str, float]] = {}
+    for policy, (options, env) in policies().items():
+        job, r = [*cmd, *options], {}
+        out = fresh_output(work, f"{policy}-alone", warm)
+        r["alone"] = rate_of(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log", a.timeout)
+        busy = start(BUSY, a.cpu, None, {}, os.devnull)
+        try:
+            out = fresh_output(work, f"{policy}-busy", warm)
+            r["beside_busy"] = rate_of(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log", a.timeout)
+        finally:
+            busy.kill()
+            busy.wait()
+        outs = [fresh_output(work, f"{policy}-pair{i}", warm) for i in (1, 2)]
+        procs = [start(job, a.cpu, o, env, f"{o}.log") for o in outs]
+        r["beside_job"] = statistics.mean(rate_of(o, p, f"{o}.log", a.timeout) for o, p in zip(outs, procs))
+        r["ratio_beside_busy"] = r["beside_busy"] / r["alone"]
+        r["ratio_beside_job"] = r["beside_job"] / r["alone"]
+        results[policy] = {k: round(v, 3) for k, v in r.items()}
+        print(f"{name} {policy}: {json.dumps(results[policy])}", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="irds:beir/nfcorpus")
+    ap.add_argument("--unierf-steps", type=int, default=1000, help="frozen-head training steps of unierf")
+    ap.add_argument("--partial-steps", type=int, default=30, help="training steps of pebr --recipe partial")
+    ap.add_argument("--batch-size", type=int, help="training batch (default: each command's; 16 for a tiny collection)")
+    ap.add_argument(
+        "--cpu", default="0", help="the core every process is pinned to (taskset -c; a list, e.g. 0,1, pins to those)"
+    )
+    ap.add_argument("--work", default="outputs/contention", help="folder of the runs' outputs and logs")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    ap.add_argument("--only", choices=["unierf_frozen", "pebr_partial"], help="measure one workload only")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "contention.json"))
+    a = ap.parse_args()
+    if shutil.which("taskset") is None:
+        raise SystemExit("taskset (util-linux) is needed to pin the processes to one core")
+    t0 = time.perf_counter()
+    results = {name: measure(name, cmd, a) for name, cmd in workloads(a).items() if a.only in (None, name)}
+    result = {
+        "command": shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        "machine": describe(),
+        "pinned_to_cpu": a.cpu,
+        "policies": {p: {"options": o, "env": e} for p, (o, e) in policies().items()},
+        "goal": "ratio_beside_job >= 0.5 (beside another job at least half the speed alone)",
+        "steps_per_s": results,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    write_result(a.out, result)
+    print(json.dumps(result["steps_per_s"], indent=2))
+    print(f"written to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
