@@ -1,5 +1,5 @@
 """Chaos test of ``--resume``: SIGKILL ``pyterrier-prob pebr --recipe partial --train-layers 1`` at random moments over
-its stages, resume, and compare with an uninterrupted run (issue "A release ... on a preemptible cluster", item 5).
+its stages, resume, and compare with an uninterrupted run.
 
 A tiny BEIR folder cut from nfcorpus (ir_datasets' local copy) is written first; then one uninterrupted reference
 run, whose stage markers (``[  12.3s] fine-tuning pebr ...`` on stdout) give each stage's start and length. Each kill

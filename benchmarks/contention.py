@@ -8,7 +8,7 @@ thread policies: ``after`` (the defaults: threads follow the CPUs the process ma
 :data:`st_extensions.threads.SMALL_MODEL_THREADS`) and ``before`` (the old default reproduced: ``--threads <the
 machine's cores>`` and ``ST_SMALL_MODEL_THREADS=0``). Steps/s come from each run's ``summary.json``
 (``train_steps_per_s``: first to last step, set-up and caches left out). A warm-up run per workload fills the encoder
-and state caches the measured runs share. Goal (issue "A release ... on a preemptible cluster"): beside another job at
+and state caches the measured runs share. Goal: beside another job at
 least half the speed alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
 
     python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0]

@@ -1,5 +1,5 @@
 """Truncated or corrupted files a run writes or reads -- models, checkpoints, caches, indexes, result files -- give a
-clear error naming the file and what to do (issue "A release ... on a preemptible cluster", item 5), never a raw
+clear error naming the file and what to do, never a raw
 numpy / safetensors traceback nor silent garbage."""
 
 import json
