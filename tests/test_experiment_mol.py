@@ -110,7 +110,7 @@ def test_mol_tiny_run(tmp_path, small_beir, small_beir_no_train_no_dev):
     assert list(results["name"]) == ["base model (no fine-tuning)", "bi-encoder", "MoL"]
     rows = json.loads(claims.read_text())["rows"]  # mol_vs_dot, paired t-tests as pt.Experiment's
     assert [(r["claim"], r["recipe"], r["system"], r["baseline"]) for r in rows] == [
-        ("mol_vs_dot", "frozen", "MoL", "bi-encoder")
+        ("mol_vs_dot", "frozen", "MoL (heads)", "bi-encoder")
     ] * 2
     r = results.set_index("name")
     for row in rows:

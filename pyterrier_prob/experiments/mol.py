@@ -261,7 +261,10 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
         trained = [s.name for s in rows if s.kind == "mol" and s.loss is not None]
         measures = [str(m) for m in (nDCG @ 10, R @ cfg.k)]
         claims = [perquery_claims(h, runs, data, "mol", "mol_vs_dot", n, BASELINE, measures) for n in trained]
-        record_claims(cfg, [{**r, "construction": cfg.component_source} for rs in claims for r in rs])
+        # the construction is part of the system's name, so that the heads and tokens rows do not replace each other
+        src = cfg.component_source
+        claim_rows = [{**r, "system": f"{r['system']} ({src})", "construction": src} for rs in claims for r in rs]
+        record_claims(cfg, claim_rows)
     return report(cfg, h, data, rows, experiment, info, gate, given_is_mol, baseline)
 
 
