@@ -8,8 +8,10 @@ thread policies: ``after`` (the defaults: threads follow the CPUs the process ma
 :data:`st_extensions.threads.SMALL_MODEL_THREADS`) and ``before`` (the old default reproduced: ``--threads <the
 machine's cores>`` and ``ST_SMALL_MODEL_THREADS=0``). Steps/s come from each run's ``summary.json``
 (``train_steps_per_s``: first to last step, set-up and caches left out). A warm-up run per workload fills the encoder
-and state caches the measured runs share. Goal: beside another job at
-least half the speed alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
+and state caches the measured runs share. Each job's ``cpu_share`` (its CPU time over its wall time, from the kernel's
+resource usage) shows what the scheduler gave it: about 1 alone, at most 0.5 beside one other busy process (a fair
+share of one core), so a single-threaded job beside another cannot exceed half its speed alone. Goal: beside another job
+at least half the speed alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
 
     python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0]
 """
@@ -56,20 +58,35 @@ def start(cmd: list[str], cpu: str, output: str | None, env: dict[str, str], log
         return subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
 
 
-def rate_of(output: str, proc: subprocess.Popen, log: str, timeout: float) -> float:
-    """Wait for a job; the mean of its trainings' steps/s from its ``summary.json``."""
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise SystemExit(f"timed out after {timeout:.0f} s: {shlex.join(proc.args)} (log: {log})") from None
-    if rc != 0:
-        raise SystemExit(f"exit status {rc}: {shlex.join(proc.args)} (log: {log})")
-    with open(os.path.join(output, "summary.json"), encoding="utf8") as f:
-        rates = [r for r in json.load(f)["train_steps_per_s"].values() if r]
-    if not rates:
-        raise SystemExit(f"no training step measured in {output}/summary.json (more --*-steps?)")
-    return statistics.mean(rates)
+def rates_of(jobs: list[tuple[str, subprocess.Popen, str]], timeout: float) -> list[dict[str, float]]:
+    """Wait for jobs ``(output, process, log)`` started together: for each, the mean of its trainings' steps/s
+    (``summary.json``), its wall time and its CPU time (user + system, the kernel's resource usage of the process),
+    and ``cpu_share`` = CPU / wall, how much of the core the job had."""
+    t0, done = time.monotonic(), {}
+    while len(done) < len(jobs):
+        for output, proc, log in jobs:
+            if output in done:
+                continue
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                if proc.returncode != 0:
+                    raise SystemExit(f"exit status {proc.returncode}: {shlex.join(proc.args)} (log: {log})")
+                done[output] = (time.monotonic() - t0, usage.ru_utime + usage.ru_stime)
+            elif time.monotonic() - t0 > timeout:
+                for _, p, _ in jobs:
+                    p.kill()
+                raise SystemExit(f"timed out after {timeout:.0f} s: {shlex.join(proc.args)} (log: {log})")
+        time.sleep(0.2)
+    out = []
+    for output, _, _ in jobs:
+        with open(os.path.join(output, "summary.json"), encoding="utf8") as f:
+            rates = [r for r in json.load(f)["train_steps_per_s"].values() if r]
+        if not rates:
+            raise SystemExit(f"no training step measured in {output}/summary.json (more --*-steps?)")
+        wall, cpu = done[output]
+        out.append({"steps_per_s": statistics.mean(rates), "wall_s": wall, "cpu_s": cpu, "cpu_share": cpu / wall})
+    return out
 
 
 def fresh_output(work: str, name: str, warm: str) -> str:
@@ -88,22 +105,25 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
     print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
     os.makedirs(work, exist_ok=True)
     every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    rate_of(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log", a.timeout)
+    rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
     results: dict[str, dict[str, float]] = {}
     for policy, (options, env) in policies().items():
         job, r = [*cmd, *options], {}
         out = fresh_output(work, f"{policy}-alone", warm)
-        r["alone"] = rate_of(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log", a.timeout)
+        runs = {"alone": rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)}
         busy = start(BUSY, a.cpu, None, {}, os.devnull)
         try:
             out = fresh_output(work, f"{policy}-busy", warm)
-            r["beside_busy"] = rate_of(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log", a.timeout)
+            runs["beside_busy"] = rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)
         finally:
             busy.kill()
             busy.wait()
         outs = [fresh_output(work, f"{policy}-pair{i}", warm) for i in (1, 2)]
         procs = [start(job, a.cpu, o, env, f"{o}.log") for o in outs]
-        r["beside_job"] = statistics.mean(rate_of(o, p, f"{o}.log", a.timeout) for o, p in zip(outs, procs))
+        runs["beside_job"] = rates_of([(o, p, f"{o}.log") for o, p in zip(outs, procs)], a.timeout)
+        for where, measured in runs.items():
+            r[where] = statistics.mean(m["steps_per_s"] for m in measured)
+            r[f"cpu_share_{where}"] = statistics.mean(m["cpu_share"] for m in measured)
         r["ratio_beside_busy"] = r["beside_busy"] / r["alone"]
         r["ratio_beside_job"] = r["beside_job"] / r["alone"]
         results[policy] = {k: round(v, 3) for k, v in r.items()}

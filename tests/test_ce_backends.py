@@ -25,6 +25,7 @@ pytest.importorskip("onnxruntime")
 from st_extensions.cross_encoder import VarCrossEncoder, build_var_cross_encoder, load_cross_encoder  # noqa: E402
 from st_extensions.cross_encoder.backends import FILES, _is_fresh  # noqa: E402
 from st_extensions.cross_encoder.frozen import build_cross_encoder  # noqa: E402
+from st_extensions.cross_encoder.split import build_split_cross_encoder  # noqa: E402
 
 QUERIES = [
     "how do vaccines train the immune system",
@@ -197,3 +198,15 @@ def test_export_graph_is_the_fusable_one_and_attention_is_restored(saved):
     int8_weights = [t for t in q.initializer if t.data_type == onnx.TensorProto.INT8]
     assert len(int8_weights) >= 6 * 6  # every linear layer of the 6 BERT layers, at least
     assert "MatMulInteger" in {n.op_type for n in q.node} or "DynamicQuantizeMatMul" in {n.op_type for n in q.node}
+
+
+def test_split_attention_cross_encoder_is_refused_on_runtimes(tmp_path, minilm_path):
+    """A split-attention student has no single joint graph to export: the runtimes refuse it by name, torch loads it."""
+    path = str(tmp_path / "split")
+    model = build_split_cross_encoder(minilm_path, max_seq_length=32, device="cpu")
+    model.save(path)
+    expected = model.predict(PAIRS[:2])
+    with pytest.raises(ValueError, match="split-attention.*backend='torch' only"):
+        load_cross_encoder(path, backend="onnx")
+    assert not os.path.exists(os.path.join(path, "onnx")), "nothing is exported for a refused model"
+    np.testing.assert_allclose(load_cross_encoder(path).predict(PAIRS[:2]), expected, rtol=1e-5, atol=1e-6)

@@ -27,6 +27,7 @@ from torch import nn
 
 from st_extensions.atomic import atomic_write, locked
 from st_extensions.checks import choice, positive_int
+from st_extensions.cross_encoder.split import SplitTransformer
 from st_extensions.frozen import evaluating
 from st_extensions.loading import load_model
 
@@ -116,6 +117,11 @@ def _backbone(model: CrossEncoder) -> Transformer:
             "load_cross_encoder needs a cross-encoder whose first module is a feature-extraction Transformer "
             "(build_cross_encoder / build_var_cross_encoder); got "
             f"{type(first).__name__ if first is not None else 'no module'}"
+        )
+    if isinstance(first, SplitTransformer):
+        raise ValueError(
+            "load_cross_encoder exports one joint encoder; a split-attention cross-encoder (SplitTransformer: its "
+            "lower layers read query and document apart) has no such graph and runs on backend='torch' only"
         )
     text = first.modality_config.get("text", {})
     if text.get("method") != "forward" or text.get("method_output_name") not in ("last_hidden_state",):
@@ -597,8 +603,8 @@ def load_cross_encoder(
         raise ValueError(f"device must be 'cpu' for backend={backend!r} (got {device!r}): the runtimes here run on CPU")
     _require(backend, precision, _RUNTIME_PACKAGES[backend])
     model = _load_torch(path, device="cpu")
+    transformer = _backbone(model)  # refuses a model it cannot export before anything is written
     file = export_backbone(path, backend, precision, model=model, calibration_pairs=calibration_pairs)
-    transformer = _backbone(model)
     with _locked(os.path.dirname(file), shared=True):  # no writer replaces the files while they are read
         runtime = RuntimeBackbone(
             file, backend, precision, transformer.model.config, num_threads or max(1, torch.get_num_threads())
