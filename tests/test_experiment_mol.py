@@ -36,7 +36,8 @@ def test_mol_defaults():
     [
         (["--alpha", "-1"], "--alpha must be finite and >= 0"),
         (["--scale", "0"], "--scale must be > 0"),
-        (["--head-lr", "0"], "--head-lr must be > 0"),
+        (["--head-lr", "0"], "--head-lr must be finite and > 0"),
+        (["--head-lr", "inf"], "--head-lr must be finite and > 0"),
         (["--pq", "0"], "--pq and --px must be >= 1"),
         (["--k", "5"], "--k must be >= 10"),
         (

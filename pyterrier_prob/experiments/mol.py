@@ -123,7 +123,7 @@ class MolJobConfig(CommonConfig):
         if not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"--scale must be > 0, got {self.scale}")
         if self.head_lr is not None and not (math.isfinite(self.head_lr) and self.head_lr > 0):
-            raise ValueError(f"--head-lr must be > 0, got {self.head_lr}")
+            raise ValueError(f"--head-lr must be finite and > 0, got {self.head_lr}")
         if self.pq < 1 or self.px < 1:
             raise ValueError(f"--pq and --px must be >= 1, got {self.pq} and {self.px}")
         if self.component_dim is not None and self.component_dim < 1:

@@ -150,8 +150,8 @@ class UniERFJobConfig(CommonConfig):
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
         super().check()
-        if self.head_lr is not None and not self.head_lr > 0:
-            raise ValueError(f"--head-lr must be > 0, got {self.head_lr}")
+        if self.head_lr is not None and not (math.isfinite(self.head_lr) and self.head_lr > 0):
+            raise ValueError(f"--head-lr must be finite and > 0, got {self.head_lr}")
         for name, value in (("alpha", self.alpha), ("low-alpha", self.low_alpha)):
             if not (math.isfinite(value) and -1.0 <= value < 1.0):
                 raise ValueError(f"--{name} must lie in [-1, 1) (a cosine), got {value}")
