@@ -6,6 +6,8 @@ import json
 import os
 import platform
 
+from st_extensions.atomic import atomic_write
+
 
 def describe() -> dict:
     import torch
@@ -29,5 +31,4 @@ def describe() -> dict:
 def write_result(path: str, result: dict, indent: int = 2) -> None:
     """Write a benchmark's ``result`` as JSON to ``path``, creating its folder."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf8") as f:
-        json.dump(result, f, indent=indent)
+    atomic_write(path, json.dumps(result, indent=indent))  # complete or absent, even if the benchmark is killed

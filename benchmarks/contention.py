@@ -27,23 +27,40 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import describe, write_result  # noqa: E402
+from chaos import write_collection  # noqa: E402
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 
 
 def workloads(a: argparse.Namespace) -> dict[str, list[str]]:
     """Workload name -> its ``pyterrier-prob`` command (without ``--output``)."""
-    common = ["--dataset", a.dataset, "--quiet", *(["--batch-size", str(a.batch_size)] if a.batch_size else [])]
+    common = ["--quiet", *(["--batch-size", str(a.batch_size)] if a.batch_size else [])]
     return {
-        "unierf_frozen": ["pyterrier-prob", "unierf", "--ablations", "none", "--steps", str(a.unierf_steps), *common],
+        "unierf_frozen": [
+            *["pyterrier-prob", "unierf", "--ablations", "none", "--steps", str(a.unierf_steps)],
+            *["--dataset", a.dataset, *common],
+        ],
         "pebr_partial": [
             *["pyterrier-prob", "pebr", "--recipe", "partial", "--train-layers", "1"],
-            *["--steps", str(a.partial_steps), "--checkpoint-every", "0", *common],
+            *["--steps", str(a.partial_steps), "--checkpoint-every", "0", "--dataset", partial_dataset(a), *common],
         ],
     }
+
+
+def partial_dataset(a: argparse.Namespace) -> str:
+    """``--partial-dataset``, or a cut of nfcorpus written once under ``--work`` (``--partial-queries`` training
+    queries, the same texts and token budget, so a training step costs what it costs on nfcorpus, while the
+    indexing and evaluation each run repeats stay short)."""
+    if a.partial_dataset:
+        return a.partial_dataset
+    folder = Path(a.work) / f"nfcorpus-cut-{a.partial_queries}"
+    if not (folder / "corpus.jsonl").exists():
+        write_collection(folder, {"train": a.partial_queries, "dev": 40, "test": 40}, extra_docs=200)
+    return str(folder)
 
 
 def policies() -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -102,12 +119,18 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
     """One workload's steps/s alone, beside a busy process and beside a second job, under each policy."""
     work = os.path.join(a.work, name)
     warm = os.path.join(work, "warm")
-    print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
     os.makedirs(work, exist_ok=True)
-    every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
+    if not (a.resume and all((Path(work) / f"{p}.json").exists() for p in policies())):
+        print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
+        every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
     results: dict[str, dict[str, float]] = {}
     for policy, (options, env) in policies().items():
+        done = Path(work) / f"{policy}.json"
+        if a.resume and done.exists():  # measured by an earlier, interrupted run of this benchmark
+            results[policy] = json.loads(done.read_text(encoding="utf8"))
+            print(f"{name} {policy} (kept from {done}): {json.dumps(results[policy])}", flush=True)
+            continue
         job, r = [*cmd, *options], {}
         out = fresh_output(work, f"{policy}-alone", warm)
         runs = {"alone": rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)}
@@ -127,6 +150,7 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
         r["ratio_beside_busy"] = r["beside_busy"] / r["alone"]
         r["ratio_beside_job"] = r["beside_job"] / r["alone"]
         results[policy] = {k: round(v, 3) for k, v in r.items()}
+        write_result(str(done), results[policy])
         print(f"{name} {policy}: {json.dumps(results[policy])}", flush=True)
     return results
 
@@ -142,7 +166,12 @@ def main() -> None:
     )
     ap.add_argument("--work", default="outputs/contention", help="folder of the runs' outputs and logs")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    ap.add_argument(
+        "--partial-dataset", help="collection of the partial workload (default: a cut of nfcorpus, --partial-queries)"
+    )
+    ap.add_argument("--partial-queries", type=int, default=200, help="training queries of that cut")
     ap.add_argument("--only", choices=["unierf_frozen", "pebr_partial"], help="measure one workload only")
+    ap.add_argument("--resume", action="store_true", help="keep the (workload, policy) results an earlier run finished")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "contention.json"))
     a = ap.parse_args()
     if shutil.which("taskset") is None:
@@ -153,6 +182,7 @@ def main() -> None:
         "command": shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
         "machine": describe(),
         "pinned_to_cpu": a.cpu,
+        "commands": {name: shlex.join(cmd) for name, cmd in workloads(a).items() if a.only in (None, name)},
         "policies": {p: {"options": o, "env": e} for p, (o, e) in policies().items()},
         "goal": "ratio_beside_job >= 0.5 (beside another job at least half the speed alone)",
         "steps_per_s": results,

@@ -1,3 +1,4 @@
+import logging
 import os
 
 import pytest
@@ -5,6 +6,32 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class DeprecatedTokenizeLog(logging.Handler):
+    """Collects sentence-transformers' log lines saying that a deprecated ``tokenize`` ran instead of ``preprocess``
+    (a logger message, not a Python warning, so the ``filterwarnings`` errors of pyproject.toml cannot catch it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "`tokenize`" in message and "deprecated" in message:
+            self.messages.append(message)
+
+
+@pytest.fixture(autouse=True)
+def _no_deprecated_tokenize():
+    """Fail a test during which our code sent sentence-transformers down its deprecated ``tokenize`` path."""
+    log, logger = DeprecatedTokenizeLog(), logging.getLogger("sentence_transformers")
+    logger.addHandler(log)
+    try:
+        yield log
+    finally:
+        logger.removeHandler(log)
+    assert not log.messages, f"sentence-transformers' deprecated tokenize path ran: {log.messages[0]}"
 
 
 @pytest.fixture(scope="session")

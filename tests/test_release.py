@@ -227,3 +227,23 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path, small_bei
 
     (elsewhere / "block.py").write_text(readme_block("ShardedSearcher("), encoding="utf8")
     assert "documents above the threshold found" in run_in(bin_dir, elsewhere, "python", "block.py")
+
+
+def test_deprecated_tokenize_log_is_caught(_no_deprecated_tokenize):
+    """The suite-wide guard (``tests/conftest.py``) sees the message sentence-transformers logs when a module
+    overrides the deprecated ``tokenize`` instead of ``preprocess``."""
+    from sentence_transformers.base.modules.input_module import InputModule
+
+    class OldStyle(InputModule):
+        def tokenize(self, texts, **kwargs):
+            return {"n": len(texts)}
+
+        def forward(self, features):
+            return features
+
+        def save(self, *args, **kwargs):
+            pass
+
+    assert OldStyle().preprocess(["a", "b"]) == {"n": 2}
+    assert any("OldStyle overrides `tokenize`" in m for m in _no_deprecated_tokenize.messages)
+    _no_deprecated_tokenize.messages.clear()  # planted here: this test must not fail the guard
