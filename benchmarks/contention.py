@@ -120,7 +120,7 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
     work = os.path.join(a.work, name)
     warm = os.path.join(work, "warm")
     os.makedirs(work, exist_ok=True)
-    if not (a.resume and all((Path(work) / f"{p}.json").exists() for p in policies())):
+    if not a.report_only and not (a.resume and all((Path(work) / f"{p}.json").exists() for p in policies())):
         print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
         every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
@@ -130,6 +130,10 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
         if a.resume and done.exists():  # measured by an earlier, interrupted run of this benchmark
             results[policy] = json.loads(done.read_text(encoding="utf8"))
             print(f"{name} {policy} (kept from {done}): {json.dumps(results[policy])}", flush=True)
+            continue
+        if a.report_only:
+            print(f"{name} {policy}: not measured yet (rerun with --resume to measure it)", flush=True)
+            a.not_measured.append(f"{name} {policy}")
             continue
         job, r = [*cmd, *options], {}
         out = fresh_output(work, f"{policy}-alone", warm)
@@ -172,14 +176,21 @@ def main() -> None:
     ap.add_argument("--partial-queries", type=int, default=200, help="training queries of that cut")
     ap.add_argument("--only", choices=["unierf_frozen", "pebr_partial"], help="measure one workload only")
     ap.add_argument("--resume", action="store_true", help="keep the (workload, policy) results an earlier run finished")
+    ap.add_argument(
+        "--report-only", action="store_true", help="with --resume: write the JSON from what finished, measure nothing"
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "contention.json"))
     a = ap.parse_args()
     if shutil.which("taskset") is None:
         raise SystemExit("taskset (util-linux) is needed to pin the processes to one core")
-    t0 = time.perf_counter()
+    if a.report_only and not a.resume:
+        raise SystemExit("--report-only reports what an earlier run finished: it needs --resume")
+    t0, a.not_measured = time.perf_counter(), []
     results = {name: measure(name, cmd, a) for name, cmd in workloads(a).items() if a.only in (None, name)}
     result = {
-        "command": shlex.join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        # the command that measures (a --report-only run writes what it finished: rerun it to complete the file)
+        "command": shlex.join([os.path.relpath(sys.argv[0]), *[x for x in sys.argv[1:] if x != "--report-only"]]),
+        "not_measured": a.not_measured,
         "machine": describe(),
         "pinned_to_cpu": a.cpu,
         "commands": {name: shlex.join(cmd) for name, cmd in workloads(a).items() if a.only in (None, name)},
