@@ -21,7 +21,7 @@ class _Model(torch.nn.Module):
 
 def _dev(model: _Model) -> float:
     """A dev measure that peaks at w[0] = 3."""
-    return -float((model.w[0] - 3.0) ** 2)
+    return -float((model.w[0].detach() - 3.0) ** 2)
 
 
 def _train(curve: DevCurve, model: _Model, steps: int, start: int = 0) -> None:
