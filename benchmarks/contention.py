@@ -8,12 +8,18 @@ thread policies: ``after`` (the defaults: threads follow the CPUs the process ma
 :data:`st_extensions.threads.SMALL_MODEL_THREADS`) and ``before`` (the old default reproduced: ``--threads <the
 machine's cores>`` and ``ST_SMALL_MODEL_THREADS=0``). Steps/s come from each run's ``summary.json``
 (``train_steps_per_s``: first to last step, set-up and caches left out). A warm-up run per workload fills the encoder
-and state caches the measured runs share. Each job's ``cpu_share`` (its CPU time over its wall time, from the kernel's
-resource usage) shows what the scheduler gave it: about 1 alone, at most 0.5 beside one other busy process (a fair
-share of one core), so a single-threaded job beside another cannot exceed half its speed alone. Goal: beside another job
-at least half the speed alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
+and state caches the measured runs share.
 
-    python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0]
+The speed of this machine drifts by 10-20% between runs minutes apart, so each (workload, policy) is measured in
+``--rounds`` rounds whose order of conditions alternates, and each ratio is a round's beside-figure over the same
+round's alone-figure; the JSON reports medians over the rounds (and the min and max of the ratios) beside every
+round's figures. Each job's ``cpu_share`` (its CPU time over its wall time, from the kernel's resource usage) shows
+what the scheduler gave it: about 1 alone, at most 0.5 beside one other busy process (a fair share of one core), so a
+single-threaded job beside another cannot exceed half its speed alone. Goal: beside another job at least half the speed
+alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
+
+    python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0
+        --rounds 3 --policies after,before --resume]
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import describe, write_result  # noqa: E402
@@ -115,47 +122,77 @@ def fresh_output(work: str, name: str, warm: str) -> str:
     return out
 
 
-def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """One workload's steps/s alone, beside a busy process and beside a second job, under each policy."""
-    work = os.path.join(a.work, name)
-    warm = os.path.join(work, "warm")
-    os.makedirs(work, exist_ok=True)
-    if not a.report_only and not (a.resume and all((Path(work) / f"{p}.json").exists() for p in policies())):
-        print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
-        every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-        rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
-    results: dict[str, dict[str, float]] = {}
-    for policy, (options, env) in policies().items():
-        done = Path(work) / f"{policy}.json"
-        if a.resume and done.exists():  # measured by an earlier, interrupted run of this benchmark
-            results[policy] = json.loads(done.read_text(encoding="utf8"))
-            print(f"{name} {policy} (kept from {done}): {json.dumps(results[policy])}", flush=True)
-            continue
-        if a.report_only:
-            print(f"{name} {policy}: not measured yet (rerun with --resume to measure it)", flush=True)
-            a.not_measured.append(f"{name} {policy}")
-            continue
-        job, r = [*cmd, *options], {}
-        out = fresh_output(work, f"{policy}-alone", warm)
-        runs = {"alone": rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)}
+CONDITIONS = ("alone", "beside_busy", "beside_job")
+
+
+def run_condition(
+    condition: str, job: list[str], env: dict[str, str], a: argparse.Namespace, work: str, tag: str, warm: str
+) -> list[dict[str, float]]:
+    """One measurement of ``job`` on ``--cpu``: alone, beside a busy process, or beside a second copy of itself."""
+    if condition == "alone":
+        out = fresh_output(work, f"{tag}-alone", warm)
+        return rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)
+    if condition == "beside_busy":
         busy = start(BUSY, a.cpu, None, {}, os.devnull)
         try:
-            out = fresh_output(work, f"{policy}-busy", warm)
-            runs["beside_busy"] = rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)
+            out = fresh_output(work, f"{tag}-busy", warm)
+            return rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)
         finally:
             busy.kill()
             busy.wait()
-        outs = [fresh_output(work, f"{policy}-pair{i}", warm) for i in (1, 2)]
-        procs = [start(job, a.cpu, o, env, f"{o}.log") for o in outs]
-        runs["beside_job"] = rates_of([(o, p, f"{o}.log") for o, p in zip(outs, procs)], a.timeout)
-        for where, measured in runs.items():
-            r[where] = statistics.mean(m["steps_per_s"] for m in measured)
-            r[f"cpu_share_{where}"] = statistics.mean(m["cpu_share"] for m in measured)
-        r["ratio_beside_busy"] = r["beside_busy"] / r["alone"]
-        r["ratio_beside_job"] = r["beside_job"] / r["alone"]
-        results[policy] = {k: round(v, 3) for k, v in r.items()}
-        write_result(str(done), results[policy])
-        print(f"{name} {policy}: {json.dumps(results[policy])}", flush=True)
+    outs = [fresh_output(work, f"{tag}-pair{i}", warm) for i in (1, 2)]
+    procs = [start(job, a.cpu, o, env, f"{o}.log") for o in outs]
+    return rates_of([(o, p, f"{o}.log") for o, p in zip(outs, procs)], a.timeout)
+
+
+def summarise(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over the rounds of each condition's steps/s and CPU share, and of the per-round ratios (each round's
+    beside-figure over the same round's alone-figure), with their min and max."""
+    out: dict[str, Any] = {"rounds": len(rounds)}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds]
+        out[key] = round(statistics.median(values), 3)
+        if key.startswith("ratio_"):
+            out[f"{key}_min"], out[f"{key}_max"] = round(min(values), 3), round(max(values), 3)
+    out["per_round"] = rounds
+    return out
+
+
+def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """One workload's steps/s alone, beside a busy process and beside a second job, under each policy, in
+    ``--rounds`` rounds whose order alternates (alone, busy, job; then job, busy, alone; ...), so that a drift of the
+    machine's speed over the run falls on every condition alike."""
+    work = os.path.join(a.work, name)
+    warm = os.path.join(work, "warm")
+    os.makedirs(work, exist_ok=True)
+    wanted = [p for p in policies() if p in a.policies]
+    finished = {p: Path(work) / f"{p}.rounds.json" for p in wanted}
+    state = {
+        p: json.loads(f.read_text(encoding="utf8")) if a.resume and f.exists() else [] for p, f in finished.items()
+    }
+    if not a.report_only and any(len(state[p]) < a.rounds for p in wanted):
+        if not (Path(warm) / "summary.json").exists() or not a.resume:
+            print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
+            every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+            rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
+    results: dict[str, dict[str, Any]] = {}
+    for policy in wanted:
+        options, env = policies()[policy]
+        rounds = state[policy]
+        while len(rounds) < a.rounds and not a.report_only:
+            order = CONDITIONS if len(rounds) % 2 == 0 else CONDITIONS[::-1]
+            runs = {c: run_condition(c, [*cmd, *options], env, a, work, policy, warm) for c in order}
+            r = {c: statistics.mean(m["steps_per_s"] for m in runs[c]) for c in CONDITIONS}
+            r |= {f"cpu_share_{c}": statistics.mean(m["cpu_share"] for m in runs[c]) for c in CONDITIONS}
+            r |= {"ratio_beside_busy": r["beside_busy"] / r["alone"], "ratio_beside_job": r["beside_job"] / r["alone"]}
+            rounds.append({k: round(v, 3) for k, v in r.items()})
+            write_result(str(finished[policy]), rounds)  # a killed benchmark resumes after the last whole round
+            print(f"{name} {policy} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
+        if len(rounds) < a.rounds:
+            print(f"{name} {policy}: {len(rounds)} of {a.rounds} rounds measured (rerun with --resume)", flush=True)
+            a.not_measured.append(f"{name} {policy}: {a.rounds - len(rounds)} of {a.rounds} rounds")
+        if rounds:
+            results[policy] = summarise(rounds)
     return results
 
 
@@ -175,7 +212,11 @@ def main() -> None:
     )
     ap.add_argument("--partial-queries", type=int, default=200, help="training queries of that cut")
     ap.add_argument("--only", choices=["unierf_frozen", "pebr_partial"], help="measure one workload only")
-    ap.add_argument("--resume", action="store_true", help="keep the (workload, policy) results an earlier run finished")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per (workload, policy); medians are reported")
+    ap.add_argument(
+        "--policies", default="after,before", type=lambda s: s.split(","), help="thread policies (after,before)"
+    )
+    ap.add_argument("--resume", action="store_true", help="keep the rounds an earlier, interrupted run finished")
     ap.add_argument(
         "--report-only", action="store_true", help="with --resume: write the JSON from what finished, measure nothing"
     )
@@ -183,6 +224,11 @@ def main() -> None:
     a = ap.parse_args()
     if shutil.which("taskset") is None:
         raise SystemExit("taskset (util-linux) is needed to pin the processes to one core")
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {a.rounds}")
+    unknown = sorted(set(a.policies) - set(policies()))
+    if unknown:
+        raise SystemExit(f"--policies: unknown policy {unknown} (choose from {', '.join(policies())})")
     if a.report_only and not a.resume:
         raise SystemExit("--report-only reports what an earlier run finished: it needs --resume")
     t0, a.not_measured = time.perf_counter(), []
@@ -196,6 +242,10 @@ def main() -> None:
         "commands": {name: shlex.join(cmd) for name, cmd in workloads(a).items() if a.only in (None, name)},
         "policies": {p: {"options": o, "env": e} for p, (o, e) in policies().items()},
         "goal": "ratio_beside_job >= 0.5 (beside another job at least half the speed alone)",
+        "protocol": (
+            f"{a.rounds} rounds per (workload, policy), the order of the conditions alternating between rounds; "
+            "figures are medians over the rounds, each ratio a round's beside-figure over the same round's alone one"
+        ),
         "steps_per_s": results,
         "wall_s": None if a.report_only else round(time.perf_counter() - t0, 1),  # None: measured by earlier runs
     }
