@@ -205,6 +205,13 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     assert set(matched["name"]) == {*RULES, "oracle depth (qrels known)"}
     topk = matched[matched["name"] == "top-k"]  # at depth exactly k, top-k's interpolated recall is its SetR
     assert (topk["topk_SetR_at_same_depth"] - topk["SetR"]).abs().max() < 1e-9
+    oracle = matched[matched["name"] == "oracle depth (qrels known)"]  # compared with itself
+    assert (oracle["depth_abs_diff_vs_oracle"] == 0).all()
+    assert ((oracle["depth_rho_vs_oracle"] - 1.0).abs() < 1e-12).all()
+    assert topk["depth_rho_vs_oracle"].isna().all()  # a constant depth has no rank correlation
+    depth_gap = (topk["k"].to_numpy() - oracle["test_mean_depth"].to_numpy()).tolist()
+    assert all(d >= abs(g) - 1e-9 for d, g in zip(topk["depth_abs_diff_vs_oracle"], depth_gap))  # mean|x| >= |mean x|
+    assert matched["depth_rho_vs_num_relevant"].dropna().between(-1, 1).all()
     targets = pd.read_csv(out / "cutoffs_recall_targets.csv")
     assert set(targets["rule"]) == set(TARGET_RULES) and (targets["resplits"] == 200).all()
     assert targets["resplit_mean_recall"].between(0, 1).all()

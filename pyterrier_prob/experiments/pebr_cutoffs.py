@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy.stats import spearmanr
 
 from pyterrier_prob.dense import PARAM_COLUMNS
 from pyterrier_prob.experiments.harness import markdown_table, measure_cell
@@ -261,6 +262,12 @@ def _matched_depth(
         # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
         # the rule's own test mean depth is the comparison that leaves no depth advantage
         exp["topk_SetR_at_same_depth"] = [_interp(topk_recall, d) for d in exp["test_mean_depth"]]
+        # how far each rule's per-query depths are from the oracle's, and whether they follow the number of
+        # relevant documents (Spearman's rho; NaN for a constant depth such as top-k's)
+        oracle = counts["oracle depth (qrels known)"]
+        exp["depth_abs_diff_vs_oracle"] = [float((counts[n] - oracle).abs().mean()) for n in exp["name"]]
+        exp["depth_rho_vs_oracle"] = [_rho(counts[n], oracle) for n in exp["name"]]
+        exp["depth_rho_vs_num_relevant"] = [_rho(counts[n], n_rel) for n in exp["name"]]
         rows.append(exp)
     return pd.concat(rows, ignore_index=True)
 
@@ -362,6 +369,9 @@ def study_markdown(study: dict[str, Any], cal_source: str) -> str:
             "test mean depth": m["test_mean_depth"].map("{:.1f}".format),
             **{s: [measure_cell(r, s) for _, r in m.iterrows()] for s in ("SetR", "SetP", "SetF")},
             "top-k SetR at the same test depth": m["topk_SetR_at_same_depth"],
+            "mean abs(depth - oracle's)": m["depth_abs_diff_vs_oracle"].map("{:.1f}".format),
+            "rho(depth, oracle's)": m["depth_rho_vs_oracle"].map(_fmt_rho),
+            "rho(depth, relevant)": m["depth_rho_vs_num_relevant"].map(_fmt_rho),
         }
     )
     return f"""## Per-query cutoffs: calibrated law, recall targets, ranked-list-truncation baselines
@@ -378,10 +388,21 @@ Recall targets (level by conformal risk control on the calibration queries; achi
 {markdown_table(targets)}
 
 Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k at k; the last \
-column: top-k's SetR at the rule's own test mean depth, interpolated):
+column: top-k's SetR at the rule's own test mean depth, interpolated; then each rule's per-query depths against the \
+oracle's: mean absolute difference and Spearman's rho, and rho against the number of relevant documents):
 
 {markdown_table(matched)}
 """
+
+
+def _rho(a: Any, b: Any) -> float:
+    """Spearman's rho of two per-query series (NaN when either is constant)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    return float("nan") if np.ptp(a) == 0 or np.ptp(b) == 0 else float(spearmanr(a, b).statistic)
+
+
+def _fmt_rho(r: float) -> str:
+    return "—" if np.isnan(r) else f"{r:+.2f}"
 
 
 def _interp(curve: np.ndarray, depth: float) -> float:
