@@ -179,7 +179,7 @@ def _mol_model(cfg: MolJobConfig, given_is_mol: bool) -> Any:
     if given_is_mol:
         return model
     model.max_seq_length = cfg.max_seq_length  # the position pooling covers the inputs the model will see
-    tokens_train = cfg.component_source == "tokens" and cfg.recipe == "partial"  # their inputs enter the top layers
+    tokens_train = cfg.component_source == "tokens" and cfg.training_recipe().caches_states  # inputs of the top layers
     layers = model[0].auto_model.config.num_hidden_layers
     return build_mol_model(
         model,
