@@ -196,6 +196,28 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
     return results
 
 
+WORKLOAD_NAMES = {"unierf_frozen": "`unierf`, frozen heads", "pebr_partial": "`pebr --recipe partial --train-layers 1`"}
+POLICY_NAMES = {"after": "now", "before": "old (`--threads <cores>`, no small-model cap)"}
+
+
+def markdown(steps_per_s: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The results as a Markdown table (medians over the rounds; each ratio's min-max over the rounds)."""
+    lines = [
+        "| workload | threads | rounds | alone | beside a busy process | ratio | beside a second job | ratio "
+        "(min-max) | CPU share beside the job |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, by_policy in steps_per_s.items():
+        for policy, v in by_policy.items():
+            lines.append(
+                f"| {WORKLOAD_NAMES[workload]} | {POLICY_NAMES[policy]} | {v['rounds']} | {v['alone']:.3f} | "
+                f"{v['beside_busy']:.3f} | {v['ratio_beside_busy']:.3f} | {v['beside_job']:.3f} | "
+                f"**{v['ratio_beside_job']:.3f}** ({v['ratio_beside_job_min']:.3f}-{v['ratio_beside_job_max']:.3f}) | "
+                f"{v['cpu_share_beside_job']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="irds:beir/nfcorpus")
@@ -251,6 +273,7 @@ def main() -> None:
     }
     write_result(a.out, result)
     print(json.dumps(result["steps_per_s"], indent=2))
+    print(markdown(result["steps_per_s"]))
     print(f"written to {a.out}")
 
 
