@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scipy.stats import ttest_1samp
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import describe, write_result  # noqa: E402
 from chaos import write_collection  # noqa: E402
@@ -147,13 +149,19 @@ def run_condition(
 
 def summarise(rounds: list[dict[str, float]]) -> dict[str, Any]:
     """Medians over the rounds of each condition's steps/s and CPU share, and of the per-round ratios (each round's
-    beside-figure over the same round's alone-figure), with their min and max."""
+    beside-figure over the same round's alone-figure), with their min and max and a one-sided t-test against 0.5;
+    and the ratios of the medians."""
     out: dict[str, Any] = {"rounds": len(rounds)}
     for key in rounds[0]:
         values = [r[key] for r in rounds]
         out[key] = round(statistics.median(values), 3)
         if key.startswith("ratio_"):
             out[f"{key}_min"], out[f"{key}_max"] = round(min(values), 3), round(max(values), 3)
+            if len(values) > 1:  # one-sided one-sample t-test of the per-round ratios: below half the speed alone?
+                out[f"{key}_p_below_half"] = round(float(ttest_1samp(values, 0.5, alternative="less").pvalue), 3)
+    for where in ("beside_busy", "beside_job"):  # the other estimate: median speed beside over median speed alone
+        beside, alone = (statistics.median(r[w] for r in rounds) for w in (where, "alone"))
+        out[f"ratio_of_medians_{where}"] = round(beside / alone, 3)
     out["per_round"] = rounds
     return out
 
@@ -204,8 +212,8 @@ def markdown(steps_per_s: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The results as a Markdown table (medians over the rounds; each ratio's min-max over the rounds)."""
     lines = [
         "| workload | threads | rounds | alone | beside a busy process | ratio | beside a second job | ratio "
-        "(min-max) | CPU share beside the job |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(min-max) | p (ratio < 0.5) | ratio of the medians | CPU share beside the job |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, by_policy in steps_per_s.items():
         for policy, v in by_policy.items():
@@ -213,6 +221,8 @@ def markdown(steps_per_s: dict[str, dict[str, dict[str, Any]]]) -> str:
                 f"| {WORKLOAD_NAMES[workload]} | {POLICY_NAMES[policy]} | {v['rounds']} | {v['alone']:.3f} | "
                 f"{v['beside_busy']:.3f} | {v['ratio_beside_busy']:.3f} | {v['beside_job']:.3f} | "
                 f"**{v['ratio_beside_job']:.3f}** ({v['ratio_beside_job_min']:.3f}-{v['ratio_beside_job_max']:.3f}) | "
+                f"{v.get('ratio_beside_job_p_below_half', float('nan')):.3f} | "
+                f"{v['ratio_of_medians_beside_job']:.3f} | "
                 f"{v['cpu_share_beside_job']:.3f} |"
             )
     return "\n".join(lines)
