@@ -131,17 +131,15 @@ def run_condition(
     condition: str, job: list[str], env: dict[str, str], a: argparse.Namespace, work: str, tag: str, warm: str
 ) -> list[dict[str, float]]:
     """One measurement of ``job`` on ``--cpu``: alone, beside a busy process, or beside a second copy of itself."""
-    if condition == "alone":
-        out = fresh_output(work, f"{tag}-alone", warm)
-        return rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)
-    if condition == "beside_busy":
-        busy = start(BUSY, a.cpu, None, {}, os.devnull)
+    if condition != "beside_job":
+        busy = start(BUSY, a.cpu, None, {}, os.devnull) if condition == "beside_busy" else None
         try:
-            out = fresh_output(work, f"{tag}-busy", warm)
+            out = fresh_output(work, f"{tag}-{'busy' if busy else 'alone'}", warm)
             return rates_of([(out, start(job, a.cpu, out, env, f"{out}.log"), f"{out}.log")], a.timeout)
         finally:
-            busy.kill()
-            busy.wait()
+            if busy is not None:
+                busy.kill()
+                busy.wait()
     outs = [fresh_output(work, f"{tag}-pair{i}", warm) for i in (1, 2)]
     procs = [start(job, a.cpu, o, env, f"{o}.log") for o in outs]
     return rates_of([(o, p, f"{o}.log") for o, p in zip(outs, procs)], a.timeout)
