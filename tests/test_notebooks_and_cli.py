@@ -212,6 +212,11 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     depth_gap = (topk["k"].to_numpy() - oracle["test_mean_depth"].to_numpy()).tolist()
     assert all(d >= abs(g) - 1e-9 for d, g in zip(topk["depth_abs_diff_vs_oracle"], depth_gap))  # mean|x| >= |mean x|
     assert matched["depth_rho_vs_num_relevant"].dropna().between(-1, 1).all()
+    # the calibration queries' recall picks the claimed rule: none for the oracle, and a deeper level keeps more
+    assert oracle["calibration_SetR"].isna().all()
+    rules = matched[matched["name"] != "oracle depth (qrels known)"]
+    assert rules["calibration_SetR"].between(0, 1).all()
+    assert all(g.sort_values("k")["calibration_SetR"].is_monotonic_increasing for _, g in rules.groupby("name"))
     targets = pd.read_csv(out / "cutoffs_recall_targets.csv")
     assert set(targets["rule"]) == set(TARGET_RULES) and (targets["resplits"] == 200).all()
     assert targets["resplit_mean_recall"].between(0, 1).all()

@@ -17,6 +17,7 @@ import pandas as pd
 from scipy.stats import spearmanr
 
 from pyterrier_prob.dense import PARAM_COLUMNS
+from pyterrier_prob.evaluation import evaluate_set_measures
 from pyterrier_prob.experiments.harness import markdown_table, measure_cell
 from pyterrier_prob.pebr.calibration import (
     CalibratedLaw,
@@ -246,13 +247,18 @@ def _matched_depth(
     h: Any, data: Any, splits: dict[str, _Split], stats: dict[str, Any], ks: Sequence[int], topk_recall: np.ndarray
 ) -> pd.DataFrame:
     """Every rule at each mean depth k (levels from the calibration queries) on test, in ``pt.Experiment`` with
-    paired t-tests against top-k, and the oracle depth."""
+    paired t-tests against top-k, and the oracle depth; ``calibration_SetR``: the rule's SetR on the calibration
+    queries at its level (NaN for the oracle)."""
     dev, test = splits["dev"], splits["test"]
     rows = []
     for k in ks:
-        runs = {}
+        runs, cal_runs = {}, {}
         for rule in [r for r in (*RULES, LR_RULE) if r in stats["dev"]]:
-            runs[rule] = test.ranked[stats["test"][rule] >= _level(stats["dev"], rule, len(dev.qids), k)]
+            level = _level(stats["dev"], rule, len(dev.qids), k)
+            runs[rule] = test.ranked[stats["test"][rule] >= level]
+            cal_runs[rule] = dev.ranked[stats["dev"][rule] >= level]
+        # each rule's recall on the calibration queries themselves: what picks a rule without looking at test
+        cal = evaluate_set_measures(cal_runs, data.cal_qrels, measures=("SetR",), topics=dev.qids)
         qidx, is_rel, n_rel = test.relinfo
         runs["oracle depth (qrels known)"] = oracle_runs(test.ranked, is_rel, qidx, n_rel, k, len(test.qids))
         exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"], baseline="top-k")
@@ -261,6 +267,7 @@ def _matched_depth(
         exp.insert(2, "test_mean_depth", [float(counts[n].mean()) for n in exp["name"]])
         # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
         # the rule's own test mean depth is the comparison that leaves no depth advantage
+        exp["calibration_SetR"] = exp["name"].map(dict(zip(cal["name"], cal["SetR"], strict=True)))
         exp["topk_SetR_at_same_depth"] = [_interp(topk_recall, d) for d in exp["test_mean_depth"]]
         # how far each rule's per-query depths are from the oracle's, and whether they follow the number of
         # relevant documents (Spearman's rho; NaN for a constant depth such as top-k's)
@@ -367,6 +374,7 @@ def study_markdown(study: dict[str, Any], cal_source: str) -> str:
             "k": m["k"],
             "rule": m["name"],
             "test mean depth": m["test_mean_depth"].map("{:.1f}".format),
+            "calibration SetR": m["calibration_SetR"].map(lambda v: "—" if pd.isna(v) else f"{v:.4f}"),
             **{s: [measure_cell(r, s) for _, r in m.iterrows()] for s in ("SetR", "SetP", "SetF")},
             "top-k SetR at the same test depth": m["topk_SetR_at_same_depth"],
             "mean abs(depth - oracle's)": m["depth_abs_diff_vs_oracle"].map("{:.1f}".format),
@@ -387,8 +395,9 @@ Recall targets (level by conformal risk control on the calibration queries; achi
 
 {markdown_table(targets)}
 
-Matched mean depth (levels from the calibration queries; `*`: p < 0.05, paired t-test against top-k at k; the last \
-column: top-k's SetR at the rule's own test mean depth, interpolated; then each rule's per-query depths against the \
+Matched mean depth (levels from the calibration queries; "calibration SetR": each rule's recall on those queries, \
+what picks a rule without looking at test; `*`: p < 0.05, paired t-test against top-k at k; "top-k SetR at the same \
+test depth": top-k's SetR at the rule's own test mean depth, interpolated; then each rule's per-query depths against the \
 oracle's: mean absolute difference and Spearman's rho, and rho against the number of relevant documents):
 
 {markdown_table(matched)}
