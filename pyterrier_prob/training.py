@@ -471,13 +471,13 @@ def _stand_in(
     """What the trainer trains under ``recipe``: ``model`` itself (full), or a stand-in on inputs computed once --
     the encoder's outputs (frozen; a cross-encoder's head on the backbone's [CLS] features of every training pair),
     the lower layers' states cached in ``folder`` (partial)."""
-    if recipe.mode == "frozen":
+    if recipe.caches_features:
         # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
         bar = show_progress and library_bars()
         if cross:
             return cached_cross_encoder(model, _pairs_of(train), cache=encoder_cache, show_progress_bar=bar)
         return cached_model(model, _texts_of(train), show_progress_bar=bar, cache=encoder_cache)
-    if recipe.mode == "partial" and isinstance(model[0], SplitTransformer):
+    if recipe.caches_states and isinstance(model[0], SplitTransformer):
         # a split-attention cross-encoder: its lower layers read each text alone, so they are cached per text
         # (not per pair) and the joint top layers and the head train on them
         if recipe.train_layers != model[0].joint_layers:
@@ -488,7 +488,7 @@ def _stand_in(
         texts = list(dict.fromkeys(t for pair in _pairs_of(train) for t in pair))
         split_state_cache(model, folder, texts, show_progress_bar=show_progress)
         return model
-    if recipe.mode == "partial":
+    if recipe.caches_states:
         texts = _pairs_of(train) if cross else _texts_of(train)
         return partial_model(model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show_progress)
     return model
