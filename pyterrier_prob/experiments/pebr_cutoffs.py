@@ -397,8 +397,8 @@ Recall targets (level by conformal risk control on the calibration queries; achi
 
 Matched mean depth (levels from the calibration queries; "calibration SetR": each rule's recall on those queries, \
 what picks a rule without looking at test; `*`: p < 0.05, paired t-test against top-k at k; "top-k SetR at the same \
-test depth": top-k's SetR at the rule's own test mean depth, interpolated; then each rule's per-query depths against the \
-oracle's: mean absolute difference and Spearman's rho, and rho against the number of relevant documents):
+test depth": top-k's SetR at the rule's own test mean depth, interpolated; then each rule's per-query depths \
+against the oracle's: mean absolute difference and Spearman's rho, and rho against the number of relevant documents):
 
 {markdown_table(matched)}
 """
