@@ -1,5 +1,6 @@
 """Mixture-of-Logits (Ding & Zhai, WWW'25): the maths (Eq. 1-4), the MoL head, MoLLoss, save/load, training."""
 
+import copy
 import json
 import math
 
@@ -469,3 +470,23 @@ def test_token_layer_below_the_trained_layers_or_with_heads_is_refused(base_mode
         build_mol_model(base_model, 2, 2, component_source="heads", token_layer=0, device="cpu")
     with pytest.raises(ValueError, match="token_layer"):
         build_mol_model(base_model, 2, 2, component_dim=16, token_layer=6, device="cpu")
+
+
+def test_state_cache_folder_follows_the_states(base_model, tmp_path):
+    """The harness keeps one layer-state folder per set of states: the same for models whose frozen part is the same
+    (pooled heads on the base model, its copy), another for MoL's aggregation tokens or another split point."""
+    from pyterrier_prob.experiments.harness import CommonConfig, Harness
+    from pyterrier_prob.training import Recipe
+
+    h = Harness("t", CommonConfig(output=str(tmp_path / "o"), quiet=True))
+    top2 = Recipe(mode="partial", train_layers=2, steps=1, batch_size=4)
+    base = copy.deepcopy(base_model)
+    heads = build_mol_model(base_model, 2, 2, component_source="heads", component_dim=8, seed=0, device="cpu")
+    tokens = build_mol_model(base_model, 2, 2, component_dim=16, token_layer=4, seed=0, device="cpu")
+    for m in (base, heads, tokens):
+        m.max_seq_length = 128  # as the harness sets it before training
+    path = h.state_cache_path(top2, base)
+    assert path == h.state_cache_path(top2, heads)
+    assert path.startswith(h.path("cache", "states-minilm-128-top2-"))
+    assert h.state_cache_path(top2, tokens) != path
+    assert h.state_cache_path(Recipe(mode="partial", train_layers=1, steps=1, batch_size=4), base) != path

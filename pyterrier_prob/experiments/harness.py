@@ -40,8 +40,10 @@ from pyterrier_prob.training import MODES, Recipe, StepRate, fine_tune
 from st_extensions import load_model
 from st_extensions.atomic import FILE_MODE, locked
 from st_extensions.checks import is_int, positive_int
+from st_extensions.cross_encoder.split import SplitTransformer
 from st_extensions.frozen import CachedEmbeddings, cached_model, prefix_model
 from st_extensions.model_card import save_with_card, set_card_figures
+from st_extensions.partial import check_partial_transformer, state_fingerprint
 from st_extensions.threads import configure_threads, thread_count
 
 C = TypeVar("C", bound="CommonConfig")
@@ -475,7 +477,7 @@ class Harness:
                 show_progress=self.verbose,
                 desc=f"training {name}",
                 encoder_cache=self.encoder_cache(model) if own_cache else encoder_cache,
-                state_cache=self.state_cache_path(recipe) if recipe.caches_states else None,
+                state_cache=self.state_cache_path(recipe, model) if recipe.caches_states else None,
                 callbacks=[*callbacks, rate],
             )
             self.step_rates[name] = rate.steps_per_second
@@ -545,11 +547,18 @@ class Harness:
         atomic_write(os.path.join(path, "train_settings.json"), json.dumps(info, indent=1))
         shutil.rmtree(self.path("runs", name), ignore_errors=True)  # the saved model replaces the checkpoints
 
-    def state_cache_path(self, recipe: Any) -> str:
+    def state_cache_path(self, recipe: Any, model: Any = None) -> str:
         """Where the partial recipe caches the lower layers' hidden states: ``output/cache/states-<base>-<max len>-
-        top<N>`` (one folder per base model, token budget and split point, reused across runs)."""
+        top<N>-<key>``, ``key`` the start of :func:`~st_extensions.partial.state_fingerprint` of ``model`` (tokenizer,
+        settings and frozen weights): one folder per set of states, reused across runs and systems that share it,
+        and a model whose states differ (e.g. MoL's aggregation tokens) gets its own."""
         base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
-        return self.path("cache", f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}")
+        name = f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}"
+        first = next(iter(model), None) if model is not None else None
+        if first is not None and not isinstance(first, SplitTransformer):  # a split cross-encoder: its own cache
+            frozen = len(check_partial_transformer(first).encoder.layer) - recipe.train_layers
+            name += f"-{state_fingerprint(first, frozen)[:12]}"
+        return self.path("cache", name)
 
     # ---- the frozen recipe's encoder cache ---------------------------------------------------------------------
     def encoder_cache(self, model: Any) -> Any:
