@@ -548,10 +548,9 @@ class Harness:
         shutil.rmtree(self.path("runs", name), ignore_errors=True)  # the saved model replaces the checkpoints
 
     def state_cache_path(self, recipe: Any, model: Any = None) -> str:
-        """Where the partial recipe caches the lower layers' hidden states: ``output/cache/states-<base>-<max len>-
-        top<N>-<key>``, ``key`` the start of :func:`~st_extensions.partial.state_fingerprint` of ``model`` (tokenizer,
-        settings and frozen weights): one folder per set of states, reused across runs and systems that share it,
-        and a model whose states differ (e.g. MoL's aggregation tokens) gets its own."""
+        """The partial recipe's folder of the lower layers' states: ``output/cache/states-<base>-<max len>-top<N>-<key>``,
+        ``key`` from ``model``'s :func:`~st_extensions.partial.state_fingerprint`: one folder per set of states (MoL's
+        aggregation tokens get their own), reused across runs and systems."""
         base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
         name = f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}"
         first = next(iter(model), None) if model is not None else None
