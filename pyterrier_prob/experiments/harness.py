@@ -548,7 +548,7 @@ class Harness:
         shutil.rmtree(self.path("runs", name), ignore_errors=True)  # the saved model replaces the checkpoints
 
     def state_cache_path(self, recipe: Any, model: Any = None) -> str:
-        """The partial recipe's folder of the lower layers' states: ``output/cache/states-<base>-<max len>-top<N>-<key>``,
+        """The partial recipe's folder of the lower layers' states: ``output/cache/states-<base>-<len>-top<N>-<key>``,
         ``key`` from ``model``'s :func:`~st_extensions.partial.state_fingerprint`: one folder per set of states (MoL's
         aggregation tokens get their own), reused across runs and systems."""
         base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
