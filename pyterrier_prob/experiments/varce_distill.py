@@ -433,7 +433,7 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def config_from_varce(cfg: Any) -> DistillConfig:
     """The distillation settings of a ``pyterrier-prob varce --teacher ...`` run (its shared options mapped)."""
-    if cfg.recipe != "partial":
+    if not cfg.training_recipe(1).caches_states:
         raise ValueError(
             f"--teacher trains split-attention students under --recipe partial (their joint top layers on lower "
             f"layers cached per text), got --recipe {cfg.recipe}"
