@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -406,6 +407,8 @@ def _train_one(
     build = partial(_start_model, cfg, branches)
     run.dev = run.dev or _MergedDev(run)
     dev = h.dev_evaluator(run.data, "R@100", run.dev)
+    folder = h.path("runs", slug)  # a resumed training sees only its last steps' batches: no fingerprint then
+    resumed = cfg.resume and os.path.isdir(folder) and any(n.startswith("checkpoint-") for n in os.listdir(folder))
     model, losses = h.train(
         slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
     )
@@ -421,7 +424,7 @@ def _train_one(
         "train_s": h.timings.get(f"train_{slug}"),
         "loss_first_last_10": loss_ends(losses),
         **{f"{k}_first_last_10": loss_ends(stats.get(k, [])) for k in RECORDED},
-        "batch_fingerprint": rec.digest.hexdigest()[:16] if rec is not None else None,
+        "batch_fingerprint": rec.digest.hexdigest()[:16] if rec is not None and not resumed else None,
     }
     index = run.index_of(slug, model)
     with h.stage(f"retrieve_{slug}", f"retrieving with {name}'s branches"):
@@ -550,7 +553,7 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
         "training_rows": len(run.rows) if run.rows is not None else 0,
         "training_columns": text_columns(run.rows) if run.rows is not None else [],
         "batch_fingerprints": prints,
-        "identical_batches": (len(set(prints.values())) == 1) if len(prints) > 1 else None,
+        "identical_batches": (len(set(prints.values())) == 1) if len(info) == len(prints) > 1 else None,
         "frozen_tower": run.tower.stats if run.tower is not None else None,
         "training": info,
         **{
