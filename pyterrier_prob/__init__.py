@@ -34,11 +34,10 @@ __all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'pyterrier_prob' has no attribute {name!r}")
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pyterrier_prob' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)  # imported once
+    return value
 
 
 def __dir__() -> list[str]:

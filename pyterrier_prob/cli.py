@@ -16,14 +16,6 @@ import sys
 from pyterrier_prob import __version__
 from pyterrier_prob.console import setup_console
 
-#: Subcommand -> module of :mod:`pyterrier_prob.experiments` (each has DESCRIPTION, add_arguments,
-#: config_from_args, run).
-PAPERS = {
-    "pebr": "pyterrier_prob.experiments.pebr",
-    "mol": "pyterrier_prob.experiments.mol",
-    "varce": "pyterrier_prob.experiments.varce",
-    "unierf": "pyterrier_prob.experiments.unierf",
-}
 #: Subcommand -> the line ``pyterrier-prob --help`` lists it with.
 COMMANDS = {
     "pebr": "pEBR: probabilistic bi-encoder; CDF cutoff against top-k and score cutoff at matched mean depth",
@@ -31,6 +23,8 @@ COMMANDS = {
     "varce": "VarCrossEncoder: uncertainty-aware cross-encoder re-ranking of BM25 candidates",
     "unierf": "UniERF: two-branch query towers, merged recall at budget B, Table 2 ablation, branch overlap",
 }
+#: Subcommand -> module of :mod:`pyterrier_prob.experiments` (DESCRIPTION, add_arguments, config_from_args, run).
+PAPERS = {paper: f"pyterrier_prob.experiments.{paper}" for paper in COMMANDS}
 DEFAULT = "pebr"
 
 
@@ -42,9 +36,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         if not action.option_strings or "default" in text or action.default in (None, argparse.SUPPRESS):
             return text
-        if action.default is False:
-            return text
-        return f"{text} (default: %(default)s)"
+        return text if action.default is False else f"{text} (default: %(default)s)"
 
 
 def build_parser(paper: str = DEFAULT, commands: bool = False) -> argparse.ArgumentParser:
@@ -95,12 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = mod.config_from_args(a)
         cfg.command = command
         cfg.check()
-    except ValueError as e:
-        print(f"pyterrier-prob {paper}: {e}", file=sys.stderr)
-        return 2
-    try:
         mod.run(cfg)
-    except (ValueError, FileNotFoundError) as e:  # bad collections, splits or models: a message, not a traceback
+    except (ValueError, FileNotFoundError) as e:  # bad settings, collections, splits, models: a message, no traceback
         print(f"pyterrier-prob {paper}: {e}", file=sys.stderr)
         return 2
     return 0

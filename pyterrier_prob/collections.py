@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _DEV_NAMES = ("dev", "validation", "valid", "val")
+_TOPICS, _QRELS = ["qid", "query"], ["qid", "docno", "label"]  # the columns of topics and qrels frames
 
 
 def doc_text(title: str | None, text: str | None) -> str:
@@ -121,16 +122,13 @@ class IrdsCollection(Collection):
             raise ValueError(f"{self.name} has no documents")
         self.splits = tuple(self._split_ids)
 
-    def _ds(self, split: str):
-        return ir_datasets.load(self._split_ids[split])
-
     def _topics(self, split: str) -> pd.DataFrame:
-        rows = [(str(q.query_id), getattr(q, "text", None) or q[1]) for q in self._ds(split).queries_iter()]
-        return pd.DataFrame(rows, columns=["qid", "query"])
+        queries = ir_datasets.load(self._split_ids[split]).queries_iter()
+        return pd.DataFrame([(str(q.query_id), getattr(q, "text", None) or q[1]) for q in queries], columns=_TOPICS)
 
     def _qrels(self, split: str) -> pd.DataFrame:
-        rows = [(str(r.query_id), str(r.doc_id), int(r.relevance)) for r in self._ds(split).qrels_iter()]
-        return pd.DataFrame(rows, columns=["qid", "docno", "label"])
+        qrels = ir_datasets.load(self._split_ids[split]).qrels_iter()
+        return pd.DataFrame([(str(r.query_id), str(r.doc_id), int(r.relevance)) for r in qrels], columns=_QRELS)
 
     def corpus_iter(self) -> Iterator[dict[str, str]]:
         for doc in ir_datasets.load(self._docs_id).docs_iter():
@@ -233,12 +231,11 @@ class BeirCollection(Collection):
             if len(row) not in (3, 4) or not _is_int(row[-1]):
                 raise ValueError(f"{path}, line {n}: expected query-id<TAB>corpus-id<TAB>score, got {row}")
             rows.append((row[0], row[-2], int(row[-1])))
-        return pd.DataFrame(rows, columns=["qid", "docno", "label"])
+        return pd.DataFrame(rows, columns=_QRELS)
 
     def _topics(self, split: str) -> pd.DataFrame:
         qids = list(dict.fromkeys(self.qrels(split)["qid"]))
-        missing = [q for q in qids if q not in self._queries]
-        if missing:
+        if missing := [q for q in qids if q not in self._queries]:
             raise ValueError(
                 f"{self._qrels_files[split]} judges {len(missing)} queries missing from queries.jsonl, "
                 f"e.g. {missing[:3]}"
@@ -251,10 +248,6 @@ class BeirCollection(Collection):
 
 def _is_int(s: str) -> bool:
     return bool(re.fullmatch(r"-?\d+", s.strip()))
-
-
-_TOPIC_KEYS = ("topics", "queries")
-_QRELS_KEYS = ("qrels",)
 
 
 def _split_of(name: str, keys: tuple[str, ...]) -> str | None:
@@ -279,9 +272,9 @@ class TrecCollection(Collection):
         for p in sorted(self.folder.iterdir()):
             if not p.is_file() or p.name.startswith("."):
                 continue
-            if (s := _split_of(p.name, _QRELS_KEYS)) is not None:
+            if (s := _split_of(p.name, ("qrels",))) is not None:
                 qrels[s or "test"] = p
-            elif (s := _split_of(p.name, _TOPIC_KEYS)) is not None:
+            elif (s := _split_of(p.name, ("topics", "queries"))) is not None:
                 topics[s or "test"] = p
             elif p.suffix in (".jsonl", ".tsv"):
                 corpus.append(p)
@@ -307,10 +300,8 @@ class TrecCollection(Collection):
     def _topics(self, split: str) -> pd.DataFrame:
         path = self._topic_files[split]
         head = path.read_text(encoding="utf8", errors="replace")[:4096].lower()
-        if "<top>" in head:
-            t = pt.io.read_topics(str(path), format="trec")
-        elif "<topic" in head:
-            t = pt.io.read_topics(str(path), format="trecxml")
+        if "<top" in head:  # <top>: TREC's SGML topics, <topic ...>: TREC XML
+            t = pt.io.read_topics(str(path), format="trec" if "<top>" in head else "trecxml")
         else:
             rows = []
             for n, line in _lines(path):
@@ -320,10 +311,9 @@ class TrecCollection(Collection):
                 if not sep or not query.strip():
                     raise ValueError(f"{path}, line {n}: expected qid<TAB>query, got {line.strip()[:80]!r}")
                 rows.append((qid.strip(), query.strip()))
-            t = pd.DataFrame(rows, columns=["qid", "query"])
+            t = pd.DataFrame(rows, columns=_TOPICS)
         t = t[["qid", "query"]].astype(str)
-        dup = t["qid"][t["qid"].duplicated()].tolist()
-        if dup:
+        if dup := t["qid"][t["qid"].duplicated()].tolist():
             raise ValueError(f"{path}: query ids repeated, e.g. {dup[:3]}")
         return t
 
@@ -335,7 +325,7 @@ class TrecCollection(Collection):
             if len(parts) != 4 or not _is_int(parts[3]):
                 raise ValueError(f"{path}, line {n}: expected 'qid iter docno label', got {line.strip()[:80]!r}")
             rows.append((parts[0], parts[2], int(parts[3])))
-        return pd.DataFrame(rows, columns=["qid", "docno", "label"])
+        return pd.DataFrame(rows, columns=_QRELS)
 
     def corpus_iter(self) -> Iterator[dict[str, str]]:
         return _jsonl_corpus(self._corpus) if self._corpus.suffix == ".jsonl" else _tsv_corpus(self._corpus)
@@ -385,8 +375,7 @@ class HeldOutCollection(Collection):
         dev, fit = split_topics(topics, seed=seed, fraction=fraction)
         self.base, self.name, self.source = base, base.name, source
         self.fit_split, self.dev_split = f"{source}-fit", f"{source}-dev"
-        taken = {self.fit_split, self.dev_split} & set(base.splits)
-        if taken:
+        if taken := {self.fit_split, self.dev_split} & set(base.splits):
             raise ValueError(f"{base.name} already has a split named {sorted(taken)[0]!r}")
         self._qids = {self.fit_split: set(fit["qid"]), self.dev_split: set(dev["qid"])}
         self.splits = tuple(s for s in base.splits if s != source) + (self.fit_split, self.dev_split)
@@ -440,11 +429,8 @@ def choose_splits(
     split; ``train``: ``train`` if present; ``dev``: the first of dev/validation/valid/val present (each else None)."""
     s = _named_splits(collection, train=train, dev=dev, test=test)
     if test is None:
-        if "test" in s:
-            test = "test"
-        elif len(s) == 1:
-            test = s[0]
-        else:
+        test = "test" if "test" in s else s[0] if len(s) == 1 else None
+        if test is None:
             raise ValueError(f"{collection.name} has no 'test' split; name one with --test-split (splits: {list(s)})")
     if train is None and "train" in s and test != "train":
         train = "train"
@@ -452,8 +438,7 @@ def choose_splits(
         dev = next((d for d in _DEV_NAMES if d in s and d != test), None)
     if test in (train, dev):
         raise ValueError(f"the test split {test!r} must differ from the train and dev splits")
-    note = f"splits of {collection.name}: train={train}, dev={dev}, test={test}"
-    return SplitChoice(train=train, dev=dev, test=test, note=note)
+    return SplitChoice(train, dev, test, f"splits of {collection.name}: train={train}, dev={dev}, test={test}")
 
 
 def source_splits(

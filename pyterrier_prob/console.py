@@ -65,12 +65,8 @@ def _hf_progress_bars(enabled: bool) -> None:
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     from transformers.utils import logging as hf_logging
 
-    if enabled:
-        hf_logging.enable_progress_bar()
-        enable_progress_bars()
-    else:
-        hf_logging.disable_progress_bar()
-        disable_progress_bars()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    (enable_progress_bars if enabled else disable_progress_bars)()
 
 
 def quiet_libraries() -> None:
@@ -85,13 +81,9 @@ def setup_console(verbose: bool = False) -> None:
     library message and bar kept (also undoing an earlier quiet call in the same process)."""
     global _VERBOSE
     _VERBOSE = bool(verbose)
-    if verbose:
-        quiet_ir_datasets(logging.INFO)  # ir_datasets' own default
-        _hf_progress_bars(True)
-        warnings.filterwarnings("default", message=PIN_MEMORY_WARNING, category=UserWarning)
-    else:
-        quiet_libraries()
-        warnings.filterwarnings("ignore", message=PIN_MEMORY_WARNING, category=UserWarning)
+    quiet_ir_datasets(logging.INFO if verbose else logging.WARNING)  # INFO: ir_datasets' own default
+    _hf_progress_bars(_VERBOSE)
+    warnings.filterwarnings("default" if verbose else "ignore", message=PIN_MEMORY_WARNING, category=UserWarning)
 
 
 @contextlib.contextmanager

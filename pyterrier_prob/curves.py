@@ -80,8 +80,7 @@ class DevCurve(TrainerCallback):
         step = int(state.global_step)
         self.points, self.best, self.train_s = [], None, 0.0
         if step and self.path is not None and os.path.isfile(self.path):  # resumed: keep what came before
-            saved = read_checked(self.path, _read_points, REMEDY)
-            self.points = [p for p in saved if p["step"] <= step]
+            self.points = [p for p in read_checked(self.path, _read_points, REMEDY) if p["step"] <= step]
             self.train_s = max((p["train_s"] for p in self.points), default=0.0)
             best = self.best_point()
             if self.keep_best and best is not None and best["step"] == step and model is not None:
@@ -106,10 +105,7 @@ class DevCurve(TrainerCallback):
                     control.should_training_stop = True
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if not self.keep_best or model is None:
-            return
-        best = self.best_point()
-        if best is None or self.best is None:
+        if not self.keep_best or model is None or self.best is None:  # no point evaluated yet
             return
         params = dict(model.named_parameters())
         with torch.no_grad():

@@ -47,8 +47,7 @@ def training_pairs(
             f"{coll.name}/{split} has no relevant (query, document) pairs with relevance >= {min_relevance}"
         )
     random.Random(seed).shuffle(qrels)
-    if max_pairs is not None:
-        qrels = qrels[:max_pairs]
+    qrels = qrels[:max_pairs]  # all of them for None
     docs = coll.doc_texts({doc_id for _, doc_id in qrels})
     kept = [(qid, doc_id) for qid, doc_id in qrels if doc_id in docs]
     anchors, positives = [queries[q] for q, _ in kept], [docs[d] for _, d in kept]

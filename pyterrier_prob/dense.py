@@ -132,18 +132,13 @@ class ProbBiEncoder(BiEncoder):
         self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(embeddings (Q, dim) float32, params (Q, k) float64 or None)`` for query texts."""
-        batch_size = batch_size or self.batch_size
         texts = text_list(texts, "query texts")
+        kw = {"batch_size": batch_size or self.batch_size, "show_progress_bar": show_progress_bar}
         if self._head is not None:
-            return _encode_queries_with_params(
-                self.model, texts, batch_size=batch_size, show_progress_bar=show_progress_bar
-            )
+            return _encode_queries_with_params(self.model, texts, **kw)
         if not texts:
             return np.zeros((0, self.dim), np.float32), None
-        emb = self.model.encode_query(
-            texts, batch_size=batch_size, convert_to_numpy=True, show_progress_bar=show_progress_bar
-        )
-        return np.asarray(emb, dtype=np.float32), None
+        return np.asarray(self.model.encode_query(texts, convert_to_numpy=True, **kw), dtype=np.float32), None
 
     def encode_queries(self, texts: list[str], batch_size: int | None = None) -> np.ndarray:
         """Query embeddings, ``(Q, dim)`` float32 (pyterrier-dr's BiEncoder API)."""
@@ -159,15 +154,11 @@ class ProbBiEncoder(BiEncoder):
         texts = text_list(texts, "document texts")
         if not texts:
             return np.zeros((0, self.dim), np.float32)
-        emb = self.model.encode_document(
-            texts,
-            batch_size=batch_size or self.batch_size,
-            convert_to_numpy=True,
-            normalize_embeddings=True,
-            show_progress_bar=show_progress_bar,
-            **({"device": self.devices} if self.devices and len(texts) > 1 else {}),
+        kw = {"device": self.devices} if self.devices and len(texts) > 1 else {}
+        kw.update(batch_size=batch_size or self.batch_size, show_progress_bar=show_progress_bar)
+        return np.asarray(
+            self.model.encode_document(texts, convert_to_numpy=True, normalize_embeddings=True, **kw), dtype=np.float32
         )
-        return np.asarray(emb, dtype=np.float32)
 
     # ---- transformers --------------------------------------------------------------------------------------
     def query_encoder(self, verbose: bool | None = None, batch_size: int | None = None) -> ProbQueryEncoder:
@@ -233,9 +224,7 @@ class ProbQueryEncoder(TextEncoderStage):
         return {"query_vec": object, **{c: np.float64 for c in self.encoder.param_columns}}
 
     def _encode(self, texts: list[str]) -> dict[str, Any]:
-        emb, params = self.encoder.encode_queries_with_params(
-            texts, batch_size=self.batch_size, show_progress_bar=self.verbose
-        )
+        emb, params = self.encoder.encode_queries_with_params(texts, self.batch_size, show_progress_bar=self.verbose)
         extra = {c: params[:, j] for j, c in enumerate(self.encoder.param_columns)} if params is not None else {}
         return {"query_vec": list(emb), **extra}
 
@@ -327,9 +316,7 @@ class DenseRetriever(Capped):
         inp = inp.reset_index(drop=True)
         check_ids(inp, ["qid", "docno"] if rerank else ["qid"], type(self).__name__)
         out = self._rerank(inp) if rerank else self._retrieve(inp)
-        if self.drop_query_vec and "query_vec" in out.columns:
-            out = out.drop(columns="query_vec")
-        return out
+        return out.drop(columns="query_vec") if self.drop_query_vec and "query_vec" in out.columns else out
 
     def _retrieve(self, inp: pd.DataFrame) -> pd.DataFrame:
         if not len(inp):
@@ -345,14 +332,9 @@ class DenseRetriever(Capped):
             hits = self.searcher.search(Q, t, self.num_results)
         counts = hits.counts
         self._check_counts(counts)
-        total = int(hits.offsets[-1])
         out = inp.iloc[np.repeat(np.arange(len(inp)), counts)].reset_index(drop=True)
-        return out.assign(
-            docno=docnos_of(self.index, hits.docids),
-            docid=hits.docids,
-            score=hits.scores,
-            rank=np.arange(total, dtype=np.int64) - np.repeat(hits.offsets[:-1], counts),
-        )
+        rank = np.arange(int(hits.offsets[-1]), dtype=np.int64) - np.repeat(hits.offsets[:-1], counts)
+        return out.assign(docno=docnos_of(self.index, hits.docids), docid=hits.docids, score=hits.scores, rank=rank)
 
     def _check_counts(self, counts: np.ndarray) -> None:
         """A look at the per-query result counts of one first-stage call (nothing here; see CDFCutoffRetriever)."""

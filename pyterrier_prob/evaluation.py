@@ -50,9 +50,7 @@ QRELS_COLUMNS = ["qid", "docno", "label"]
 def _topic_qids(topics: pd.DataFrame | Iterable[str]) -> pd.Index:
     if isinstance(topics, pd.DataFrame):
         require_columns(topics, ["qid"], "topics")
-        qids = topics["qid"]
-    else:
-        qids = pd.Series(list(topics))
+    qids = topics["qid"] if isinstance(topics, pd.DataFrame) else pd.Series(list(topics))
     return pd.Index(qids.astype(str).drop_duplicates(), name="qid")
 
 
@@ -78,10 +76,7 @@ def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Se
     counts = counts.fillna(0)
     if len(counts) and (counts < 0).any():
         raise ValueError("retrieved counts must be >= 0")
-    counts = counts.astype(np.int64)
-    counts.index.name = "qid"
-    counts.name = "num_retrieved"
-    return counts
+    return counts.astype(np.int64).rename("num_retrieved").rename_axis("qid")
 
 
 def _check_counts(values: np.ndarray, qids: Any = None, raw: Any = None, call: str = "") -> None:
@@ -93,8 +88,9 @@ def _check_counts(values: np.ndarray, qids: Any = None, raw: Any = None, call: s
         shown = raw[i] if raw is not None else values[i]
         shown = shown.item() if isinstance(shown, np.generic) else shown
         more = f" (and {int(bad.sum()) - 1} more)" if bad.sum() > 1 else ""
-        prefix = f"{call}: " if call else ""
-        raise ValueError(f"{prefix}retrieved counts must be finite numbers, got {shown!r} for {where}{more}")
+        raise ValueError(
+            f"{f'{call}: ' if call else ''}retrieved counts must be finite numbers, got {shown!r} for {where}{more}"
+        )
 
 
 def _quiet_run(run: Callable[[Any], Any], x: Any) -> Any:
@@ -147,15 +143,12 @@ def _strata_series(strata: StrataLike) -> pd.Series:
         if (s.groupby(level=0).nunique() > 1).any():
             raise ValueError(f"strata gives qid(s) {list(dup[:5])} more than one stratum")
         s = s[~s.index.duplicated()]
-    s.index.name = "qid"
-    s.name = "stratum"
-    return s
+    return s.rename("stratum").rename_axis("qid")
 
 
 def _stratum_order(labels: Iterable[Any]) -> list[Any]:
     present = list(dict.fromkeys(labels))
-    known = [s for s in STRATA if s in present]
-    return known + sorted((s for s in present if s not in STRATA), key=str)
+    return [s for s in STRATA if s in present] + sorted((s for s in present if s not in STRATA), key=str)
 
 
 # --- 1. matched average k (Sec. 4.1.3) ----------------------------------------------------------------------------
@@ -183,52 +176,42 @@ class _MeanKSearch:
 
     def __init__(self, run: Callable[[Any], Counts], topics: Any, target: float, tol: float, increasing: bool) -> None:
         self.run, self.target, self.tol, self.increasing = run, target, tol, increasing
+        self.direction = "increasing" if increasing else "decreasing"
         self.fixed = topics is not None
         self.universe = _topic_qids(topics) if self.fixed else pd.Index([], name="qid")
-        self.counts: dict[Any, pd.Series | np.ndarray] = {}
-        self.evaluated: list[Any] = []
+        self.counts: dict[Any, pd.Series | np.ndarray] = {}  # by x, in the order of evaluation
         self.calls = 0
         self.frame_x: Any = None
         self.frame: pd.DataFrame | None = None
         self.positional: bool | None = None
 
     def __call__(self, x: Any) -> float:
-        self.evaluated.append(x)
         out, counts = _run_counts(self.run, x, f"run({x!r})", len(self.universe) if self.fixed else None)
         self.calls += 1
         positional = isinstance(counts, np.ndarray)
-        if self.positional is None:
-            self.positional = positional
-        elif self.positional != positional:
+        if self.positional not in (None, positional):
             raise TypeError("run must return the same kind of answer (frame/Series or array) at every value")
+        self.positional = positional
         if not positional and not self.fixed:  # with topics, mean() drops other qids and counts missing ones 0
             self.universe = self.universe.union(counts.index)
         self.counts[x] = counts
-        if isinstance(out, pd.DataFrame) and (self.frame is None or self._closer(x, self.frame_x)):
+        if isinstance(out, pd.DataFrame) and (self.frame is None or self.miss(x) <= self.miss(self.frame_x)):
             self.frame_x, self.frame = x, out
         return self.mean(x)
 
     def mean(self, x: Any) -> float:
-        c = self.counts[x]
-        if isinstance(c, np.ndarray):
-            return float(c.mean()) if len(c) else 0.0
-        if len(self.universe) == 0:
-            return 0.0
-        return float(c.reindex(self.universe, fill_value=0).sum()) / len(self.universe)
+        c = self.series(x)
+        return float(c.sum()) / len(c) if len(c) else 0.0
 
     def series(self, x: Any) -> pd.Series | np.ndarray:
         c = self.counts[x]
         return c if isinstance(c, np.ndarray) else c.reindex(self.universe, fill_value=0).astype(np.int64)
 
-    def _closer(self, x: Any, y: Any) -> bool:
-        return abs(self.mean(x) - self.target) <= abs(self.mean(y) - self.target)
+    def miss(self, x: Any) -> float:
+        return abs(self.mean(x) - self.target)
 
     def done(self, x: Any, integer: bool) -> bool:
-        m = self.mean(x)
-        return m == self.target if integer else abs(m - self.target) <= self.tol
-
-    def _direction(self) -> str:
-        return "increasing" if self.increasing else "decreasing"
+        return self.mean(x) == self.target if integer else self.miss(x) <= self.tol
 
     def check_ends(self, lo: Any, hi: Any) -> None:
         """Evaluate both ends; a ValueError when the count runs the other way or cannot reach the target."""
@@ -238,7 +221,7 @@ class _MeanKSearch:
         if (f_b < f_a) if self.increasing else (f_b > f_a):
             raise ValueError(
                 f"mean retrieved count is {f_a:.6g} at lo={lo!r} and {f_b:.6g} at hi={hi!r}, which is not "
-                f"{self._direction()}; pass increasing={not self.increasing}"
+                f"{self.direction}; pass increasing={not self.increasing}"
             )
         k_min, k_max = min(f_a, f_b), max(f_a, f_b)
         if self.target < k_min - self.tol or self.target > k_max + self.tol:
@@ -252,14 +235,9 @@ class _MeanKSearch:
         if self.done(a, integer) or self.done(b, integer):
             return
         while self.calls < max_iter:
-            if integer:
-                if b - a <= 1:
-                    return
-                mid = (a + b) // 2
-            else:
-                mid = a + (b - a) / 2
-                if b - a <= x_tol or not a < mid < b:  # bracket exhausted
-                    return
+            mid = (a + b) // 2 if integer else a + (b - a) / 2
+            if (b - a <= 1) if integer else (b - a <= x_tol or not a < mid < b):  # bracket exhausted
+                return
             f_m = self(mid)
             f_a, f_b = self.mean(a), self.mean(b)
             eps = 1e-9 * max(1.0, abs(f_a), abs(f_b))
@@ -267,19 +245,16 @@ class _MeanKSearch:
             if f_m < low - eps or f_m > high + eps:
                 raise ValueError(
                     "the mean retrieved count is not monotone in the parameter: "
-                    f"{f_a:.6g} at x={a!r}, {f_m:.6g} at x={mid!r}, {f_b:.6g} at x={b!r} ({self._direction()} expected)"
+                    f"{f_a:.6g} at x={a!r}, {f_m:.6g} at x={mid!r}, {f_b:.6g} at x={b!r} ({self.direction} expected)"
                 )
             if self.done(mid, integer):
                 return
-            if (f_m < self.target) == self.increasing:
-                a = mid
-            else:
-                b = mid
+            a, b = (mid, b) if (f_m < self.target) == self.increasing else (a, mid)
 
     def best(self) -> Any:
         """The closest mean; among equals the latest call (the tightest bracket, next to a jump in the count)."""
-        ev = self.evaluated
-        return min(ev, key=lambda x: (abs(self.mean(x) - self.target), -ev.index(x)))
+        ev = list(self.counts)
+        return min(ev, key=lambda x: (self.miss(x), -ev.index(x)))
 
     def frame_at(self, x: Any) -> pd.DataFrame | None:
         if self.frame is None or self.frame_x == x:
@@ -316,10 +291,9 @@ def calibrate_mean_k(
         raise ValueError(f"need finite lo < hi, got lo={lo!r}, hi={hi!r}")
     finite_float("rel_tol", rel_tol, low=0.0, high=1.0, low_open=True, high_open=True)
     positive_int("max_iter", max_iter, minimum=2)  # both ends are evaluated
-    if integer:
-        if int(lo) != lo or int(hi) != hi:
-            raise ValueError(f"integer=True needs integral lo and hi, got lo={lo!r}, hi={hi!r}")
-        lo, hi = int(lo), int(hi)
+    if integer and (int(lo) != lo or int(hi) != hi):
+        raise ValueError(f"integer=True needs integral lo and hi, got lo={lo!r}, hi={hi!r}")
+    lo, hi = (int(lo), int(hi)) if integer else (lo, hi)
     x_tol = 1e-12 * (hi - lo) if x_tol is None else finite_float("x_tol", x_tol, low=0.0)
     tol = rel_tol * target
     search = _MeanKSearch(run, topics, target, tol, increasing)
@@ -336,7 +310,7 @@ def calibrate_mean_k(
             RuntimeWarning,
             stacklevel=2,
         )
-    history = [(x, search.mean(x)) for x in search.evaluated]
+    history = [(x, search.mean(x)) for x in search.counts]
     return Calibration(best, mean_k, target, search.calls, achieved, frame, search.series(best), history)
 
 
@@ -412,10 +386,8 @@ def assign_strata(
         raise ValueError("assign_strata: no queries to stratify")
     if ties == "group":
         pos = pd.Series(vals).rank(method="average", ascending=False).to_numpy() - 1.0
-    else:
-        order = np.lexsort((qids.astype(str), -vals))  # value descending, then qid ascending
-        pos = np.empty(n)
-        pos[order] = np.arange(n)
+    else:  # each query's place by value descending, then qid ascending
+        pos = np.argsort(np.lexsort((qids.astype(str), -vals)))
     idx = np.minimum(np.floor(3.0 * (pos + 0.5) / n).astype(int), 2)
     out = pd.DataFrame({"qid": qids.astype(str), "stratum": np.asarray(STRATA, dtype=object)[idx], "value": vals})
     return _finish_strata(out, basis)
@@ -426,12 +398,9 @@ def _finish_strata(out: pd.DataFrame, basis: str) -> pd.DataFrame:
     out["basis"] = basis
     out = out.sort_values(["stratum", "qid"], kind="stable").reset_index(drop=True)
     out.attrs["basis"] = basis
-    empty = [s for s in STRATA if not (out["stratum"] == s).any()]
-    if empty:
+    if empty := [s for s in STRATA if not (out["stratum"] == s).any()]:
         warnings.warn(
-            f"assign_strata ({basis}): stratum(s) {empty} are empty -- too few queries or too many ties",
-            UserWarning,
-            stacklevel=3,
+            f"assign_strata ({basis}): stratum(s) {empty} are empty: too few queries or too many ties", stacklevel=3
         )
     return out
 

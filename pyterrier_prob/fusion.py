@@ -17,12 +17,15 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
-from pyterrier_prob.validation import probability
+from pyterrier_prob.validation import probability, require_columns
 
 __all__ = ["ALPHAS", "ScoreInterpolation", "choose_alpha", "interpolate", "zscore_per_query"]
 
+QidsLike = Sequence[Any] | pd.Series
+ScoresLike = Sequence[float] | np.ndarray
 
-def zscore_per_query(qids: Sequence[Any] | pd.Series, scores: Sequence[float] | np.ndarray) -> np.ndarray:
+
+def zscore_per_query(qids: QidsLike, scores: ScoresLike) -> np.ndarray:
     """``scores`` standardised within each query (population sd; 0 for a query of constant scores); ValueError on
     a non-finite score."""
     s = np.asarray(scores, dtype=np.float64)
@@ -33,19 +36,12 @@ def zscore_per_query(qids: Sequence[Any] | pd.Series, scores: Sequence[float] | 
     if len(bad):
         raise ValueError(f"score of row {int(bad[0])} (qid {q.iloc[bad[0]]!r}) is {s[bad[0]]}: scores must be finite")
     g = pd.Series(s).groupby(q.to_numpy())
-    mean = g.transform("mean").to_numpy()
     sd = g.transform("std", ddof=0).to_numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
-        z = (s - mean) / sd
-    return np.where(sd > 0, z, 0.0)
+        return np.where(sd > 0, (s - g.transform("mean").to_numpy()) / sd, 0.0)
 
 
-def interpolate(
-    qids: Sequence[Any] | pd.Series,
-    first: Sequence[float] | np.ndarray,
-    second: Sequence[float] | np.ndarray,
-    alpha: float,
-) -> np.ndarray:
+def interpolate(qids: QidsLike, first: ScoresLike, second: ScoresLike, alpha: float) -> np.ndarray:
     """``alpha * z(second) + (1 - alpha) * z(first)``, each standardised within its query (:func:`zscore_per_query`);
     ``first`` is the first stage's score, ``second`` the re-ranker's."""
     alpha = probability("alpha", alpha)
@@ -67,9 +63,7 @@ class ScoreInterpolation(pt.Transformer):
         self.alpha = probability("alpha", alpha)
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        missing = [c for c in ("qid", "docno", "score") if c not in inp.columns]
-        if missing:
-            raise ValueError(f"ScoreInterpolation needs the first stage's columns {missing} in its input")
+        require_columns(inp, ("qid", "docno", "score"), "ScoreInterpolation's input (the first stage's results)")
         if inp.empty:
             return inp.assign(first_score=[], reranker_score=[], rank=[])
         if inp.duplicated(["qid", "docno"]).any():
@@ -104,5 +98,4 @@ def choose_alpha(
     if not alphas:
         raise ValueError("alphas is empty")
     values = {probability("alpha", a): float(evaluate(float(a))) for a in alphas}
-    best = max(values, key=lambda a: (values[a], -a))
-    return best, values
+    return max(values, key=lambda a: (values[a], -a)), values

@@ -111,20 +111,15 @@ def head_learning_rates(
     or at ``default`` when given, or at ``by_class[<its class name>]`` for the classes named there (e.g.
     ``{"LinearAdapter": 3e-5}``; 0 keeps that module as built); the encoder keeps the trainer's rate. Keys are
     exact parameter names as the trainer sees them (through ``loss``)."""
-    by_class = dict(by_class or {})
-    declared = {type(m).__name__ for m in model.modules() if isinstance(getattr(type(m), "learning_rate", None), float)}
-    unknown = sorted(set(by_class) - declared)
-    if unknown:
-        raise ValueError(
-            f"module_learning_rates names {unknown}, not among the model's trained modules {sorted(declared)}"
-        )
+    heads = [m for m in model.modules() if isinstance(getattr(type(m), "learning_rate", None), float)]
+    by_class, declared = dict(by_class or {}), sorted({type(m).__name__ for m in heads})
+    if unknown := sorted(set(by_class) - set(declared)):
+        raise ValueError(f"module_learning_rates names {unknown}, not among the model's trained modules {declared}")
     rates: dict[int, float] = {}
-    for m in model.modules():
-        lr = getattr(type(m), "learning_rate", None)
-        if isinstance(lr, float):
-            lr = by_class.get(type(m).__name__, lr if default is None else default)
-            for p in m.parameters():
-                rates.setdefault(id(p), float(lr))
+    for m in heads:
+        lr = by_class.get(type(m).__name__, type(m).learning_rate if default is None else default)
+        for p in m.parameters():
+            rates.setdefault(id(p), float(lr))
     return {f"^{re.escape(n)}$": rates[id(p)] for n, p in loss.named_parameters() if id(p) in rates}
 
 
@@ -154,8 +149,11 @@ MODES = ("frozen", "partial", "full")
 COMPLETE = "checkpoint_complete.json"
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+def _option(default: Any, text: str) -> Any:
+    """A :class:`Recipe` field with its ``help``; a type as ``default`` (``dict``) is the factory of a fresh one."""
+    if isinstance(default, type):
+        return field(default_factory=default, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
 
 
 @dataclass
@@ -167,39 +165,27 @@ class Recipe:
     the world size; ``learning_rate_mapping`` (regex on parameter names -> rate) overrides every other rate.
     """
 
-    mode: str = field(
-        default="frozen",
-        metadata=_help(
-            "frozen: train only the modules a method adds, on the encoder's pooled outputs computed once "
-            "(fast, CPU); partial: also the top train_layers transformer layers, on the lower layers' hidden "
-            "states cached once (fp16 memmaps); full: fine-tune every parameter (GPU)"
-        ),
+    mode: str = _option(
+        "frozen",
+        "frozen: train only the modules a method adds, on the encoder's pooled outputs computed once (fast, CPU); "
+        "partial: also the top train_layers transformer layers, on the lower layers' hidden states cached once "
+        "(fp16 memmaps); full: fine-tune every parameter (GPU)",
     )
-    steps: int = field(default=1000, metadata=_help("optimiser steps per model"))
-    batch_size: int = field(default=64, metadata=_help("training rows per step and device (>= 2)"))
-    learning_rate: float = field(default=5e-5, metadata=_help("learning rate of the encoder (partial, full)"))
-    module_learning_rates: dict[str, float] = field(
-        default_factory=dict,
-        metadata=_help("module class name -> rate, overriding the rate its builder declared (0: kept as built)"),
+    steps: int = _option(1000, "optimiser steps per model")
+    batch_size: int = _option(64, "training rows per step and device (>= 2)")
+    learning_rate: float = _option(5e-5, "learning rate of the encoder (partial, full)")
+    module_learning_rates: dict[str, float] = _option(
+        dict, "module class name -> rate, overriding the rate its builder declared (0: kept as built)"
     )
-    head_learning_rate: float | None = field(
-        default=None, metadata=_help("one rate for every added module instead of their declared ones")
-    )
-    learning_rate_mapping: dict[str, float] = field(default_factory=dict, metadata=_help("regex -> rate"))
-    warmup_ratio: float = field(default=0.1, metadata=_help("linear warm-up over this share of the steps"))
-    seed: int = field(
-        default=0, metadata=_help("seed of the trainer, the batch sampler and the models' initialisation")
-    )
-    train_layers: int | None = field(
-        default=None, metadata=_help("partial only: how many of the top transformer layers train")
-    )
-    checkpoint_every: int = field(
-        default=0, metadata=_help("write a checkpoint every this many steps (0: none; needs an output folder)")
-    )
-    checkpoint_limit: int = field(default=2, metadata=_help("checkpoints kept per model (the newest)"))
-    gather_across_devices: bool = field(
-        default=False,
-        metadata=_help("the in-batch losses gather the candidates of every device (DDP): global-batch negatives"),
+    head_learning_rate: float | None = _option(None, "one rate for every added module instead of their declared ones")
+    learning_rate_mapping: dict[str, float] = _option(dict, "regex -> rate")
+    warmup_ratio: float = _option(0.1, "linear warm-up over this share of the steps")
+    seed: int = _option(0, "seed of the trainer, the batch sampler and the models' initialisation")
+    train_layers: int | None = _option(None, "partial only: how many of the top transformer layers train")
+    checkpoint_every: int = _option(0, "write a checkpoint every this many steps (0: none; needs an output folder)")
+    checkpoint_limit: int = _option(2, "checkpoints kept per model (the newest)")
+    gather_across_devices: bool = _option(
+        False, "the in-batch losses gather the candidates of every device (DDP): global-batch negatives"
     )
 
     def __post_init__(self) -> None:
@@ -260,8 +246,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Recipe:
         """A recipe from :meth:`to_dict`'s values; an unknown key is a ``ValueError`` naming it."""
-        unknown = sorted(set(values) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(values) - {f.name for f in fields(cls)}):
             raise ValueError(f"unknown Recipe fields {unknown}")
         return cls(**dict(values))
 
@@ -272,8 +257,7 @@ class Recipe:
     @classmethod
     def load(cls, path: str) -> Recipe:
         """Read a recipe written by :meth:`save`."""
-        with open(path, encoding="utf8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(_read_json(path))
 
 
 def complete_checkpoints(folder: str) -> list[str]:
@@ -374,15 +358,6 @@ def _texts_of(train: Dataset) -> list[str]:
     return [t for c in text_columns(train) for t in train[c]]
 
 
-def _gather(loss: nn.Module) -> None:
-    """Switch on ``gather_across_devices`` in every part of ``loss`` that has it; a loss without it is an error."""
-    parts = [m for m in loss.modules() if hasattr(m, "gather_across_devices")]
-    if not parts:
-        raise ValueError(f"Recipe.gather_across_devices is set but {type(loss).__name__} cannot gather across devices")
-    for m in parts:
-        m.gather_across_devices = True
-
-
 def fine_tune(
     model: SentenceTransformer,
     loss: nn.Module,
@@ -412,26 +387,40 @@ def fine_tune(
     written); ``resume=True`` continues from the newest complete one, under the same recipe only, and ends with the
     weights of an uninterrupted run. ``callbacks`` join the trainer (e.g. a dev curve); ``desc`` labels the one
     progress bar over the steps (none without ``show_progress``)."""
-    _check_run(recipe, output_dir, resume)
-    if recipe.gather_across_devices:
-        _gather(loss)
-    cross = isinstance(model, CrossEncoder)
-    if not cross:
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
+    recipe.check()
+    if recipe.checkpoint_every and not output_dir:
+        raise ValueError("Recipe.checkpoint_every needs output_dir: the folder the checkpoints go to")
+    if resume and not output_dir:
+        raise ValueError("resume=True needs output_dir: the folder holding the checkpoints")
+    if recipe.gather_across_devices:  # switched on in every part of the loss that has it
+        parts = [m for m in loss.modules() if hasattr(m, "gather_across_devices")]
+        if not parts:
+            raise ValueError(
+                f"Recipe.gather_across_devices is set but {type(loss).__name__} cannot gather across devices"
+            )
+        for m in parts:
+            m.gather_across_devices = True
+    if not isinstance(model, CrossEncoder):
         train = train.select_columns(text_columns(train) + (["label"] if "label" in train.column_names else []))
     # which checkpoint to resume from (or a refusal, for another recipe) before any cache is built
     checkpoint = _resume_point(output_dir, recipe) if resume else None
     trainable = {id(p): p.requires_grad for p in model.parameters()}  # given back after training
     with tempfile.TemporaryDirectory() as tmp:
         folder = state_cache or os.path.join(output_dir or tmp, "states")
-        trained = _stand_in(model, train, recipe, cross, folder, encoder_cache, show_progress)
+        trained = _stand_in(model, train, recipe, folder, encoder_cache, show_progress)
         run_dir = output_dir or os.path.join(tmp, "run")
         if output_dir:
             if not resume:
                 _remove_checkpoints(run_dir)  # a fresh run must not mix with an earlier run's checkpoints
             os.makedirs(run_dir, exist_ok=True)
             recipe.save(os.path.join(run_dir, "recipe.json"))
+        # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
+        shown = show_progress and library_bars()
         with _loss_on(loss, model, trained):
-            trainer = _trainer(model, trained, loss, train, recipe, run_dir, show_progress)
+            with contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO()):
+                trainer = _trainer(model, trained, loss, train, recipe, run_dir)
             trainer.add_callback(_LossBar(show_progress, desc))
             for cb in callbacks:
                 trainer.add_callback(cb)
@@ -448,35 +437,17 @@ def fine_tune(
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _check_run(recipe: Recipe, output_dir: str | None, resume: bool) -> None:
-    """The recipe of :func:`fine_tune` checked, and the output folder that checkpoints and resuming need."""
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
-    recipe.check()
-    if recipe.checkpoint_every and not output_dir:
-        raise ValueError("Recipe.checkpoint_every needs output_dir: the folder the checkpoints go to")
-    if resume and not output_dir:
-        raise ValueError("resume=True needs output_dir: the folder holding the checkpoints")
-
-
-def _stand_in(
-    model: nn.Module,
-    train: Dataset,
-    recipe: Recipe,
-    cross: bool,
-    folder: str,
-    encoder_cache: Any,
-    show_progress: bool,
-) -> nn.Module:
+def _stand_in(model: nn.Module, train: Dataset, recipe: Recipe, folder: str, cache: Any, show: bool) -> nn.Module:
     """What the trainer trains under ``recipe``: ``model`` itself (full), or a stand-in on inputs computed once --
     the encoder's outputs (frozen; a cross-encoder's head on the backbone's [CLS] features of every training pair),
     the lower layers' states cached in ``folder`` (partial)."""
+    cross = isinstance(model, CrossEncoder)
     if recipe.caches_features:
         # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
-        bar = show_progress and library_bars()
+        bar = show and library_bars()
         if cross:
-            return cached_cross_encoder(model, _pairs_of(train), cache=encoder_cache, show_progress_bar=bar)
-        return cached_model(model, _texts_of(train), show_progress_bar=bar, cache=encoder_cache)
+            return cached_cross_encoder(model, _pairs_of(train), cache=cache, show_progress_bar=bar)
+        return cached_model(model, _texts_of(train), show_progress_bar=bar, cache=cache)
     if recipe.caches_states and isinstance(model[0], SplitTransformer):
         # a split-attention cross-encoder: its lower layers read each text alone, so they are cached per text
         # (not per pair) and the joint top layers and the head train on them
@@ -486,22 +457,16 @@ def _stand_in(
                 f"got train_layers={recipe.train_layers}"
             )
         texts = list(dict.fromkeys(t for pair in _pairs_of(train) for t in pair))
-        split_state_cache(model, folder, texts, show_progress_bar=show_progress)
+        split_state_cache(model, folder, texts, show_progress_bar=show)
         return model
     if recipe.caches_states:
         texts = _pairs_of(train) if cross else _texts_of(train)
-        return partial_model(model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show_progress)
+        return partial_model(model, recipe.train_layers, texts, cache_dir=folder, show_progress_bar=show)
     return model
 
 
 def _trainer(
-    model: nn.Module,
-    trained: nn.Module,
-    loss: nn.Module,
-    train: Dataset,
-    recipe: Recipe,
-    run_dir: str,
-    show_progress: bool,
+    model: nn.Module, trained: nn.Module, loss: nn.Module, train: Dataset, recipe: Recipe, run_dir: str
 ) -> Any:
     """The trainer of :func:`fine_tune`: ``trained`` (the model or its stand-in on cached inputs) under ``recipe``
     (learning rates through :func:`head_learning_rates`, checkpoints, seed), saving ``model`` itself in its
@@ -514,11 +479,6 @@ def _trainer(
     # names as the trainer sees them, through the (swapped) loss
     mapping = head_learning_rates(model, loss, recipe.module_learning_rates, recipe.head_learning_rate)
     mapping.update(recipe.learning_rate_mapping)
-    saving = (
-        {"save_strategy": "steps", "save_steps": recipe.checkpoint_every, "save_total_limit": recipe.checkpoint_limit}
-        if recipe.checkpoint_every
-        else {"save_strategy": "no"}
-    )
     args = arguments_class(
         output_dir=run_dir,
         max_steps=recipe.steps,
@@ -528,7 +488,9 @@ def _trainer(
         warmup_steps=recipe.warmup_ratio,  # a float below 1 is a ratio of the steps (transformers >= 5)
         seed=recipe.seed,
         report_to="none",
-        **saving,
+        save_strategy="steps" if recipe.checkpoint_every else "no",
+        save_steps=recipe.checkpoint_every or 500,  # (transformers' default where nothing is saved)
+        save_total_limit=recipe.checkpoint_limit,
         logging_steps=1,
         disable_tqdm=True,
         **sampler,
@@ -536,15 +498,11 @@ def _trainer(
         dataloader_pin_memory=torch.cuda.is_available(),
         **_ddp_arguments(),
     )
-    # the model-card callback draws its own "Computing widget examples" bar while the trainer is made
-    shown = show_progress and library_bars()
-    with contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO()):
-        trainer = _trainer_class(trainer_class)(model=trained, args=args, train_dataset=train, loss=loss)
+    ours = [_MarkComplete(), _SamplerEpoch()]
+    trainer = _trainer_class(trainer_class)(model=trained, args=args, train_dataset=train, loss=loss, callbacks=ours)
     trainer.real_model = model
     for cb in (PrinterCallback, ProgressCallback):
         trainer.remove_callback(cb)
-    trainer.add_callback(_MarkComplete())
-    trainer.add_callback(_SamplerEpoch())
     return trainer
 
 

@@ -6,6 +6,7 @@ diagnosis runs only after a failure. Argument checks are re-exported from :mod:`
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import sys
@@ -33,8 +34,7 @@ def require_columns(frame: Any, columns: Iterable[str], what: str, hint: str = "
     """``frame`` is a DataFrame with ``columns``; else a TypeError / ValueError naming ``what`` and the missing ones."""
     if not isinstance(frame, pd.DataFrame):
         raise TypeError(f"{what} must be a pandas DataFrame, got {type(frame).__name__}")
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
+    if missing := [c for c in columns if c not in frame.columns]:
         raise ValueError(f"{what} lacks column(s) {missing}; it has {list(frame.columns)}{hint}")
 
 
@@ -72,9 +72,7 @@ def check_ids(frame: pd.DataFrame, columns: Iterable[str], owner: str) -> None:
 def check_texts(frame: pd.DataFrame, column: str, owner: str) -> list[str]:
     """The ``column`` of ``frame`` as a list of str; a ValueError naming the row of a None / NaN / non-str value."""
     s = frame[column]
-    if not len(s):
-        return []
-    if infer_dtype(s, skipna=False) == "string" and not s.isna().any():
+    if not len(s) or (infer_dtype(s, skipna=False) == "string" and not s.isna().any()):
         return s.tolist()
     ok = np.fromiter((isinstance(v, str) for v in s.tolist()), dtype=bool, count=len(s))
     i = int(np.flatnonzero(~ok)[0])
@@ -111,12 +109,33 @@ def stack_arrays(
     if isinstance(values, pd.Series) or (isinstance(values, np.ndarray) and values.dtype == object):
         values = list(values)
     arr = None
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         arr = np.asarray(values, dtype=np.float32)
-    except (TypeError, ValueError):
-        pass
     if arr is None or arr.ndim != ndim + 1 or (shape is not None and arr.shape[1:] != tuple(shape)):
-        _diagnose_arrays(values, column, name, owner, ndim, shape, kind)
+        for i, v in enumerate(list(values)):  # the first row that is not a numeric array of the right shape
+            if _missing(v):
+                raise ValueError(f"{owner}: {column!r} of {name(i)} is missing ({v!r}): every row needs one")
+            if isinstance(v, str | bytes):
+                text = v if len(v) <= 40 else v[:37] + "..."
+                raise ValueError(
+                    f"{owner}: {column!r} of {name(i)} is a {type(v).__name__} ({text!r}), not an array: vectors "
+                    "stored as text (e.g. after a CSV round trip) must be parsed back into numeric arrays first"
+                )
+            try:
+                a = np.asarray(v, dtype=np.float32)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"{owner}: {column!r} of {name(i)} is not a numeric array ({type(v).__name__}): {e}"
+                ) from e
+            if a.ndim != ndim:
+                raise ValueError(f"{owner}: {column!r} of {name(i)} must be a {ndim}-D array, got shape {a.shape}")
+            if shape is None:
+                shape = a.shape
+            elif a.shape != tuple(shape):
+                raise ValueError(
+                    f"{owner}: inconsistent {kind}: {column!r} of {name(i)} has shape {a.shape}, earlier rows "
+                    f"{tuple(shape)}; were all rows encoded by the same model?"
+                )
         raise ValueError(f"{owner}: {column!r} must hold one {ndim}-D numeric array per row")  # pragma: no cover
     if 0 in arr.shape[1:]:
         raise ValueError(f"{owner}: {column!r} of {name(0)} is empty (shape {arr.shape[1:]})")
@@ -128,53 +147,14 @@ def stack_arrays(
     return arr
 
 
-def _diagnose_arrays(
-    values: Sequence[Any],
-    column: str,
-    name: Callable[[int], str],
-    owner: str,
-    ndim: int,
-    shape: tuple | None,
-    kind: str,
-) -> None:
-    """Raise the error for the first row of ``values`` that is not a numeric array of the right shape."""
-    values = values.tolist() if isinstance(values, pd.Series | np.ndarray) else list(values)
-    for i, v in enumerate(values):
-        if _missing(v):
-            raise ValueError(f"{owner}: {column!r} of {name(i)} is missing ({v!r}): every row needs one")
-        if isinstance(v, str | bytes):
-            text = v if len(v) <= 40 else v[:37] + "..."
-            raise ValueError(
-                f"{owner}: {column!r} of {name(i)} is a {type(v).__name__} ({text!r}), not an array: vectors stored "
-                "as text (e.g. after a CSV round trip) must be parsed back into numeric arrays first"
-            )
-        try:
-            a = np.asarray(v, dtype=np.float32)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"{owner}: {column!r} of {name(i)} is not a numeric array ({type(v).__name__}): {e}"
-            ) from e
-        if a.ndim != ndim:
-            raise ValueError(f"{owner}: {column!r} of {name(i)} must be a {ndim}-D array, got shape {a.shape}")
-        if shape is None:
-            shape = a.shape
-        elif a.shape != tuple(shape):
-            raise ValueError(
-                f"{owner}: inconsistent {kind}: {column!r} of {name(i)} has shape {a.shape}, earlier rows "
-                f"{tuple(shape)}; were all rows encoded by the same model?"
-            )
-
-
 def float_column(frame: pd.DataFrame, column: str, owner: str) -> np.ndarray:
     """``frame[column]`` as float64; a ValueError naming the row of a missing or non-numeric value."""
     s = frame[column]
-    try:
+    out = None
+    with contextlib.suppress(TypeError, ValueError):
         out = s.to_numpy(dtype=np.float64)
-    except (TypeError, ValueError):
-        out = None
     if out is None or np.isnan(out).any():
-        vals = s.tolist()
-        for i, v in enumerate(vals):
+        for i, v in enumerate(s.tolist()):
             if _missing(v):
                 raise ValueError(f"{owner}: {column!r} of {row_namer(frame)(i)} is missing ({v!r})")
             try:
@@ -216,8 +196,7 @@ def check_same_per_query(
         same |= ((a == b) | (np.isnan(a) & np.isnan(b))).all(axis=1)
     if same.all():
         return
-    j = int(np.flatnonzero(~same)[0])
-    r = int(rows[j])
+    r = int(rows[np.flatnonzero(~same)[0]])
     r0 = int(first[codes[r]])
     raise ValueError(
         f"{owner}: qid {frame['qid'].iat[r]!r} has conflicting {column!r} values in rows {r0} and {r}: all rows of a "
@@ -245,18 +224,10 @@ def check_rows_match_query(
     values = frame[column].to_numpy()
     same_object = np.frompyfunc(operator.is_, 2, 1)(values[rest], values[first[codes[rest]]]).astype(bool)
     rest = rest[~same_object]
-    namer = row_namer(frame)
+    namer, shape, kind = row_namer(frame), reference.shape[1:], f"{column} shapes within a query"
     for a in range(0, rest.size, _CHECK_ROWS):
         rows = rest[a : a + _CHECK_ROWS]
-        vals = stack_arrays(
-            values[rows],
-            column,
-            lambda i, rows=rows: namer(int(rows[i])),
-            owner,
-            ndim=ndim,
-            shape=reference.shape[1:],
-            kind=f"{column} shapes within a query",
-        )
+        vals = stack_arrays(values[rows], column, lambda i, r=rows: namer(int(r[i])), owner, ndim, shape, kind)
         check_same_per_query(frame, codes, first, column, vals, reference, owner, rows=rows)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import os
 import re
 import shutil
@@ -85,13 +86,14 @@ def _lock(fd: int) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX)
 
 
-def _open_locked(path: Path) -> int | None:
-    """Open ``path`` (file or directory) and lock it; the fd (None if it cannot be opened)."""
+def _open(path: Path, lock: bool = False) -> int | None:
+    """Open ``path`` (file or directory) read-only, and lock it if ``lock``; the fd (None if it cannot be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    _lock(fd)
+    if lock:
+        _lock(fd)
     return fd
 
 
@@ -103,11 +105,8 @@ def _close(fd: int | None) -> None:
 
 def _is_locked(path: Path) -> bool | None:
     """Whether a live process holds an flock on ``path``; None when this cannot be told."""
-    if fcntl is None:  # pragma: no cover
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    fd = _open(path) if fcntl is not None else None
+    if fd is None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -152,11 +151,9 @@ def _is_stale(temp: Path, pid: int | None) -> bool:
         return True
     if locked is None:  # no flock here: the pid is all we can go by
         return False
-    try:
-        age = time.time() - temp.lstat().st_mtime
-    except OSError:
-        return False
-    return age > _GRACE_S
+    with contextlib.suppress(OSError):
+        return time.time() - temp.lstat().st_mtime > _GRACE_S
+    return False
 
 
 def _remove(p: Path) -> None:
@@ -213,27 +210,24 @@ def clean_stale_temporaries(path: str | os.PathLike) -> list[Path]:
 
 # ---- renames -----------------------------------------------------------------------------------------------------
 
-_RENAME_EXCHANGE = 2  # linux/fs.h
-_RENAME_SWAP = 2  # macOS stdio.h
+_RENAME_EXCHANGE = _RENAME_SWAP = 2  # linux/fs.h, macOS stdio.h
 _AT_FDCWD = -100
-_libc: Any = None
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover
+        return None
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap the paths ``a`` and ``b`` atomically; False when the platform or file system cannot."""
-    global _libc
-    if sys.platform not in ("linux", "darwin"):
-        return False
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        except OSError:  # pragma: no cover
-            _libc = False
-    if _libc is False:
-        return False
     linux, fa, fb = sys.platform == "linux", os.fsencode(a), os.fsencode(b)
-    fn = getattr(_libc, "renameat2" if linux else "renamex_np", None)  # macOS: renamex_np
-    if fn is None:  # pragma: no cover - glibc < 2.28
+    libc = _libc() if sys.platform in ("linux", "darwin") else None
+    fn = getattr(libc, "renameat2" if linux else "renamex_np", None)  # None: no libc, or glibc < 2.28
+    if fn is None:
         return False
     if linux:
         res = fn(_AT_FDCWD, fa, _AT_FDCWD, fb, ctypes.c_uint(_RENAME_EXCHANGE))
@@ -318,36 +312,30 @@ def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Ite
     recover_directory(path)
     tmp = _temp_name(path, "tmp")
     tmp.mkdir()
-    tmp_fd = _open_locked(tmp)  # held until we are done: marks the temporary (later the new version) as alive
+    tmp_fd = _open(tmp, lock=True)  # held until we are done: marks the temporary (later the new version) as alive
     old_fd = None
     try:
         yield tmp
-        for root, dirs, files in os.walk(tmp):
-            os.chmod(root, DIR_MODE)
+        for root, _dirs, files in os.walk(tmp):
+            os.chmod(root, DIR_MODE)  # every folder is a root once
             for name in files:
                 os.chmod(os.path.join(root, name), FILE_MODE)
-            for name in dirs:
-                os.chmod(os.path.join(root, name), DIR_MODE)
         if path.exists() and not overwrite:
             raise FileExistsError(f"{str(path)!r} appeared while it was being written")
-        if path.exists() or path.is_symlink():
-            if _exchange(tmp, path):  # path: the new version; tmp: the old one, garbage now
-                _fsync_dir(path.parent)
-                _remove(tmp)
-            else:
-                old = _temp_name(path, "old")
-                old_fd = _open_locked(path)  # so that recover_directory leaves it alone while we live
-                os.replace(path, old)
-                try:
-                    os.replace(tmp, path)
-                except BaseException:
-                    os.replace(old, path)
-                    raise
-                _fsync_dir(path.parent)
-                _remove(old)
-        else:
+        garbage = tmp  # left to remove: the old version after an exchange, nothing after a plain rename
+        if not (path.exists() or path.is_symlink()):
             os.replace(tmp, path)
-            _fsync_dir(path.parent)
+        elif not _exchange(tmp, path):  # an exchange leaves path the new version, tmp the old one
+            garbage = _temp_name(path, "old")
+            old_fd = _open(path, lock=True)  # so that recover_directory leaves it alone while we live
+            os.replace(path, garbage)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                os.replace(garbage, path)
+                raise
+        _fsync_dir(path.parent)
+        _remove(garbage)
     except BaseException:
         _remove(tmp)
         raise

@@ -50,10 +50,8 @@ def data_parallel_world_size() -> int:
     try:
         from accelerate.state import PartialState
     except ImportError:  # pragma: no cover - accelerate comes with the trainer
-        PartialState = None
-    if PartialState is not None and PartialState._shared_state != {}:
-        return int(PartialState().num_processes)
-    return world_size()
+        return world_size()
+    return int(PartialState().num_processes) if PartialState._shared_state != {} else world_size()
 
 
 @contextmanager
@@ -174,6 +172,4 @@ class GlobalBatch:
 def global_batch(size: int, gather_across_devices: bool) -> GlobalBatch:
     """The :class:`GlobalBatch` of a loss whose local batch has ``size`` rows: gathered over ``torch.distributed``'s
     ranks when ``gather_across_devices`` and more than one process; otherwise this rank's rows alone."""
-    if not gather_across_devices or world_size() == 1:
-        return GlobalBatch(int(size))
-    return GlobalBatch(int(size), world_size(), rank())
+    return GlobalBatch(int(size), world_size(), rank()) if gather_across_devices else GlobalBatch(int(size))

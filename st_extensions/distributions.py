@@ -11,6 +11,7 @@ sphere-corrected exponential law (a quadrature, about 1e-14). The geometry and a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import cached_property
 
 import numpy as np
@@ -22,6 +23,7 @@ from st_extensions.checks import positive_int
 __all__ = ["BetaCosine", "ExpCosine"]
 
 FloatOrArray = float | NDArray[np.float64]
+_Aligned = tuple[NDArray[np.float64], tuple[int, ...]]  # values, the shape the parameters take to broadcast
 
 _LOG2 = math.log(2.0)
 
@@ -57,7 +59,10 @@ def _out(arr: NDArray[np.float64]) -> FloatOrArray:
 
 
 class _CosineLaw:
-    """Shared machinery: parameter shape, dimension, broadcasting of inputs against per-query parameters."""
+    """Shared machinery: parameter shape, dimension, broadcasting of inputs against per-query parameters.
+
+    A law implements ``_logpdf``, ``_cdf`` and ``_ppf`` on inputs aligned by :meth:`align` (parameters reshaped to
+    its ``pshape``)."""
 
     _shape: tuple[int, ...]
     _dim: int | None
@@ -92,7 +97,7 @@ class _CosineLaw:
         return 0.0 if self._dim is None else (self._dim - 3) / 2.0
 
     # ---- broadcasting -------------------------------------------------------------------------------------
-    def align(self, values: ArrayLike, name: str) -> tuple[NDArray[np.float64], tuple[int, ...]]:
+    def align(self, values: ArrayLike, name: str) -> _Aligned:
         """``(values as a float array, the shape the parameters take to broadcast against it)``: scalar parameters as
         numpy; Q per-query parameters accept a scalar, (Q,) or (Q, K, ...) (leading axis = queries), else a ValueError
         naming ``name``."""
@@ -112,17 +117,15 @@ class _CosineLaw:
             )
         return v, (q,) + (1,) * (v.ndim - 1)
 
-    def _finite(self, values: ArrayLike, name: str) -> tuple[NDArray[np.float64], tuple[int, ...]]:
+    def _checked(self, values: ArrayLike, name: str, ok: Callable, rule: str) -> _Aligned:
+        """:meth:`align`, then a ValueError ``f"{name} must {rule}"`` unless ``ok(values)`` holds everywhere."""
         v, pshape = self.align(values, name)
-        if not np.all(np.isfinite(v)):
-            raise ValueError(f"{name} must be finite (got nan or inf)")
+        if not np.all(ok(v)):
+            raise ValueError(f"{name} must {rule}")
         return v, pshape
 
-    def _probabilities(self, q: ArrayLike) -> tuple[NDArray[np.float64], tuple[int, ...]]:
-        v, pshape = self.align(q, "q")
-        if not np.all((v >= 0.0) & (v <= 1.0)):  # also rejects nan
-            raise ValueError("q must lie in [0, 1] (and not be nan)")
-        return v, pshape
+    def _finite(self, values: ArrayLike, name: str) -> _Aligned:
+        return self._checked(values, name, np.isfinite, "be finite (got nan or inf)")
 
     # ---- public API (shared) ------------------------------------------------------------------------------
     def logpdf(self, x: ArrayLike) -> FloatOrArray:
@@ -132,8 +135,7 @@ class _CosineLaw:
 
     def pdf(self, x: ArrayLike) -> FloatOrArray:
         """Density of the cosine at ``x`` (0 outside [-1, 1])."""
-        v, pshape = self._finite(x, "x")
-        return _out(np.exp(self._logpdf(v, pshape)))
+        return np.exp(self.logpdf(x))
 
     def cdf(self, t: ArrayLike) -> FloatOrArray:
         """F_q(t) = P(x <= t) (Sec. 3.2.1 / 3.2.2; Eq. 4 with ``dim``): 0 below -1, 1 above 1; shapes: :meth:`align`."""
@@ -142,7 +144,7 @@ class _CosineLaw:
 
     def ppf(self, q: ArrayLike) -> FloatOrArray:
         """Quantile function F_q^{-1}(q) for ``q`` in [0, 1], ppf(0) = -1, ppf(1) = 1; shapes as in :meth:`cdf`."""
-        v, pshape = self._probabilities(q)
+        v, pshape = self._checked(q, "q", lambda v: (v >= 0.0) & (v <= 1.0), "lie in [0, 1] (and not be nan)")
         out = np.clip(self._ppf(v, pshape), -1.0, 1.0)
         out = np.where(v == 0.0, -1.0, np.where(v == 1.0, 1.0, out))
         return _out(out)
@@ -151,27 +153,14 @@ class _CosineLaw:
         """Per-query threshold ``t_q = ppf(1 - p)``, so ``P(x >= t_q) = p`` (Sec. 4.4.2): a larger ``p`` in (0, 1) keeps
         more items (Table 3).
         """
-        v, _ = self.align(p, "p")
-        if not np.all((v > 0.0) & (v < 1.0)):  # also rejects nan
-            raise ValueError("p must lie strictly inside (0, 1): it is the share of the relevant-item law kept")
+        inside = "lie strictly inside (0, 1): it is the share of the relevant-item law kept"
+        v, _ = self._checked(p, "p", lambda v: (v > 0.0) & (v < 1.0), inside)  # also rejects nan
         return self.ppf(1.0 - v)
-
-    # ---- to implement -------------------------------------------------------------------------------------
-    def _logpdf(self, x: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        raise NotImplementedError
-
-    def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        raise NotImplementedError
-
-    def _ppf(self, q: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        raise NotImplementedError
 
 
 def _fmt(arr: NDArray[np.float64]) -> str:
     if arr.ndim == 0:
         return repr(float(arr))
-    if arr.size == 0:
-        return "array([])"
     if arr.size <= 6:
         return "array([" + ", ".join(f"{v:.6g}" for v in arr) + "])"
     return f"array of {arr.size} values in [{arr.min():.6g}, {arr.max():.6g}]"
@@ -243,12 +232,11 @@ class _ExpSphereQuadrature:
         with np.errstate(divide="ignore"):
             s_small_c = 0.5 * (np.log(c + r + 1.0) - np.log(c) - np.log1p(c / (r + 1.0)))
         s_star = np.where(c >= 0.5, np.arctanh(np.minimum(x_star, 0.5)), s_small_c)
-        self.s_star = s_star
-        self.g_star = self._g(s_star, tau)
+        self.s_star, self.g_star = s_star, self._g(s_star, tau)
         sigma = 1.0 / np.sqrt(self.k2 * (1.0 + x_star * x_star))
 
-        s_lo = self._crossing(-1.0, sigma, level)
-        s_hi = self._crossing(+1.0, sigma, level)
+        s_lo, s_hi = self._crossing(-1.0, sigma, level), self._crossing(+1.0, sigma, level)
+        self.s_lo, self.s_hi = s_lo, s_hi
         frac = np.linspace(0.0, 1.0, half + 1)
         left = s_lo[:, None] + (s_star - s_lo)[:, None] * frac[None, :]
         right = s_star[:, None] + (s_hi - s_star)[:, None] * frac[None, :]
@@ -270,7 +258,6 @@ class _ExpSphereQuadrature:
         self.total = cum[:, -1].copy()
         self.cum = cum / self.total[:, None]
         self.cum[:, -1] = 1.0
-        self.s_lo, self.s_hi = s_lo, s_hi
 
     def _g(self, s: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.float64]:
         """G(s) = (tanh s - 1) / tau - (2m + 2) log cosh s, with tanh s - 1 = -2 expit(-2 s)."""
@@ -300,20 +287,15 @@ class _ExpSphereQuadrature:
         vals = np.exp(self._g(pts, self.tau[rows, None]) - self.g_star[rows, None])
         return h * (vals @ self._w)
 
-    def _density_s(self, rows: NDArray[np.intp], s: NDArray[np.float64]) -> NDArray[np.float64]:
-        return np.exp(self._g(s, self.tau[rows]) - self.g_star[rows])
-
     def log_norm(self) -> NDArray[np.float64]:
         """log int_{-1}^1 exp((x - 1) / tau) (1 - x^2)^m dx per row."""
         return self.g_star + np.log(self.total)
 
     def cdf(self, rows: NDArray[np.intp], t: NDArray[np.float64]) -> NDArray[np.float64]:
-        out = np.where(t >= 1.0, 1.0, 0.0)
         with np.errstate(divide="ignore"):
-            s = np.arctanh(np.clip(t, -1.0, 1.0))
-        inside = (s > self.s_lo[rows]) & (s < self.s_hi[rows])
-        out = np.where(s >= self.s_hi[rows], 1.0, out)
-        idx = np.flatnonzero(inside)
+            s = np.arctanh(np.clip(t, -1.0, 1.0))  # t >= 1: inf
+        out = np.where(s >= self.s_hi[rows], 1.0, 0.0)
+        idx = np.flatnonzero((s > self.s_lo[rows]) & (s < self.s_hi[rows]))
         for i in range(0, idx.size, 2**16):
             sel = idx[i : i + 2**16]
             r, si = rows[sel], s[sel]
@@ -345,7 +327,7 @@ class _ExpSphereQuadrature:
                 break
             ra, sa = rows[active], s[active]
             f = self._partial(ra, a[active], sa) - target[active]
-            dens = self._density_s(ra, sa)
+            dens = np.exp(self._g(sa, self.tau[ra]) - self.g_star[ra])
             lo[active] = np.where(f < 0, sa, lo[active])
             hi[active] = np.where(f > 0, sa, hi[active])
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -403,10 +385,9 @@ class ExpCosine(_CosineLaw):
         if self._closed_form:
             out = (xc - 1.0) / tau - np.log(tau) - np.log(-np.expm1(-2.0 / tau))
         else:
-            m = self._m
             log_norm = self._table.log_norm().reshape(pshape) if self._shape else self._table.log_norm()[0]
             with np.errstate(divide="ignore"):
-                out = (xc - 1.0) / tau + m * (np.log1p(xc) + np.log1p(-xc)) - log_norm
+                out = (xc - 1.0) / tau + self._m * (np.log1p(xc) + np.log1p(-xc)) - log_norm
         return np.where(inside, out, -np.inf)
 
     def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
@@ -442,16 +423,13 @@ class BetaCosine(_CosineLaw):
             )
         self._shape = np.broadcast_shapes(alpha_arr.shape, beta_arr.shape)
         self._alpha, self._beta = alpha_arr, beta_arr
-        a = np.broadcast_to(alpha_arr + self._m, self._shape)
-        b = np.broadcast_to(beta_arr + self._m, self._shape)
-        for name, eff in (("alpha", a), ("beta", b)):
+        self._a, self._b = (np.array(np.broadcast_to(p + self._m, self._shape)) for p in (alpha_arr, beta_arr))
+        for name, eff in (("alpha", self._a), ("beta", self._b)):
             if np.any(eff <= 0):
                 raise ValueError(
                     f"{name} must be > {-self._m:g} for dim={self._dim}: the law of z is Beta({name} + (n - 3) / 2)"
                 )
-        self._a, self._b = np.array(a), np.array(b)
-        self._a.setflags(write=False)
-        self._b.setflags(write=False)
+            eff.setflags(write=False)
 
     @classmethod
     def from_temperature(cls, tau: ArrayLike, dim: int | None = None) -> BetaCosine:

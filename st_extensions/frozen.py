@@ -57,10 +57,8 @@ class CachedEmbeddings(InputModule):
         if prompt:
             raise ValueError("CachedEmbeddings holds embeddings of texts without prompts; got a prompt")
         inputs = list(inputs)
-        if self.encoder[0] is not None:
-            new = self.missing(inputs)
-            if new:
-                self.extend(new, self.encode_new(new))
+        if self.encoder[0] is not None and (new := self.missing(inputs)):
+            self.extend(new, self.encode_new(new))
         try:
             ids = [self.index[t] for t in inputs]
         except KeyError as e:
@@ -129,12 +127,11 @@ def frozen_prefix_length(model: SentenceTransformer, require_added: bool = True)
         raise ValueError(
             f"frozen-encoder training needs an encoder prefix followed by added modules, got modules {names}"
         )
-    for m in modules[k:]:
-        if getattr(m, "component_source", None) == "tokens":
-            raise ValueError(
-                "a MixtureOfLogits with component_source='tokens' reads the encoder's token outputs: frozen-encoder "
-                "training needs component_source='heads'"
-            )
+    if any(getattr(m, "component_source", None) == "tokens" for m in modules[k:]):
+        raise ValueError(
+            "a MixtureOfLogits with component_source='tokens' reads the encoder's token outputs: frozen-encoder "
+            "training needs component_source='heads'"
+        )
     return k
 
 
@@ -163,7 +160,6 @@ def prefix_model(model: SentenceTransformer, require_added: bool = True) -> Sent
     return SentenceTransformer(modules=list(model)[:k], device=str(model.device))
 
 
-@torch.no_grad()
 def encode_prefix(
     model: SentenceTransformer, texts: Sequence[str], batch_size: int = 64, show_progress_bar: bool = False
 ) -> Tensor:
@@ -183,15 +179,13 @@ def cached_model(
     ``cache``: one from this model's encoder prefix to reuse and extend (another encoder's gives wrong results). Texts
     not cached are encoded by ``model``'s prefix on first use.
     """
-    k = frozen_prefix_length(model, require_added=False)
     prefix = prefix_model(model, require_added=False)
     cache = CachedEmbeddings([], torch.zeros(0), encoder=prefix) if cache is None else cache
     if cache.encoder[0] is None:
         cache.encoder[0] = prefix
-    new = cache.missing(texts)
-    if new:
+    if new := cache.missing(texts):
         cache.extend(new, _encode(prefix, new, batch_size, show_progress_bar))
-    return SentenceTransformer(modules=[cache, *list(model)[k:]], device=str(model.device))
+    return SentenceTransformer(modules=[cache, *list(model)[len(prefix) :]], device=str(model.device))
 
 
 def build_adapter_model(

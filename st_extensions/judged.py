@@ -36,12 +36,8 @@ class JudgedPairs:
     """A set of judged-relevant (query text, document text) ``pairs``, looked up by :func:`text_key`."""
 
     def __init__(self, pairs: Iterable[tuple[str, str]]) -> None:
-        keys = [(text_key(q), text_key(d)) for q, d in pairs]
-        if keys:
-            t = torch.tensor(keys, dtype=torch.int64)
-            self.keys = torch.unique(_pair_key(t[:, 0], t[:, 1]))
-        else:
-            self.keys = torch.zeros(0, dtype=torch.int64)
+        t = torch.tensor([(text_key(q), text_key(d)) for q, d in pairs], dtype=torch.int64).reshape(-1, 2)
+        self.keys = torch.unique(_pair_key(t[:, 0], t[:, 1]))
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -68,8 +64,7 @@ class JudgedPairs:
         batch = labels.shape[0]
         if n_candidates < batch:
             raise ValueError(f"{n_candidates} candidates for a batch of {batch} anchors: expected at least {batch}")
-        if n_anchors is None:
-            n_anchors = batch - offset
+        n_anchors = batch - offset if n_anchors is None else n_anchors
         if offset < 0 or n_anchors < 0 or offset + n_anchors > batch:
             raise ValueError(f"anchor rows {offset}..{offset + n_anchors - 1} are not rows of a batch of {batch}")
         anchors = labels[offset : offset + n_anchors]

@@ -50,33 +50,35 @@ for _cls in (QueryDistributionHead, MixtureOfLogits, MultiBranchQueryEncoder, Li
     register_module(_cls)
 
 
+def _read_json(path: str) -> Any:
+    with open(path, encoding="utf8") as f:
+        return json.load(f)
+
+
 def _module_types(path: str) -> list[tuple[str, str]]:
     """(class reference, where it was found) for every module of the saved model at ``path``."""
     modules_json = os.path.join(path, "modules.json")
     if not os.path.isfile(modules_json):
         raise ValueError(f"{path!r} is not a saved sentence-transformers model: it has no modules.json")
     try:
-        with open(modules_json, encoding="utf8") as f:
-            entries = json.load(f)
+        entries = _read_json(modules_json)
         found = [(entry["type"], modules_json) for entry in entries]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"corrupt modules.json in {path!r}: {e}") from e
     for entry in entries:
         router_config = os.path.join(path, entry.get("path", ""), "router_config.json")
         if os.path.isfile(router_config):
-            with open(router_config, encoding="utf8") as f:
-                found += [(t, router_config) for t in json.load(f).get("types", {}).values()]
+            found += [(t, router_config) for t in _read_json(router_config).get("types", {}).values()]
     return found
 
 
 def _check_no_remote_code(path: str) -> None:
     for root, _dirs, files in os.walk(path):
         if "config.json" in files:
-            with open(os.path.join(root, "config.json"), encoding="utf8") as f:
-                try:
-                    config = json.load(f)
-                except json.JSONDecodeError:
-                    continue
+            try:
+                config = _read_json(os.path.join(root, "config.json"))
+            except json.JSONDecodeError:
+                continue
             if isinstance(config, dict) and "auto_map" in config:
                 raise ValueError(
                     f"{os.path.join(root, 'config.json')!r} asks for repository modeling code (auto_map); "
@@ -202,11 +204,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
     _check_weight_files(path)
     if cross_encoder is None:
         config_path = os.path.join(path, "config_sentence_transformers.json")
-        model_type = None
-        if os.path.isfile(config_path):
-            with open(config_path, encoding="utf8") as f:
-                model_type = json.load(f).get("model_type")
-        cross_encoder = model_type == "CrossEncoder"
+        cross_encoder = os.path.isfile(config_path) and _read_json(config_path).get("model_type") == "CrossEncoder"
     cls = CrossEncoder if cross_encoder else SentenceTransformer
     special = sorted({MODEL_CLASSES[t].__name__: MODEL_CLASSES[t] for t, _ in types if t in MODEL_CLASSES}.items())
     if len(special) > 1:

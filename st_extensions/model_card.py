@@ -68,7 +68,8 @@ def write_model_card(
         card.set_language(language)
         card.set_license(license)
         card.model_name = model_name or card.model_name
-        card.add_tags(["pyterrier-prob", *{type(m).__name__ for m in model.children() if _ours(m)}])
+        ours = {type(m).__name__ for m in model.children() if type(m).__module__.startswith("st_extensions.")}
+        card.add_tags(["pyterrier-prob", *ours])
         if loss is not None:
             card.set_losses(get_losses(loss))
         if train_data:
@@ -90,15 +91,9 @@ def save_with_card(
     (:func:`write_model_card`; ``rows``: the training rows, counted and their columns named); returns ``folder``."""
     with atomic_directory(str(folder), overwrite=True) as tmp:
         model.save(str(tmp))
+        n, columns = (None, ()) if rows is None else (len(rows), getattr(rows, "column_names", ()))
         write_model_card(
-            tmp,
-            model,
-            loss=loss,
-            recipe=recipe,
-            train_data=train_data,
-            rows=None if rows is None else len(rows),
-            columns=getattr(rows, "column_names", ()),
-            model_name=model_name,
+            tmp, model, loss=loss, recipe=recipe, train_data=train_data, rows=n, columns=columns, model_name=model_name
         )
     return str(folder)
 
@@ -114,7 +109,3 @@ def set_card_figures(folder: str | os.PathLike, title: str, markdown: str) -> st
         text = f.read()
     text = re.split(rf"^{re.escape(_FIGURES)}", text, maxsplit=1, flags=re.M)[0].rstrip()
     return atomic_write(path, f"{text}\n\n{_FIGURES} ({title})\n\n{markdown.strip()}\n")
-
-
-def _ours(module: Any) -> bool:
-    return type(module).__module__.startswith("st_extensions.")

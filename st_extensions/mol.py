@@ -4,7 +4,6 @@ with a MoL head, encode the component embeddings (Sec. 2.2, Eq. 2). The maths an
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -17,8 +16,7 @@ from tokenizers import AddedToken
 from tqdm.autonotebook import trange
 
 from st_extensions.checks import choice, positive_int
-from st_extensions.defaults import default_model_path
-from st_extensions.loading import load_model
+from st_extensions.defaults import base_modules, find_module
 from st_extensions.modules.mol import (
     COMPONENT_SOURCES,
     COMPONENTS_KEY,
@@ -35,15 +33,7 @@ Task = Literal["query", "document"]
 
 def find_mol(model: torch.nn.Module) -> MixtureOfLogits:
     """The model's :class:`MixtureOfLogits`; a clear error when it has none (or several)."""
-    heads = [m for m in model.modules() if isinstance(m, MixtureOfLogits)]
-    if not heads:
-        raise ValueError(
-            f"{type(model).__name__} has no MixtureOfLogits: MoL scoring and MoLLoss need a model built with "
-            "st_extensions.build_mol_model(...) (or loaded with st_extensions.load_model)"
-        )
-    if len(heads) > 1:
-        raise ValueError(f"model has {len(heads)} MixtureOfLogits modules, expected exactly one")
-    return heads[0]
+    return find_module(model, MixtureOfLogits, "MoL scoring and MoLLoss need", "build_mol_model")
 
 
 @contextmanager
@@ -123,22 +113,14 @@ def build_mol_model(
     choice("component_source", component_source, COMPONENT_SOURCES)
     pq = positive_int("num_query_components", num_query_components)
     px = positive_int("num_doc_components", num_doc_components)
-    if not isinstance(base_model, SentenceTransformer):
-        base_model = load_model(base_model or default_model_path(), device=device)
-    if any(isinstance(m, MixtureOfLogits) for m in base_model.modules()):
-        raise ValueError("base_model already has a MixtureOfLogits head")
-    embedding_dim = base_model.get_embedding_dimension()
-    if embedding_dim is None:
-        raise ValueError("cannot tell the base model's embedding dimension")
-    modules = [copy.deepcopy(m) for m in base_model]
+    modules, embedding_dim, device = base_modules(base_model, device, MixtureOfLogits)
     torch.manual_seed(seed)  # the head's orthogonal initialisations
-    default_dim = embedding_dim
     if component_source == "tokens":
         settings.update(_token_settings(modules[0], pq, px, settings.pop("max_positions", None), seed))
-        default_dim = settings["token_dim"]
-    dim = default_dim if component_dim is None else component_dim
-    head = MixtureOfLogits(pq, px, dim, embedding_dim, component_source, **settings)
-    return SentenceTransformer(modules=[*modules, head], device=device or str(base_model.device))
+    if component_dim is None:
+        component_dim = settings.get("token_dim", embedding_dim)
+    head = MixtureOfLogits(pq, px, component_dim, embedding_dim, component_source, **settings)
+    return SentenceTransformer(modules=[*modules, head], device=device)
 
 
 def encode_components(

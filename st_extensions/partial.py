@@ -16,6 +16,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from sentence_transformers.base.model import BaseModel
 from sentence_transformers.base.modules import InputModule, Transformer
 from sentence_transformers.util import batch_to_device
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 from tqdm.autonotebook import tqdm
 from transformers.masking_utils import create_bidirectional_mask
 from transformers.models.bert.modeling_bert import BertModel
@@ -39,17 +41,12 @@ __all__ = [
     "states_entering",
 ]  # fmt: skip
 
-FORMAT = "st_extensions.partial/layer-states"
-VERSION = 1
-META = "meta.json"
-STATES = "states.bin"
-TOKENS = "tokens.bin"
-KEYS = "keys.bin"
-ROWS = "rows.bin"
-INDEX = "index.json"
-DATA_FILES = (STATES, TOKENS, KEYS, ROWS)
-LOCK = ".lock"
+FORMAT, VERSION = "st_extensions.partial/layer-states", 1
+META, INDEX, LOCK = "meta.json", "index.json", ".lock"
+STATES, TOKENS, KEYS, ROWS = DATA_FILES = ("states.bin", "tokens.bin", "keys.bin", "rows.bin")
 DTYPES = ("float16", "float32")
+#: the meta.json fields a reopened cache must agree on
+_COMPARED = ("format", "version", "fingerprint", "max_seq_length", "frozen_layers", "hidden_size", "dtype", "keys")
 
 Key = str | tuple[str, str]
 
@@ -106,10 +103,6 @@ def check_partial_transformer(module: Any) -> Any:
             f"partial training caches one tokenisation per text; the Transformer tokenises per task: {per_task}"
         )
     return backbone
-
-
-def _num_layers(backbone: Any) -> int:
-    return len(backbone.encoder.layer)
 
 
 def check_layers(name: str, value: Any, low: int, high: int, num_layers: int) -> int:
@@ -195,11 +188,8 @@ _CONFIG_KEYS = (
 
 def _tokenizer_description(tokenizer: Any) -> Any:
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        spec = json.loads(backend.to_str())
-        spec.pop("truncation", None)  # call-time state, set by every tokenizer call
-        spec.pop("padding", None)
-        return spec
+    if backend is not None:  # without truncation and padding: call-time state, set by every tokenizer call
+        return {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
     return {"class": type(tokenizer).__name__, "vocab": sorted(tokenizer.get_vocab().items())}
 
 
@@ -209,7 +199,6 @@ def state_fingerprint(transformer: Transformer, frozen_layers: int) -> str:
     ``frozen_layers`` layers (not its path: a copy, or a model whose top layers were trained, has the same)."""
     backbone = check_partial_transformer(transformer)
     config = backbone.config
-    h = hashlib.sha256()
     described = {
         "backbone": type(backbone).__name__,
         "config": {k: getattr(config, k, None) for k in _CONFIG_KEYS},
@@ -217,7 +206,7 @@ def state_fingerprint(transformer: Transformer, frozen_layers: int) -> str:
         "tokenizer": _tokenizer_description(transformer.tokenizer),
         "frozen_layers": frozen_layers,
     }
-    h.update(json.dumps(described, sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
     for name, t in _frozen_tensors(backbone, frozen_layers):
         t = t.detach().to("cpu").contiguous()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
@@ -234,10 +223,9 @@ def _weights_token(transformer: Transformer, frozen_layers: int) -> tuple:
 
 def _frozen_tensors(backbone: Any, frozen_layers: int) -> list[tuple[str, Tensor]]:
     """(name, tensor) of the state of ``backbone``'s embeddings and lower ``frozen_layers`` layers."""
-    named = [(f"embeddings.{n}", t) for n, t in backbone.embeddings.state_dict().items()]
-    for i in range(frozen_layers):
-        named += [(f"layer.{i}.{n}", t) for n, t in backbone.encoder.layer[i].state_dict().items()]
-    return named
+    layers = {f"layer.{i}": backbone.encoder.layer[i] for i in range(frozen_layers)}
+    parts = {"embeddings": backbone.embeddings, **layers}
+    return [(f"{p}.{n}", t) for p, module in parts.items() for n, t in module.state_dict().items()]
 
 
 # ------------------------------------------------------------------------------------------------------ the cache
@@ -248,8 +236,7 @@ def _encode_key(key: Key) -> bytes:
 
 
 def _decode_key(raw: bytes, pairs: bool) -> Key:
-    text = raw.decode("utf8")
-    return tuple(json.loads(text)) if pairs else text
+    return tuple(json.loads(raw)) if pairs else raw.decode("utf8")
 
 
 def pair_key(x: Any) -> tuple[str, str]:
@@ -259,11 +246,6 @@ def pair_key(x: Any) -> tuple[str, str]:
     if not all(isinstance(t, str) for t in x):
         raise ValueError(f"a (query, document) pair holds two strings, got {x!r:.80}")
     return (x[0], x[1])
-
-
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf8") as f:
-        return dict(json.load(f))
 
 
 def _as_key(x: Any, pairs: bool) -> Key:
@@ -309,6 +291,7 @@ class LayerStateCache:
             folder = tempfile.mkdtemp(prefix="layer-states-")
             self._cleanup = weakref.finalize(self, shutil.rmtree, folder, True)
         self.folder = os.fspath(folder)
+        self.encoder, self._checked = transformer, None
         if transformer is None:
             if frozen_layers is not None:
                 raise ValueError("frozen_layers is read from the folder when no transformer is given")
@@ -317,7 +300,7 @@ class LayerStateCache:
                 raise ValueError(f"{self.folder!r} holds no layer-state cache (no {META})")
         else:
             backbone = check_partial_transformer(transformer)
-            num_layers = _num_layers(backbone)
+            num_layers = len(backbone.encoder.layer)
             frozen_layers = check_layers("frozen_layers", frozen_layers, 0, num_layers - 1, num_layers)
             wanted = {
                 "format": FORMAT,
@@ -333,9 +316,9 @@ class LayerStateCache:
                 "keys": "pair" if pairs else "text",
             }
             os.makedirs(self.folder, exist_ok=True)
-            with locked(os.path.join(self.folder, LOCK)):
+            with locked(self._path(LOCK)):
                 found = self._read_meta()
-                differ = self._differences(found, wanted) if found is not None else {}
+                differ = {k: (found.get(k), wanted[k]) for k in _COMPARED if found.get(k) != wanted[k]} if found else {}
                 if differ and not overwrite:
                     raise ValueError(
                         f"the layer-state cache in {self.folder!r} was built with other settings (found, wanted): "
@@ -344,47 +327,45 @@ class LayerStateCache:
                 if found is None or differ:
                     self._create(wanted)
                 self.meta = self._read_meta()
-        self.encoder = transformer
-        # (encoder id, weights token) last checked against the fingerprint: a cheap re-check before computing
-        self._checked = (
-            (id(transformer), _weights_token(transformer, self.frozen_layers)) if transformer is not None else None
-        )
+            # (encoder id, weights token) last checked against the fingerprint: a cheap re-check before computing
+            self._checked = (id(transformer), _weights_token(transformer, frozen_layers))
         self.pairs = self.meta["keys"] == "pair"
         self._np_dtype = np.dtype(self.meta["dtype"])
         self._reset()
         self._load_index()
 
-    @staticmethod
-    def _differences(found: dict, wanted: dict) -> dict[str, tuple]:
-        keys = ("format", "version", "fingerprint", "max_seq_length", "frozen_layers", "hidden_size", "dtype", "keys")
-        return {k: (found.get(k), wanted[k]) for k in keys if found.get(k) != wanted[k]}
+    def _path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def _corrupt(self, problem: str) -> CorruptFileError:
+        return CorruptFileError(f"{problem}: the layer-state cache is corrupted; delete {self.folder!r} to rebuild it")
+
+    def _read_json(self, name: str) -> dict:
+        remedy = f"delete {self.folder!r} to rebuild the layer-state cache"
+        return read_checked(self._path(name), lambda path: dict(json.loads(Path(path).read_bytes())), remedy)
+
+    def _write_json(self, name: str, obj: dict, indent: int | None = None) -> None:
+        atomic_write(self._path(name), json.dumps(obj, indent=indent).encode())
 
     def _read_meta(self) -> dict | None:
-        path = os.path.join(self.folder, META)
-        if not os.path.isfile(path):
+        if not os.path.isfile(self._path(META)):
             return None
-        meta = read_checked(path, _read_json, f"delete {self.folder!r} to rebuild the layer-state cache")
+        meta = self._read_json(META)
         if meta.get("format") != FORMAT:
-            raise ValueError(f"{path!r} is not a layer-state cache (format {meta.get('format')!r})")
+            raise ValueError(f"{self._path(META)!r} is not a layer-state cache (format {meta.get('format')!r})")
         return meta
 
     def _create(self, meta: dict) -> None:
         for name in (META, INDEX, *DATA_FILES):  # meta first: a folder without it holds no cache
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.folder, name))
+                os.unlink(self._path(name))
         for name in DATA_FILES:
-            atomic_write(os.path.join(self.folder, name), lambda f: None)
+            atomic_write(self._path(name), b"")
         self._write_index(0, 0, 0)
-        atomic_write(os.path.join(self.folder, META), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        self._write_json(META, meta, indent=1)
 
     def _write_index(self, keys: int, tokens: int, key_bytes: int) -> None:
-        counts = {"keys": keys, "tokens": tokens, "key_bytes": key_bytes}
-        atomic_write(os.path.join(self.folder, INDEX), lambda f: f.write(json.dumps(counts).encode()))
-
-    def _read_index(self) -> tuple[int, int, int]:
-        path, remedy = os.path.join(self.folder, INDEX), f"delete {self.folder!r} to rebuild the layer-state cache"
-        counts = read_checked(path, _read_json, remedy)
-        return int(counts["keys"]), int(counts["tokens"]), int(counts["key_bytes"])
+        self._write_json(INDEX, {"keys": keys, "tokens": tokens, "key_bytes": key_bytes})
 
     def _sizes(self, n_keys: int, n_tokens: int, n_key_bytes: int) -> dict[str, int]:
         """The bytes of each data file that ``n_keys`` keys of ``n_tokens`` tokens and ``n_key_bytes`` take."""
@@ -400,26 +381,21 @@ class LayerStateCache:
 
     def _load_index(self) -> None:
         """Catch up with what is committed on disk (only the keys added since the last look are read)."""
-        meta = self._read_meta()
-        if meta != self.meta:
+        if self._read_meta() != self.meta:
             raise ValueError(f"the layer-state cache in {self.folder!r} was rebuilt with other settings meanwhile")
-        n_keys, n_tokens, n_key_bytes = self._read_index()
+        counts = self._read_json(INDEX)
+        n_keys, n_tokens, n_key_bytes = int(counts["keys"]), int(counts["tokens"]), int(counts["key_bytes"])
         if n_keys < len(self._rows):
             self._reset()
         for name, needed in self._sizes(n_keys, n_tokens, n_key_bytes).items():
-            have = os.path.getsize(os.path.join(self.folder, name))
+            have = os.path.getsize(self._path(name))
             if have < needed:
-                raise CorruptFileError(
-                    f"{os.path.join(self.folder, name)!r} is shorter than its index says ({have} < {needed} bytes): "
-                    f"the layer-state cache is corrupted; delete {self.folder!r} to rebuild it"
-                )
+                raise self._corrupt(f"{self._path(name)!r} is shorter than its index says ({have} < {needed} bytes)")
         old = len(self._rows)
         if n_keys > old:
-            ends = np.fromfile(
-                os.path.join(self.folder, ROWS), dtype=np.int64, count=2 * (n_keys - old), offset=old * 16
-            )
+            ends = np.fromfile(self._path(ROWS), dtype=np.int64, count=2 * (n_keys - old), offset=old * 16)
             ends = ends.reshape(-1, 2)
-            with open(os.path.join(self.folder, KEYS), "rb") as f:
+            with open(self._path(KEYS), "rb") as f:
                 f.seek(self._key_bytes)
                 raw = f.read(n_key_bytes - self._key_bytes)
             starts = np.concatenate([[self._key_bytes], ends[:-1, 0]]) - self._key_bytes
@@ -428,15 +404,11 @@ class LayerStateCache:
             self._offsets = np.concatenate([self._offsets, ends[:, 1]])
             self._key_bytes = n_key_bytes
         if int(self._offsets[-1]) != n_tokens:
-            raise CorruptFileError(
-                f"{os.path.join(self.folder, ROWS)!r} disagrees with {INDEX}: the layer-state cache is corrupted; "
-                f"delete {self.folder!r} to rebuild it"
-            )
+            raise self._corrupt(f"{self._path(ROWS)!r} disagrees with {INDEX}")
         if n_tokens and (self._states is None or len(self._states) != n_tokens):
-            self._states = np.memmap(
-                os.path.join(self.folder, STATES), dtype=self._np_dtype, mode="r", shape=(n_tokens, self.hidden_size)
-            )
-            self._ids = np.memmap(os.path.join(self.folder, TOKENS), dtype=np.int32, mode="r", shape=(n_tokens,))
+            shape = (n_tokens, self.hidden_size)
+            self._states = np.memmap(self._path(STATES), dtype=self._np_dtype, mode="r", shape=shape)
+            self._ids = np.memmap(self._path(TOKENS), dtype=np.int32, mode="r", shape=(n_tokens,))
 
     @property
     def frozen_layers(self) -> int:
@@ -483,36 +455,29 @@ class LayerStateCache:
         if not new:
             return 0
         if self.encoder is None:
-            raise KeyError(f"not in the layer-state cache and no encoder to compute it: {new[0]!r:.100}")
+            raise KeyError(
+                "not in the layer-state cache (was it in the training data?) and no encoder to compute it: "
+                f"{new[0]!r:.100}"
+            )
         checked = (id(self.encoder), _weights_token(self.encoder, self.frozen_layers))
-        fingerprint = (
-            self.fingerprint if checked == self._checked else state_fingerprint(self.encoder, self.frozen_layers)
-        )
+        changed = checked != self._checked and state_fingerprint(self.encoder, self.frozen_layers) != self.fingerprint
         self._checked = checked
-        if fingerprint != self.fingerprint or self.encoder.max_seq_length != self.max_seq_length:
+        if changed or self.encoder.max_seq_length != self.max_seq_length:
             raise ValueError(
                 "the encoder no longer matches the layer-state cache (its frozen weights, tokenizer or "
                 "max_seq_length changed since the cache was opened)"
             )
-        with locked(os.path.join(self.folder, LOCK)):
+        with locked(self._path(LOCK)):
             self._load_index()  # another writer may have committed meanwhile
             new = [k for k in new if k not in self._rows]
-            if not new:
-                return 0
-            self._append(new)
+            if new:
+                self._append(new)
         return len(new)
 
     def rows(self, keys: Sequence[Any]) -> list[int]:
         """The row of each key, computing the missing ones first (with the encoder; without: ``KeyError``)."""
         keys = [_as_key(x, self.pairs) for x in keys]
-        if self.encoder is not None:
-            self.extend(keys)
-        lacking = [k for k in keys if k not in self._rows]
-        if lacking:
-            raise KeyError(
-                "not in the layer-state cache (was it in the training data?) and no encoder to compute it: "
-                f"{lacking[0]!r:.100}"
-            )
+        self.extend(keys)
         return [self._rows[k] for k in keys]
 
     def token_ids(self, row: int) -> np.ndarray:
@@ -562,14 +527,13 @@ class LayerStateCache:
     def _append(self, keys: list[Key]) -> None:
         """Append ``keys``' states (in the order computed: longest first) and commit them, at the end and about
         every ``commit_seconds`` of computing (the caller holds the lock and has caught up with the index)."""
-        n_tokens = int(self._offsets[-1])
-        committed = self._sizes(len(self._rows), n_tokens, self._key_bytes)
+        counts = [len(self._rows), int(self._offsets[-1]), self._key_bytes]
+        committed = self._sizes(*counts)
         with contextlib.ExitStack() as stack:
-            files = {name: stack.enter_context(open(os.path.join(self.folder, name), "r+b")) for name in DATA_FILES}
+            files = {name: stack.enter_context(open(self._path(name), "r+b")) for name in DATA_FILES}
             for name, f in files.items():
                 f.truncate(committed[name])  # drop what a crashed writer left beyond the committed index
                 f.seek(committed[name])
-            counts = [len(self._rows), n_tokens, self._key_bytes]
             pending, last = 0, time.monotonic()
             for batch in self._compute(keys):
                 for p, t, s in batch:
@@ -618,10 +582,9 @@ class PartialTransformer(InputModule):
                 f"the cache holds states of texts cut at max_seq_length={cache.max_seq_length}, the Transformer cuts "
                 f"at {transformer.max_seq_length}"
             )
-        if cache.hidden_size != backbone.config.hidden_size or cache.meta["num_layers"] != _num_layers(backbone):
+        if cache.hidden_size != backbone.config.hidden_size or cache.meta["num_layers"] != len(backbone.encoder.layer):
             raise ValueError("the cache was made with another backbone (hidden size or layer count differ)")
-        self.transformer = transformer
-        self.cache = cache
+        self.transformer, self.cache = transformer, cache
 
     @property
     def modalities(self) -> list[str]:
@@ -633,7 +596,7 @@ class PartialTransformer(InputModule):
 
     @property
     def train_layers(self) -> int:
-        return _num_layers(self.transformer.auto_model) - self.frozen_layers
+        return len(self.transformer.auto_model.encoder.layer) - self.frozen_layers
 
     @property
     def tokenizer(self) -> Any:
@@ -669,9 +632,8 @@ class PartialTransformer(InputModule):
             return {"unpaired_texts": inputs}  # e.g. the model card measuring one column: nothing to score
         rows = self.cache.rows(inputs)
         lengths = self.cache.lengths(rows)
-        input_ids = torch.full((len(rows), int(lengths.max())), self.tokenizer.pad_token_id or 0, dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, : lengths[i]] = torch.from_numpy(self.cache.token_ids(row).astype(np.int64))
+        ids = [torch.from_numpy(self.cache.token_ids(row).astype(np.int64)) for row in rows]
+        input_ids = pad_sequence(ids, batch_first=True, padding_value=self.tokenizer.pad_token_id or 0)
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < torch.from_numpy(lengths)[:, None]).long()
         rows_t = torch.tensor(rows, dtype=torch.long)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "cache_rows": rows_t, "modality": "text"}
@@ -681,8 +643,7 @@ class PartialTransformer(InputModule):
             raise ValueError("a cross-encoder scores (query, document) pairs, got single texts")
         backbone = self.transformer.auto_model
         mask = features["attention_mask"]
-        rows = features["cache_rows"].tolist()
-        states = self.cache.gather(rows, mask.shape[1])
+        states = self.cache.gather(features["cache_rows"].tolist(), mask.shape[1])
         weight = backbone.encoder.layer[self.frozen_layers].attention.self.query.weight
         hidden = torch.from_numpy(states).to(device=weight.device, dtype=weight.dtype)
         features[self.transformer.module_output_name] = run_top_layers(
@@ -728,7 +689,7 @@ def partial_model(
         raise ValueError("partial training needs a model with modules")
     transformer = modules[0]
     backbone = check_partial_transformer(transformer)
-    num_layers = _num_layers(backbone)
+    num_layers = len(backbone.encoder.layer)
     frozen = num_layers - check_layers("train_layers", train_layers, 1, num_layers, num_layers)
     hooked = [i for i, m in enumerate(backbone.encoder.layer[:frozen]) if m._forward_pre_hooks or m._forward_hooks]
     if hooked:  # e.g. a MoL token_layer below the trained layers: the cached states would not follow it

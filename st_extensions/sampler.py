@@ -57,27 +57,17 @@ class QueryBalancedBatchSampler(DefaultBatchSampler):
         seed: int = 0,
         world_size: int | None = None,
     ) -> None:
-        super().__init__(
-            dataset,
-            batch_size=batch_size,
-            drop_last=drop_last,
-            valid_label_columns=valid_label_columns,
-            generator=generator,
-            seed=seed,
-        )
+        super().__init__(dataset, batch_size, drop_last, valid_label_columns, generator, seed)
         world_size = positive_int("world_size", data_parallel_world_size() if world_size is None else world_size)
         self.world_size = world_size
         self.groups = query_groups(dataset)
         if len(self.groups) < world_size * batch_size:
-            if world_size > 1:
-                raise ValueError(
-                    f"the training data has {len(self.groups)} distinct queries, fewer than {world_size} processes x "
-                    f"batch_size={batch_size}: a global batch of distinct queries cannot be filled (lower the batch "
-                    "size or the number of processes)"
-                )
+            many = world_size > 1
+            limit = f"{world_size} processes x batch_size={batch_size}" if many else f"batch_size={batch_size}"
+            fix = "the batch size or the number of processes" if many else "the batch size"
             raise ValueError(
-                f"the training data has {len(self.groups)} distinct queries, fewer than batch_size={batch_size}: "
-                "a batch of distinct queries cannot be filled (lower the batch size)"
+                f"the training data has {len(self.groups)} distinct queries, fewer than {limit}: a "
+                f"{'global ' if many else ''}batch of distinct queries cannot be filled (lower {fix})"
             )
         rng = random.Random(seed)
         for rows in self.groups:

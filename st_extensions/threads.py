@@ -75,11 +75,9 @@ def configure_threads(n: int | None = None) -> int:
         _interop_set = True
         with contextlib.suppress(RuntimeError):  # torch refuses once inter-op work has started
             torch.set_num_interop_threads(n)
-    try:
+    with contextlib.suppress(ImportError):
         import faiss  # optional
-    except ImportError:
-        pass
-    else:
+
         faiss.omp_set_num_threads(n)
     os.environ["RAYON_NUM_THREADS"] = str(n)
     if n == 1:

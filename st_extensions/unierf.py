@@ -163,16 +163,6 @@ def parse_unierf_columns(columns: Sequence[str], branches: Sequence[str]) -> tup
     return anchors, negatives
 
 
-def _sample_random(rng: random.Random, pool: Sequence[str], excluded: Collection[str], tries: int = 64) -> str | None:
-    """A uniform draw from ``pool`` outside ``excluded`` (None if there is none)."""
-    for _ in range(tries):
-        doc = pool[rng.randrange(len(pool))]
-        if doc not in excluded:
-            return doc
-    rest = [d for d in pool if d not in excluded]
-    return rng.choice(rest) if rest else None
-
-
 class _NegativeDraws:
     """The seeded negative draws of :func:`build_unierf_dataset` (Sec. 4.3.2-4.3.3), in row order."""
 
@@ -190,10 +180,15 @@ class _NegativeDraws:
         """Uniform over the corpus; for a share of the rows over the positive's category (if it has other docs)."""
         category = self.categories.get(positive)
         same = category is not None and self.rng.random() < self.share
-        doc = _sample_random(self.rng, (self.by_category.get(category, []) if same else []) or self.pool, excluded)
-        if doc is None:
+        pool = (self.by_category.get(category, []) if same else []) or self.pool
+        for _ in range(64):
+            doc = pool[self.rng.randrange(len(pool))]
+            if doc not in excluded:
+                return doc
+        rest = [d for d in pool if d not in excluded]
+        if not rest:
             raise ValueError(f"example {i} has no document left to draw a negative from")
-        return doc
+        return self.rng.choice(rest)
 
     def hard(self, i: int, positive: str, candidates: Collection[str], excluded: Collection[str]) -> str:
         """Uniform among the eligible ``candidates``; a random negative when none is."""
@@ -223,11 +218,28 @@ def build_unierf_dataset(
 
     A negative is never the row's positive nor in ``exclude[i]``. Pass ``columns=dataset.column_names`` to the loss.
     """
-    branches, positives, hard_negatives = _check_dataset_inputs(
-        anchors, positives, doc_texts, hard_negatives, exclude, same_category_share
-    )
+    if not isinstance(anchors, Mapping) or not anchors:
+        raise ValueError("anchors must be a non-empty mapping branch -> texts")
+    branches = check_branch_names(list(anchors))
+    positives = list(positives)
+    n = len(positives)
+    for b, texts in anchors.items():
+        if isinstance(texts, str) or len(texts) != n:
+            raise ValueError(f"anchors[{b!r}] must hold one text per example ({n}), got {len(texts)}")
+    hard_negatives = dict(hard_negatives or {})
+    ordered_hard = hard_negative_branches(branches, list(hard_negatives))
+    for b, cands in hard_negatives.items():
+        if len(cands) != n:
+            raise ValueError(f"hard_negatives[{b!r}] must hold one candidate list per example ({n}), got {len(cands)}")
+    if exclude is not None and len(exclude) != n:
+        raise ValueError(f"exclude must hold one collection per example ({n}), got {len(exclude)}")
+    probability("same_category_share", same_category_share)
+    missing = [p for p in positives if p not in doc_texts]
+    if missing:
+        raise ValueError(f"{len(missing)} positive(s) are not in doc_texts (e.g. {missing[:3]})")
+    if not doc_texts:
+        raise ValueError("doc_texts is empty")
     draws = _NegativeDraws(list(doc_texts), categories, same_category_share, seed)
-    ordered_hard = [b for b in branches if b in hard_negatives]
     columns = unierf_columns(branches, random_negative=random_negative, hard_negatives=ordered_hard)
     rows: dict[str, list[str]] = {c: [] for c in columns}
     for i, positive in enumerate(positives):
@@ -241,36 +253,3 @@ def build_unierf_dataset(
             candidates = [d for d in hard_negatives[b][i] if d in doc_texts]
             rows[negative_column(b)].append(doc_texts[draws.hard(i, positive, candidates, excluded)])
     return Dataset.from_dict(rows)
-
-
-def _check_dataset_inputs(
-    anchors: Mapping[str, Sequence[str]],
-    positives: Sequence[str],
-    doc_texts: Mapping[str, str],
-    hard_negatives: Mapping[str, Sequence[Sequence[str]]] | None,
-    exclude: Sequence[Collection[str]] | None,
-    same_category_share: float,
-) -> tuple[list[str], list[str], dict[str, Sequence[Sequence[str]]]]:
-    """The arguments of :func:`build_unierf_dataset` checked: ``(branches, positives, hard_negatives)``."""
-    if not isinstance(anchors, Mapping) or not anchors:
-        raise ValueError("anchors must be a non-empty mapping branch -> texts")
-    branches = check_branch_names(list(anchors))
-    positives = list(positives)
-    n = len(positives)
-    for b, texts in anchors.items():
-        if isinstance(texts, str) or len(texts) != n:
-            raise ValueError(f"anchors[{b!r}] must hold one text per example ({n}), got {len(texts)}")
-    hard_negatives = dict(hard_negatives or {})
-    hard_negative_branches(branches, list(hard_negatives))
-    for b, cands in hard_negatives.items():
-        if len(cands) != n:
-            raise ValueError(f"hard_negatives[{b!r}] must hold one candidate list per example ({n}), got {len(cands)}")
-    if exclude is not None and len(exclude) != n:
-        raise ValueError(f"exclude must hold one collection per example ({n}), got {len(exclude)}")
-    probability("same_category_share", same_category_share)
-    missing = [p for p in positives if p not in doc_texts]
-    if missing:
-        raise ValueError(f"{len(missing)} positive(s) are not in doc_texts (e.g. {missing[:3]})")
-    if not doc_texts:
-        raise ValueError("doc_texts is empty")
-    return branches, positives, hard_negatives

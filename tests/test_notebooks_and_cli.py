@@ -81,7 +81,7 @@ def test_every_option_has_help_and_its_default_once(paper):
         assert block.count("(default:") <= 1, block
 
 
-def test_results_json_copies_the_summary_with_the_command_and_the_report_states_the_recipe(tmp_path):
+def test_results_json_copies_the_summary_with_the_command_and_the_report_states_the_recipe(tmp_path, capsys):
     from pyterrier_prob.experiments.harness import CommonConfig, Harness
 
     command = "pyterrier-prob pebr --steps 10"
@@ -89,6 +89,8 @@ def test_results_json_copies_the_summary_with_the_command_and_the_report_states_
     h = Harness("pebr", cfg)
     h.recipes["pebr"] = cfg.training_recipe(10).to_dict()
     h.finish("title", "text", {}, {"x": 1})
+    printed = capsys.readouterr().out  # the console shows the report (as results.md), not the JSON copy
+    assert "# title" in printed and "Wall time:" in printed and '"command"' not in printed
     copy = json.loads((tmp_path / "results" / "pebr.json").read_text())
     assert copy["command"] == command and copy["x"] == 1 and copy["config"]["command"] == command
     assert f"Recipe of pebr: {cfg.training_recipe(10).describe()}" in (tmp_path / "o" / "results.md").read_text()

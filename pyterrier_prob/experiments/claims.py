@@ -45,17 +45,8 @@ def paired_claim(
         raise ValueError(f"claim {claim!r}: {system!r} and {baseline!r} have no query in common")
     v, b = v[qids], b[qids]
     p = _num(ttest_rel(v, b).pvalue) if len(qids) > 1 and (v - b).std() > 0 else None
-    return {
-        "paper": paper,
-        "claim": claim,
-        "system": system,
-        "baseline": baseline,
-        "metric": metric,
-        "value": float(v.mean()),
-        "baseline_value": float(b.mean()),
-        "p": p,
-        "queries": len(qids),
-    }
+    row = {"paper": paper, "claim": claim, "system": system, "baseline": baseline, "metric": metric}
+    return {**row, "value": float(v.mean()), "baseline_value": float(b.mean()), "p": p, "queries": len(qids)}
 
 
 def perquery_claims(

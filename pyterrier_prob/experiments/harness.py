@@ -37,11 +37,11 @@ from pyterrier_prob.data import judged_pairs, training_pairs
 from pyterrier_prob.experiments.splits import Data, load_data
 from pyterrier_prob.index import DenseIndex, MoLIndex
 from pyterrier_prob.training import MODES, Recipe, StepRate, fine_tune
-from st_extensions import load_model
+from st_extensions import default_model_path, load_model
 from st_extensions.atomic import FILE_MODE, locked
 from st_extensions.checks import is_int, positive_int
 from st_extensions.cross_encoder.split import SplitTransformer
-from st_extensions.frozen import CachedEmbeddings, cached_model, prefix_model
+from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, prefix_model
 from st_extensions.model_card import save_with_card, set_card_figures
 from st_extensions.partial import check_partial_transformer, state_fingerprint
 from st_extensions.threads import configure_threads, thread_count
@@ -53,8 +53,8 @@ __all__ = [
     "Data",
     "Harness",
     "TrainingPairs",
-    "add_common_arguments",
     "add_options",
+    "base_model",
     "config_from_args",
     "lock_output",
     "loss_ends",
@@ -63,25 +63,20 @@ __all__ = [
     "native_output_to",
     "option",
     "p_mark",
+    "subcommand",
 ]
 
 
 #: The command line's training options, made from :class:`~pyterrier_prob.training.Recipe`'s fields (their type and
 #: help): :class:`CommonConfig` field (``--flag``) -> Recipe field.
-RECIPE_OPTIONS = {
-    "recipe": "mode",
-    "steps": "steps",
-    "batch_size": "batch_size",
-    "lr": "learning_rate",
-    "train_layers": "train_layers",
-    "checkpoint_every": "checkpoint_every",
-    "checkpoint_limit": "checkpoint_limit",
-    "seed": "seed",
+RECIPE_OPTIONS = {"recipe": "mode", "lr": "learning_rate"} | {
+    name: name for name in ("steps", "batch_size", "train_layers", "checkpoint_every", "checkpoint_limit", "seed")
 }
 _OPTION_NOTES = {  # what an option means on the command line beyond the Recipe field's help
     "steps": " (0: evaluate --model without fine-tuning)",
     "checkpoint_every": " (default: a tenth of --steps when the encoder trains, none under frozen)",
 }
+_OPTIONAL_TYPES = {"int | None": int, "float | None": float}  # the type of an option whose default is None
 
 
 def _flag(name: str) -> str:
@@ -90,8 +85,8 @@ def _flag(name: str) -> str:
 
 def option(default: Any = None, help: str = "", group: str | None = None, **argparse_kwargs: Any) -> Any:
     """A config field that is also the command-line option ``--<field name>`` (:func:`add_options`): its default,
-    its help (the field's documentation), the help group (None: the paper's own) and argparse keywords
-    (``choices``; ``type`` for a None default). A sequence default is a tuple (``nargs="+"``); a False one a flag."""
+    its help (the field's documentation), the help group (None: the paper's own) and argparse keywords (``choices``;
+    a None default's type is its annotation's). A sequence default is a tuple (``nargs="+"``); a False one a flag."""
     return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
 
 
@@ -145,7 +140,6 @@ class CommonConfig:
         "CPU threads of torch, faiss and the tokenizers (default: the CPUs this process may use: OMP_NUM_THREADS, "
         "else its affinity (taskset, a cluster's cpuset) capped by its cgroup's CPU quota)",
         TRAINING,
-        type=int,
     )
     dev_every: int | None = option(
         None,
@@ -153,10 +147,9 @@ class CommonConfig:
         "queries; the best dev step's weights are kept, curves/<system>.json); default: 250 when the encoder trains, "
         "none under frozen",
         TRAINING,
-        type=int,
     )
     patience: int | None = option(
-        None, "with --dev-every: stop after this many dev points without a better one", TRAINING, type=int
+        None, "with --dev-every: stop after this many dev points without a better one", TRAINING
     )
     output: str = option("outputs/experiment", "folder for models, indexes, tables and plots", OUTPUT)
     reuse: bool = option(False, "reuse models (same settings) and indexes in --output", OUTPUT)
@@ -219,13 +212,10 @@ class CommonConfig:
             raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
 
 
-def add_options(
-    ap: argparse.ArgumentParser, defaults: CommonConfig, title: str | None = None, names: Iterable[str] | None = None
-) -> None:
-    """Add a config dataclass's options to ``ap`` (those in ``names``, default all): every :func:`option` field as
-    ``--<field>`` (its help, group and argparse keywords from the field, its default from ``defaults``), and the
-    training options from :class:`~pyterrier_prob.training.Recipe`'s fields (:data:`RECIPE_OPTIONS`); a paper's
-    own fields go to the group ``title``."""
+def add_options(ap: argparse.ArgumentParser, defaults: CommonConfig, title: str | None = None) -> None:
+    """Add a config dataclass's options to ``ap``: every :func:`option` field as ``--<field>`` (its help, group and
+    argparse keywords from the field, its default from ``defaults``), and the training options from
+    :class:`~pyterrier_prob.training.Recipe`'s fields (:data:`RECIPE_OPTIONS`); a paper's own go to group ``title``."""
     recipe_fields = {f.name: f for f in fields(Recipe)}
     common = {f.name: f.metadata for f in fields(CommonConfig)}
     groups: dict[str, Any] = {}
@@ -236,7 +226,7 @@ def add_options(
             meta = {"help": r.metadata["help"] + _OPTION_NOTES.get(f.name, ""), "group": TRAINING}
             meta["type"] = {"mode": str, "learning_rate": float}.get(r.name, int)
             meta["choices"] = list(MODES) if r.name == "mode" else None
-        if "help" not in meta or (names is not None and f.name not in names):
+        if "help" not in meta:
             continue
         name = meta.pop("group") or title or type(defaults).__name__
         group = groups.get(name) or groups.setdefault(name, ap.add_argument_group(name))
@@ -249,14 +239,9 @@ def add_options(
                 meta["type"] = type(default[0])
             meta.setdefault("nargs", "+")
             default = list(default)
-        elif default is not None:
-            meta.setdefault("type", type(default))
+        else:  # a None default: the type its annotation names (``int | None``: int)
+            meta.setdefault("type", type(default) if default is not None else _OPTIONAL_TYPES.get(f.type))
         group.add_argument(_flag(f.name), default=default, **meta)
-
-
-def add_common_arguments(ap: argparse.ArgumentParser, defaults: CommonConfig) -> None:
-    """Add the shared options (:class:`CommonConfig`'s) to a subcommand's parser, with the paper's defaults."""
-    add_options(ap, defaults, names=CommonConfig.__dataclass_fields__)
 
 
 def config_from_args(cls: type[C], a: argparse.Namespace) -> C:
@@ -264,6 +249,26 @@ def config_from_args(cls: type[C], a: argparse.Namespace) -> C:
     (lists as tuples)."""
     values = {f.name: getattr(a, f.name) for f in fields(cls) if f.init and hasattr(a, f.name)}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
+
+
+def subcommand(cls: type[C], title: str) -> tuple[Callable[..., None], Callable[..., C]]:
+    """A paper's ``add_arguments(ap)`` (``cls``'s options, the paper's own in the group ``title``) and
+    ``config_from_args(a)`` (a ``cls`` from the parsed arguments): what ``pyterrier-prob <paper>`` calls."""
+
+    def add_arguments(ap: argparse.ArgumentParser) -> None:
+        add_options(ap, cls(), title)
+
+    def from_args(a: argparse.Namespace) -> C:
+        return config_from_args(cls, a)
+
+    return add_arguments, from_args
+
+
+def base_model(cfg: CommonConfig, adapter: bool = False) -> Any:
+    """``--model`` (default: the packaged MiniLM) on the CPU; with ``adapter`` (a recipe that caches the encoder's
+    outputs) under the LinearAdapter a dense model trains on them."""
+    model = load_model(cfg.model or default_model_path(), device="cpu")
+    return build_adapter_model(model) if adapter else model
 
 
 def _slug(text: str) -> str:
@@ -340,7 +345,7 @@ def lock_output(folder: str) -> contextlib.ExitStack:
     try:
         fd = stack.enter_context(locked(path, blocking=False))
     except BlockingIOError:
-        holder = (_read_text(path) or "").strip() or "another run"
+        holder = (_read(path, str) or "").strip() or "another run"
         raise ValueError(
             f"--output {folder!r} is in use by pyterrier-prob {holder}; wait for it to finish or choose another "
             "--output"
@@ -456,29 +461,21 @@ class Harness:
             callbacks, self.dev_measures[name] = [*callbacks, curve], str(getattr(dev, "measure", "dev"))
         wanted = self._train_settings(name, recipe, settings)
         if recipe is None:
-            return self._built_model(build), []
+            return _set_max_len(build(), self.cfg.max_seq_length), []
         self.recipes[name] = recipe.to_dict()
-        reused = self._reused_model(name, wanted)
-        if reused is not None:
+        if (reused := self._reused_model(name, wanted)) is not None:
             return reused
         with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {recipe.batch_size} ({recipe.label})"):
             torch.manual_seed(self.cfg.seed)
-            model = self._built_model(build)
+            model = _set_max_len(build(), self.cfg.max_seq_length)
             own_cache = recipe.caches_features and encoder_cache is None
             rows = data()  # before the loss: a loss may use what the rows' making found (e.g. the judged pairs)
             rate, training_loss = StepRate(), loss(model)
+            run = {"output_dir": self.path("runs", name), "resume": self.cfg.resume, "show_progress": self.verbose}
+            run["encoder_cache"] = self.encoder_cache(model) if own_cache else encoder_cache
+            run["state_cache"] = self.state_cache_path(recipe, model) if recipe.caches_states else None
             losses = fine_tune(
-                model,
-                training_loss,
-                rows,
-                recipe,
-                output_dir=self.path("runs", name),
-                resume=self.cfg.resume,
-                show_progress=self.verbose,
-                desc=f"training {name}",
-                encoder_cache=self.encoder_cache(model) if own_cache else encoder_cache,
-                state_cache=self.state_cache_path(recipe, model) if recipe.caches_states else None,
-                callbacks=[*callbacks, rate],
+                model, training_loss, rows, recipe, desc=f"training {name}", callbacks=[*callbacks, rate], **run
             )
             self.step_rates[name] = rate.steps_per_second
             if own_cache:
@@ -504,11 +501,6 @@ class Harness:
             self._dev_pool = topics, {d["docno"]: d["text"] for d in coll.corpus_iter() if d["docno"] in wanted}
         return DevRetrieval(self._dev_pool[0], data.cal_qrels, self._dev_pool[1], measure, score)
 
-    def _built_model(self, build: Callable[[], Any]) -> Any:
-        model = build()
-        _set_max_len(model, self.cfg.max_seq_length)
-        return model
-
     def _train_settings(self, name: str, recipe: Recipe | None, settings: Mapping[str, Any] | None) -> dict[str, Any]:
         """What makes the model ``name``: compared with a saved model's by ``--reuse``, and part of its indexes'
         settings (an index is reused only for a model made the same way)."""
@@ -524,11 +516,11 @@ class Harness:
     def _reused_model(self, name: str, wanted: dict[str, Any]) -> tuple[Any, list[float]] | None:
         """With ``--reuse``: the saved model ``name`` and its losses when it was made with the ``wanted`` settings."""
         path = self.path("models", name)
-        saved = _read_json(os.path.join(path, "train_settings.json")) if self.cfg.reuse else None
+        saved = _read(os.path.join(path, "train_settings.json")) if self.cfg.reuse else None
         if not isinstance(saved, dict) or saved.get("settings") != wanted:
             return None
         with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
-            model = self._built_model(lambda: load_model(path, device="cpu"))
+            model = _set_max_len(load_model(path, device="cpu"), self.cfg.max_seq_length)
         self.saved_models[name] = path
         return model, list(saved.get("losses", []))
 
@@ -565,7 +557,7 @@ class Harness:
         system's training and indexing; kept in ``output/cache/``, reused while base model and token budget match."""
         if self._cache is None:
             path = self._cache_file
-            if _read_json(f"{path}.settings.json") == self._base and os.path.isfile(path):
+            if _read(f"{path}.settings.json") == self._base and os.path.isfile(path):
                 self._cache = CachedEmbeddings.load_cache(path)
             else:
                 self._cache = CachedEmbeddings([], torch.zeros(0, model.get_embedding_dimension()))
@@ -584,9 +576,7 @@ class Harness:
     def encoding_model(self, model: Any) -> Any:
         """What to encode queries and documents with: under the frozen recipe, ``model``'s added modules on the
         run's encoder cache (identical outputs; each text through the encoder once per run), else ``model``."""
-        if not self.recipe.caches_features:
-            return model
-        return cached_model(model, cache=self.encoder_cache(model))
+        return cached_model(model, cache=self.encoder_cache(model)) if self.recipe.caches_features else model
 
     # ---- indexes ----------------------------------------------------------------------------------------------
     def _index_path(self, name: str, collection: Collection, ext: str) -> str:
@@ -596,7 +586,7 @@ class Harness:
         """With ``--reuse``: the index exists and was built by a model made with the same settings."""
         if not self.cfg.reuse or name in self._fresh or not os.path.isfile(os.path.join(path, "pt_meta.json")):
             return False
-        return _read_json(f"{path}.settings.json") == self._index_settings(name)
+        return _read(f"{path}.settings.json") == self._index_settings(name)
 
     def _index_settings(self, name: str) -> dict[str, Any]:
         return {"model": self._model_settings.get(name, self._base), "max_seq_length": self.cfg.max_seq_length}
@@ -704,10 +694,8 @@ class Harness:
         if copy:  # the summary where the docs' tables can name it, with the command line that made it
             if os.path.isdir(copy) or copy.endswith(os.sep):
                 copy = os.path.join(make_dirs(copy), f"{self.name}.json")
-            command = {"command": getattr(self.cfg, "command", None)}
-            full["outputs"]["results_json"] = atomic_write(
-                copy, json.dumps({**command, **full}, indent=2, default=_json_default)
-            )
+            copied = {"command": getattr(self.cfg, "command", None), **full}
+            full["outputs"]["results_json"] = atomic_write(copy, json.dumps(copied, indent=2, default=_json_default))
         print("\n" + text, flush=True)
         print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
         self._lock.close()  # the folder is complete: another run may take it
@@ -768,26 +756,19 @@ def _json_default(o: Any) -> Any:
     return o.tolist() if isinstance(o, (np.integer, np.floating, np.ndarray)) else str(o)
 
 
-def _read_text(path: str) -> str | None:
+def _read(path: str, parse: Callable[[str], Any] = json.loads) -> Any:
+    """The text of ``path`` parsed (default: the JSON of a model's or an index's settings), None when missing or
+    unreadable."""
     try:
         with open(path, encoding="utf8") as f:
-            return f.read()
+            return parse(f.read())
     except (OSError, ValueError):
         return None
 
 
-def _read_json(path: str) -> Any:
-    """The JSON saved in ``path`` (a model's or an index's settings), None when missing or unreadable."""
-    try:
-        with open(path, encoding="utf8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _set_max_len(model: Any, n: int) -> None:
-    """Set the model's token budget; ``ValueError`` naming ``--max-seq-length`` beyond the most tokens its transformer
-    takes (``max_position_embeddings``)."""
+def _set_max_len(model: Any, n: int) -> Any:
+    """Set the model's token budget and return the model; ``ValueError`` naming ``--max-seq-length`` beyond the most
+    tokens its transformer takes (``max_position_embeddings``)."""
     for m in model.modules() if isinstance(model, torch.nn.Module) else []:
         limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and limit > 0:
@@ -798,3 +779,4 @@ def _set_max_len(model: Any, n: int) -> None:
         model.max_seq_length = n
     elif hasattr(model, "max_length"):
         model.max_length = n
+    return model

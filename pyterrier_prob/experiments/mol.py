@@ -10,7 +10,6 @@ protocol, the systems and what ``--model``/``--steps 0`` change: ``docs/mol.md``
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 from collections.abc import Callable
@@ -22,25 +21,24 @@ import numpy as np
 import pandas as pd
 from ir_measures import R, nDCG
 
-from pyterrier_prob.experiments import harness
 from pyterrier_prob.experiments.claims import perquery_claims, record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
     Harness,
     TrainingPairs,
-    add_options,
+    base_model,
     loss_ends,
     markdown_table,
     measure_cell,
     option,
+    subcommand,
 )
 from pyterrier_prob.mol import MoLEncoder, MoLRetriever
 from pyterrier_prob.mol.gate import gate_statistics
 from pyterrier_prob.pebr import ProbBiEncoder, TopKRetriever
 from st_extensions import MixtureOfLogits, build_mol_model, default_model_path, encode_components, find_mol, load_model
 from st_extensions.checks import choice
-from st_extensions.frozen import build_adapter_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, MoLLoss
 
 __all__ = [
@@ -79,6 +77,7 @@ fine-tuned)."""
 HEAD_PARAMS = r"(^|\.)(query_pool|doc_pool|query_proj|doc_proj|query_heads|doc_heads|gate_net)\."
 
 ENCODE_BATCH = 64
+RETRIEVAL = {"dense": "DenseIndex + TopKRetriever", "mol": "MoLIndex + MoLRetriever(method='brute_force')"}
 
 
 @dataclass
@@ -93,12 +92,11 @@ class MolJobConfig(CommonConfig):
         None,
         "learning rate of the new MoL parameters (HEAD_PARAMS; default: the rate MixtureOfLogits declares, chosen "
         "on nfcorpus dev by benchmarks/recipe_search.py)",
-        type=float,
     )
     pq: int = option(4, "P_q, query component embeddings")
     px: int = option(4, "P_x, document component embeddings")
     component_dim: int | None = option(
-        None, "d_P (default: the encoder's hidden size for tokens, its embedding size for heads)", type=int
+        None, "d_P (default: the encoder's hidden size for tokens, its embedding size for heads)"
     )
     component_source: str = option(
         "heads",
@@ -144,13 +142,7 @@ class MolJobConfig(CommonConfig):
             raise ValueError(f"--k must be >= 10 (nDCG@10 is measured), got {self.k}")
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The ``pyterrier-prob mol`` options."""
-    add_options(ap, MolJobConfig(), "Mixture-of-Logits")
-
-
-def config_from_args(a: argparse.Namespace) -> MolJobConfig:
-    return harness.config_from_args(MolJobConfig, a)
+add_arguments, config_from_args = subcommand(MolJobConfig, "Mixture-of-Logits")  # what ``pyterrier-prob`` calls
 
 
 @dataclass
@@ -166,45 +158,30 @@ class _System:
     mapping: dict[str, float] | None = None
 
 
-def _base(cfg: MolJobConfig, adapter: bool = False) -> Any:
-    """``--model`` (default: the packaged MiniLM); with ``adapter`` (a recipe that caches the encoder's outputs)
-    the LinearAdapter a dense baseline trains on them."""
-    model = load_model(cfg.model or default_model_path(), device="cpu")
-    return build_adapter_model(model) if adapter else model
-
-
 def _mol_model(cfg: MolJobConfig, given_is_mol: bool) -> Any:
     """The MoL model: a saved MoL ``--model`` as it is (training continues), else MoL modules on the base model."""
-    model = _base(cfg)
+    model = base_model(cfg)
     if given_is_mol:
         return model
     model.max_seq_length = cfg.max_seq_length  # the position pooling covers the inputs the model will see
     tokens_train = cfg.component_source == "tokens" and cfg.training_recipe().caches_states  # inputs of the top layers
-    layers = model[0].auto_model.config.num_hidden_layers
-    return build_mol_model(
-        model,
-        num_query_components=cfg.pq,
-        num_doc_components=cfg.px,
-        component_dim=cfg.component_dim,
-        component_source=cfg.component_source,
-        head_init=cfg.head_init,
-        token_layer=layers - cfg.train_layers if tokens_train else None,
-        seed=cfg.seed,
-        device="cpu",
-    )
+    token_layer = model[0].auto_model.config.num_hidden_layers - cfg.train_layers if tokens_train else None
+    components = {"num_query_components": cfg.pq, "num_doc_components": cfg.px, "component_dim": cfg.component_dim}
+    components |= {"component_source": cfg.component_source, "head_init": cfg.head_init}
+    return build_mol_model(model, **components, token_layer=token_layer, seed=cfg.seed, device="cpu")
 
 
 def systems(cfg: MolJobConfig, h: Harness, data: Data, pairs: TrainingPairs, given_is_mol: bool) -> list[_System]:
     """The systems of this run, in table order (``docs/mol.md``, The protocol)."""
     ref = "untrained"  # the harness reuses its index only for the same --model and --max-seq-length
-    out = [_System(REFERENCE, ref, "dense", partial(_base, cfg), None)]
+    out = [_System(REFERENCE, ref, "dense", partial(base_model, cfg), None)]
     if data.train is None:
         if given_is_mol:
-            out.append(_System(MOL_UNTRAINED, ref + "-mol", "mol", partial(_base, cfg), None))
+            out.append(_System(MOL_UNTRAINED, ref + "-mol", "mol", partial(base_model, cfg), None))
         return out
     mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
     dense_loss = partial(_loss, cls=MaskedMultipleNegativesRankingLoss, pairs=pairs, scale=cfg.scale)
-    out.append(_System(BASELINE, "bi-encoder", "dense", partial(_base, cfg, h.recipe.caches_features), dense_loss))
+    out.append(_System(BASELINE, "bi-encoder", "dense", partial(base_model, cfg, h.recipe.caches_features), dense_loss))
     alphas = [(MOL, "mol", cfg.alpha)] + ([(MOL_NO_MI, "mol-no-lmi", 0.0)] if cfg.mi_ablation else [])
     for name, model_name, alpha in alphas:
         loss = partial(_loss, cls=MoLLoss, pairs=pairs, alpha=alpha, scale=cfg.scale)
@@ -219,14 +196,10 @@ def _loss(model: Any, cls: type, pairs: TrainingPairs, **settings: Any) -> Any:
 
 
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
-    """Run the Mixture-of-Logits experiment (``docs/mol.md``, The protocol) and write its outputs to ``cfg.output``.
-
-    Writes ``results.csv`` (the pt.Experiment table: nDCG@10, R@k, paired t-tests against the bi-encoder),
-    ``gate.csv`` (gate statistics per MoL system and pair set), ``training.csv`` (losses), ``summary.json`` and
-    ``results.md``; models under ``models/``, indexes under ``indexes/``.
-
-    Returns:
-        ``{"experiment": frame, "gate": frame, "training": frame, "summary": dict}``.
+    """Run the Mixture-of-Logits experiment (``docs/mol.md``, The protocol) and write its outputs to ``cfg.output``:
+    ``results.csv`` (the pt.Experiment table: nDCG@10, R@k, paired t-tests against the bi-encoder), ``gate.csv`` (gate
+    statistics per MoL system and pair set), ``training.csv`` (losses), ``summary.json`` and ``results.md``; models
+    under ``models/``, indexes under ``indexes/``. Returns ``{"experiment", "gate", "training": frame, "summary"}``.
     """
     h = Harness("mol", cfg)
     dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
@@ -274,33 +247,22 @@ def train_system(
     """Fine-tune (or build) one system's model; returns it and its summary entry (loss, rates, training loss)."""
     entry: dict[str, Any] = {"similarity": "MoL (Eq. 1-2)" if s.kind == "mol" else "cosine"}
     mol_settings = {"pq": cfg.pq, "px": cfg.px, "component_dim": cfg.component_dim, "source": cfg.component_source}
-    settings = {
-        "system": s.name,
-        "train": f"{data.train_collection.name}/{data.train}",
-        "scale": cfg.scale,
-        "alpha": s.alpha,
-        "mol": None if s.kind == "dense" else mol_settings,
-    }
+    settings = {"system": s.name, "train": f"{data.train_collection.name}/{data.train}", "scale": cfg.scale}
+    settings |= {"alpha": s.alpha, "mol": None if s.kind == "dense" else mol_settings}
     train = pairs if s.loss is not None and data.train else None
     dev = h.dev_evaluator(data, "nDCG@10", _mol_dev_scores if s.kind == "mol" else None) if train else None
     model, losses = h.train(
-        s.model_name, s.build, s.loss or _no_loss, train, learning_rate_mapping=s.mapping, settings=settings, dev=dev
+        s.model_name, s.build, s.loss, train, learning_rate_mapping=s.mapping, settings=settings, dev=dev
     )
     if s.loss is not None:
         entry["loss"] = "MoLLoss" if s.kind == "mol" else "MaskedMultipleNegativesRankingLoss"
-        entry["recipe"] = h.recipe.mode
-        entry.update(scale=cfg.scale, **({"alpha": s.alpha} if s.alpha is not None else {}))
-        if s.mapping:
-            entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": cfg.head_lr}
-        elif s.kind == "mol":
-            entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": find_mol(model).learning_rate}
+        entry.update(recipe=h.recipe.mode, scale=cfg.scale, **({"alpha": s.alpha} if s.alpha is not None else {}))
+        if s.kind == "mol":  # --head-lr (s.mapping), else the rate MixtureOfLogits declares
+            head = cfg.head_lr if s.mapping else find_mol(model).learning_rate
+            entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": head}
         if losses:
             entry["train_loss"] = _loss_summary(losses)
     return model, entry
-
-
-def _no_loss(model: Any) -> None:
-    return None
 
 
 def _mol_dev_scores(model: Any, topics: pd.DataFrame, texts: list[str]) -> np.ndarray:
@@ -389,11 +351,9 @@ def report(
 ) -> dict[str, Any]:
     """The gate and training tables, ``summary.json`` and ``results.md`` (:meth:`Harness.finish`)."""
     gate_table = pd.DataFrame(
-        [
-            {"system": name, "pairs_of": which, **{k: v for k, v in g.items() if not k.startswith("usage")}}
-            for name, by in gate.items()
-            for which, g in by.items()
-        ]
+        {"system": name, "pairs_of": which, **{k: v for k, v in g.items() if not k.startswith("usage")}}
+        for name, by in gate.items()
+        for which, g in by.items()
     )
     training = pd.DataFrame(
         [{"system": n, "loss": e["loss"], **e.get("train_loss", {})} for n, e in info.items() if "loss" in e]
@@ -406,11 +366,7 @@ def report(
         "measures": measures,
         "base_model": cfg.model or f"packaged all-MiniLM-L6-v2 ({default_model_path()})",
         "given_model_is_mol": given_is_mol,
-        "retrieval": {
-            "dense": "DenseIndex + TopKRetriever",
-            "mol": "MoLIndex + MoLRetriever(method='brute_force')",
-            "num_results": cfg.k,
-        },
+        "retrieval": {**RETRIEVAL, "num_results": cfg.k},
         "per_system": info,
         "gate": gate,
         "models": {s.name: h.path("models", s.model_name) for s in rows if s.loss is not None and data.train},
@@ -430,21 +386,24 @@ def _markdown(
 ) -> str:
     """The job's tables as Markdown (what goes into the README)."""
     paired = significance.startswith("paired")
-    lines = ["", f"`*`: p < 0.05, {significance}." if paired else "No significance test (one system).", ""]
     table = pd.DataFrame({"system": experiment["name"], "similarity": experiment["similarity"]})
     table["fine-tuned"] = ["yes" if t else "no" for t in experiment["fine-tuned"]]
     for m in measures:
         table[m] = [measure_cell(r, m) for _, r in experiment.iterrows()]
-    lines.append(markdown_table(table))
+    parts = [
+        f"`*`: p < 0.05, {significance}." if paired else "No significance test (one system).",
+        markdown_table(table),
+    ]
     if len(gate):
-        lines += ["", "Gate pi(q, x) of the MoL models (nats; uniform: H(pi|q,x) = H(p) = log P, MI = 0):", ""]
         cols = ["system", "pairs_of", "pairs", "log_P", "H_pi_given_qx", "H_p", "MI", "mean_max_pi"]
-        lines.append(markdown_table(gate[cols]))
+        parts += [
+            "Gate pi(q, x) of the MoL models (nats; uniform: H(pi|q,x) = H(p) = log P, MI = 0):",
+            markdown_table(gate[cols]),
+        ]
     if len(training):
-        lines += ["", "Training loss:", ""]
         cols = [c for c in ("system", "loss", "first", "last", "mean_first_10", "mean_last_10") if c in training]
-        lines.append(markdown_table(training[cols]))
-    return "\n".join(lines) + "\n"
+        parts += ["Training loss:", markdown_table(training[cols])]
+    return "\n" + "\n\n".join(parts) + "\n"
 
 
 run = run_mol_job  # what ``pyterrier-prob mol`` runs

@@ -9,7 +9,6 @@ the protocol: ``docs/pebr.md`` (The protocol).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,24 +20,23 @@ import pandas as pd
 from scipy.stats import spearmanr
 
 from pyterrier_prob.evaluation import Calibration, assign_strata, calibrate_mean_k, evaluate_set_measures, table3_grid
-from pyterrier_prob.experiments import harness
 from pyterrier_prob.experiments.claims import record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
     Harness,
     TrainingPairs,
-    add_options,
+    base_model,
     markdown_table,
     measure_cell,
     option,
+    subcommand,
 )
 from pyterrier_prob.experiments.pebr_cutoffs import StudyConfig, cutoff_study, study_markdown
 from pyterrier_prob.pebr import CDFCutoffRetriever, ProbBiEncoder, ScoreCutoffRetriever, TopKRetriever
 from pyterrier_prob.plots import retrieved_count_histogram, table3_plot
-from st_extensions import build_pebr_model, default_model_path, load_model
+from st_extensions import build_pebr_model, load_model
 from st_extensions.checks import choice
-from st_extensions.frozen import build_adapter_model
 from st_extensions.losses import BetaMLELoss, BetaNCELoss, ExpNCELoss, MaskedMultipleNegativesRankingLoss
 from st_extensions.pebr import find_head
 
@@ -69,6 +67,7 @@ DESCRIPTION = (
 SIGNIFICANCE_BASELINE = "pEBR top-k"  # the systems' paired t-tests are against it (the order: _runs_at)
 MEASURES = ("SetR", "SetP")
 RANKING_MEASURES = ("nDCG@10", "R@100")
+STUDY_KEYS = ("pit", "pit_per_query", "calibrated_law", "calibrated_law_list_features", "figures")  # in summary.json
 FAMILIES = ("beta", "exp", "beta_mle")
 #: the frozen recipe's rates for ``--family beta_mle``: BetaMLE's point-wise log-likelihood l(θ) (pEBR Sec. 3.1) pulls
 #: the shared embedding space towards fitting the two laws rather than ranking, and on nfcorpus/dev every adapter
@@ -116,13 +115,7 @@ class PebrJobConfig(CommonConfig):
                 raise ValueError(f"{name} must lie strictly inside (0, 1), got {values}")
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The ``pyterrier-prob pebr`` options."""
-    add_options(ap, PebrJobConfig(), "pEBR")
-
-
-def config_from_args(a: argparse.Namespace) -> PebrJobConfig:
-    return harness.config_from_args(PebrJobConfig, a)
+add_arguments, config_from_args = subcommand(PebrJobConfig, "pEBR")  # what ``pyterrier-prob`` calls
 
 
 def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
@@ -147,11 +140,7 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
         "training_loss_first_last": {n: [float(v[0]), float(v[-1])] for n, v in trained["losses"].items() if v},
         **query_spread(cfg, enc, tested["strata"]),
         "figures": figures,
-        "cutoff_study": {
-            **{k: study[k] for k in ("pit", "pit_per_query", "calibrated_law", "calibrated_law_list_features")},
-            "figures": study["figures"],
-            "calibration_queries": data.cal_source,
-        },
+        "cutoff_study": {**{k: study[k] for k in STUDY_KEYS}, "calibration_queries": data.cal_source},
         "ranking_vs_untrained": {
             str(r["name"]): {m: float(r[m]) for m in RANKING_MEASURES} for _, r in ranking.iterrows()
         },
@@ -210,13 +199,6 @@ def _pebr_model(cfg: PebrJobConfig, projection: bool) -> Any:
     return build_pebr_model(cfg.model, family=cfg.family, device="cpu", projection=projection)
 
 
-def _encoder_model(cfg: PebrJobConfig, adapter: bool = False) -> Any:
-    """The base encoder (a saved pEBR model as ``--model``: its encoder; the head only adds query_temp), with a
-    LinearAdapter when ``adapter``."""
-    model = load_model(cfg.model or default_model_path(), device="cpu")
-    return build_adapter_model(model) if adapter else model
-
-
 def train_models(cfg: PebrJobConfig, h: Harness, data: Data) -> dict[str, Any]:
     """The pEBR and baseline (masked MNRL) models trained with the same recipe, rows and budget (judged negatives
     masked; under the frozen recipe a LinearAdapter (+ head) on the cached encoder outputs), or (no train split /
@@ -227,24 +209,17 @@ def train_models(cfg: PebrJobConfig, h: Harness, data: Data) -> dict[str, Any]:
     adapter = h.recipe.caches_features
     pairs = TrainingPairs(data, cfg.seed) if data.train else None
     settings = {"family": cfg.family, "train": f"{data.train_collection.name}/{data.train}", "judged_masked": True}
-    systems = {  # name -> (model, loss): the same recipe, rows and budget
-        "pebr": (_pebr_model, {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[cfg.family]),
-        "baseline": (_encoder_model, MaskedMultipleNegativesRankingLoss),
+    mle_rates = MLE_FROZEN_RATES if adapter and cfg.family == "beta_mle" else None
+    systems = {  # name -> (model, loss, module rates): the same recipe, rows and budget
+        "pebr": (_pebr_model, {"exp": ExpNCELoss, "beta": BetaNCELoss, "beta_mle": BetaMLELoss}[cfg.family], mle_rates),
+        "baseline": (base_model, MaskedMultipleNegativesRankingLoss, None),  # a pEBR --model: its encoder
     }
-    rates = {"pebr": MLE_FROZEN_RATES if adapter and cfg.family == "beta_mle" else None}
     dev = h.dev_evaluator(data, "nDCG@10") if pairs else None  # both systems' dev curve: the same measure and pool
     models, losses = {}, {}
-    for name, (build, loss) in systems.items():
-        models[name], losses[name] = h.train(
-            name,
-            partial(build, cfg, adapter),
-            partial(_masked, loss, pairs),
-            pairs,
-            module_learning_rates=rates.get(name),
-            settings=settings,
-            dev=dev,
-        )
-    models["untrained"], _ = h.train("untrained", partial(_encoder_model, cfg), None, None)
+    for name, (build, loss, rates) in systems.items():
+        args = (partial(build, cfg, adapter), partial(_masked, loss, pairs), pairs)
+        models[name], losses[name] = h.train(name, *args, module_learning_rates=rates, settings=settings, dev=dev)
+    models["untrained"], _ = h.train("untrained", partial(base_model, cfg), None, None)
     return {"models": models, "losses": losses}
 
 
@@ -399,13 +374,8 @@ def table3_and_figure2(
     strata = tested["strata"]
     with h.stage("table3", "Table 3 grid and Figure 2 histogram"):
         table3 = table3_grid(partial(enc.cdf_cutoff, split="test"), cfg.table3_ps, strata, include_all=True)
-        fig2 = retrieved_count_histogram(
-            tested["histogram_counts"],
-            strata,
-            h.path("figure2.png"),
-            title=f"pEBR CDF cutoff at p={tested['histogram_p']:.4g} (mean k={max(cfg.ks)} on dev): "
-            "retrieved per query",
-        )
+        title = f"pEBR CDF cutoff at p={tested['histogram_p']:.4g} (mean k={max(cfg.ks)} on dev): retrieved per query"
+        fig2 = retrieved_count_histogram(tested["histogram_counts"], strata, h.path("figure2.png"), title=title)
         fig3 = table3_plot(table3.drop(index="all"), h.path("table3.png"))
     table3 = table3.rename_axis("stratum").reset_index()
     table3.columns = ["stratum", *[f"{float(c):g}" for c in table3.columns[1:]]]
@@ -434,19 +404,10 @@ def cutoffs(cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded) -> dict[st
     cal_index = enc.indexes["pebr"]
     if data.train_collection is not coll and data.dev is not None:
         cal_index = h.dense_index("pebr", enc.encoders["pebr"], data.train_collection)
-    return cutoff_study(
-        h,
-        data,
-        {"dev": cal_index, "test": enc.indexes["pebr"]},
-        {s: enc.queries[("pebr", s)] for s in ("dev", "test")},
-        StudyConfig(
-            family=cfg.family,
-            dim=enc.dim,
-            ks=cfg.ks,
-            cap=min(cfg.study_cap, coll.num_docs, data.train_collection.num_docs),
-            targets=cfg.recall_targets,
-        ),
-    )
+    cap = min(cfg.study_cap, coll.num_docs, data.train_collection.num_docs)
+    study = StudyConfig(family=cfg.family, dim=enc.dim, ks=cfg.ks, cap=cap, targets=cfg.recall_targets)
+    queries = {s: enc.queries[("pebr", s)] for s in ("dev", "test")}
+    return cutoff_study(h, data, {"dev": cal_index, "test": enc.indexes["pebr"]}, queries, study)
 
 
 def _setting(name: str, s: dict[str, float]) -> str:
@@ -495,10 +456,8 @@ def _markdown(
             ["k", "system", "parameter", "value", "dev mean k", "within 1%"],
         ),
     ]
-    return (
-        "\n\n".join(f"{title}\n\n{markdown_table(pd.DataFrame(rows, columns=cols))}" for title, rows, cols in parts)
-        + "\n"
-    )
+    tables = (f"{title}\n\n{markdown_table(pd.DataFrame(rows, columns=cols))}" for title, rows, cols in parts)
+    return "\n\n".join(tables) + "\n"
 
 
 run = run_pebr_job  # what ``pyterrier-prob pebr`` runs

@@ -144,9 +144,8 @@ def cutoff_study(
     "targets", "pit", "pit_per_query", "calibrated_law", "calibrated_law_list_features", "curves", "figures"}``.
     """
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
-    with h.stage(
-        "cutoff_lists", f"ranked lists (top {study.cap}) and relevant cosines of the calibration and test queries"
-    ):
+    what = f"ranked lists (top {study.cap}) and relevant cosines of the calibration and test queries"
+    with h.stage("cutoff_lists", what):
         splits = {s: _split(indexes[s], queries[s], qrels[s], study) for s in ("dev", "test")}
     out: dict[str, Any] = {"figures": {}}
     with h.stage("calibrate_law", "fitting the calibrated per-query laws on the calibration queries' relevant cosines"):
@@ -157,9 +156,8 @@ def cutoff_study(
     topk_recall = _topk_recall_curve(test.ranked["rank"].to_numpy(), *test.relinfo, study.cap)
     with h.stage("matched_depth", f"every rule at matched mean depth {list(study.ks)} (levels from {data.cal_source})"):
         out["matched"] = _matched_depth(h, data, splits, stats, study.ks, topk_recall)
-    with h.stage(
-        "recall_targets", f"recall targets {', '.join(f'{t:g}' for t in study.targets)} by conformal risk control"
-    ):
+    what = f"recall targets {', '.join(f'{t:g}' for t in study.targets)} by conformal risk control"
+    with h.stage("recall_targets", what):
         same = indexes["dev"] is indexes["test"]
         out["targets"] = _recall_targets(splits, stats, study.targets, topk_recall, same)
     with h.stage("curves", "recall, precision and F1 against mean depth for every rule"):
@@ -171,14 +169,9 @@ def cutoff_study(
 def _split(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame, study: StudyConfig) -> _Split:
     ranked = ranked_lists(index, queries, study.cap)
     qids = list(queries["qid"].astype(str))
-    return _Split(
-        ranked=ranked,
-        qids=qids,
-        rel=relevant_cosines(index, queries, qrels),
-        params=queries[list(PARAM_COLUMNS[study.family])].reset_index(drop=True),
-        feats=list_features(ranked),
-        relinfo=row_relevance(ranked, qrels, qids),
-    )
+    params = queries[list(PARAM_COLUMNS[study.family])].reset_index(drop=True)
+    rel = relevant_cosines(index, queries, qrels)
+    return _Split(ranked, qids, rel, params, list_features(ranked), row_relevance(ranked, qrels, qids))
 
 
 def _calibrated_laws(h: Any, splits: dict[str, _Split], study: StudyConfig, out: dict[str, Any]) -> dict[str, Any]:
@@ -191,8 +184,7 @@ def _calibrated_laws(h: Any, splits: dict[str, _Split], study: StudyConfig, out:
         CalibratedLaw(family=study.family, dim=study.dim).fit(dev.params.iloc[dev.has], dev_rel, features=f)
         for f in (None, dev.feats.iloc[dev.has])
     )
-    out["calibrated_law"] = cal.to_dict()
-    out["calibrated_law_list_features"] = cal_f.to_dict()
+    out |= {"calibrated_law": cal.to_dict(), "calibrated_law_list_features": cal_f.to_dict()}
     laws = {
         name: {
             "head": model_law(sp.params, study.family, study.dim),
@@ -297,27 +289,16 @@ def _recall_targets(
             lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
             depth, recall, prec, f1 = mean_measures(tq, tr, tn, stats["test"][rule] >= lam, n_test)
             need_k = int(np.searchsorted(topk_recall, recall - 1e-12) + 1) if recall <= topk_recall[-1] else None
-            row = {
-                "target_recall": target,
-                "rule": rule,
-                "level": lam,
-                "reachable_on_calibration": ok,
-                "test_mean_recall": recall,
-                "test_mean_depth": depth,
-                "test_SetP": prec,
-                "topk_k_for_same_recall": need_k,
-                "test_queries_with_relevant": int((tn > 0).sum()),
-            }
+            row = {"target_recall": target, "rule": rule, "level": lam, "reachable_on_calibration": ok}
+            row |= {"test_mean_recall": recall, "test_mean_depth": depth, "test_SetP": prec}
+            row |= {"topk_k_for_same_recall": need_k, "test_queries_with_relevant": int((tn > 0).sum())}
             if same_collection:  # the guarantee is in expectation over calibration draws: re-split the pool
                 pooled = np.concatenate([stats["dev"][rule], stats["test"][rule]])
                 rec = conformal_resplits(pooled, pool_q, pool_r, pool_n, target, n_cal=int((dn > 0).sum()))
-                row.update(
-                    resplit_mean_recall=float(rec.mean()),
-                    resplit_recall_5=float(np.quantile(rec, 0.05)),
-                    resplit_recall_95=float(np.quantile(rec, 0.95)),
-                    resplit_share_in_range=float(np.mean((rec >= target - 0.02) & (rec <= target + 0.05))),
-                    resplits=len(rec),
-                )
+                low, high = (float(q) for q in np.quantile(rec, [0.05, 0.95]))
+                row |= {"resplit_mean_recall": float(rec.mean()), "resplit_recall_5": low, "resplit_recall_95": high}
+                in_range = float(np.mean((rec >= target - 0.02) & (rec <= target + 0.05)))
+                row |= {"resplit_share_in_range": in_range, "resplits": len(rec)}
             rows.append(row)
     return pd.DataFrame(rows)
 

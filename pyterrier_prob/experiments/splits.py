@@ -47,14 +47,10 @@ class Data:
     held_out: dict[str, Any] = field(default_factory=dict)  # the train queries held out as dev: split, share, seed
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "train": f"{self.train_collection.name}/{self.train}" if self.train else None,
-            "calibration": self.cal_source,
-            "test": f"{self.test_collection.name}/{self.test}",
-            "n_calibration_queries": len(self.cal_topics),
-            "n_test_queries": len(self.test_topics),
-            "notes": list(self.notes),
-        }
+        train = f"{self.train_collection.name}/{self.train}" if self.train else None
+        names = {"train": train, "calibration": self.cal_source, "test": f"{self.test_collection.name}/{self.test}"}
+        counts = {"n_calibration_queries": len(self.cal_topics), "n_test_queries": len(self.test_topics)}
+        return {**names, **counts, "notes": list(self.notes)}
 
 
 def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
@@ -120,17 +116,6 @@ def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
             f"no dev split: calibration on a seeded half of {test_coll.name}/{test} ({len(cal_topics)} "
             f"queries), results reported on the other, disjoint half ({len(test_topics)} queries)"
         )
-    return Data(
-        train_collection=train_coll,
-        test_collection=test_coll,
-        train=train,
-        dev=dev,
-        test=test,
-        cal_topics=cal_topics,
-        cal_qrels=cal_qrels.reset_index(drop=True),
-        test_topics=test_topics,
-        test_qrels=test_qrels.reset_index(drop=True),
-        cal_source=cal_source,
-        notes=notes,
-        held_out=held_out,
-    )
+    cal_qrels, test_qrels = cal_qrels.reset_index(drop=True), test_qrels.reset_index(drop=True)
+    queries = (cal_topics, cal_qrels, test_topics, test_qrels, cal_source)
+    return Data(train_coll, test_coll, train, dev, test, *queries, notes, held_out)

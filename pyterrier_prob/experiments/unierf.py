@@ -11,7 +11,6 @@ one; the protocol in full: ``docs/unierf.md`` (The protocol).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
@@ -24,17 +23,17 @@ import numpy as np
 import pandas as pd
 from sentence_transformers import SentenceTransformer
 
-from pyterrier_prob.experiments import harness
 from pyterrier_prob.experiments.claims import perquery_claims, record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
     Harness,
-    add_options,
+    base_model,
     loss_ends,
     markdown_table,
     measure_cell,
     option,
+    subcommand,
 )
 from pyterrier_prob.training import text_columns
 from pyterrier_prob.unierf.analysis import (
@@ -47,13 +46,9 @@ from pyterrier_prob.unierf.analysis import (
     mean_jaccard,
     merged_run,
 )
-from pyterrier_prob.unierf.branches import (
-    TriggerText,
-    UniERFEncoder,
-    unierf_training_data,
-)
+from pyterrier_prob.unierf.branches import TriggerText, UniERFEncoder, unierf_training_data
 from pyterrier_prob.validation import choice
-from st_extensions import build_unierf_model, default_model_path, load_model
+from st_extensions import build_unierf_model
 from st_extensions.judged import JudgedPairs, pair_labels
 from st_extensions.losses.unierf import FrozenDocumentTower
 from st_extensions.modules.branches import MultiBranchQueryEncoder
@@ -129,7 +124,6 @@ class UniERFJobConfig(CommonConfig):
         None,
         "learning rate of the branch heads (new parameters; the encoder trains at --lr; default: the rate "
         "MultiBranchQueryEncoder declares)",
-        type=float,
     )
     alpha: float = option(0.6, "truncation alpha of the diversity loss (Eq. 31; the paper's 0.6, Sec. 5.3.2)")
     low_alpha: float = option(0.3, "alpha of the 'UniERF (all, low alpha)' system")
@@ -164,18 +158,10 @@ class UniERFJobConfig(CommonConfig):
         choice("--doc-tower", self.doc_tower, ("frozen", "joint"))
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The ``pyterrier-prob unierf`` options."""
-    add_options(ap, UniERFJobConfig(), "UniERF")
+add_arguments, config_from_args = subcommand(UniERFJobConfig, "UniERF")  # what ``pyterrier-prob`` calls
 
 
-def config_from_args(a: argparse.Namespace) -> UniERFJobConfig:
-    return harness.config_from_args(UniERFJobConfig, a)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# data
-# --------------------------------------------------------------------------------------------------------------
+# ---- data ------------------------------------------------------------------------------------------------------
 
 
 def _with_triggers(
@@ -193,10 +179,7 @@ def _frozen_tower(start: Any, rows: Any, doc_texts: dict[str, str], index: Any) 
     """A :class:`FrozenDocumentTower` of the start model, primed with ``index``'s vectors of the rows' documents."""
     tower = FrozenDocumentTower(start)
     wanted = {t for c in rows.column_names if c.startswith(("positive", "negative")) for t in rows[c]}
-    docno_of: dict[str, str] = {}
-    for d, t in doc_texts.items():
-        if t in wanted and t not in docno_of:
-            docno_of[t] = d
+    docno_of = {t: d for d, t in reversed(doc_texts.items()) if t in wanted}  # each text's first docno
     position = {str(d): i for i, d in enumerate(index.docno_array())}
     texts = [t for t, d in docno_of.items() if d in position]
     if texts:
@@ -205,16 +188,14 @@ def _frozen_tower(start: Any, rows: Any, doc_texts: dict[str, str], index: Any) 
     return tower
 
 
-# --------------------------------------------------------------------------------------------------------------
-# models
-# --------------------------------------------------------------------------------------------------------------
+# ---- models ----------------------------------------------------------------------------------------------------
 
 
 def _start_model(cfg: UniERFJobConfig, branches: Sequence[str] = BRANCHES) -> Any:
     """The start model: ``--model`` as it is when it is a UniERF model with ``branches``, else the model (default: the
     packaged MiniLM; a UniERF one loses its heads) with identity-initialised heads for ``branches`` (``given_heads``
     says which); (c) builds its one-branch models with one branch."""
-    model = load_model(cfg.model or default_model_path(), device="cpu")
+    model = base_model(cfg)
     heads = [m for m in model.modules() if isinstance(m, MultiBranchQueryEncoder)]
     if heads and len(branches) > 1:
         missing = [b for b in branches if b not in find_branches(model).branches]
@@ -230,14 +211,10 @@ def _start_model(cfg: UniERFJobConfig, branches: Sequence[str] = BRANCHES) -> An
 
 
 def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
-    """Run the UniERF experiment (``docs/unierf.md``, The protocol) and write its outputs to ``cfg.output``.
-
-    Writes ``results.csv`` (R@B and p-values of every run), ``overlap.csv``, ``training.csv``, ``summary.json`` and
-    ``results.md``; models under ``models/``, indexes under ``indexes/``.
-
-    Returns:
-        ``{"results": frame, "overlap": frame, "training": frame, "summary": dict}``.
-    """
+    """Run the UniERF experiment (``docs/unierf.md``, The protocol) and write its outputs to ``cfg.output``:
+    ``results.csv`` (R@B and p-values of every run), ``overlap.csv``, ``training.csv``, ``summary.json`` and
+    ``results.md``; models under ``models/``, indexes under ``indexes/``. Returns ``{"results", "overlap",
+    "training": frame, "summary": dict}``."""
     h = Harness("unierf", cfg)
     dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
     data = h.load_data(calibrate=dev_curves)  # every test query is reported
@@ -326,19 +303,10 @@ def training_rows(run: UniERFRun, model: Any, bm25_index: Any, dense_index: Any)
     with h.stage("training_data", f"mining UniERF training rows (differentiated negatives) from {coll.name}"):
         doc_texts = {d["docno"]: d["text"] for d in coll.corpus_iter()}
         topics = _with_triggers(h, bm25_index, coll, coll.topics(run.data.train), doc_texts)
-        rows = unierf_training_data(
-            topics,
-            coll.qrels(run.data.train),
-            doc_texts,
-            BRANCHES,
-            retriever=h.bm25_retriever(bm25_index, HARD_DEPTH),
-            index=dense_index,
-            hard_negatives=True,
-            depth=HARD_DEPTH,
-            tail=HARD_TAIL,
-            max_examples=cfg.steps * cfg.batch_size * 2,
-            seed=cfg.seed,
-        )
+        mining = {"hard_negatives": True, "depth": HARD_DEPTH, "tail": HARD_TAIL, "seed": cfg.seed}
+        mining |= {"retriever": h.bm25_retriever(bm25_index, HARD_DEPTH), "index": dense_index}
+        qrels, most = coll.qrels(run.data.train), cfg.steps * cfg.batch_size * 2
+        rows = unierf_training_data(topics, qrels, doc_texts, BRANCHES, max_examples=most, **mining)
     if len(rows) < cfg.batch_size:
         raise ValueError(
             f"{coll.name}/{run.data.train} gives {len(rows)} training rows, fewer than one batch of {cfg.batch_size}"
@@ -373,36 +341,17 @@ def train_systems(run: UniERFRun) -> None:
 
 
 def _train_one(
-    run: UniERFRun,
-    slug: str,
-    name: str,
-    branches: Sequence[str],
-    ignore: list[str],
-    diversity: bool,
-    alpha: float,
+    run: UniERFRun, slug: str, name: str, branches: Sequence[str], ignore: list[str], diversity: bool, alpha: float
 ) -> tuple[pd.DataFrame, Any]:
     """Train one system by the terms it keeps (``diversity``, the columns it does not ``ignore``), its training
     summary to ``run.info[name]``; returns its test query vectors and the index it searches."""
     cfg, h = run.cfg, run.h
     columns = text_columns(run.rows)
-    loss = LossFactory(
-        columns=columns,
-        ignore_columns=ignore,
-        document_tower=run.tower,
-        use_diversity=diversity,
-        diversity_threshold=alpha,
-        judged=run.judged,
-    )
-    settings = {
-        "train": f"{run.data.train_collection.name}/{run.data.train}",
-        "branches": list(branches),
-        "columns": [c for c in columns if c not in ignore],
-        "use_diversity": diversity,
-        "alpha": alpha,
-        "head_lr": cfg.head_lr,
-        "doc_tower": cfg.doc_tower,
-        "rows": len(run.rows),
-    }
+    terms = {"use_diversity": diversity, "diversity_threshold": alpha}
+    loss = LossFactory(columns=columns, ignore_columns=ignore, document_tower=run.tower, judged=run.judged, **terms)
+    settings = {"train": f"{run.data.train_collection.name}/{run.data.train}", "branches": list(branches)}
+    settings |= {"columns": [c for c in columns if c not in ignore], "use_diversity": diversity, "alpha": alpha}
+    settings |= {"head_lr": cfg.head_lr, "doc_tower": cfg.doc_tower, "rows": len(run.rows)}
     mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
     build = partial(_start_model, cfg, branches)
     run.dev = run.dev or _MergedDev(run)
@@ -412,14 +361,12 @@ def _train_one(
     model, losses = h.train(
         slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
     )
-    rec = loss.loss
+    rec, several = loss.loss, len(branches) > 1
     stats = rec.stats if rec is not None else {}
-    several = len(branches) > 1
     run.info[name] = {
         "model": h.path("models", slug),
         "columns": settings["columns"],
-        "use_diversity": diversity if several else None,
-        "alpha": alpha if several else None,
+        **({"use_diversity": diversity, "alpha": alpha} if several else {"use_diversity": None, "alpha": None}),
         "reused": rec is None,
         "train_s": h.timings.get(f"train_{slug}"),
         "loss_first_last_10": loss_ends(losses),
@@ -567,7 +514,7 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
     record_claims(cfg, claims(run))
     summary = run.h.finish(title, md, tables, summary, run.data)
     cfg.timings.update(run.h.timings)
-    return {"results": results, "overlap": overlap, "training": training, "summary": summary}
+    return {**tables, "summary": summary}
 
 
 def _markdown(
@@ -584,25 +531,22 @@ def _markdown(
     for i, b in enumerate(budgets):
         main.insert(i, f"R@{b}", [measure_cell(r, f"R@{b}") for _, r in results.iterrows()])
     main.insert(0, "system", names.to_numpy())
-    lines = [
+    parts = [
         f"R@B: recall of the B merged candidates (equal quotas B/2, dedup, refill); `*`: p < 0.05, "
         f"{summary['significance']}. J@B/2: Jaccard of the two branches' top-B/2 lists, mean over queries; "
         f"cos: mean cosine of a query's two branch vectors. Document tower: {summary['doc_tower']}.",
-        "",
         markdown_table(main, ".3f"),
+        "Overlap (means over the test queries; both@B: share of the merged B found by both branches):",
+        markdown_table(overlap, ".3f"),
     ]
-    lines += ["", "Overlap (means over the test queries; both@B: share of the merged B found by both branches):", ""]
-    lines.append(markdown_table(overlap, ".3f"))
     if len(training):
         same = summary.get("identical_batches")
-        lines += [
-            "",
-            f"Training ({summary['training_rows']} rows; the same batches for every system: "
-            f"{'yes' if same else 'no' if same is False else 'not checked'}; means of the first/last 10 steps):",
-            "",
-            markdown_table(training, ".3f"),
-        ]
-    return "\n".join(lines) + "\n"
+        same = "yes" if same else "no" if same is False else "not checked"
+        parts.append(
+            f"Training ({summary['training_rows']} rows; the same batches for every system: {same}; means of the "
+            f"first/last 10 steps):\n\n{markdown_table(training, '.3f')}"
+        )
+    return "\n\n".join(parts) + "\n"
 
 
 run = run_unierf_job  # what ``pyterrier-prob unierf`` runs

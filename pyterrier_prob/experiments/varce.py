@@ -10,9 +10,8 @@ mu^T W + b (Eq. 22), by which the paper ranks, and variance W^T Sigma W (Eq. 23)
 
 from __future__ import annotations
 
-import argparse
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -20,8 +19,7 @@ from typing import Any
 import pandas as pd
 
 from pyterrier_prob.experiments import varce_distill
-from pyterrier_prob.experiments.harness import CommonConfig, Data, Harness, add_options, option
-from pyterrier_prob.experiments.harness import config_from_args as _config_from_args
+from pyterrier_prob.experiments.harness import CommonConfig, Data, Harness, option, subcommand
 from pyterrier_prob.experiments.varce_report import markdown
 from pyterrier_prob.experiments.varce_train import (
     BASELINE,
@@ -77,7 +75,7 @@ class VarceJobConfig(CommonConfig):
     pool_depth: int = option(30, "depth of the first stages' rankings the negatives come from")
     beta: float = option(1e-7, "KL weight of VariationalBCELoss (Eq. 10)")
     depth: int = option(20, "BM25 candidates re-ranked per test query")
-    max_queries: int | None = option(None, "seeded cap on test queries (None: all)", type=int)
+    max_queries: int | None = option(None, "seeded cap on test queries (None: all)")
     risks: Sequence[float] = option((0.0, 0.5, 1.0, 2.0), "lambda of the risk-aware E[s] - lambda*std[s]")
     robust_queries: int = option(20, "seeded test queries (0: skip)", _ROBUST)
     robust_depth: int = option(10, "BM25 depth per perturbed query", _ROBUST)
@@ -100,13 +98,13 @@ class VarceJobConfig(CommonConfig):
         (20,), "shallower depths also reported (the same scores, BM25's top k re-ranked)", nargs="*"
     )
     positive_depth: int | None = option(
-        None, "positives only among the negative sources' top k (default: every judged-relevant document)", type=int
+        None, "positives only among the negative sources' top k (default: every judged-relevant document)"
     )
     dev_queries: int = option(
         100, "seeded dev queries of the learning curves and of the lambda/alpha choice (0: none)", _DEV
     )
     dev_depth: int = option(30, "BM25 depth re-ranked per dev query of the learning curves", _DEV)
-    dev_every: int | None = option(None, "steps between dev points (default: steps/10)", _DEV, type=int)
+    dev_every: int | None = option(None, "steps between dev points (default: steps/10)", _DEV)
     teacher: str | None = option(
         None,
         "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first) fused with "
@@ -138,13 +136,7 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The ``pyterrier-prob varce`` options."""
-    add_options(ap, VarceJobConfig(), "VarCrossEncoder")
-
-
-def config_from_args(a: argparse.Namespace) -> VarceJobConfig:
-    return _config_from_args(VarceJobConfig, a)
+add_arguments, config_from_args = subcommand(VarceJobConfig, "VarCrossEncoder")  # what ``pyterrier-prob`` calls
 
 
 def run(cfg: VarceJobConfig) -> dict[str, Any]:
@@ -163,17 +155,13 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     ``scores/``. Returns those tables and ``"summary"``."""
     h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=False)  # dev queries choose lambda and alpha; every test query is evaluated
-    trained = train_stage(cfg, h, data)
-    targets = target_stage(cfg, h, data)
-    job = _Job(cfg, h, data, trained, targets)
+    job = _Job(cfg, h, data, train_stage(cfg, h, data), target_stage(cfg, h, data))
     results = job.rerank()
     dev = job.choose_on_dev()
     uncertainty, risk = job.uncertainty(dev["risk"])
-    hard = job.hard_queries()
-    robustness, examples = job.robustness()
+    tables = {"results": results, "uncertainty": uncertainty, "risk": risk, "hard_queries": job.hard_queries()}
+    tables["robustness"], examples = job.robustness()
     summary = job.summary(dev, examples)
-    tables = {"results": results, "uncertainty": uncertainty, "risk": risk, "hard_queries": hard}
-    tables["robustness"] = robustness
     md = markdown(tables, summary, job.baseline)
     title = "VarCrossEncoder: CrossEncoder vs VarCrossEncoder re-ranking of BM25"
     summary = h.finish(title, md, {k: v for k, v in tables.items() if not v.empty}, summary, data)
@@ -232,12 +220,10 @@ class _Job:
     def rerank(self) -> pd.DataFrame:
         """``pt.Experiment`` of BM25 and the re-rankers on every evaluated collection."""
         tables = []
+        names = ", ".join(self.scorers)
         for tg in self.targets:
-            names = ", ".join(self.scorers)
-            with self.h.stage(
-                f"rerank_{_slug(tg.label)}",
-                f"re-ranking BM25's top {tg.depth} of {len(tg.topics)} {tg.label}/{tg.split} queries with {names}",
-            ):
+            what = f"re-ranking BM25's top {tg.depth} of {len(tg.topics)} {tg.label}/{tg.split} queries with {names}"
+            with self.h.stage(f"rerank_{_slug(tg.label)}", what):
                 cand = self.cands[tg.label] = tg.candidates(self.h, tg.topics, tg.depth)
                 self.runs[tg.label] = self.runs_of(tg.label, cand)
                 exp = self.h.experiment(self.runs[tg.label], tg.topics, tg.qrels, MEASURES, baseline=self.baseline)
@@ -259,10 +245,10 @@ class _Job:
         with self.h.stage("risk_dev", f"choosing lambda and alpha on {len(dev.topics)} {dev.label} queries"):
             cand = dev.candidates(self.h, dev.topics, cfg.depth)
             for n, (mean, std) in self.scores(dev.label, cand).items():
-                alpha, by_alpha = choose_alpha(partial(_dev_interpolated, dev, cand, mean))
+                alpha, by_alpha = choose_alpha(partial(_dev_ndcg, dev, partial(interpolated, cand, mean)))
                 alphas[n] = {"alpha": alpha, "dev_nDCG@10": by_alpha, "dev": dev.label}
                 if n in self.var_systems and len(self.risks) > 1:
-                    best, by_risk = choose_risk(partial(_dev_at_risk, dev, cand, mean, std), self.risks)
+                    best, by_risk = choose_risk(partial(_dev_ndcg, dev, partial(ranked, cand, mean, std)), self.risks)
                     chosen[n] = {"lambda": best, "dev_nDCG@10": by_risk, "dev": dev.label}
         self.data.notes.append(
             f"chosen on {len(dev.topics)} seeded {dev.label} queries (BM25 top {cfg.depth}): alpha of each re-ranker's "
@@ -383,16 +369,9 @@ def _scoring_info(sc: PairScorer) -> dict[str, Any]:
     )
 
 
-def _dev_ndcg(dev: Target, run: pd.DataFrame) -> float:
-    return float(per_query(run, dev.qrels, MEASURES[0], topics=dev.topics).mean())
-
-
-def _dev_interpolated(dev: Target, cand: pd.DataFrame, mean: Any, alpha: float) -> float:
-    return _dev_ndcg(dev, interpolated(cand, mean, alpha))
-
-
-def _dev_at_risk(dev: Target, cand: pd.DataFrame, mean: Any, std: Any, risk: float) -> float:
-    return _dev_ndcg(dev, ranked(cand, mean, std, risk))
+def _dev_ndcg(dev: Target, rank: Callable[[float], pd.DataFrame], value: float) -> float:
+    """Mean dev nDCG@10 of the run ``rank(value)`` (an interpolation's alpha, a risk-aware ranking's lambda)."""
+    return float(per_query(rank(value), dev.qrels, MEASURES[0], topics=dev.topics).mean())
 
 
 def _slug(text: str) -> str:

@@ -109,17 +109,11 @@ def build_teacher(cfg: DistillConfig) -> str:
     corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
     dev, qrels = coll.topics("dev").astype({"qid": str}), coll.qrels("dev").astype({"qid": str, "docno": str})
     evaluate = distill.DenseDev(dev, qrels, corpus)
-    _train_partial(
-        cfg,
-        "teacher",
-        model,
-        MaskedMultipleNegativesRankingLoss(model, judged=judged_pairs(coll, "train")),
-        training_pairs(coll, "train", seed=cfg.seed),
-        cfg.recipe(cfg.teacher_steps, 32, 5e-5, cfg.teacher_layers, cfg.teacher_dev_every),
-        DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience),
-        cfg.path("teacher", "states"),
-        folder,
-    )
+    loss = MaskedMultipleNegativesRankingLoss(model, judged=judged_pairs(coll, "train"))
+    rows = training_pairs(coll, "train", seed=cfg.seed)
+    recipe = cfg.recipe(cfg.teacher_steps, 32, 5e-5, cfg.teacher_layers, cfg.teacher_dev_every)
+    curve = DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience)
+    _train_partial(cfg, "teacher", model, loss, rows, recipe, curve, cfg.path("teacher", "states"), folder)
     return folder
 
 
@@ -132,15 +126,8 @@ def _train_partial(
     fine_tune(model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve], state_cache=states)
     if hasattr(model[0], "state_cache"):
         model[0].state_cache = None  # a split cross-encoder's cache of the run: not part of the model
-    save_with_card(
-        folder,
-        model,
-        loss=loss,
-        recipe=recipe.describe(),
-        train_data=f"{cfg.dataset}/train",
-        rows=rows,
-        model_name=name,
-    )
+    card = {"recipe": recipe.describe(), "train_data": f"{cfg.dataset}/train", "rows": rows, "model_name": name}
+    save_with_card(folder, model, loss=loss, **card)
 
 
 @dataclass
@@ -216,14 +203,8 @@ def dev_subset(cfg: DistillConfig, h: Harness, side: Side) -> pd.DataFrame:
 
 
 def build_student(cfg: DistillConfig, name: str) -> Any:
-    return build_split_cross_encoder(
-        cfg.teacher,
-        joint_layers=cfg.joint_layers,
-        init_cross_bias=cfg.init_cross_bias,
-        variant=STUDENTS[name],
-        scale=cfg.scale,
-        max_seq_length=cfg.max_seq_length,
-    )
+    shape = {"joint_layers": cfg.joint_layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.scale}
+    return build_split_cross_encoder(cfg.teacher, variant=STUDENTS[name], max_seq_length=cfg.max_seq_length, **shape)
 
 
 def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any) -> dict[str, Any]:
@@ -295,15 +276,11 @@ def calibration_stage(
         std_test = test[std_col].to_numpy() if std_col in test else None
         platt = cal.fit_platt(dev[s].to_numpy(), y_dev, std_dev)
         prob = cal.relevance_probability(test[s].to_numpy(), platt, std_test)
-        entry = {
-            "platt": platt,
-            "ece": cal.expected_calibration_error(prob, y_test),
-            "reliability": cal.reliability_curve(prob, y_test).to_dict("list"),
-        }
+        curve = cal.reliability_curve(prob, y_test).to_dict("list")
+        out[s] = {"platt": platt, "ece": cal.expected_calibration_error(prob, y_test), "reliability": curve}
         if std_test is not None:  # the same map without the uncertainty: what integrating it out changes
             prob_mean = cal.relevance_probability(test[s].to_numpy(), cal.fit_platt(dev[s].to_numpy(), y_dev))
-            entry["ece_without_std"] = cal.expected_calibration_error(prob_mean, y_test)
-        out[s] = entry
+            out[s]["ece_without_std"] = cal.expected_calibration_error(prob_mean, y_test)
     return out
 
 
@@ -332,13 +309,9 @@ def uncertainty_stage(
             continue
         lam, dev_values = choose_risk(partial(_ndcg_at_risk, dev, dev_qrels, s, None), RISKS)
         test_values = _ndcg_at_risk(frame, qrels, s, per_query[s].index.tolist(), lam)  # every query, as the rows
-        out[s] = {
-            **uncertainty_stats(ranked(frame, frame[s].to_numpy(), frame[std_col].to_numpy()), per_query[s]),
-            "risk_dev": dev_values,
-            "risk_chosen": lam,
-            "risk_test": float(test_values.mean()),
-            "risk_p_vs_lambda0": paired_p(test_values, per_query[s]),
-        }
+        stats = uncertainty_stats(ranked(frame, frame[s].to_numpy(), frame[std_col].to_numpy()), per_query[s])
+        out[s] = {**stats, "risk_dev": dev_values, "risk_chosen": lam, "risk_test": float(test_values.mean())}
+        out[s]["risk_p_vs_lambda0"] = paired_p(test_values, per_query[s])
     return out
 
 
@@ -378,14 +351,11 @@ def run(cfg: DistillConfig, h: Harness) -> dict[str, Any]:
             scored, dev_scored, s.qrels["test"], side.qrels["dev"], students, per_query
         )
         rows_out.extend(r)
+    fusion = {"alpha": chosen["alpha"], "dev_nDCG@10_by_alpha": chosen["dev"]}
+    fusion |= {"pool_pairs": int(len(pool)), "pool_queries": int(pool["qid"].nunique())}
     summary = {
         "config": asdict(cfg),
-        "teacher": {
-            "alpha": chosen["alpha"],
-            "dev_nDCG@10_by_alpha": chosen["dev"],
-            "pool_pairs": int(len(pool)),
-            "pool_queries": int(pool["qid"].nunique()),
-        },
+        "teacher": fusion,
         "rows": rows_out,
         "dev_curves": trained["curves"],
         "calibration": calibration,

@@ -83,13 +83,9 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
     out = Trained({}, kind, fine_tuned=data.train is not None)
     out.features = CachedPairFeatures([], torch.zeros(0)) if frozen else None  # filled as pairs come
     rows = _TrainingRows(cfg, h, data, base) if data.train else None
-    settings = {
-        "train": f"{data.train_collection.name}/{data.train}",
-        "negatives": cfg.negatives,
-        "pool_depth": cfg.pool_depth,
-        "negatives_from": list(cfg.negatives_from),
-        **({"positive_depth": cfg.positive_depth} if cfg.positive_depth is not None else {}),
-    }
+    settings = {"train": f"{data.train_collection.name}/{data.train}", "negatives": cfg.negatives}
+    settings |= {"pool_depth": cfg.pool_depth, "negatives_from": list(cfg.negatives_from)}
+    settings |= {"positive_depth": cfg.positive_depth} if cfg.positive_depth is not None else {}
     evaluate = _dev_evaluator(cfg, h, data) if rows is not None and not frozen else None
     if evaluate is not None:
         settings.update(dev_queries=cfg.dev_queries, dev_depth=cfg.dev_depth, dev_every=_dev_every(cfg))
@@ -104,16 +100,9 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         else:
             loss, rates = partial(VariationalBCELoss, beta=cfg.beta, num_samples=1), None
             own = {**settings, "variant": variant, "beta": cfg.beta, "num_samples": 1}
-        out.models[name], out.losses[name] = h.train(
-            name,
-            partial(_build, base, variant, cfg.max_seq_length, cfg.seed),
-            loss,
-            rows,
-            learning_rate_mapping=rates,
-            settings=own,
-            callbacks=callbacks,
-            encoder_cache=out.features,
-        )
+        build = partial(_build, base, variant, cfg.max_seq_length, cfg.seed)
+        kw = {"learning_rate_mapping": rates, "settings": own, "callbacks": callbacks, "encoder_cache": out.features}
+        out.models[name], out.losses[name] = h.train(name, build, loss, rows, **kw)
         if os.path.isfile(curve_path):  # the curve of a reused model is the one its training wrote
             with open(curve_path, encoding="utf8") as f:
                 out.curves[name] = json.load(f)
@@ -149,20 +138,12 @@ class _TrainingRows:
             cfg, coll = self.cfg, self.data.train_collection
             stages = _negative_sources(cfg, self.h, coll, self.base)
             groups = groups_for(cfg.steps, cfg.batch_size, cfg.negatives)
-            with self.h.stage(
-                "training_rows",
-                f"building the training rows from {coll.name}/{self.data.train} (1 relevant : {cfg.negatives} "
-                f"negatives from {' and '.join(stages)})",
-            ):
+            groups = min(groups, FROZEN_GROUPS) if self.h.recipe.caches_features else groups
+            mining = {"negatives": cfg.negatives, "pool_depth": cfg.pool_depth, "positive_depth": cfg.positive_depth}
+            what = f"{coll.name}/{self.data.train} (1 relevant : {cfg.negatives} negatives from {' and '.join(stages)})"
+            with self.h.stage("training_rows", f"building the training rows from {what}"):
                 self.rows, self.info = cross_encoder_training_data(
-                    coll,
-                    self.data.train,
-                    stages,
-                    n_groups=min(groups, FROZEN_GROUPS) if self.h.recipe.caches_features else groups,
-                    negatives=cfg.negatives,
-                    pool_depth=cfg.pool_depth,
-                    seed=cfg.seed,
-                    positive_depth=cfg.positive_depth,
+                    coll, self.data.train, stages, n_groups=groups, seed=cfg.seed, **mining
                 )
         return self.rows
 

@@ -42,18 +42,12 @@ class DenseIndex(IndexArtifact, FlexIndex):
         super().__init__(str(path), sim_fn=SimFn.dot, verbose=verbose)
 
     # ---- loading -----------------------------------------------------------------------------------------
-    def _reset(self) -> None:
-        self._meta = None
-        self._docnos = None
-        self._dvecs = None
-        self._cache = {}
-
     def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         return [("vecs.f4", (meta["doc_count"], meta["vec_size"]))]
 
     def payload(self, return_dvecs: bool = True, return_docnos: bool = True) -> list:
         """FlexIndex's ``(docnos, vectors, meta)`` accessor, with the checks of a complete index first."""
-        meta = self._open_meta() if self._meta is None else self._meta
+        meta = self._load_meta()
         if return_docnos and self._docnos is None:
             self._docnos = self._open_docnos(meta["doc_count"])
         return super().payload(return_dvecs=return_dvecs, return_docnos=return_docnos)
@@ -63,20 +57,14 @@ class DenseIndex(IndexArtifact, FlexIndex):
         self._check_finite([("vecs.f4", self.vectors())])
 
     @property
-    def meta(self) -> dict[str, Any]:
-        """The index's ``pt_meta.json``."""
-        (meta,) = self.payload(return_dvecs=False, return_docnos=False)
-        return meta
-
-    @property
     def dim(self) -> int:
         """Dimension of the indexed vectors."""
-        return int(self.meta["vec_size"])
+        return int(self._load_meta()["vec_size"])
 
     @property
     def normalized(self) -> bool:
         """Whether the vectors were L2-normalised at indexing (inner product = cosine)."""
-        return bool(self.meta.get("normalized", False))
+        return bool(self._load_meta().get("normalized", False))
 
     def vectors(self) -> np.memmap:
         """The indexed vectors, a read-only float32 memmap of shape ``(len(self), self.dim)``."""
@@ -120,15 +108,8 @@ class DenseIndexer(AtomicIndexer):
             arr = arr / norms[:, None]
         return {"vecs.f4": arr}
 
-    def _meta(self, shapes: dict[str, tuple[int, ...]], total: int) -> dict[str, Any]:
-        return {
-            "type": DenseIndex.ARTIFACT_TYPE,
-            "format": DenseIndex.ARTIFACT_FORMAT,
-            "vec_size": int(shapes["doc_vec"][0]),
-            "doc_count": total,
-            "normalized": self.normalize,
-            "package_hint": "pyterrier-dr",
-        }
+    def _meta(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        return {"vec_size": int(shapes["doc_vec"][0]), "normalized": self.normalize, "package_hint": "pyterrier-dr"}
 
 
 def as_dense_index(index: Any) -> DenseIndex:

@@ -97,8 +97,6 @@ def query_matrix(vecs: Sequence[Any] | np.ndarray, dim: int) -> np.ndarray:
         if len(shapes) != 1 or rows[0].ndim != 1:
             raise ValueError(f"query_vec must hold 1-D vectors of one length, got shapes {sorted(shapes)[:3]}")
         mat = np.stack(rows)
-    if mat.ndim != 2:
-        raise ValueError(f"query vectors must have shape (queries, dim), got {mat.shape}")
     return unit_rows(mat, dim, lambda i: f"row {i}")
 
 
@@ -110,12 +108,12 @@ def unit_rows(mat: np.ndarray, dim: int, name: Any) -> np.ndarray:
             "(were queries and documents encoded by the same model?)"
         )
     norms = np.linalg.norm(mat.astype(np.float64), axis=1)
-    if not np.all(np.isfinite(norms)):
-        i = int(np.flatnonzero(~np.isfinite(norms))[0])
-        raise ValueError(f"query_vec of {name(i)} has non-finite values (nan or inf)")
-    if np.any(norms == 0):
-        i = int(np.flatnonzero(norms == 0)[0])
-        raise ValueError(f"query_vec of {name(i)} is an all-zero vector: its cosine with any document is undefined")
+    for bad, what in (
+        (~np.isfinite(norms), "has non-finite values (nan or inf)"),
+        (norms == 0, "is an all-zero vector: its cosine with any document is undefined"),
+    ):
+        if bad.any():
+            raise ValueError(f"query_vec of {name(int(np.flatnonzero(bad)[0]))} {what}")
     return np.ascontiguousarray(mat / norms[:, None], dtype=np.float32)
 
 
@@ -123,20 +121,13 @@ def doc_scale(index: DenseIndex) -> np.ndarray | None:
     """``1 / ||d||`` per document when the index's vectors are not unit-norm (None when they are)."""
     if index.normalized:
         return None
-    key = "pyterrier_prob.doc_scale"
+    key, vecs = "pyterrier_prob.doc_scale", index.vectors()
     if key not in index._cache:
-        vecs = index.vectors()
-        norms = np.concatenate(
-            [
-                np.linalg.norm(np.asarray(vecs[i : i + DOC_BATCH], np.float64), axis=1)
-                for i in range(0, len(vecs), DOC_BATCH)
-            ]
-        )
-        if np.allclose(norms, 1.0, rtol=0, atol=1e-4):
-            index._cache[key] = None
-        else:
-            with np.errstate(divide="ignore"):
-                index._cache[key] = np.where(norms > 0, 1.0 / norms, 0.0).astype(np.float32)
+        chunks = (np.asarray(vecs[i : i + DOC_BATCH], np.float64) for i in range(0, len(vecs), DOC_BATCH))
+        norms = np.concatenate([np.linalg.norm(c, axis=1) for c in chunks])
+        with np.errstate(divide="ignore"):
+            scale = np.where(norms > 0, 1.0 / norms, 0.0).astype(np.float32)
+        index._cache[key] = None if np.allclose(norms, 1.0, rtol=0, atol=1e-4) else scale
     return index._cache[key]
 
 
@@ -161,19 +152,12 @@ def check_thresholds(thresholds: Any, n: int) -> np.ndarray:
     return t
 
 
-class _Masker:
+class _Masker(ThreadPoolExecutor):
     """``flatnonzero(S >= t[:, None])``, split over row slices in threads for large score matrices."""
 
     def __init__(self) -> None:
         self.n = n_threads()
-        self.pool = ThreadPoolExecutor(self.n) if self.n > 1 else None
-
-    def __enter__(self) -> _Masker:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        super().__init__(self.n)
 
     def __call__(self, S: np.ndarray, t: np.ndarray, count: bool = False) -> np.ndarray:
         """Flat indices of the entries ``S[i, j] >= t[i]`` (``count``: per row, their number)."""
@@ -182,10 +166,10 @@ class _Masker:
             mask = S[r0:r1] >= t[r0:r1, None]
             return np.count_nonzero(mask, axis=1) if count else np.flatnonzero(mask) + r0 * S.shape[1]
 
-        if self.pool is None or S.size < _PARALLEL_MIN or S.shape[0] < 2:
+        if self.n == 1 or S.size < _PARALLEL_MIN or S.shape[0] < 2:
             return part(0, S.shape[0])
         bounds = np.linspace(0, S.shape[0], min(self.n, S.shape[0]) + 1).astype(int)
-        return np.concatenate(list(self.pool.map(part, bounds[:-1], bounds[1:])))
+        return np.concatenate(list(self.map(part, bounds[:-1], bounds[1:])))
 
 
 def _scores(Qb: np.ndarray, vecs: np.ndarray, scale: np.ndarray | None, c0: int, c1: int) -> np.ndarray:
@@ -259,8 +243,8 @@ def sort_hits(B: int, qi: np.ndarray, di: np.ndarray, sc: np.ndarray, k: int | N
     for q in np.flatnonzero(counts):
         s, d = sc[ends[q] - counts[q] : ends[q]], di[ends[q] - counts[q] : ends[q]]
         if k is not None and s.size > k:  # the k best and everything tied with the k-th
-            sel = np.flatnonzero(s >= np.partition(s, s.size - k)[s.size - k])
-            s, d = s[sel], d[sel]
+            keep = s >= np.partition(s, s.size - k)[s.size - k]
+            s, d = s[keep], d[keep]
         o = np.lexsort((d, -s))[:k]
         out_s.append(s[o])
         out_d.append(d[o])
@@ -272,8 +256,6 @@ def top_per_query(qi: np.ndarray, keys: np.ndarray, scores: np.ndarray, k: int |
     """Indices of each query's k best pairs, grouped by query, best first (ties: lower ``keys``), and their ranks."""
     order = np.lexsort((keys, -scores, qi))
     q = qi[order]
-    if not q.size:
-        return order, np.zeros(0, np.int64)
     starts = np.flatnonzero(np.r_[True, q[1:] != q[:-1]])
     rank = np.arange(q.size, dtype=np.int64) - np.repeat(starts, np.diff(np.r_[starts, q.size]))
     if k is None:
@@ -340,10 +322,8 @@ def threshold_search(
     or one per query (``-inf``: top-K); ``num_results``: the cap K (``None``: no cap)."""
     index, Q, t = _checked_queries(index, query_vecs, thresholds)
     k = positive_int("num_results", num_results, allow_none=True)
-    bs, dbs = int(batch_size), int(doc_batch_size)
-    return search_vectors(
-        index.vectors(), Q, t, k, scale=doc_scale(index), batch_size=bs, doc_batch_size=dbs, verbose=verbose
-    )
+    kw = {"batch_size": int(batch_size), "doc_batch_size": int(doc_batch_size), "verbose": verbose}
+    return search_vectors(index.vectors(), Q, t, k, scale=doc_scale(index), **kw)
 
 
 def _checked_queries(index: Any, query_vecs: Any, thresholds: Any) -> tuple[DenseIndex, np.ndarray, np.ndarray]:

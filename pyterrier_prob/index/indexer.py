@@ -49,11 +49,27 @@ class IndexArtifact:
     META_INTS: tuple[str, ...]
     ROW = "row"  # how the errors name a row of the arrays ("the vector of row" for a dense index)
     index_path: Path
+    _meta: dict[str, Any] | None
     _cache: dict[Any, Any]
 
     def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         """The float32 files of the index and their shapes."""
         raise NotImplementedError
+
+    def _reset(self) -> None:
+        """Forget what was read from disk (after indexing: the next use re-opens and re-checks the index)."""
+        self._meta, self._docnos, self._dvecs, self._cache = None, None, None, {}
+
+    def _load_meta(self) -> dict[str, Any]:
+        """``pt_meta.json``, checked with the files on first use (a clear error when anything is off)."""
+        if self._meta is None:
+            self._meta = self._open_meta()
+        return self._meta
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The index's ``pt_meta.json``."""
+        return dict(self._load_meta())
 
     def index(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame) -> Any:
         """Index records (or a frame) into a new index at this path."""
@@ -83,8 +99,7 @@ class IndexArtifact:
                 f"indexing run? Rebuild it with {name}(path).indexer(mode='overwrite')"
             )
         try:
-            with open(meta_path, encoding="utf8") as f:
-                meta = json.load(f)
+            meta = json.loads(meta_path.read_text(encoding="utf8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(
                 f"{str(meta_path)!r} is not valid JSON: the index is corrupt ({e}); {self._rebuild()}"
@@ -125,16 +140,14 @@ class IndexArtifact:
                 raise ValueError(f"{str(f)!r} {state}: the index is corrupt (truncated?); rebuild it")
         if not (path / "docnos.npids").exists():
             raise ValueError(f"{str(path)!r} is corrupt: docnos.npids is missing")
-        count = meta["doc_count"]
         for file, shape in arrays:  # right size but nan/inf (zero-filled by a crash, overwritten): first, last rows
-            mm = np.memmap(path / file, dtype=np.float32, mode="r", shape=shape)
-            for i in sorted({0, count - 1}):
-                if not np.isfinite(mm[i]).all():
+            ends = np.memmap(path / file, dtype=np.float32, mode="r", shape=shape)[[0, -1]]  # a copy: the map closes
+            for i, row in zip((0, shape[0] - 1), ends):
+                if not np.isfinite(row).all():
                     raise ValueError(
                         f"{str(path / file)!r} is corrupt: {self.ROW} {i} has non-finite values (nan or inf); "
                         + self._rebuild()
                     )
-            del mm
 
     def _open_docnos(self, count: int) -> Lookup:
         """The docno store (``npids.Lookup``, as pyterrier-dr's FlexIndex), checked to hold ``count`` docnos."""
@@ -161,10 +174,8 @@ class IndexArtifact:
 
     def docids_of(self, docnos: Iterable[str]) -> np.ndarray:
         """Rows of the index of ``docnos`` (int64; -1 for docnos not in the index)."""
-        arr = np.asarray(list(docnos) if not isinstance(docnos, np.ndarray) else docnos, dtype=str)
-        if not arr.size:
-            return np.zeros(0, np.int64)
-        return np.asarray(self.docnos().inv[arr], dtype=np.int64).reshape(-1)
+        arr = np.asarray(docnos if isinstance(docnos, np.ndarray) else list(docnos), dtype=str)
+        return np.asarray(self.docnos().inv[arr], dtype=np.int64).reshape(-1) if arr.size else np.zeros(0, np.int64)
 
     def candidate_docids(self, docnos: Any, hint: str) -> np.ndarray:
         """The rows of candidates' ``docnos``; a ValueError ending in ``hint`` when some are not in the index."""
@@ -216,12 +227,12 @@ class AtomicIndexer(pt.Indexer):
         """The rows of a batch (records ``offset, ...``) for each float32 file of the index (:meth:`_stack` them)."""
         raise NotImplementedError
 
-    def _meta(self, shapes: dict[str, tuple[int, ...]], total: int) -> dict[str, Any]:
-        """The metadata for ``pt_meta.json`` of ``total`` documents whose columns have ``shapes``."""
+    def _meta(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+        """The index-specific metadata for ``pt_meta.json`` of documents whose columns have ``shapes``."""
         raise NotImplementedError
 
     def _write_files(self, inp: Iterable[Mapping[str, Any]] | pd.DataFrame, tmp: Path) -> dict[str, Any]:
-        """Write the docno store and the float32 files of :meth:`_arrays` into ``tmp``; return :meth:`_meta`."""
+        """Write the docno store and the float32 files of :meth:`_arrays` into ``tmp``; return the metadata."""
         shapes: dict[str, tuple[int, ...]] = {}
         with ExitStack() as stack:
             files: dict[str, Any] = {}
@@ -234,7 +245,8 @@ class AtomicIndexer(pt.Indexer):
             for f in files.values():
                 f.flush()
                 os.fsync(f.fileno())
-        return self._meta(shapes, total)
+        idx = self._index
+        return {"type": idx.ARTIFACT_TYPE, "format": idx.ARTIFACT_FORMAT, "doc_count": total, **self._meta(shapes)}
 
     def _check_target(self) -> None:
         path = self._index.index_path

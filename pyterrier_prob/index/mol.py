@@ -50,11 +50,6 @@ class MoLIndex(IndexArtifact, pt.Artifact):
         """The index directory."""
         return Path(self.path)
 
-    def _reset(self) -> None:
-        self._meta: dict[str, Any] | None = None
-        self._docnos: Lookup | None = None
-        self._cache: dict[Any, Any] = {}
-
     # ---- loading -----------------------------------------------------------------------------------------
     def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         count, fdim = meta["doc_count"], meta.get("feature_dim")
@@ -62,12 +57,6 @@ class MoLIndex(IndexArtifact, pt.Artifact):
             raise ValueError(f"{str(self.index_path / 'pt_meta.json')!r} has invalid feature_dim={fdim!r}")
         files = [("comps.f4", (count, meta["num_components"], meta["dim"])), ("mean.f4", (count, meta["dim"]))]
         return files + ([("feats.f4", (count, fdim))] if fdim is not None else [])
-
-    def _load_meta(self) -> dict[str, Any]:
-        """``pt_meta.json``, checked with the files on first use (a clear error when anything is off)."""
-        if self._meta is None:
-            self._meta = self._open_meta()
-        return self._meta
 
     def _memmap(self, file: str) -> np.memmap:
         """A read-only float32 memmap of one of the index's files (:meth:`_arrays`), opened once."""
@@ -79,11 +68,6 @@ class MoLIndex(IndexArtifact, pt.Artifact):
     def check_finite(self) -> None:
         """Raise ValueError naming the file, row and docno if a stored array holds nan/inf (read once)."""
         self._check_finite([(file, self._memmap(file)) for file, _ in self._arrays(self._load_meta())])
-
-    @property
-    def meta(self) -> dict[str, Any]:
-        """The index's ``pt_meta.json``."""
-        return dict(self._load_meta())
 
     def __len__(self) -> int:
         return int(self._load_meta()["doc_count"])
@@ -174,12 +158,9 @@ class MoLIndexer(AtomicIndexer):
             out["feats.f4"] = self._stack(shapes, feats, "doc_feat", offset, docnos, 1, "doc_feat dimensions")
         return out
 
-    def _meta(self, shapes: dict[str, tuple[int, ...]], total: int) -> dict[str, Any]:
+    def _meta(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         (px, dim), fdim = shapes["doc_comp"], shapes.get("doc_feat", (None,))[0]
         return {
-            "type": MoLIndex.ARTIFACT_TYPE,
-            "format": MoLIndex.ARTIFACT_FORMAT,
-            "doc_count": total,
             "num_components": int(px),
             "dim": int(dim),
             "feature_dim": None if fdim is None else int(fdim),

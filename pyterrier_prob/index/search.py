@@ -245,8 +245,7 @@ class ExactSearcher(Searcher):
     def __init__(self, vectors: np.ndarray, scale: np.ndarray | None = None) -> None:
         if np.ndim(vectors) != 2:
             raise ValueError(f"vectors must have shape (documents, dim), got {np.shape(vectors)}")
-        self.vectors = vectors
-        self.scale = scale
+        self.vectors, self.scale = vectors, scale
         self.n_docs, self.dim = (int(x) for x in vectors.shape)
 
     @property
@@ -350,11 +349,8 @@ class FaissSearcher(Searcher):
         k = min(k, self.n_docs)
         self._apply(k)
         index = self.index if not (self.on_gpu and k > _GPU_MAX_K) else self.cpu_index
-        D = np.empty((Q.shape[0], k), np.float32)
-        ids = np.empty((Q.shape[0], k), np.int64)
-        for q0 in range(0, Q.shape[0], _QUERY_BATCH):
-            D[q0 : q0 + _QUERY_BATCH], ids[q0 : q0 + _QUERY_BATCH] = index.search(Q[q0 : q0 + _QUERY_BATCH], k)
-        return D, ids
+        found = [index.search(Q[q0 : q0 + _QUERY_BATCH], k) for q0 in range(0, Q.shape[0], _QUERY_BATCH)]
+        return np.concatenate([D for D, _ in found]), np.concatenate([ids for _, ids in found])
 
     def _finish(
         self, Q: np.ndarray, t: np.ndarray, k: int | None, qi: np.ndarray, docids: np.ndarray, scores: np.ndarray
@@ -418,26 +414,20 @@ class FaissSearcher(Searcher):
 
     def _gpu_range(self, Q: np.ndarray, t: np.ndarray) -> CutoffHits:
         """A range search by k-NN of doubling depth (GPU indexes have none), past ``_GPU_MAX_K`` on the CPU index."""
-        radius = self._radius(t)
-        todo = np.arange(Q.shape[0])
-        qi, di, sc = [], [], []
+        radius, todo, found = self._radius(t), np.arange(Q.shape[0]), []
         k = min(64, _GPU_MAX_K)
         while todo.size:
             D, ids = self._knn(Q[todo], k)
             done = (D[:, -1] <= radius[todo]) | (D.shape[1] >= self.n_docs)
             rows, cols = np.nonzero(D[done] > radius[todo[done]][:, None])
-            qi.append(todo[done][rows])
-            di.append(ids[done][rows, cols])
-            sc.append(D[done][rows, cols])
+            found.append((todo[done][rows], ids[done][rows, cols], D[done][rows, cols]))
             todo = todo[~done]
             if todo.size and k >= _GPU_MAX_K:  # deeper than the GPU can go: the exact range search on the CPU
-                q, d, s = self._range_pairs(Q[todo], t[todo])
-                qi.append(todo[q])
-                di.append(d)
-                sc.append(s)
+                q, d, sc = self._range_pairs(Q[todo], t[todo])
+                found.append((todo[q], d, sc))
                 break
             k = min(2 * k, _GPU_MAX_K)
-        return self._finish(Q, t, None, np.concatenate(qi), np.concatenate(di), np.concatenate(sc))
+        return self._finish(Q, t, None, *(np.concatenate(x) for x in zip(*found)))
 
 
 class ShardedSearcher(Searcher):
@@ -470,12 +460,12 @@ class ShardedSearcher(Searcher):
 
 def _build_faiss(vectors: np.ndarray, backend: str, scale: np.ndarray | None, s: SearchSettings, verbose: bool) -> Any:
     faiss = import_faiss()
-    n, d = vectors.shape
-    metric = faiss.METRIC_INNER_PRODUCT
+    (n, d), metric = vectors.shape, faiss.METRIC_INNER_PRODUCT
+    qtype = {"fp16": faiss.ScalarQuantizer.QT_fp16, "sq8": faiss.ScalarQuantizer.QT_8bit}.get(backend.split("_")[-1])
     if backend == "flat":
         index = faiss.IndexFlatIP(d)
     elif backend == "flat_fp16":
-        index = faiss.IndexScalarQuantizer(d, faiss.ScalarQuantizer.QT_fp16, metric)
+        index = faiss.IndexScalarQuantizer(d, qtype, metric)
     elif backend == "hnsw":
         index = faiss.IndexHNSWFlat(d, s.M, metric)
         index.hnsw.efConstruction = s.ef_construction
@@ -483,24 +473,19 @@ def _build_faiss(vectors: np.ndarray, backend: str, scale: np.ndarray | None, s:
         quantizer = faiss.IndexFlatIP(d)
         if backend == "ivf_flat":
             index = faiss.IndexIVFFlat(quantizer, d, s.nlist, metric)
-        elif backend in ("ivf_fp16", "ivf_sq8"):
-            qtype = faiss.ScalarQuantizer.QT_fp16 if backend == "ivf_fp16" else faiss.ScalarQuantizer.QT_8bit
+        elif qtype is not None:
             index = faiss.IndexIVFScalarQuantizer(quantizer, d, s.nlist, qtype, metric)
+        elif d % s.pq_m:
+            raise ValueError(f"pq_m={s.pq_m} must divide the dimension {d}")
         else:
-            if d % s.pq_m:
-                raise ValueError(f"pq_m={s.pq_m} must divide the dimension {d}")
             index = faiss.IndexIVFPQ(quantizer, d, s.nlist, s.pq_m, 8, metric)
         index.own_fields = True
         quantizer.this.disown()
     if not index.is_trained:
         rows = np.sort(np.random.default_rng(s.seed).choice(n, size=min(n, s.train_size), replace=False))
         index.train(_rows(vectors, rows, scale))
-    bar = pt.tqdm(total=n, desc=f"building {backend}", unit="doc", disable=not verbose)
-    for a in range(0, n, _ADD_BATCH):
-        b = min(n, a + _ADD_BATCH)
-        index.add(_rows(vectors, slice(a, b), scale))
-        bar.update(b - a)
-    bar.close()
+    for a in pt.tqdm(range(0, n, _ADD_BATCH), desc=f"building {backend}", unit="batch", disable=not verbose):
+        index.add(_rows(vectors, slice(a, a + _ADD_BATCH), scale))
     return index
 
 

@@ -55,14 +55,11 @@ class MoLEncoder:
         self, texts: Sequence[str], task: str, batch_size: int | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """``(components (n, P, d), gate features (n, F) or None)`` of ``texts`` for ``task`` (query/document)."""
-        texts = text_list(texts, "texts")
-        bs, encode, feats = batch_size or self.batch_size, _st_mol().encode_components, None
-        if self.gate_features:
-            arr, feats = encode(self.model, texts, task=task, batch_size=bs, return_features=True)
-            feats = np.asarray(feats, dtype=np.float32)
-        else:
-            arr = encode(self.model, texts, task=task, batch_size=bs)
-        return np.asarray(arr, dtype=np.float32), feats
+        texts, bs = text_list(texts, "texts"), batch_size or self.batch_size
+        kw = {"return_features": True} if self.gate_features else {}
+        out = _st_mol().encode_components(self.model, texts, task=task, batch_size=bs, **kw)
+        arr, feats = out if self.gate_features else (out, None)
+        return np.asarray(arr, dtype=np.float32), None if feats is None else np.asarray(feats, dtype=np.float32)
 
     def encode_queries(self, texts: Sequence[str], batch_size: int | None = None) -> np.ndarray:
         """Query component embeddings ``f_pq(q)``, float32 ``(Q, P_q, d)``."""

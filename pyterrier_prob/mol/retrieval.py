@@ -182,12 +182,10 @@ class MoLRetriever(Capped):
         self.mol = mol
         self.method = choice("method", method, METHODS)
         self.num_results = positive_int("num_results", num_results)
-        if n_per_embedding is not None and method not in _PER_EMBEDDING:
-            raise ValueError(f"n_per_embedding applies to topk_per_embedding and comb_topk, not method={method!r}")
-        if n_avg is not None and method not in _AVERAGED:
-            raise ValueError(f"n_avg applies to topk_avg and comb_topk, not method={method!r}")
-        self.n_per_embedding = positive_int("n_per_embedding", n_per_embedding, allow_none=True)
-        self.n_avg = positive_int("n_avg", n_avg, allow_none=True)
+        for name, n, methods in (("n_per_embedding", n_per_embedding, _PER_EMBEDDING), ("n_avg", n_avg, _AVERAGED)):
+            if n is not None and method not in methods:
+                raise ValueError(f"{name} applies to {' and '.join(methods)}, not method={method!r}")
+            setattr(self, name, positive_int(name, n, allow_none=True))
         if isinstance(gap_bound, bool):
             gap_bound = "tight" if gap_bound else None
         self.gap_bound = choice("gap_bound", gap_bound, (None, "tight", "loose"))
@@ -242,9 +240,8 @@ class MoLRetriever(Capped):
         hint = "encode the queries with MoLEncoder(model).query_encoder() >> retriever"
         cols = ["query_comp", "query_feat"] if self.shapes.gate_features else ["query_comp"]
         if validate_columns(self, inp, cols, hint, rerank=None):
-            return MoLReranker(self.index, self.mol, self.num_results, drop_query_comp=self.options.drop_query_comp)(
-                inp
-            )
+            drop = self.options.drop_query_comp
+            return MoLReranker(self.index, self.mol, self.num_results, drop_query_comp=drop)(inp)
         inp = inp.reset_index(drop=True)
         blocks = [_NO_BLOCK]
         if len(inp):
@@ -268,9 +265,7 @@ class MoLRetriever(Capped):
         out = inp.iloc[blk.qi].reset_index(drop=True)
         docno = self.index.docno_array()[blk.docids]
         out = out.assign(docno=docno, docid=blk.docids, score=blk.scores, rank=blk.rank, **extra)
-        if self.options.drop_query_comp and "query_comp" in out.columns:
-            out = out.drop(columns="query_comp")
-        return out
+        return out.drop(columns="query_comp", errors="ignore") if self.options.drop_query_comp else out
 
     def _search_block(self, Q: np.ndarray, Qf: np.ndarray | None) -> _Block:
         """Top K of a block of queries ``Q (B, P_q, d)`` (gate features ``Qf``) by the configured method."""
@@ -284,9 +279,8 @@ class MoLRetriever(Capped):
             depth = {"exact": K, "topk_per_embedding": n1, "comb_topk": n1, "topk_avg": 0}[self.method]
             search_depth = depth
             if self.gap_bound == "tight" and self.method != "exact":
-                search_depth = depth + 1 if self.method == "topk_per_embedding" else depth + n2 + 1
-            search_depth = max(search_depth, depth, 1)
-            D, nbrs = self._knn_components(Q, search_depth)  # (B, Pq, Px, k)
+                search_depth += 1 if self.method == "topk_per_embedding" else n2 + 1
+            D, nbrs = self._knn_components(Q, max(search_depth, 1))  # (B, Pq, Px, k)
             if depth:
                 ids = nbrs[..., :depth].reshape(B, -1)
                 parts_q.append(np.repeat(np.arange(B), ids.shape[1]))
@@ -337,11 +331,9 @@ class MoLRetriever(Capped):
         active = np.flatnonzero(np.isfinite(thresh))
         if not active.size:
             return qi, di, scores
-        radius = np.empty(active.size, np.float32)
-        for j, b in enumerate(active):
-            t = float(thresh[b])
-            scale = max(1.0, abs(t), float(np.abs(D[b][np.isfinite(D[b])]).max(initial=0.0)))
-            radius[j] = np.nextafter(np.float32(t - _RANGE_SLACK * scale), np.float32(-np.inf))
+        t, Da = thresh[active], D[active].reshape(active.size, -1)
+        scale = np.maximum(np.maximum(1.0, np.abs(t)), np.abs(np.where(np.isfinite(Da), Da, 0.0)).max(axis=1))
+        radius = np.nextafter((t - _RANGE_SLACK * scale).astype(np.float32), np.float32(-np.inf))
         # every (query, item) with some <f_pq(q), g_px(x)> >= the query's radius: an exact range search per component
         pq, n_docs = self.shapes.pq, len(self.index)
         Qa, row_radius = Q[active].reshape(-1, Q.shape[-1]), np.repeat(radius, pq)
@@ -401,9 +393,7 @@ class MoLRetriever(Capped):
         for c0 in range(0, N, chunk):
             c1 = min(N, c0 + chunk)
             x = tensor(comps[c0:c1], device, dtype)
-            kwargs = {}
-            if Qft is not None:
-                kwargs = {"q_features": Qft, "x_features": tensor(feats[c0:c1], device, dtype)}
+            kwargs = {} if Qft is None else {"q_features": Qft, "x_features": tensor(feats[c0:c1], device, dtype)}
             S = self.mol.score_all(Qt, x, **kwargs)
             if tuple(S.shape) != (B, c1 - c0):
                 raise ValueError(f"mol.score_all returned shape {tuple(S.shape)}, expected ({B}, {c1 - c0})")

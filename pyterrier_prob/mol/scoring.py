@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -75,9 +76,8 @@ def device_dtype(mol: Any) -> tuple[torch.device, torch.dtype]:
 
 
 def tensor(a: np.ndarray | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
-    if a is None:
-        return None
-    return torch.from_numpy(np.require(a, np.float32, ["C", "W"])).to(device=device, dtype=dtype)
+    """``a`` as a tensor of ``dtype`` on ``device`` (None stays None)."""
+    return None if a is None else torch.from_numpy(np.require(a, np.float32, ["C", "W"])).to(device=device, dtype=dtype)
 
 
 def frame_side(
@@ -166,26 +166,12 @@ class IndexDocs:
         return out
 
 
-class ArrayDocs:
-    """A :data:`DocSource` over stacked arrays, one row per pair."""
-
-    def __init__(self, comps: np.ndarray, feats: np.ndarray | None) -> None:
-        self.comps, self.feats = comps, feats
-
-    def __call__(self, rows: Any) -> tuple[np.ndarray, np.ndarray | None]:
-        return self.comps[rows], None if self.feats is None else self.feats[rows]
-
-
 def _candidate_scorer(mol: Any) -> Callable[..., torch.Tensor]:
     """``mol.score_candidates``, or ``mol.mixture(..., check_finite=False)`` where it exists: the inputs were checked
     here and at indexing (the scores are checked afterwards either way)."""
     mixture = getattr(mol, "mixture", None)
-    if callable(mixture):
-        try:
-            takes_flag = "check_finite" in inspect.signature(mixture).parameters
-        except (TypeError, ValueError):
-            takes_flag = False
-        if takes_flag:
+    with contextlib.suppress(TypeError, ValueError):  # a signature inspect cannot read: score_candidates
+        if callable(mixture) and "check_finite" in inspect.signature(mixture).parameters:
             return lambda q, x, **kw: mixture(q, x, check_finite=False, **kw)[0]
     return mol.score_candidates
 
@@ -234,9 +220,8 @@ def score_pairs(mol: Any, shapes: Shapes, Q: np.ndarray, Qf: np.ndarray | None, 
         comps, feats = docs(slice(a, b) if order is None else order[a:b])
         x = _padded(tensor(comps, device, dtype), (starts.size, width, shapes.px, shapes.dim), row, pos)
         qrows = torch.from_numpy(grouped[starts]).to(device)
-        kwargs = {}
+        kwargs, xf = {}, tensor(feats, device, dtype)
         if Qft is not None or feats is not None:
-            xf = tensor(feats, device, dtype)
             kwargs = {"q_features": Qft[qrows], "x_features": _padded(xf, (starts.size, width, xf.shape[-1]), row, pos)}
         s = score(Qt[qrows], x, **kwargs)
         if tuple(s.shape) != (starts.size, width):
@@ -244,11 +229,9 @@ def score_pairs(mol: Any, shapes: Shapes, Q: np.ndarray, Qf: np.ndarray | None, 
         scores[a:b] = s[row, pos].float().cpu().numpy()
     if not np.isfinite(scores).all():
         raise ValueError("the MoL produced non-finite scores (nan or inf)")
-    if order is None:
-        return scores
-    out = np.empty_like(scores)
-    out[order] = scores
-    return out
+    if order is not None:  # back to the input order
+        scores[order] = scores.copy()
+    return scores
 
 
 class MoLReranker(Capped):
@@ -283,8 +266,9 @@ class MoLReranker(Capped):
         return [f"{s}_{kind}" for kind in ("comp", "feat")[: 1 + self.shapes.gate_features] for s in sides]
 
     def _docs(self, inp: pd.DataFrame) -> DocSource:
-        if self.index is None:
-            return ArrayDocs(*frame_side(inp, np.arange(len(inp)), self.shapes, "doc", type(self).__name__))
+        if self.index is None:  # stacked arrays, one row per pair
+            comps, feats = frame_side(inp, np.arange(len(inp)), self.shapes, "doc", type(self).__name__)
+            return lambda rows: (comps[rows], None if feats is None else feats[rows])
         hint = "re-ranking from an index needs the candidates' components in it (or use MoLReranker(None, mol) after "
         docids = self.index.candidate_docids(inp["docno"], hint + "MoLEncoder(model).doc_encoder())")
         return IndexDocs(self.index, docids)
@@ -295,7 +279,7 @@ class MoLReranker(Capped):
             hint += " and the documents with MoLEncoder(model).doc_encoder() (or pass a MoLIndex)"
         validate_columns(self, inp, self._columns(), hint, rerank=True)
         inp = inp.reset_index(drop=True)
-        out = inp.drop(columns=[c for c in ("score", "rank") if c in inp.columns])
+        out = inp.drop(columns=["score", "rank"], errors="ignore")
         if len(inp):
             check_ids(inp, ["qid", "docno"], type(self).__name__)
             codes, _, Q, Qf = query_rows(inp, self.shapes, type(self).__name__)
@@ -308,7 +292,7 @@ class MoLReranker(Capped):
         else:
             out = out.assign(score=pd.Series(dtype=np.float32), rank=pd.Series(dtype=np.int64))
         drop = [c for c, d in (("query_comp", self.drop_query_comp), ("doc_comp", self.drop_doc_comp)) if d]
-        return out.drop(columns=[c for c in drop if c in out.columns])
+        return out.drop(columns=drop, errors="ignore")
 
     def __repr__(self) -> str:
         return f"MoLReranker({self.index!r}, {type(self.mol).__name__}, num_results={self.num_results})"

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 from numpy.typing import ArrayLike, NDArray
-from scipy import optimize, special, stats
+from scipy import linalg, optimize, special, stats
 
 from pyterrier_prob.dense import PARAM_COLUMNS
 from pyterrier_prob.validation import choice, finite_float, positive_int
@@ -38,7 +38,6 @@ __all__ = [
 
 Family = Literal["exp", "beta", "beta_mle"]
 Weighting = Literal["query", "pair"]
-FloatLike = float | NDArray[np.float64]
 
 #: Relevant cosines may exceed [-1, 1] by this much (float32 rounding of unit-vector dot products); they are
 #: clipped to [-1, 1]. Anything further out is an error.
@@ -105,10 +104,7 @@ def _feature_matrix(features: Any, n: int) -> tuple[NDArray[np.float64], list[st
         features = features.to_frame()
     if isinstance(features, pd.DataFrame):
         names = [str(c) for c in features.columns]
-        try:
-            arr = features.to_numpy(dtype=np.float64)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"features must be numeric, got columns with dtypes {dict(features.dtypes)}") from exc
+        arr = _matrix(features, f"features must be numeric, got columns with dtypes {dict(features.dtypes)}")
     elif isinstance(features, Mapping):
         names = [str(k) for k in features]
         cols = [np.asarray(v, dtype=np.float64).reshape(-1) for v in features.values()]
@@ -153,12 +149,9 @@ def _relevant_lists(
                 f"query {i} has no relevant cosines: every calibration query needs at least one judged-relevant "
                 "document (drop queries without relevant documents first)"
             )
-        if not np.all(np.isfinite(arr)):
-            raise ValueError(f"relevant cosines of query {i} must be finite, got {arr[~np.isfinite(arr)][0]!r}")
-        if np.any(np.abs(arr) > 1.0 + COSINE_TOLERANCE):
-            raise ValueError(
-                f"relevant cosines of query {i} must lie in [-1, 1], got {arr[np.abs(arr) > 1 + COSINE_TOLERANCE][0]!r}"
-            )
+        for bad, want in ((~np.isfinite(arr), "be finite"), (np.abs(arr) > 1.0 + COSINE_TOLERANCE, "lie in [-1, 1]")):
+            if bad.any():
+                raise ValueError(f"relevant cosines of query {i} must {want}, got {arr[bad][0]!r}")
         out.append(np.clip(arr, -1.0, 1.0))
     return out
 
@@ -215,14 +208,11 @@ def _standardise(design: NDArray[np.float64]) -> tuple[NDArray, NDArray, NDArray
     mu, sd = design[:, 1:].mean(axis=0), design[:, 1:].std(axis=0)
     const = sd <= 1e-12 * np.maximum(1.0, np.abs(mu))
     keep = np.flatnonzero(np.concatenate([[True], ~const]))
-    xs = design.copy()
-    xs[:, 1:] = (design[:, 1:] - mu) / np.where(const, 1.0, sd)
-    t_map = np.zeros((design.shape[1], keep.size))
-    t_map[0, 0] = 1.0
-    for j_s, j in enumerate(keep[1:], start=1):
-        t_map[j, j_s] = 1.0 / sd[j - 1]
-        t_map[0, j_s] = -mu[j - 1] / sd[j - 1]
-    return xs[:, keep], const, t_map
+    scale = np.where(const, 1.0, sd)
+    t_map = np.diag(np.r_[1.0, 1.0 / scale])
+    t_map[0, 1:] = -mu / scale
+    xs = np.concatenate([design[:, :1], (design[:, 1:] - mu) / scale], axis=1)
+    return xs[:, keep], const, t_map[:, keep]
 
 
 class _BetaLikelihood:
@@ -329,38 +319,27 @@ class CalibratedLaw:
         self.include_negative = bool(include_negative)
         self.coef_a_: NDArray[np.float64] | None = None
         self.coef_b_: NDArray[np.float64] | None = None
-        self.feature_names_: list[str] = []
         self.covariance_: NDArray[np.float64] | None = None
+        self.feature_names_: list[str] = []
         self.constant_features_: list[str] = []
-        self.n_queries_ = 0
-        self.n_pairs_ = 0
-        self.loglik_ = math.nan
-        self.converged_ = False
-        self.n_iter_ = 0
-        self.message_ = ""
+        self.n_queries_ = self.n_pairs_ = self.n_iter_ = 0
+        self.loglik_, self.converged_, self.message_ = math.nan, False, ""
 
     @property
     def _m(self) -> float:
-        """m = (n - 3) / 2 of the sphere factor (Eq. 4); 0 on the line."""
+        """m = (n - 3) / 2 of the sphere factor (Eq. 4); 0 on the line. a_q = exp(eta) + m+ in z, m+ = max(m, 0)."""
         return 0.0 if self.dim is None else (self.dim - 3) / 2.0
 
-    @property
-    def _offset(self) -> float:
-        """m+ = max(m, 0): a_q = exp(eta) + m+ in z."""
-        return max(self._m, 0.0)
-
     def _theta_names(self) -> list[str]:
-        if self.family in ("exp", "beta"):
+        if self.family != "beta_mle":
             return ["log tau"]
-        names = ["log alpha+", "log beta+"]
-        return names + (["log alpha-", "log beta-"] if self.include_negative else [])
+        return ["log alpha+", "log beta+", *(["log alpha-", "log beta-"] if self.include_negative else [])]
 
     def _design(self, params: Any, features: Any) -> tuple[NDArray[np.float64], list[str]]:
         p = _param_matrix(params, self.family)
         theta = np.log(p[:, : len(self._theta_names())])
         extra, names = _feature_matrix(features, p.shape[0])
-        design = np.concatenate([np.ones((p.shape[0], 1)), theta, extra], axis=1)
-        return design, ["1", *self._theta_names(), *names]
+        return np.concatenate([np.ones((p.shape[0], 1)), theta, extra], axis=1), ["1", *self._theta_names(), *names]
 
     def fit(self, params: Any, relevant_cosines_per_query: Any, features: Any = None) -> CalibratedLaw:
         """Fit by maximum likelihood (trust-region Newton) on Q calibration queries; ``features``: optional extra
@@ -372,17 +351,15 @@ class CalibratedLaw:
         stats_ = _suff_stats(lists)
         n = stats_[0]
         xs, const, t_map = _standardise(design)
-        model = _BetaLikelihood(xs, stats_, 1.0 / n if self.weighting == "query" else np.ones_like(n), self._offset)
+        wq = 1.0 / n if self.weighting == "query" else np.ones_like(n)
+        model = _BetaLikelihood(xs, stats_, wq, max(self._m, 0.0))
         res = model.maximise(model.start((1.0 + np.concatenate(lists)) / 2.0))
         w = res.x
-        p, k = t_map.shape
-        t_full = np.zeros((2 * p, 2 * k))  # back from the standardised coordinates to the raw features
-        t_full[:p, :k], t_full[p:, k:] = t_map, t_map
+        t_full = linalg.block_diag(t_map, t_map)  # back from the standardised coordinates to the raw features
         coef, cov = t_full @ w, t_full @ model.sandwich(w) @ t_full.T
         dropped = np.concatenate([[False], const, [False], const])
-        cov[dropped, :] = np.nan
-        cov[:, dropped] = np.nan
-        self.coef_a_, self.coef_b_ = coef[:p], coef[p:]
+        cov[dropped] = cov[:, dropped] = np.nan
+        self.coef_a_, self.coef_b_ = np.split(coef, 2)
         self.feature_names_, self.covariance_ = names, cov
         self.constant_features_ = [nm for nm, c in zip(names[1:], const) if c]
         self.n_queries_, self.n_pairs_ = len(lists), int(n.sum())
@@ -402,10 +379,9 @@ class CalibratedLaw:
         design, names = self._design(params, features)
         if names != self.feature_names_:
             raise ValueError(f"features {names[1:]} differ from those of the fit {self.feature_names_[1:]}")
-        ea = np.exp(np.clip(design @ self.coef_a_, -_ETA_CLIP, _ETA_CLIP))
-        eb = np.exp(np.clip(design @ self.coef_b_, -_ETA_CLIP, _ETA_CLIP))
-        shift = self._offset - self._m  # alpha_q = a_q - m with a_q = exp(eta) + m+
-        return BetaCosine(ea + shift, eb + shift, dim=self.dim)
+        shift = max(self._m, 0.0) - self._m  # alpha_q = a_q - m with a_q = exp(eta) + m+
+        ea, eb = (np.exp(np.clip(design @ c, -_ETA_CLIP, _ETA_CLIP)) + shift for c in (self.coef_a_, self.coef_b_))
+        return BetaCosine(ea, eb, dim=self.dim)
 
     def score(self, params: Any, relevant_cosines_per_query: Any, features: Any = None) -> float:
         """Weighted mean log density (nats per pair) of the relevant cosines under :meth:`law`, in x (comparable with
@@ -483,10 +459,8 @@ class CalibratedLaw:
 def take_queries(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosine | BetaCosine:
     """The per-query laws of the queries ``idx`` (positions), as a law of the same kind and geometry."""
     if isinstance(law, BetaCosine):
-        q = law.n_queries
-        return BetaCosine(
-            np.broadcast_to(np.asarray(law.alpha), (q,))[idx], np.broadcast_to(np.asarray(law.beta), (q,))[idx], law.dim
-        )
+        alpha, beta = (np.broadcast_to(np.asarray(v), (law.n_queries,))[idx] for v in (law.alpha, law.beta))
+        return BetaCosine(alpha, beta, law.dim)
     return ExpCosine(np.asarray(law.tau)[idx], law.dim)
 
 
@@ -497,8 +471,7 @@ def _per_pair(law: ExpCosine | BetaCosine, lists: list[NDArray[np.float64]], met
     if law.n_queries is None:
         return np.asarray(getattr(law, method)(flat), dtype=np.float64)
     counts = np.array([c.size for c in lists])
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    out = np.empty(flat.size)
+    out: list[NDArray[np.float64]] = [flat[:0]] * len(lists)
     order = np.argsort(counts, kind="stable")
     i = 0
     while i < order.size:
@@ -508,13 +481,12 @@ def _per_pair(law: ExpCosine | BetaCosine, lists: list[NDArray[np.float64]], met
         idx = order[i:j]
         width = int(counts[idx].max())
         pad = np.zeros((idx.size, width))
-        for r, q in enumerate(idx):
-            pad[r, : counts[q]] = lists[q]
+        pad[np.arange(width) < counts[idx, None]] = np.concatenate([lists[q] for q in idx])
         vals = np.asarray(getattr(take_queries(law, idx), method)(pad), dtype=np.float64).reshape(idx.size, width)
         for r, q in enumerate(idx):
-            out[starts[q] : starts[q] + counts[q]] = vals[r, : counts[q]]
+            out[q] = vals[r, : counts[q]]
         i = j
-    return out
+    return np.concatenate(out)
 
 
 def pit_values(law: ExpCosine | BetaCosine, relevant_cosines_per_query: Any) -> NDArray[np.float64]:
@@ -567,8 +539,7 @@ def pit_summary(pit: ArrayLike, tail: float = 0.01, weights: ArrayLike | None = 
         us, cw = u[order], np.cumsum(w[order])
         last = np.r_[us[1:] != us[:-1], True]  # the weighted ECDF at each distinct value
         us, cw = us[last], cw[last]
-        d = float(max(np.max(cw - us), np.max(us - np.r_[0.0, cw[:-1]])))
-        pvalue = math.nan
+        d, pvalue = float(max(np.max(cw - us), np.max(us - np.r_[0.0, cw[:-1]]))), math.nan
     return {
         "n": int(u.size),
         "ks_statistic": d,
@@ -598,21 +569,13 @@ def _lr_coefficients(relevant: BetaCosine, irrelevant: BetaCosine) -> tuple[NDAr
     return ap - an, bp - bn, special.betaln(an, bn) - special.betaln(ap, bp)
 
 
-def log_likelihood_ratio(relevant: BetaCosine, irrelevant: BetaCosine, x: ArrayLike) -> FloatLike:
+def log_likelihood_ratio(relevant: BetaCosine, irrelevant: BetaCosine, x: ArrayLike) -> float | NDArray[np.float64]:
     """log f+(x) - log f-(x) per query (shapes as in :meth:`BetaCosine.cdf`), for cosines strictly inside (-1, 1)."""
     return np.asarray(relevant.logpdf(x)) - np.asarray(irrelevant.logpdf(x))
 
 
 _STATUS = np.array(["crossing", "all", "none", "inverted"])
 _U_MAX = 80.0  # logit(z) range: tanh(40) == 1.0 in float64, so [-80, 80] spans every float cosine
-
-
-def _lr_broadcast(law: BetaCosine, coefs: tuple[NDArray, NDArray, NDArray], log_ratio: ArrayLike) -> tuple:
-    """(A, B, C, lambda) broadcast to the thresholds' shape: the queries', or ``log_ratio``'s ``(Q, L)``."""
-    lam, pshape = law.align(log_ratio, "log_ratio")
-    if np.any(np.isnan(lam)):
-        raise ValueError("log_ratio must not be nan")
-    return (*(np.broadcast_to(v.reshape(pshape), lam.shape) for v in coefs), lam)
 
 
 def _lr_gap(u: NDArray[np.float64], a: NDArray, b: NDArray, c: NDArray, lam: NDArray) -> NDArray[np.float64]:
@@ -631,8 +594,11 @@ def likelihood_ratio_cutoff(
     for prior odds pi / (1 - pi). ``log_ratio``: a scalar, ``(Q,)`` or ``(Q, L)``. The status per threshold
     (``return_status``) is ``"crossing"``, ``"all"`` (-inf), ``"none"`` or ``"inverted"`` (+inf); rules in
     ``docs/pebr.md``. Crossings are bisected in logit(z) to float precision."""
-    big_a, big_b, big_c, lam = _lr_broadcast(relevant, _lr_coefficients(relevant, irrelevant), log_ratio)
-    shape = lam.shape
+    coefs = _lr_coefficients(relevant, irrelevant)
+    lam, pshape = relevant.align(log_ratio, "log_ratio")  # thresholds' shape: the queries', or log_ratio's (Q, L)
+    if np.any(np.isnan(lam)):
+        raise ValueError("log_ratio must not be nan")
+    big_a, big_b, big_c = (np.broadcast_to(v.reshape(pshape), lam.shape) for v in coefs)
     zero = (big_a == 0) & (big_b == 0)
     inc = (big_a >= 0) & (big_b <= 0) & ~zero
     dec = (big_a <= 0) & (big_b >= 0) & ~zero
@@ -646,14 +612,10 @@ def likelihood_ratio_cutoff(
     all_ = searchable & (_lr_gap(lo, big_a, big_b, big_c, lam) >= 0)
     none_ = searchable & ~all_ & (_lr_gap(hi, big_a, big_b, big_c, lam) < 0)
     cross = searchable & ~all_ & ~none_
-    dec_all = (dec | zero) & (_lr_gap(np.full(shape, _U_MAX), big_a, big_b, big_c, lam) >= 0)
-    status = np.zeros(shape, dtype=np.intp)  # 0 crossing, 1 all, 2 none, 3 inverted
-    status[all_ | dec_all] = 1
-    status[none_ | (zero & ~dec_all)] = 2
-    status[dec & ~dec_all] = 3
-    out = np.full(shape, np.nan)
-    out[all_ | dec_all] = -np.inf
-    out[~cross & ~(all_ | dec_all)] = np.inf
+    dec_all = (dec | zero) & (_lr_gap(np.full(lam.shape, _U_MAX), big_a, big_b, big_c, lam) >= 0)
+    # 0 crossing, 1 all, 2 none, 3 inverted (disjoint masks); the crossings' thresholds are bisected below
+    status = np.select([all_ | dec_all, none_ | (zero & ~dec_all), dec & ~dec_all], [1, 2, 3], 0)
+    out = np.where(status == 1, -np.inf, np.inf)
     a_, b_ = lo.copy(), hi.copy()  # bisection on [lo, hi] where g is increasing, g(lo) < lambda <= g(hi)
     for _ in range(200):
         mid = 0.5 * (a_ + b_)

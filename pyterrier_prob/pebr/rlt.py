@@ -39,8 +39,7 @@ __all__ = [
 def running_min(ranked: pd.DataFrame, stat: np.ndarray) -> np.ndarray:
     """The running minimum of a statistic down each query's list (rows sorted by qid, rank): any level then keeps a
     prefix (a truncation)."""
-    s = pd.Series(stat, index=ranked.index)
-    return s.groupby(ranked["qid"].to_numpy(), sort=False).cummin().to_numpy()
+    return pd.Series(stat, index=ranked.index).groupby(ranked["qid"].to_numpy(), sort=False).cummin().to_numpy()
 
 
 def zscore_stat(ranked: pd.DataFrame, top: int = 100) -> np.ndarray:
@@ -56,12 +55,10 @@ def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.n
     out = np.zeros(len(ranked))
     for _, idx in ranked.groupby("qid", sort=False).indices.items():
         s = ranked["score"].to_numpy()[idx]
-        lo = s[: min(top, len(s))].min()
-        x = np.maximum(s - lo, 0.0)
-        fit = x[: min(top, len(x))]
+        x = np.maximum(s - s[:top].min(), 0.0)
+        fit = x[:top]
         if len(fit) < 5 or fit.std() == 0:
-            out[idx] = 0.0
-            continue
+            continue  # posterior 0
         head = fit[: max(2, len(fit) // 20)]
         w, mu, sd, lam = 0.05, float(head.mean()), float(head.std()) + 1e-3, 1.0 / (fit.mean() + 1e-9)
         for _ in range(iters):
@@ -81,8 +78,7 @@ def mixture_stat(ranked: pd.DataFrame, top: int = 100, iters: int = 100) -> np.n
 def law_stat(ranked: pd.DataFrame, law: Any) -> np.ndarray:
     """The CDF cutoff as a statistic ``F_q(score) - 1``: ``law.cutoff(p)`` keeps the rows with stat >= -p. ``ranked``
     holds the law's queries in its order, each query's rows together (:func:`ranked_lists`)."""
-    lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
-    return pit_values(law, lists) - 1.0
+    return pit_values(law, [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]) - 1.0
 
 
 def _logit_z(cos: np.ndarray) -> np.ndarray:
@@ -98,8 +94,7 @@ def list_features(ranked: pd.DataFrame, top: int = 100) -> pd.DataFrame:
         return pd.DataFrame({"logit_top1": [], "logit_mean_top": []})
     first = ranked.groupby("qid", sort=False)["score"].first()
     head = ranked[ranked["rank"] < top].groupby("qid", sort=False)["score"].mean().reindex(first.index)
-    top1, mean_top = _logit_z(first.to_numpy(dtype=np.float64)), _logit_z(head.to_numpy(dtype=np.float64))
-    return pd.DataFrame({"logit_top1": top1, "logit_mean_top": mean_top})
+    return pd.DataFrame({"logit_top1": _logit_z(first), "logit_mean_top": _logit_z(head)})
 
 
 def gain_stat(ranked: pd.DataFrame, law: Any, window: int = 5) -> np.ndarray:
@@ -130,8 +125,7 @@ def level_for_depth(stat: np.ndarray, n_queries: int, k: float) -> float:
     """The level at which the rows with stat >= level number ``k`` per query on average (the k·Q-th largest stat):
     matched mean depth (pEBR Sec. 4.1.3), exact up to ties."""
     srt = np.sort(stat)[::-1]
-    m = int(np.clip(round(k * n_queries), 1, len(srt)))
-    return float(srt[m - 1])
+    return float(srt[int(np.clip(round(k * n_queries), 1, len(srt))) - 1])
 
 
 def conformal_recall_level(stat: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, target: float):
@@ -184,13 +178,16 @@ def conformal_resplits(
         cal = np.zeros(len(n_rel), dtype=bool)
         cal[rng.permutation(has)[:n_cal]] = True
         in_cal = cal[r_q]
-        n_cal_rel = np.where(cal, n_rel, 0)
-        ones = np.ones(in_cal.sum(), dtype=bool)
-        lam, _ = conformal_recall_level(r_stat[in_cal], r_q[in_cal], ones, n_cal_rel, target)
+        lam, _ = conformal_recall_level(r_stat[in_cal], r_q[in_cal], in_cal[in_cal], np.where(cal, n_rel, 0), target)
         test = ~cal & (n_rel > 0)
         hits = np.bincount(r_q[~in_cal & (r_stat >= lam)], minlength=len(n_rel))
         out[b] = np.mean(hits[test] / n_rel[test])
     return out
+
+
+def _on_or_below(a: tuple, b: tuple, x: float, y: float) -> bool:
+    """Whether point ``b`` lies on or below the chord from ``a`` to ``(x, y)``."""
+    return (b[1] - a[1]) * (x - a[0]) <= (y - a[1]) * (b[0] - a[0])
 
 
 def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_rel: np.ndarray, k: float, n_q: int):
@@ -205,16 +202,11 @@ def oracle_runs(ranked: pd.DataFrame, is_rel: np.ndarray, qidx: np.ndarray, n_re
         rel_ranks = np.sort(ranks[(qidx == q) & is_rel])
         pts = [(0, 0.0)] + [(int(r) + 1, (j + 1) / n_rel[q]) for j, r in enumerate(rel_ranks)]
         hull = [pts[0]]
-        for p in pts[1:]:
-            while len(hull) >= 2:
-                (x1, y1), (x2, y2) = hull[-2], hull[-1]
-                if (y2 - y1) * (p[0] - x1) <= (p[1] - y1) * (x2 - x1):
-                    hull.pop()
-                else:
-                    break
-            hull.append(p)
-        for (x1, y1), (x2, y2) in zip(hull[:-1], hull[1:]):
-            segs.append(((y2 - y1) / (x2 - x1), q, x2, x2 - x1))
+        for x, y in pts[1:]:
+            while len(hull) >= 2 and _on_or_below(hull[-2], hull[-1], x, y):
+                hull.pop()
+            hull.append((x, y))
+        segs += [((y2 - y1) / (x2 - x1), q, x2, x2 - x1) for (x1, y1), (x2, y2) in zip(hull, hull[1:])]
     depth = np.zeros(n_q, dtype=int)
     spent = 0.0
     for _slope, q, x2, cost in sorted(segs, key=lambda s: -s[0]):
@@ -231,8 +223,7 @@ def row_relevance(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]
     qidx = ranked["qid"].map(pos).to_numpy()
     is_rel = np.fromiter((p in pairs for p in zip(ranked["qid"], ranked["docno"])), bool, len(ranked))
     counts = rel.groupby(rel["qid"].astype(str)).size()
-    n_rel = np.array([int(counts.get(q, 0)) for q in qids])
-    return qidx, is_rel, n_rel
+    return qidx, is_rel, np.array([int(counts.get(q, 0)) for q in qids])
 
 
 def mean_measures(qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, keep: np.ndarray, n_q: int):
@@ -255,8 +246,7 @@ def _sorted_run(run: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"a ranked run needs the columns qid, docno, score, rank; missing {missing}")
     run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
-    order = {q: i for i, q in enumerate(dict.fromkeys(run["qid"]))}
-    return run.assign(_o=run["qid"].map(order)).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
+    return run.assign(_o=pd.factorize(run["qid"])[0]).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
 
 
 class RecallTargetCutoff(pt.Transformer):

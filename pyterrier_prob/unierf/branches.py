@@ -9,7 +9,6 @@ per-branch quotas (:class:`MultiBranchRetriever`) and the negatives of Sec. 4.3 
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import random
@@ -22,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
-from pyterrier_prob.dense import ProbBiEncoder
+from pyterrier_prob.dense import Capped, ProbBiEncoder
 from pyterrier_prob.index.dense import as_dense_index
 from pyterrier_prob.index.exact import QUERY_BATCH, docnos_of, threshold_search
 from pyterrier_prob.validation import (
@@ -226,10 +225,8 @@ class UniERFEncoder:
     def encode(self, frame: pd.DataFrame, batch_size: int | None = None) -> dict[str, np.ndarray]:
         """branch -> ``(len(frame), dim)`` float32 unit vectors; identical input texts are encoded once."""
         uniq = {b: unique_texts(t) for b, t in self.branch_texts(frame).items()}
-        texts = {b: u for b, (u, _) in uniq.items()}
-        emb = encode_branches(
-            self.model, texts, batch_size=batch_size or self.batch_size, show_progress_bar=self.verbose
-        )
+        kw = {"batch_size": batch_size or self.batch_size, "show_progress_bar": self.verbose}
+        emb = encode_branches(self.model, {b: u for b, (u, _) in uniq.items()}, **kw)
         return {b: emb[b][inv] for b, (_, inv) in uniq.items()}
 
     def query_encoder(self, batch_size: int | None = None) -> UniERFQueryEncoder:
@@ -285,10 +282,8 @@ def branch_quotas(budget: int, weights: Sequence[float]) -> np.ndarray:
     w = _quota_weights(weights)
     exact = budget * w / w.sum()
     quotas = np.floor(exact).astype(np.int64)
-    left = budget - int(quotas.sum())
     order = sorted(range(w.size), key=lambda i: (-(exact[i] - quotas[i]), i))
-    for i in order[:left]:
-        quotas[i] += 1
+    quotas[order[: budget - int(quotas.sum())]] += 1
     return quotas
 
 
@@ -349,7 +344,7 @@ class _BranchWalk:
             entry[0] = max(entry[0], s)
 
 
-class MultiBranchRetriever(pt.Transformer):
+class MultiBranchRetriever(Capped):
     """Searches every UniERF branch against one shared index and merges the candidate sets into a budget of B.
 
     The union of every branch's top-B (Alg. 1 lines 27-30; ``query_vec_<branch>`` columns) is merged by
@@ -391,29 +386,20 @@ class MultiBranchRetriever(pt.Transformer):
             f"MultiBranchRetriever({self.index!r}, branches={self.branches}, num_results={self.num_results}{weights})"
         )
 
-    def fuse_rank_cutoff(self, k: int) -> MultiBranchRetriever:
-        """``retriever % k``: the same retriever with budget ``min(k, num_results)`` (quotas recomputed)."""
-        k = positive_int("k", k)
-        out = copy.copy(self)
-        out.num_results = min(k, self.num_results)
-        return out
-
     def __mod__(self, k: int) -> MultiBranchRetriever:
-        # Cutting the merged list of a larger budget is not the merge at a smaller budget: fold the cutoff here.
+        # Cutting the merged list of a larger budget is not the merge at a smaller budget: fold the cutoff here
+        # (the same retriever with budget min(k, num_results), quotas recomputed).
         return self.fuse_rank_cutoff(k)
-
-    def subtransformers(self) -> dict:
-        return {}
 
     def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
         """Each qid once (its first row); a repeated qid must repeat every branch vector exactly."""
         if not len(inp):
             return inp
-        check_ids(inp, ["qid"], "MultiBranchRetriever")
+        owner = "MultiBranchRetriever"
+        check_ids(inp, ["qid"], owner)
         codes, first = first_rows(inp["qid"])
         if len(first) == len(inp):
             return inp
-        owner = "MultiBranchRetriever"
         for col in self.vector_columns:
             reference = stack_arrays(inp[col].to_numpy()[first], col, lambda i: row_namer(inp)(int(first[i])), owner)
             check_rows_match_query(inp, codes, first, col, reference, owner)
@@ -437,28 +423,19 @@ class MultiBranchRetriever(pt.Transformer):
         hits = [
             threshold_search(self.index, inp[query_vec_column(b)].tolist(), -np.inf, **search) for b in self.branches
         ]
-        rows: list[tuple[int, int, float, str, int]] = []
+        rows: list[tuple[int, int, float, int, str]] = []
         for qi in range(len(inp)):
             lists = [
                 (h.docids[h.offsets[qi] : h.offsets[qi + 1]], h.scores[h.offsets[qi] : h.offsets[qi + 1]]) for h in hits
             ]
             merged = sorted(merge_branch_lists(lists, budget, quotas), key=lambda m: (-m[1], m[0]))
             rows += [
-                (qi, d, s, "|".join(self.branches[f] for f in found), r) for r, (d, s, found, _) in enumerate(merged)
+                (qi, d, s, r, "|".join(self.branches[f] for f in found)) for r, (d, s, found, _) in enumerate(merged)
             ]
-        res = pd.DataFrame(rows, columns=["query", "docid", "score", "branch", "rank"])
-        docids = res["docid"].to_numpy(np.int64)
-        return (
-            base.iloc[res["query"].to_numpy(np.int64)]
-            .reset_index(drop=True)
-            .assign(
-                docno=docnos_of(self.index, docids),
-                docid=docids,
-                score=res["score"].to_numpy(np.float32),
-                rank=res["rank"].to_numpy(np.int64),
-                branch=res["branch"].to_numpy(object),
-            )
-        )
+        res = pd.DataFrame(rows, columns=["query", "docid", "score", "rank", "branch"])
+        res = res.astype({"query": np.int64, "docid": np.int64, "score": np.float32, "rank": np.int64})
+        out = base.iloc[res.pop("query").to_numpy()].reset_index(drop=True)
+        return out.assign(docno=docnos_of(self.index, res["docid"].to_numpy()), **{c: res[c].to_numpy() for c in res})
 
 
 # --- training data (Sec. 4.3) -----------------------------------------------------------------------------------
@@ -477,19 +454,18 @@ def _top_depth(
     if not len(queries):
         return {}
     res = (retriever % depth).compile()(queries.reset_index(drop=True))
-    out: dict[str, tuple[list[str], list[float]]] = {}
     if not len(res):
-        return out
+        return {}
     res = res.sort_values(["qid", "score"], ascending=[True, False], kind="stable")
-    for qid, group in res.groupby("qid", sort=False):
-        out[str(qid)] = (group["docno"].astype(str).tolist()[:depth], group["score"].astype(float).tolist()[:depth])
-    return out
+    return {
+        str(qid): (g["docno"].astype(str).tolist()[:depth], g["score"].astype(float).tolist()[:depth])
+        for qid, g in res.groupby("qid", sort=False)
+    }
 
 
 def _tail(docnos: Sequence[str], share: float) -> list[str]:
     """The last ``ceil(share * len)`` of a ranked list."""
-    k = math.ceil(share * len(docnos))
-    return list(docnos[len(docnos) - k :]) if k else []
+    return list(docnos[len(docnos) - math.ceil(share * len(docnos)) :])
 
 
 @dataclass
@@ -566,7 +542,7 @@ def _trigger_candidates(topics: pd.DataFrame, top: dict[str, list[str]], cfg: Un
     cands: dict[str, list[str]] = {}
     for qid, trig in zip(topics["qid"], topics["trigger_docno"]):
         docnos = [d for d in top[qid] if d != trig]
-        if trig is None or (isinstance(trig, float) and np.isnan(trig)) or not docnos:
+        if pd.isna(trig) or not docnos:
             cands[qid] = []
             continue
         ids = np.asarray(lookup.inv[np.asarray([str(trig), *docnos], dtype=str)], dtype=np.int64)
@@ -614,10 +590,10 @@ def unierf_training_data(
     qids = topics["qid"].tolist()
     for b in hard:  # the trigger branch's candidates are the query's, the others' those of their own text
         top = _lexical_candidates(qids, topics["query"] if b == "trigger" else texts[b], relevant, cfg)
-        is_trigger = b == "trigger"
-        candidates[b] = (
-            _trigger_candidates(topics, top, cfg) if is_trigger else {q: _tail(d, cfg.tail) for q, d in top.items()}
-        )
+        if b == "trigger":
+            candidates[b] = _trigger_candidates(topics, top, cfg)
+        else:
+            candidates[b] = {q: _tail(d, cfg.tail) for q, d in top.items()}
     row_of = {q: i for i, q in enumerate(topics["qid"])}
     return build_unierf_dataset(
         anchors={b: [texts[b][row_of[q]] for q, _ in examples] for b in names},

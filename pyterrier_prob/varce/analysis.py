@@ -36,17 +36,9 @@ __all__ = [
 def ranked(cand: pd.DataFrame, mean: np.ndarray, std: np.ndarray, risk: float = 0.0) -> pd.DataFrame:
     """The candidates (``qid, docno, rank``) re-ranked by E[s] - risk * std[s] (risk 0: E[s], Eq. 22; ties keep the
     BM25 order). Returns ``qid, docno, score, score_mean, score_std, bm25_rank, rank`` (rank from 0)."""
+    mean, std = np.asarray(mean), np.asarray(std)  # positional, whatever the index of cand
     score = np.asarray(mean, dtype=np.float64) if risk == 0 else risk_adjusted(mean, std, risk)
-    out = pd.DataFrame(
-        {
-            "qid": cand["qid"].to_numpy(),
-            "docno": cand["docno"].to_numpy(),
-            "score": score,
-            "score_mean": mean,
-            "score_std": std,
-            "bm25_rank": cand["rank"].to_numpy(),
-        }
-    )
+    out = cand[["qid", "docno"]].assign(score=score, score_mean=mean, score_std=std, bm25_rank=cand["rank"].to_numpy())
     out = out.sort_values(["qid", "score", "bm25_rank"], ascending=[True, False, True], kind="stable")
     out["rank"] = out.groupby("qid").cumcount()
     return out.reset_index(drop=True)
@@ -55,8 +47,7 @@ def ranked(cand: pd.DataFrame, mean: np.ndarray, std: np.ndarray, risk: float = 
 def interpolated(cand: pd.DataFrame, mean: np.ndarray, alpha: float) -> pd.DataFrame:
     """BM25's candidates (``qid, docno, score, rank``) ranked by ``alpha * z(E[s]) + (1 - alpha) * z(BM25 score)``
     (:func:`pyterrier_prob.fusion.interpolate`; ties keep the BM25 order)."""
-    fused = interpolate(cand["qid"], cand["score"].to_numpy(np.float64), mean, alpha)
-    return ranked(cand, fused, np.zeros(len(cand)))
+    return ranked(cand, interpolate(cand["qid"], cand["score"].to_numpy(np.float64), mean, alpha), np.zeros(len(cand)))
 
 
 def top10(run: pd.DataFrame) -> pd.Series:
@@ -161,8 +152,7 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
     E[s] (Eq. 22) for reference, and the rank correlation of std[s] with E[s] over all pairs. ``run``: :func:`ranked`'s
     columns. A share or ratio with a zero denominator (std[s] constant, or 0 in a query) is NaN: undefined, not 0."""
     top = run[run["rank"] < 10]
-    u = top.groupby("qid")["score_std"].mean().reindex(ndcg.index)
-    m = top.groupby("qid")["score_mean"].mean().reindex(ndcg.index)
+    u, m = (top.groupby("qid")[c].mean().reindex(ndcg.index) for c in ("score_std", "score_mean"))
     ok = u.notna()
     r_std, p_std = _rho(u[ok], ndcg[ok])
     r_mean, p_mean = _rho(m[ok], ndcg[ok])
@@ -172,16 +162,13 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
     by_query = run.groupby("qid")["score_std"]
     total_var = float(run["score_std"].var(ddof=0))
     between_var = float(((by_query.transform("mean") - run["score_std"].mean()) ** 2).mean())
-    q05, q50, q95 = (float(x) for x in np.quantile(run["score_std"], [0.05, 0.5, 0.95]))
     return {
         "n_queries": int(ok.sum()),
         "rho_top10_std_vs_nDCG@10": r_std,
         "p_top10_std": p_std,
         "rho_top10_mean_vs_nDCG@10": r_mean,
         "p_top10_mean": p_mean,
-        "std_q05": q05,
-        "std_q50": q50,
-        "std_q95": q95,
+        **{f"std_q{q:02d}": float(v) for q, v in zip((5, 50, 95), np.quantile(run["score_std"], [0.05, 0.5, 0.95]))},
         "std_within_query_cv_median": float(np.nanmedian(within)) if within.notna().any() else math.nan,
         "std_between_queries_sd": float(by_query.mean().std(ddof=0)),
         "std_within_query_sd_mean": float(by_query.std(ddof=0).mean()),

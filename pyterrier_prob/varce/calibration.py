@@ -60,15 +60,9 @@ def reliability_curve(prob: np.ndarray, label: np.ndarray, bins: int = 15) -> pd
     p, y = np.asarray(prob, np.float64), np.asarray(label, np.float64)
     if len(p) != len(y) or len(p) == 0:
         raise ValueError(f"prob and label must be non-empty and of one length, got {len(p)} and {len(y)}")
-    order = np.argsort(p, kind="stable")
-    parts = np.array_split(order, min(bins, len(p)))
-    return pd.DataFrame(
-        {
-            "count": [len(i) for i in parts],
-            "mean_prob": [float(p[i].mean()) for i in parts],
-            "frac_relevant": [float(y[i].mean()) for i in parts],
-        }
-    )
+    parts = np.array_split(np.argsort(p, kind="stable"), min(bins, len(p)))
+    rows = [(len(i), float(p[i].mean()), float(y[i].mean())) for i in parts]
+    return pd.DataFrame(rows, columns=["count", "mean_prob", "frac_relevant"])
 
 
 def expected_calibration_error(prob: np.ndarray, label: np.ndarray, bins: int = 15) -> float:

@@ -5,8 +5,10 @@ docs/varce.md ("The experiment")."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,20 +83,17 @@ def cross_encoder_training_data(
     rng = random.Random(seed)
     rng.shuffle(qids)
     picked = [qids[i % len(qids)] for i in range(n_groups)]
-    positives = {q: rng.sample(relevant[q], len(relevant[q])) for q in dict.fromkeys(picked)}  # each query's cycle
-    rounds = dict.fromkeys(positives, 0)
+    positives = {q: itertools.cycle(rng.sample(relevant[q], len(relevant[q]))) for q in dict.fromkeys(picked)}
     from_stage, corpus, n_random = [0] * len(stages), [], 0
     groups: list[tuple[str, str, list[str]]] = []
     for q in picked:
-        pos = positives[q][rounds[q] % len(positives[q])]
-        rounds[q] += 1
         negs = _draw_negatives(
             rng, [pools[n].get(q, [])[:pool_depth] for n in stages], judged[q], negatives, from_stage
         )
         if len(negs) < negatives:  # random unjudged documents fill in
             corpus = corpus or sorted(d["docno"] for d in collection.corpus_iter())
             n_random += _fill_in(rng, corpus, judged[q], negs, negatives, f"{collection.name} query {q!r}")
-        groups.append((q, pos, negs))
+        groups.append((q, next(positives[q]), negs))  # the query's relevant documents in turn
     texts.update(collection.doc_texts({d for _, _, negs in groups for d in negs} - set(texts)))
     rows = [
         (queries[q], texts.get(d, ""), y) for q, pos, negs in groups for d, y in [(pos, 1.0)] + [(n, 0.0) for n in negs]
@@ -116,24 +115,22 @@ def cross_encoder_training_data(
         "relevant_judged": n_relevant,
         "random_negatives_filled_in": n_random,
     }
-    query, document, label = (list(column) for column in zip(*rows))
-    return Dataset.from_dict({"query": query, "document": document, "label": label}), info
+    return Dataset.from_dict(dict(zip(("query", "document", "label"), map(list, zip(*rows))))), info
 
 
 def _judgements(collection: Collection, split: str, min_relevance: int) -> tuple[dict, dict, dict, dict]:
     """``(queries, judged, relevant, texts)`` of a split; ``relevant`` keeps only documents in the corpus (sorted)."""
     topics = collection.topics(split)
     queries = {str(q): normalise_query(t) for q, t in zip(topics["qid"], topics["query"])}
-    judged: dict[str, set[str]] = {}
-    relevant: dict[str, set[str]] = {}
+    judged: dict[str, set[str]] = defaultdict(set)
+    relevant: dict[str, set[str]] = defaultdict(set)
     for q, d, label in collection.qrels(split)[["qid", "docno", "label"]].itertuples(index=False):
-        judged.setdefault(str(q), set()).add(str(d))
+        judged[str(q)].add(str(d))
         if label >= min_relevance:
-            relevant.setdefault(str(q), set()).add(str(d))
+            relevant[str(q)].add(str(d))
     candidates = sorted(q for q in relevant if queries.get(q))
     texts = collection.doc_texts({d for q in candidates for d in relevant[q]})
-    kept = {q: sorted(d for d in relevant[q] if d in texts) for q in candidates}
-    kept = {q: docs for q, docs in kept.items() if docs}
+    kept = {q: docs for q in candidates if (docs := sorted(d for d in relevant[q] if d in texts))}
     if not kept:
         raise ValueError(
             f"{collection.name}/{split} has no query with a judged-relevant document (label >= {min_relevance}) "

@@ -18,7 +18,7 @@ import pandas as pd
 from datasets import Dataset
 
 from pyterrier_prob.atomic import atomic_write, read_checked
-from pyterrier_prob.fusion import interpolate
+from pyterrier_prob.fusion import ALPHAS, interpolate  # ALPHAS: the teacher's fusion weights searched on dev
 from st_extensions.cross_encoder import VarCrossEncoder
 
 __all__ = [
@@ -34,9 +34,6 @@ __all__ = [
     "score_pairs",
     "teacher_scores",
 ]
-
-#: the fusion weights of the bi-encoder searched on dev (1: the bi-encoder alone, 0: BM25 alone)
-ALPHAS: tuple[float, ...] = tuple(round(a, 1) for a in np.linspace(0.0, 1.0, 11))
 
 
 def encode(model: Any, texts: Sequence[str], path: str | None = None, *, query: bool = False) -> np.ndarray:
@@ -55,21 +52,14 @@ def encode(model: Any, texts: Sequence[str], path: str | None = None, *, query: 
 def dense_run(
     queries: pd.DataFrame, q_emb: np.ndarray, docnos: Sequence[str], d_emb: np.ndarray, k: int
 ) -> pd.DataFrame:
-    """Exact top ``k`` by cosine (faiss ``IndexFlatIP`` over unit vectors): ``qid, docno, dense``, each query's best
-    first."""
+    """Exact top ``k`` by cosine (faiss ``IndexFlatIP`` over unit vectors): ``qid, docno, dense``, best first."""
     import faiss
 
     index = faiss.IndexFlatIP(d_emb.shape[1])
     index.add(np.ascontiguousarray(d_emb, dtype=np.float32))
     scores, ids = index.search(np.ascontiguousarray(q_emb, dtype=np.float32), min(k, len(docnos)))
-    docnos = np.asarray(docnos, dtype=object)
-    return pd.DataFrame(
-        {
-            "qid": np.repeat(queries["qid"].to_numpy(), ids.shape[1]),
-            "docno": docnos[ids.reshape(-1)],
-            "dense": scores.reshape(-1).astype(np.float64),
-        }
-    )
+    qid, docno = np.repeat(queries["qid"].to_numpy(), ids.shape[1]), np.asarray(docnos, dtype=object)[ids.reshape(-1)]
+    return pd.DataFrame({"qid": qid, "docno": docno, "dense": scores.reshape(-1).astype(np.float64)})
 
 
 def candidate_pool(bm25: pd.DataFrame, dense: pd.DataFrame, depth: int) -> pd.DataFrame:
@@ -90,15 +80,12 @@ def add_cosines(
     frame: pd.DataFrame, qids: Sequence[str], q_emb: np.ndarray, docnos: Sequence[str], d_emb: np.ndarray
 ) -> pd.DataFrame:
     """``frame`` with column ``dense``: the cosine of each row's query and document unit embeddings."""
-    q_row = pd.Series(np.arange(len(qids)), index=pd.Index(qids)).reindex(frame["qid"]).to_numpy()
-    d_row = pd.Series(np.arange(len(docnos)), index=pd.Index(docnos)).reindex(frame["docno"]).to_numpy()
-    for name, rows, col in (("query", q_row, "qid"), ("document", d_row, "docno")):
-        bad = np.flatnonzero(np.isnan(rows.astype(float)))
-        if len(bad):
-            raise ValueError(f"no {name} embedding for {col} {frame[col].iloc[bad[0]]!r}")
-    q_row, d_row = q_row.astype(np.int64), d_row.astype(np.int64)
-    dense = np.einsum("ij,ij->i", q_emb[q_row], d_emb[d_row]).astype(np.float64)
-    return frame.assign(dense=dense)
+    rows = []
+    for name, col, keys in (("query", "qid", qids), ("document", "docno", docnos)):
+        rows.append(pd.Index(keys).get_indexer(frame[col]))  # -1: no embedding
+        if (rows[-1] < 0).any():
+            raise ValueError(f"no {name} embedding for {col} {frame[col].iloc[np.argmax(rows[-1] < 0)]!r}")
+    return frame.assign(dense=np.einsum("ij,ij->i", q_emb[rows[0]], d_emb[rows[1]]).astype(np.float64))
 
 
 def teacher_scores(pool: pd.DataFrame, alpha: float) -> np.ndarray:
@@ -126,8 +113,7 @@ def choose_teacher(pool: pd.DataFrame, qrels: pd.DataFrame, alphas: Sequence[flo
     """The fusion weight with the best mean nDCG@10 over ``pool``'s queries (dev; the smallest among ties) and
     every weight's value: ``{"alpha", "dev": {alpha: nDCG@10}}``."""
     dev = {float(a): float(ndcg_at_10(pool.assign(t=teacher_scores(pool, a)), qrels, "t").mean()) for a in alphas}
-    best = max(dev, key=lambda a: (dev[a], -a))
-    return {"alpha": best, "dev": dev}
+    return {"alpha": max(dev, key=lambda a: (dev[a], -a)), "dev": dev}
 
 
 def distillation_rows(
@@ -148,13 +134,8 @@ def distillation_rows(
         raise ValueError(f"n_rows, negatives and top must be >= 1, got {n_rows}, {negatives}, {top}")
     rng = np.random.default_rng(seed)
     ranked = pool.sort_values(["qid", "teacher"], ascending=[True, False], kind="stable")
-    groups = {
-        qid: (g["docno"].to_numpy(), g["teacher"].to_numpy())
-        for qid, g in ranked.groupby("qid", sort=True)
-        if len(g) > top
-    }
-    missing = [q for q in groups if q not in queries]
-    if missing:
+    groups = {q: (g["docno"].to_numpy(), g["teacher"].to_numpy()) for q, g in ranked.groupby("qid") if len(g) > top}
+    if missing := [q for q in groups if q not in queries]:
         raise ValueError(f"no query text for qid {missing[0]!r}")
     qids = sorted(groups)
     cols: dict[str, list[Any]] = {"query": [], **{f"document_{j}": [] for j in range(negatives + 1)}, "label": []}
@@ -174,8 +155,7 @@ def distillation_rows(
 
 
 def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], batch_size: int = 64) -> tuple:
-    """``(E[s], std[s])`` of a VarCrossEncoder for each (query, document) pair, ``(scores, None)`` for a plain
-    cross-encoder (its logits)."""
+    """``(E[s], std[s])`` of a VarCrossEncoder per (query, document) pair; ``(logits, None)`` for a CrossEncoder."""
     pairs = list(zip(queries, documents))
     if not pairs:
         return np.zeros(0, np.float32), None

@@ -15,7 +15,7 @@ import ir_measures
 import pandas as pd
 
 from pyterrier_prob.evaluation import _parse_measures, per_query_set_measures
-from st_extensions.checks import finite_float, positive_int
+from st_extensions.checks import choice, finite_float, positive_int
 
 __all__ = ["hard_queries", "hard_query_table", "no_relevant_in_top", "per_query", "percent_no"]
 
@@ -54,11 +54,6 @@ def percent_no(run: pd.DataFrame, qrels: pd.DataFrame, k: int = 10, **options: A
     return float(100.0 * no_relevant_in_top(run, qrels, k, **options).mean())
 
 
-def _n_hard(n: int, fraction: float) -> int:
-    finite_float("fraction", fraction, low=0, high=1, low_open=True)
-    return max(1, math.floor(fraction * n + 1e-9)) if n else 0
-
-
 def hard_queries(
     baseline: pd.DataFrame,
     qrels: pd.DataFrame,
@@ -70,9 +65,11 @@ def hard_queries(
 ) -> list[str]:
     """The qids of the ``fraction`` worst evaluated queries under ``baseline`` (Sec. 5: bottom 50 % by nDCG@10):
     the first ``max(1, floor(fraction * n))`` by ``measure`` ascending, ties by qid (deterministic), in that order."""
+    finite_float("fraction", fraction, low=0, high=1, low_open=True)
     values = per_query(baseline, qrels, measure, topics=topics, min_label=min_label)
     ordered = values.rename("value").reset_index().sort_values(["value", "qid"], kind="stable")
-    return ordered["qid"].astype(str).head(_n_hard(len(ordered), fraction)).tolist()
+    n_hard = max(1, math.floor(fraction * len(ordered) + 1e-9)) if len(ordered) else 0
+    return ordered["qid"].astype(str).head(n_hard).tolist()
 
 
 def hard_query_table(
@@ -94,9 +91,7 @@ def hard_query_table(
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError("runs must be a non-empty mapping of name -> result frame")
     if isinstance(baseline, str):
-        if baseline not in runs:
-            raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
-        baseline = runs[baseline]
+        baseline = runs[choice("baseline", baseline, list(runs))]
     ms = _parse_measures(measures)
     hard = hard_queries(baseline, qrels, ms[0], fraction, topics=topics, min_label=min_label)
     per_q = per_query_set_measures(runs, qrels, None, ms, topics=topics, min_label=min_label)

@@ -16,7 +16,6 @@ import os
 import re
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -107,9 +106,7 @@ def _canonical_type(kind: str) -> str:
     return key
 
 
-# ------------------------------------------------------------------------------------------------------------
-# resources
-# ------------------------------------------------------------------------------------------------------------
+# --- resources ------------------------------------------------------------------------------------------------------
 
 
 def _nlpaug_spelling_file() -> Path:
@@ -133,12 +130,9 @@ def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
         raise FileNotFoundError(f"no misspelling dictionary at {str(file)!r}")
     out: dict[str, set[str]] = {}
     with open(file, encoding="utf-8") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) < 2:
-                continue
-            key = parts[0].lower()
-            out.setdefault(key, set()).update(p for p in parts[1:] if p.lower() != key)
+        for word, *misspellings in (line.split() for line in f if not line.isspace()):
+            key = word.lower()
+            out.setdefault(key, set()).update(p for p in misspellings if p.lower() != key)
     return {k: tuple(sorted(v)) for k, v in out.items() if v}
 
 
@@ -151,8 +145,7 @@ def _wordnet_search_path() -> list[str]:
 def find_wordnet(wordnet_dir: str | os.PathLike | None = None) -> Path:
     """The directory of the Princeton WordNet database files, or a ``FileNotFoundError`` saying how to get them."""
     candidates = [wordnet_dir] if wordnet_dir is not None else _wordnet_search_path()
-    for c in candidates:
-        p = Path(c).expanduser()
+    for p in (Path(c).expanduser() for c in candidates):
         if (p / "index.noun").is_file() and (p / "data.noun").is_file():
             return p
         if (p / "dict" / "index.noun").is_file():
@@ -184,6 +177,12 @@ _SUBSTITUTIONS: dict[str, tuple[tuple[str, str], ...]] = {  # WordNet's morphy s
 # fmt: on
 
 
+def _split_lines(path: Path) -> list[list[str]]:
+    """The words of each line of a WordNet file, without the licence header (lines starting with a space)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return [line.split() for line in f if not line.startswith(" ")]
+
+
 class WordNet:
     """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms.
 
@@ -196,38 +195,21 @@ class WordNet:
         self._index: dict[str, dict[str, tuple[int, ...]]] = {}
         self._exc: dict[str, dict[str, tuple[str, ...]]] = {}
         self._data: dict[str, bytes] = {}
-        for pos in _POS:
-            index: dict[str, tuple[int, ...]] = {}
-            with open(self.root / f"index.{pos}", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if line.startswith(" "):
-                        continue  # licence header
-                    parts = line.split()
-                    if len(parts) < 6:
-                        continue
-                    n = int(parts[2])
-                    index[parts[0]] = tuple(int(o) for o in parts[-n:])
-            self._index[pos] = index
-            exc: dict[str, tuple[str, ...]] = {}
-            exc_file = self.root / f"{pos}.exc"
-            if exc_file.is_file():
-                with open(exc_file, encoding="utf-8", errors="replace") as f:
-                    for line in f:
-                        parts = line.split()
-                        if len(parts) >= 2:
-                            exc[parts[0]] = tuple(parts[1:])
-            self._exc[pos] = exc
+        for pos in _POS:  # an index line: lemma pos synset_cnt ... offset_1 ... offset_<synset_cnt>
+            rows = _split_lines(self.root / f"index.{pos}")
+            self._index[pos] = {p[0]: tuple(int(o) for o in p[-int(p[2]) :]) for p in rows if len(p) >= 6}
+            exc = self.root / f"{pos}.exc"
+            self._exc[pos] = {p[0]: tuple(p[1:]) for p in (_split_lines(exc) if exc.is_file() else []) if len(p) >= 2}
 
     def __repr__(self) -> str:
         return f"WordNet({str(self.root)!r})"
 
     def lemmas(self, word: str, pos: str) -> list[str]:
         """Base forms of ``word`` in ``pos`` that WordNet knows (morphy: the word, its exceptions, suffix rules)."""
-        index = self._index[pos]
         w = word.lower().replace(" ", "_")
         forms = [w, *self._exc[pos].get(w, ())]
         forms += [w[: -len(old)] + new for old, new in _SUBSTITUTIONS[pos] if w.endswith(old) and len(w) > len(old)]
-        return list(dict.fromkeys(f for f in forms if f in index))
+        return list(dict.fromkeys(f for f in forms if f in self._index[pos]))
 
     def _synset_words(self, pos: str, offset: int) -> list[str]:
         if pos not in self._data:
@@ -235,24 +217,19 @@ class WordNet:
         data = self._data[pos]
         end = data.find(b"\n", offset)
         parts = data[offset : end if end >= 0 else None].decode("utf-8", errors="replace").split()
-        count = int(parts[3], 16)
-        return [re.sub(r"\(.*\)$", "", w) for w in parts[4 : 4 + 2 * count : 2]]
+        return [re.sub(r"\(.*\)$", "", w) for w in parts[4 : 4 + 2 * int(parts[3], 16) : 2]]  # w_cnt is hex
 
     def synonyms(self, word: str, multiword: bool = False) -> list[str]:
         """WordNet synonyms of ``word`` (every sense, every part of speech), without the word and its base forms.
 
         Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces).
         """
-        out: dict[str, None] = {}
-        exclude = {word.lower()}
+        exclude, found = {word.lower()}, []
         for pos in _POS:
-            for lemma in self.lemmas(word, pos):
-                exclude.add(lemma)
-                for offset in self._index[pos][lemma]:
-                    for w in self._synset_words(pos, offset):
-                        if not multiword and ("_" in w or "-" in w):
-                            continue
-                        out.setdefault(w.replace("_", " "), None)
+            lemmas = self.lemmas(word, pos)
+            exclude.update(lemmas)
+            found += [w for lemma in lemmas for o in self._index[pos][lemma] for w in self._synset_words(pos, o)]
+        out = dict.fromkeys(w.replace("_", " ") for w in found if multiword or not ("_" in w or "-" in w))
         return [w for w in out if w.lower().replace(" ", "_") not in exclude]
 
 
@@ -267,22 +244,19 @@ class EmbeddingNeighbours:
     sentence-transformers model or CrossEncoder with a Hugging Face encoder, its path, or None (all-MiniLM-L6-v2)."""
 
     def __init__(self, model: Any = None, top_k: int = 10) -> None:
-        positive_int("top_k", top_k)
+        self.top_k = positive_int("top_k", top_k)
         if model is None or isinstance(model, (str, os.PathLike)):
             model = load_model(os.fspath(model) if model is not None else default_model_path(), device="cpu")
         auto_model = getattr(model[0], "auto_model", None) if hasattr(model, "__getitem__") else None
         tokenizer = getattr(model, "tokenizer", None)
         if auto_model is None or tokenizer is None:
             raise ValueError("EmbeddingNeighbours needs a model whose first module holds a Hugging Face encoder")
-        self.top_k = top_k
         self.tokenizer = tokenizer
         weight = auto_model.get_input_embeddings().weight.detach().float().cpu()
-        vocab = tokenizer.get_vocab()
-        words = sorted((t, i) for t, i in vocab.items() if re.fullmatch(r"[a-z]{2,}", t))
+        words = sorted((t, i) for t, i in tokenizer.get_vocab().items() if re.fullmatch(r"[a-z]{2,}", t))
         self.words = [t for t, _ in words]
         self._row = {t: r for r, t in enumerate(self.words)}
-        cand = torch.nn.functional.normalize(weight[[i for _, i in words]], dim=-1)
-        self._candidates = cand.numpy()
+        self._candidates = torch.nn.functional.normalize(weight[[i for _, i in words]], dim=-1).numpy()
 
     def __contains__(self, word: str) -> bool:
         """Whether ``word`` (lower-cased) is a whole-word token of the vocabulary, i.e. has an embedding."""
@@ -295,8 +269,7 @@ class EmbeddingNeighbours:
         row = self._row.get(word.lower())
         if row is None:
             return []
-        sims = self._candidates @ self._candidates[row]
-        top = np.argsort(-sims, kind="stable")[: k + 1]
+        top = np.argsort(-(self._candidates @ self._candidates[row]), kind="stable")[: k + 1]  # by cosine
         return [self.words[i] for i in top if i != row][:k]
 
 
@@ -305,27 +278,20 @@ def _default_neighbours(top_k: int) -> EmbeddingNeighbours:
     return EmbeddingNeighbours(None, top_k=top_k)
 
 
-# ------------------------------------------------------------------------------------------------------------
-# the perturbations
-# ------------------------------------------------------------------------------------------------------------
+# --- the perturbations ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Word:
-    prefix: str
-    core: str
-    suffix: str
+def _core(token: str) -> str:
+    """The word of a token, without its leading and trailing punctuation."""
+    return _WORD.match(token).group(2)
 
-    @classmethod
-    def parse(cls, token: str) -> _Word:
-        m = _WORD.match(token)
-        assert m is not None
-        return cls(m.group(1), m.group(2), m.group(3))
 
-    def replaced(self, new: str) -> str:
-        if self.core[:1].isupper() and new[:1].islower():
-            new = new[:1].upper() + new[1:]
-        return f"{self.prefix}{new}{self.suffix}"
+def _recased(token: str, new: str) -> str:
+    """``token`` with its word replaced by ``new``: punctuation kept, capitalised if the word was."""
+    prefix, core, suffix = _WORD.match(token).groups()
+    if core[:1].isupper() and new[:1].islower():
+        new = new[:1].upper() + new[1:]
+    return f"{prefix}{new}{suffix}"
 
 
 def _typo(word: str, rng: np.random.Generator) -> str | None:
@@ -365,13 +331,10 @@ class QueryNoise(pt.Transformer):
         self.top_k = positive_int("top_k", top_k)
         self.stopwords = frozenset(w.lower() for w in stopwords) if stopwords is not None else frozenset()
         self.spelling_fallback = bool(spelling_fallback)
-        self._embedding_model = embedding_model
-        self._wordnet_dir = None if wordnet_dir is None else os.fspath(wordnet_dir)
-        self._spelling_path = None if spelling_path is None else os.fspath(spelling_path)
         # load the resource now, so a missing one fails at construction rather than mid-pipeline
         self._resource: Any = None
         if self.kind == "spelling":
-            self._resource = spelling_dictionary(self._spelling_path)
+            self._resource = spelling_dictionary(None if spelling_path is None else os.fspath(spelling_path))
         elif self.kind in ("wordemb_insert", "wordemb_substitute"):
             if isinstance(embedding_model, EmbeddingNeighbours):
                 self._resource = embedding_model
@@ -381,7 +344,7 @@ class QueryNoise(pt.Transformer):
                 self._resource = EmbeddingNeighbours(embedding_model, top_k=top_k)
         elif self.kind == "synonym":
             try:  # looked up on every construction (the reader is cached per directory)
-                root = find_wordnet(self._wordnet_dir)
+                root = find_wordnet(wordnet_dir)
             except FileNotFoundError as e:
                 raise FileNotFoundError(
                     f"QueryNoise({kind!r}): the synonym perturbation (SR) replaces words by WordNet synonyms and "
@@ -404,11 +367,9 @@ class QueryNoise(pt.Transformer):
 
     def _pick(self, tokens: list[str], rng: np.random.Generator, ok: Any) -> list[int]:
         """Candidate positions in random order: content words first, stopwords after."""
-        order = rng.permutation(len(tokens)).tolist()
-        words = [_Word.parse(t) for t in tokens]
-        content = [i for i in order if words[i].core.lower() not in self.stopwords]
-        stop = [i for i in order if words[i].core.lower() in self.stopwords]
-        return [i for i in content + stop if _ALPHA.search(words[i].core) and ok(words[i].core)]
+        cores = [_core(t) for t in tokens]
+        order = sorted(rng.permutation(len(tokens)).tolist(), key=lambda i: cores[i].lower() in self.stopwords)
+        return [i for i in order if _ALPHA.search(cores[i]) and ok(cores[i])]
 
     def perturb(self, query: str, qid: str = "") -> str:
         """The perturbed query (the query itself when the perturbation cannot apply to it)."""
@@ -420,32 +381,27 @@ class QueryNoise(pt.Transformer):
         if kind == "random_delete":
             if len(tokens) < 2:
                 return str(query)
-            positions = self._pick(tokens, rng, lambda w: True) or rng.permutation(len(tokens)).tolist()
-            i = positions[0]
+            i = (self._pick(tokens, rng, lambda w: True) or rng.permutation(len(tokens)).tolist())[0]
             return " ".join(tokens[:i] + tokens[i + 1 :])
         if kind == "random_swap":
             pairs = [(i, j) for i in range(len(tokens)) for j in range(i + 1, len(tokens)) if tokens[i] != tokens[j]]
             if not pairs:
                 return str(query)
             i, j = pairs[int(rng.integers(len(pairs)))]
-            out = list(tokens)
-            out[i], out[j] = out[j], out[i]
-            return " ".join(out)
+            tokens[i], tokens[j] = tokens[j], tokens[i]
+            return " ".join(tokens)
         for i in self._pick(tokens, rng, self._has_options):
-            word = _Word.parse(tokens[i])
-            options = self._options(word.core)
+            options = self._options(_core(tokens[i]))
             if not options:
                 continue
             new = options[int(rng.integers(len(options)))]
-            if kind == "wordemb_insert":
-                return " ".join(tokens[: i + 1] + [new] + tokens[i + 1 :])
-            return self._replace(tokens, i, word.replaced(new))
+            new = f"{tokens[i]} {new}" if kind == "wordemb_insert" else _recased(tokens[i], new)  # WEI: after the word
+            return self._replace(tokens, i, new)
         if kind == "spelling" and self.spelling_fallback:
             for i in self._pick(tokens, rng, lambda w: len(w) >= 4):
-                word = _Word.parse(tokens[i])
-                typo = _typo(word.core, rng)
+                typo = _typo(_core(tokens[i]), rng)
                 if typo is not None:
-                    return self._replace(tokens, i, f"{word.prefix}{typo}{word.suffix}")
+                    return self._replace(tokens, i, _recased(tokens[i], typo))
         return str(query)
 
     def _has_options(self, word: str) -> bool:

@@ -57,8 +57,8 @@ class VarCrossEncoderReranker(pt.Transformer):
                     os.fspath(model), backend or "torch", precision or "fp32", **dict(backend_options or {})
                 )
         else:
-            options = {"backend": backend, "precision": precision, "backend_options": backend_options}
-            given = [name for name, value in options.items() if value is not None]
+            options = (("backend", backend), ("precision", precision), ("backend_options", backend_options))
+            given = [name for name, value in options if value is not None]
             if given:
                 raise ValueError(
                     f"{', '.join(given)} apply to a model given by path; this model is already loaded: pass its path, "
@@ -102,23 +102,15 @@ class VarCrossEncoderReranker(pt.Transformer):
                 e.modes,
             ) from e
         inp = inp.reset_index(drop=True)
-        base = inp.drop(columns=[c for c in ("score", "rank", "score_mean", "score_std") if c in inp.columns])
-        if not len(inp):
-            return base.assign(
-                score=pd.Series(dtype=np.float64),
-                score_mean=pd.Series(dtype=np.float32),
-                score_std=pd.Series(dtype=np.float32),
-                rank=pd.Series(dtype=np.int64),
-            )
+        base = inp.drop(columns=["score", "rank", "score_mean", "score_std"], errors="ignore")
         check_ids(inp, ["qid", "docno"], "VarCrossEncoderReranker")
         # a candidate without text is an error, not an empty document (it would get a score and a rank)
         queries = check_texts(inp, "query", "VarCrossEncoderReranker")
         texts = check_texts(inp, self.text_field, "VarCrossEncoderReranker")
         pairs = list(zip(queries, texts))
-        mean = np.empty(len(pairs), np.float32)
-        std = np.empty(len(pairs), np.float32)
+        mean, std = np.empty((2, len(pairs)), np.float32)
         starts = range(0, len(pairs), self.batch_size)
-        if self.verbose:
+        if self.verbose and starts:
             starts = pt.tqdm(starts, desc="VarCrossEncoderReranker", unit="batch")
         for a in starts:
             b = min(len(pairs), a + self.batch_size)
@@ -127,6 +119,5 @@ class VarCrossEncoderReranker(pt.Transformer):
             )
         score = risk_adjusted(mean, std, self.risk)
         order = np.lexsort((-score, pd.factorize(inp["qid"])[0]))  # queries as they come; ties keep the input order
-        out = base.iloc[order].reset_index(drop=True).assign(score=score[order], score_mean=mean[order])
-        out = out.assign(score_std=std[order])
-        return out.assign(rank=out.groupby("qid", sort=False).cumcount().to_numpy(np.int64))
+        out = base.iloc[order].assign(score=score[order], score_mean=mean[order], score_std=std[order])
+        return out.reset_index(drop=True).assign(rank=out.groupby("qid", sort=False).cumcount().to_numpy(np.int64))

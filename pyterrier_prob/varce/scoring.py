@@ -60,21 +60,17 @@ class PairScorer:
             self._open_cache(fresh)
 
     def _open_cache(self, fresh: bool) -> None:
-        head = f"# {self.fingerprint}\n"
+        head, lines = f"# {self.fingerprint}\n", []
         if not fresh and os.path.isfile(self.cache_path):
             with open(self.cache_path, encoding="utf8") as f:
-                same, lines = f.readline() == head, f.readlines()
-            if same:
-                whole = [line for line in lines if line.endswith("\n")]  # a kill mid-append cuts the last line
-                for line in whole:
-                    parts = line.rstrip("\n").split("\t")
-                    if len(parts) == 5:
-                        self.cache[(parts[0], parts[1], parts[2])] = (float(parts[3]), float(parts[4]))
-                self.loaded = len(self.cache)
-                if len(whole) < len(lines):  # appends must not continue a cut line
-                    atomic_write(self.cache_path, head + "".join(whole))
-                return
-        atomic_write(self.cache_path, head)
+                lines = f.readlines() if f.readline() == head else []  # another fingerprint: start afresh
+        whole = [line for line in lines if line.endswith("\n")]  # a kill mid-append cuts the last line
+        for parts in (line.rstrip("\n").split("\t") for line in whole):
+            if len(parts) == 5:
+                self.cache[(parts[0], parts[1], parts[2])] = (float(parts[3]), float(parts[4]))
+        self.loaded = len(self.cache)
+        if not lines or len(whole) < len(lines):  # a new file, or appends must not continue a cut line
+            atomic_write(self.cache_path, head + "".join(whole))
 
     def add(self, collection: str, scored: Iterable[tuple[str, str, float, float]], seconds: float = 0.0) -> None:
         """Record ``(query, docno, E[s], std[s])`` scores computed elsewhere (e.g. by :class:`SharedLayers`),

@@ -47,8 +47,6 @@ FILES: dict[tuple[str, str], str] = {
     ("openvino", "fp32"): "openvino/openvino_model.xml",
     ("openvino", "int8"): "openvino/openvino_model_qint8_quantized.xml",
 }
-#: what running each backend needs
-_RUNTIME_PACKAGES: dict[str, tuple[str, ...]] = {"onnx": ("onnxruntime",), "openvino": ("openvino",)}
 INFO_FILE = "export_info.json"
 #: the ONNX opset of the exports (ONNX Runtime's BERT fusions and integer ops are written for it)
 ONNX_OPSET = 17
@@ -90,9 +88,6 @@ def _require(backend: str, precision: str, packages: Sequence[str]) -> None:
             ) from e
 
 
-# ---- the torch encoder as a function of the token tensors ------------------------------------------------------
-
-
 class _EncoderFunction(nn.Module):
     """The Hugging Face encoder as ``(input_ids, attention_mask[, token_type_ids]) -> last_hidden_state``."""
 
@@ -103,10 +98,8 @@ class _EncoderFunction(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
-        return self.encoder(**inputs, return_dict=True).last_hidden_state
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+        return self.encoder(**{k: v for k, v in inputs.items() if v is not None}, return_dict=True).last_hidden_state
 
 
 def _backbone(model: CrossEncoder) -> Transformer:
@@ -172,8 +165,7 @@ def _quiet_exporter() -> Iterator[None]:
 def _eager_attention(encoder: nn.Module) -> Iterator[None]:
     """Run the encoder with the eager attention while it is exported: its MatMul-Softmax-MatMul graph is the pattern
     ONNX Runtime's BERT optimiser fuses into one ``Attention`` op (SDPA exports into a masked softmax it does not)."""
-    config = getattr(encoder, "config", None)
-    before = getattr(config, "_attn_implementation", None)
+    before = getattr(getattr(encoder, "config", None), "_attn_implementation", None)
     setter = getattr(encoder, "set_attn_implementation", None)
     if setter is None or before in (None, "eager"):
         yield
@@ -183,9 +175,6 @@ def _eager_attention(encoder: nn.Module) -> Iterator[None]:
         yield
     finally:
         setter(before)
-
-
-# ---- the export files ------------------------------------------------------------------------------------------
 
 
 def _weight_files(path: str) -> list[str]:
@@ -199,8 +188,7 @@ def _weight_files(path: str) -> list[str]:
 
 def _weights_stat(path: str) -> list[list[Any]]:
     """``[name, size, mtime_ns]`` of each weight file: a cheap first check before hashing."""
-    stats = [(name, os.stat(os.path.join(path, name))) for name in _weight_files(path)]
-    return [[name, st.st_size, st.st_mtime_ns] for name, st in stats]
+    return [[n, (st := os.stat(os.path.join(path, n))).st_size, st.st_mtime_ns] for n in _weight_files(path)]
 
 
 def _weights_sha256(path: str) -> str:
@@ -225,12 +213,10 @@ def _read_info(folder: str) -> dict[str, Any]:
 def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
     """Whether the export ``rel`` exists and was made from the current torch weights. An export with no record
     (put there by another tool, e.g. Optimum) is trusted as it is."""
-    if not os.path.isfile(os.path.join(path, rel)):
+    file = os.path.join(path, rel)
+    if not os.path.isfile(file) or (file.endswith(".xml") and not os.path.isfile(file[:-4] + ".bin")):
         return False
-    folder, name = os.path.split(os.path.join(path, rel))
-    if rel.endswith(".xml") and not os.path.isfile(os.path.join(folder, name[:-4] + ".bin")):
-        return False
-    record = _read_info(folder).get(name)
+    record = _read_info(os.path.dirname(file)).get(os.path.basename(file))
     if not isinstance(record, dict) or "weights_sha256" not in record:
         return True
     if record.get("weights_stat") == _weights_stat(path):
@@ -247,8 +233,7 @@ def _locked(folder: str, shared: bool = False) -> Iterator[None]:
     if not shared:
         try:
             os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, ".export.lock"), "ab"):
-                pass
+            open(os.path.join(folder, ".export.lock"), "ab").close()
         except PermissionError as e:
             raise PermissionError(
                 f"cannot write into {folder!r} ({e.strerror}): the first load of a model on a backend exports its "
@@ -342,8 +327,9 @@ def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) ->
 def _export_openvino_fp32(path: str, model: Any, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
     import openvino as ov
 
-    ov_model = ov.convert_model(os.path.join(path, FILES["onnx", "fp32"]))
-    ov.save_model(ov_model, os.path.join(tmp, main), compress_to_fp16=False)
+    ov.save_model(
+        ov.convert_model(os.path.join(path, FILES["onnx", "fp32"])), os.path.join(tmp, main), compress_to_fp16=False
+    )
     return {"exporter": f"openvino.convert_model({FILES['onnx', 'fp32']})"}
 
 
@@ -366,26 +352,21 @@ def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
 
 _NO_CALIBRATION = (
     "backend='openvino', precision='int8' quantises statically and needs calibration data the first time: pass "
-    "calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score, e.g. first-stage "
-    "candidates of training queries). sentence-transformers' export_static_quantized_openvino_model would download "
-    "GLUE/SST-2 from the Hugging Face Hub instead, which is not reachable offline and is single sentences, not "
-    "query-document pairs."
+    "calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score; sentence-transformers' "
+    "static export would download GLUE/SST-2 instead: offline unreachable, and single sentences)"
 )
 
 
 def _export_openvino_int8(
     path: str, model: CrossEncoder, tmp: str, main: str, pairs: Sequence[Sequence[str]] | None
 ) -> dict[str, Any]:
-    if not pairs:
-        raise ValueError(_NO_CALIBRATION)
-    import nncf
+    import nncf  # export_backbone has checked that there are calibration pairs
     import openvino as ov
 
     items = _calibration_items(model, pairs)
-    ov_model = ov.Core().read_model(os.path.join(path, FILES["openvino", "fp32"]))
     # the defaults of Optimum Intel's OVQuantizationConfig() (what sentence-transformers' static export uses)
     quantized = nncf.quantize(
-        ov_model,
+        ov.Core().read_model(os.path.join(path, FILES["openvino", "fp32"])),
         nncf.Dataset(items),
         preset=nncf.QuantizationPreset.MIXED,
         model_type=nncf.ModelType.TRANSFORMER,
@@ -420,8 +401,7 @@ def export_backbone(
     model: CrossEncoder | None = None,
     calibration_pairs: Sequence[Sequence[str]] | None = None,
 ) -> str:
-    """Make the export that :func:`load_cross_encoder` runs (``backend`` onnx / openvino, ``precision``), once: its
-    path.
+    """Make the export that :func:`load_cross_encoder` runs (``backend`` onnx / openvino, ``precision``) once; its path.
 
     A fresh export (made from the current torch weights) is kept, a missing or stale one written atomically, the chain
     torch -> ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``).
@@ -435,8 +415,15 @@ def export_backbone(
     rel = FILES[backend, precision]
     target = os.path.join(path, rel)
     sha: dict[str, str] = {}
+    folder, main = os.path.split(target)
     if _is_fresh(path, rel, sha):
-        _warn_other_calibration(path, backend, precision, calibration_pairs)
+        recorded = (_read_info(folder).get(main) or {}).get("calibration_sha256")  # openvino int8 only
+        if calibration_pairs and recorded is not None and recorded != _pairs_sha256(calibration_pairs):
+            logger.warning(
+                "%s was calibrated on other pairs than the calibration_pairs given; it is used as it is (delete it to "
+                "calibrate anew)",
+                target,
+            )
         return target
     if (backend, precision) == ("openvino", "int8") and not calibration_pairs:
         raise ValueError(_NO_CALIBRATION)  # before exporting anything
@@ -450,7 +437,6 @@ def export_backbone(
         export_backbone(path, *source, model=model)
     if model is None and (backend, precision) in (("onnx", "fp32"), ("openvino", "int8")):
         model = _load_torch(path)  # to trace the encoder / to tokenise the calibration pairs
-    folder, main = os.path.split(target)
     with _locked(folder):
         if _is_fresh(path, rel, sha):  # another process made it while this one waited
             return target
@@ -467,24 +453,6 @@ def export_backbone(
     return target
 
 
-def _warn_other_calibration(
-    path: str, backend: str, precision: str, calibration_pairs: Sequence[Sequence[str]] | None
-) -> None:
-    if (backend, precision) != ("openvino", "int8") or not calibration_pairs:
-        return
-    folder, name = os.path.split(os.path.join(path, FILES[backend, precision]))
-    recorded = (_read_info(folder).get(name) or {}).get("calibration_sha256")
-    if recorded is not None and recorded != _pairs_sha256(calibration_pairs):
-        logger.warning(
-            "%s was calibrated on other pairs than the calibration_pairs given; it is used as it is (delete it to "
-            "calibrate anew)",
-            os.path.join(folder, name),
-        )
-
-
-# ---- the runtime standing in for the torch encoder -------------------------------------------------------------
-
-
 class RuntimeBackbone(nn.Module):
     """Stands in for the Hugging Face encoder in a ``Transformer``: runs an ONNX Runtime session or OpenVINO compiled
     model on ``file`` and returns ``{"last_hidden_state": float32 CPU tensor}``; ``config`` is the encoder's. Cannot be
@@ -493,10 +461,7 @@ class RuntimeBackbone(nn.Module):
 
     def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
         super().__init__()
-        self.file = file
-        self.backend = backend
-        self.precision = precision
-        self.config = config
+        self.file, self.backend, self.precision, self.config = file, backend, precision, config
         self.num_threads = int(num_threads)
         if backend == "onnx":
             import onnxruntime as ort
@@ -511,15 +476,8 @@ class RuntimeBackbone(nn.Module):
         elif backend == "openvino":
             import openvino as ov
 
-            compiled = ov.Core().compile_model(
-                file,
-                "CPU",
-                {
-                    "INFERENCE_NUM_THREADS": self.num_threads,
-                    "PERFORMANCE_HINT": "LATENCY",
-                    "INFERENCE_PRECISION_HINT": "f32",
-                },
-            )
+            hints = {"INFERENCE_NUM_THREADS": self.num_threads, "PERFORMANCE_HINT": "LATENCY"}
+            compiled = ov.Core().compile_model(file, "CPU", {**hints, "INFERENCE_PRECISION_HINT": "f32"})
             self._request = compiled.create_infer_request()
             self.input_names = tuple(p.get_any_name() for p in compiled.inputs)
         else:
@@ -540,12 +498,10 @@ class RuntimeBackbone(nn.Module):
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
-        feeds = {}
-        for name in self.input_names:
-            value = given[name]
-            if value is None:
-                raise ValueError(f"{self.file} needs the input {name!r}, which the tokenizer did not give")
-            feeds[name] = np.ascontiguousarray(value.detach().cpu().numpy(), dtype=np.int64)
+        missing = [name for name in self.input_names if given[name] is None]
+        if missing:
+            raise ValueError(f"{self.file} needs the input {missing[0]!r}, which the tokenizer did not give")
+        feeds = {n: np.ascontiguousarray(given[n].detach().cpu().numpy(), dtype=np.int64) for n in self.input_names}
         if self.backend == "onnx":
             out = self._session.run(None, feeds)[0]
         else:
@@ -560,9 +516,6 @@ class RuntimeBackbone(nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, precision={self.precision!r}, file={self.file!r}, threads={self.num_threads}"
-
-
-# ---- loading ---------------------------------------------------------------------------------------------------
 
 
 def _load_torch(path: str, device: str | None = "cpu") -> CrossEncoder:
@@ -596,22 +549,18 @@ def load_cross_encoder(
     path = os.path.abspath(os.fspath(path))
     positive_int("num_threads", num_threads, allow_none=True)
     if backend == "torch":
-        model = _load_torch(path, device=None if device is None else str(device))
-        model.eval()
-        return model
+        return _load_torch(path, device=None if device is None else str(device)).eval()
     if device is not None and torch.device(device).type != "cpu":
         raise ValueError(f"device must be 'cpu' for backend={backend!r} (got {device!r}): the runtimes here run on CPU")
-    _require(backend, precision, _RUNTIME_PACKAGES[backend])
+    _require(backend, precision, ["onnxruntime" if backend == "onnx" else "openvino"])  # what running it needs
     model = _load_torch(path, device="cpu")
     transformer = _backbone(model)  # refuses a model it cannot export before anything is written
     file = export_backbone(path, backend, precision, model=model, calibration_pairs=calibration_pairs)
+    threads = num_threads or max(1, torch.get_num_threads())
     with _locked(os.path.dirname(file), shared=True):  # no writer replaces the files while they are read
-        runtime = RuntimeBackbone(
-            file, backend, precision, transformer.model.config, num_threads or max(1, torch.get_num_threads())
-        )
+        runtime = RuntimeBackbone(file, backend, precision, transformer.model.config, threads)
     transformer.model = runtime  # the torch encoder is dropped: the runtime replaces it
     transformer.backend = backend
     # BaseModel.save would write the folder's configs before the Transformer refused: refuse before anything
     model.save = model.save_pretrained = runtime.save_pretrained  # type: ignore[method-assign]
-    model.eval()
-    return model
+    return model.eval()

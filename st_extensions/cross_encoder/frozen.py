@@ -76,8 +76,7 @@ def encode_pairs(
     """The pooled [CLS] vectors of ``pairs`` under ``model``'s frozen prefix in eval mode, tokenised as ``predict`` does
     and batched longest first: ``(len(pairs), dim)`` float32 on CPU, in order.
     """
-    k = pair_prefix_length(model)
-    prefix = list(model)[:k]
+    prefix = list(model)[: pair_prefix_length(model)]
     pairs = [pair_key(p) for p in pairs]
     if not pairs:
         return torch.zeros(0, prefix[-1].get_embedding_dimension())
@@ -89,9 +88,7 @@ def encode_pairs(
                 features = m(features)
             out.append(features["sentence_embedding"].float().cpu())
             positions += idx
-    embeddings = torch.empty(len(pairs), out[0].shape[-1])
-    embeddings[torch.as_tensor(positions)] = torch.cat(out)
-    return embeddings
+    return torch.cat(out)[torch.as_tensor(positions).argsort()]  # back in pair order
 
 
 def cached_cross_encoder(

@@ -24,14 +24,6 @@ VAR_KEY = "latent_var"
 SCORE_VAR_KEY = "score_var"
 
 
-def _check_variant(variant: str) -> str:
-    canonical = str(variant).upper().replace("-", "").replace("_", "")
-    canonical = {"VARM": "VAR", "MEANVARM": "MEANVAR", "MEANM": "MEAN"}.get(canonical, canonical)
-    if canonical not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS} (the paper's VARM, MEANVARM, MEANM), got {variant!r}")
-    return canonical
-
-
 class VariationalHead(SafetensorsModule):
     """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23).
 
@@ -47,9 +39,7 @@ class VariationalHead(SafetensorsModule):
         "in_features", "variant", "latent_dim", "bias", "init_log_var", "min_log_var", "max_log_var",
         "module_input_name",
     ]  # fmt: skip
-    config_file_name = "config.json"
-    #: learning rate of this module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
-    #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
+    #: this head's :attr:`SafetensorsModule.learning_rate` (chosen by ``benchmarks/recipe_search.py`` as the default)
     learning_rate: float = 1e-3
 
     def __init__(
@@ -65,7 +55,11 @@ class VariationalHead(SafetensorsModule):
     ) -> None:
         super().__init__()
         positive_int("in_features", in_features)
-        variant = _check_variant(variant)
+        canonical = str(variant).upper().replace("-", "").replace("_", "")
+        canonical = {"VARM": "VAR", "MEANVARM": "MEANVAR", "MEANM": "MEAN"}.get(canonical, canonical)
+        if canonical not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS} (the paper's VARM, MEANVARM, MEANM), got {variant!r}")
+        variant = canonical
         latent_dim = positive_int("latent_dim", latent_dim, allow_none=True) or in_features
         if variant in ("VAR", "MEAN") and latent_dim != in_features:
             raise ValueError(
@@ -73,31 +67,21 @@ class VariationalHead(SafetensorsModule):
                 f"so latent_dim must equal in_features ({in_features}), got {latent_dim}; use MEANVAR for another K"
             )
         for name, value in (("init_log_var", init_log_var), ("min_log_var", min_log_var), ("max_log_var", max_log_var)):
-            finite_float(name, value)
+            setattr(self, name, finite_float(name, value))
         if not min_log_var <= init_log_var <= max_log_var:
             raise ValueError(
                 f"need min_log_var <= init_log_var <= max_log_var, got {min_log_var}, {init_log_var}, {max_log_var}"
             )
-        self.in_features = in_features
-        self.variant = variant
-        self.latent_dim = latent_dim
-        self.bias = bool(bias)
-        self.init_log_var = float(init_log_var)
-        self.min_log_var = float(min_log_var)
-        self.max_log_var = float(max_log_var)
+        self.in_features, self.variant, self.latent_dim, self.bias = in_features, variant, latent_dim, bool(bias)
         self.module_input_name = module_input_name
 
         self.mean_branch = nn.Linear(in_features, latent_dim) if variant in ("MEANVAR", "MEAN") else None
-        if variant in ("VAR", "MEANVAR"):
-            self.var_branch = nn.Linear(in_features, latent_dim)
-            with torch.no_grad():
-                self.var_branch.weight.zero_()
-                self.var_branch.bias.fill_(self.init_log_var)
-        else:
-            self.var_branch = None
+        self.var_branch = nn.Linear(in_features, latent_dim) if variant in ("VAR", "MEANVAR") else None
+        if self.var_branch is not None:  # zero weights, log Sigma = init_log_var
+            nn.init.zeros_(self.var_branch.weight)
+            nn.init.constant_(self.var_branch.bias, self.init_log_var)
         self.decoder = nn.Linear(latent_dim, 1, bias=self.bias)
 
-    # ---- the Gaussian and the ranker -----------------------------------------------------------------------
     def distribution(self, cls_embedding: Tensor) -> tuple[Tensor, Tensor]:
         """``(mu, diag Sigma)``, each ``(batch, K)``, of p(z | t) (Eq. 3) for [CLS] embeddings ``(batch, d)``."""
         if cls_embedding.ndim != 2 or cls_embedding.shape[-1] != self.in_features:
@@ -108,8 +92,7 @@ class VariationalHead(SafetensorsModule):
         t = cls_embedding.to(self.decoder.weight.dtype)
         mean = t if self.mean_branch is None else self.mean_branch(t)
         log_var = t if self.var_branch is None else self.var_branch(t)
-        log_var = log_var.clamp(self.min_log_var, self.max_log_var)
-        return mean, torch.exp(log_var)
+        return mean, torch.exp(log_var.clamp(self.min_log_var, self.max_log_var))
 
     def decode(self, z: Tensor) -> Tensor:
         """The ranker s = z^T W (+ b) (Eq. 8), shape ``(..., 1)`` for latents ``(..., K)``."""
@@ -119,8 +102,7 @@ class VariationalHead(SafetensorsModule):
         """Reparameterised latent samples z = mu + Sigma^(1/2) eps (Eq. 5): ``(batch, K)``, or
         ``(num_samples, batch, K)`` when ``num_samples`` is given."""
         shape = mean.shape if num_samples is None else (num_samples, *mean.shape)
-        eps = torch.randn(shape, dtype=mean.dtype, device=mean.device)
-        return mean + torch.sqrt(var) * eps
+        return mean + torch.sqrt(var) * torch.randn(shape, dtype=mean.dtype, device=mean.device)
 
     def score_moments(self, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor]:
         """E[s] = mu^T W + b (Eq. 22) and Var[s] = W^T Sigma W (Eq. 23), each ``(batch, 1)``."""
@@ -130,9 +112,7 @@ class VariationalHead(SafetensorsModule):
     def forward(self, features: dict[str, Tensor | Any], **kwargs) -> dict[str, Tensor | Any]:
         mean, var = self.distribution(features[self.module_input_name])
         expected, score_var = self.score_moments(mean, var)
-        features[MEAN_KEY] = mean
-        features[VAR_KEY] = var
-        features[SCORE_VAR_KEY] = score_var
+        features.update({MEAN_KEY: mean, VAR_KEY: var, SCORE_VAR_KEY: score_var})
         features["scores"] = self.decode(self.sample(mean, var)) if self.training else expected
         return features
 

@@ -37,17 +37,11 @@ from st_extensions.partial import (
     states_entering,
 )
 
-HEAD_REFERENCE = f"{VariationalHead.__module__}.{VariationalHead.__name__}"
-
 
 def find_var_head(model: torch.nn.Module) -> VariationalHead:
     """The model's :class:`VariationalHead`; a clear error when it has none (or several)."""
     needed_by = "VariationalBCELoss and predict(return_std=True) need"
     return find_module(model, VariationalHead, needed_by, "cross_encoder.build_var_cross_encoder")
-
-
-def _is_identity(fn: Callable | None) -> bool:
-    return fn is None or isinstance(fn, nn.Identity)
 
 
 class VarCrossEncoder(CrossEncoder):
@@ -58,7 +52,7 @@ class VarCrossEncoder(CrossEncoder):
     E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23).
     """
 
-    _module_classes = {HEAD_REFERENCE: VariationalHead}
+    _module_classes = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VariationalHead}
 
     @property
     def num_labels(self) -> int:
@@ -85,54 +79,34 @@ class VarCrossEncoder(CrossEncoder):
         if arg["pool"] is not None or isinstance(arg["device"], list):
             raise ValueError("predict(return_std=True) runs in this process: pass one device, not a pool or a list")
         activation_fn = arg["activation_fn"] if arg["activation_fn"] is not None else self.activation_fn
-        if not _is_identity(activation_fn):
+        if not isinstance(activation_fn, nn.Identity | None):
             raise ValueError(
-                "predict(return_std=True) returns the mean and standard deviation of the logit s (Eq. 22-23); "
-                f"activation_fn {activation_fn} would change the mean but not the spread: pass "
-                "activation_fn=torch.nn.Identity()"
+                f"predict(return_std=True) gives the mean and std of the logit s (Eq. 22-23), which activation_fn "
+                f"{activation_fn} would distort: pass activation_fn=torch.nn.Identity()"
             )
         positive_int("batch_size", arg["batch_size"])
         singular = self.is_singular_input(inputs)
         inputs = inputs.tolist() if isinstance(inputs, np.ndarray) else inputs
-        inputs = [inputs] if singular else list(inputs)
-        means, stds = self._inference_with_std(
-            inputs,
-            prompt=self._resolve_prompt(arg["prompt"], arg["prompt_name"]),
-            batch_size=arg["batch_size"],
-            show_progress_bar=bool(arg["show_progress_bar"]),
-            device=arg["device"],
-            **arg["kwargs"],
-        )
+        means, stds = self._inference_with_std([inputs] if singular else list(inputs), arg)
         if not arg["convert_to_tensor"]:
-            numpy = arg["convert_to_numpy"]
-            means, stds = (
-                (means.float().cpu().numpy(), stds.float().cpu().numpy()) if numpy else (list(means), list(stds))
-            )
+            means, stds = (t.float().cpu().numpy() if arg["convert_to_numpy"] else list(t) for t in (means, stds))
         return (means[0], stds[0]) if singular else (means, stds)
 
     @torch.inference_mode()
-    def _inference_with_std(
-        self,
-        inputs: list,
-        *,
-        prompt: str | None,
-        batch_size: int,
-        show_progress_bar: bool,
-        device: str | torch.device | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """CrossEncoder._inference, reading ``scores`` (E[s]) and ``score_var`` (Var[s]) per batch."""
-        device = self._resolve_inference_device(device)
+    def _inference_with_std(self, inputs: list, arg: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """CrossEncoder._inference under ``predict``'s arguments ``arg``, reading ``scores`` (E[s]) and ``score_var``
+        (Var[s]) per batch."""
+        device, kwargs = self._resolve_inference_device(arg["device"]), arg["kwargs"]
+        prompt, batch_size = self._resolve_prompt(arg["prompt"], arg["prompt_name"]), arg["batch_size"]
         self.eval()
         if not inputs:
-            empty = torch.zeros(0, device=device)
-            return empty, empty.clone()
+            return torch.zeros(0, device=device), torch.zeros(0, device=device)
         order = np.argsort([-self._input_length(pair) for pair in inputs])
         if self._can_flatten_inputs():
             order = self._interleave_sorted_indices(order)
         sorted_inputs = [inputs[i] for i in order]
         means, variances = [], []
-        for start in trange(0, len(sorted_inputs), batch_size, desc="Batches", disable=not show_progress_bar):
+        for start in trange(0, len(sorted_inputs), batch_size, desc="Batches", disable=not arg["show_progress_bar"]):
             features = self.preprocess(sorted_inputs[start : start + batch_size], prompt=prompt, **kwargs)
             out = self(batch_to_device(features, device), **kwargs)
             if SCORE_VAR_KEY not in out:
@@ -140,9 +114,7 @@ class VarCrossEncoder(CrossEncoder):
             means.append(out["scores"].float().reshape(-1))
             variances.append(out[SCORE_VAR_KEY].float().reshape(-1))
         inverse = torch.as_tensor(np.argsort(order), device=device)
-        mean = torch.cat(means)[inverse]
-        std = torch.sqrt(torch.cat(variances)[inverse].clamp_min(0.0))
-        return mean, std
+        return torch.cat(means)[inverse], torch.sqrt(torch.cat(variances)[inverse].clamp_min(0.0))
 
 
 register_module(VariationalHead, model_class=VarCrossEncoder)
@@ -162,8 +134,7 @@ def build_var_cross_encoder(
     loaded model (copied); ``latent_dim`` K (``MEANVAR`` only); ``max_seq_length`` of query + document;
     ``**head_kwargs`` go to the head. The head is new, the backbone pre-trained.
     """
-    if base_model is None:
-        base_model = default_model_path()
+    base_model = default_model_path() if base_model is None else base_model
     if isinstance(base_model, str):
         transformer = Transformer(base_model, transformer_task="feature-extraction", max_seq_length=max_seq_length)
     elif isinstance(base_model, BaseModel):

@@ -82,8 +82,7 @@ class SplitTransformer(Transformer):
         self, model_name_or_path: str, *, joint_layers: int = 2, init_cross_bias: float = 0.0, **kwargs: Any
     ) -> None:
         super().__init__(model_name_or_path, **kwargs)
-        backbone = check_partial_transformer(self)
-        num_layers = len(backbone.encoder.layer)
+        num_layers = len(check_partial_transformer(self).encoder.layer)
         self.joint_layers = check_layers("joint_layers", joint_layers, 1, num_layers, num_layers)
         self.init_cross_bias = finite_float("init_cross_bias", init_cross_bias, high=0.0)
         self.cross = CrossAttentionBias(joint_layers, self.init_cross_bias)
@@ -102,8 +101,7 @@ class SplitTransformer(Transformer):
         bias = load_file(path)["cross_bias"]
         if bias.shape != module.cross.bias.shape:
             raise ValueError(f"{path} holds {tuple(bias.shape)} biases, the config says {module.joint_layers} layers")
-        with torch.no_grad():
-            module.cross.bias.copy_(bias)
+        module.cross.load_state_dict({"bias": bias})
         return module
 
     @property
@@ -124,12 +122,7 @@ class SplitTransformer(Transformer):
             return {"query_rows": torch.tensor(rows[: len(pairs)]), "document_rows": torch.tensor(rows[len(pairs) :])}
         q = super().preprocess(queries, prompt=prompt, **kwargs)
         d = super().preprocess(documents, **kwargs)
-        return {
-            "input_ids": q["input_ids"],
-            "attention_mask": q["attention_mask"],
-            "document_input_ids": d["input_ids"],
-            "document_attention_mask": d["attention_mask"],
-        }
+        return {f"{side}{k}": f[k] for side, f in (("", q), ("document_", d)) for k in ("input_ids", "attention_mask")}
 
     def _lower(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """States entering layer ``split_layer`` of one side's texts (embeddings, then the lower layers)."""
@@ -138,11 +131,10 @@ class SplitTransformer(Transformer):
         return run_top_layers(backbone, hidden, attention_mask, 0, stop=self.split_layer)
 
     def _cached(self, rows: Tensor) -> tuple[Tensor, Tensor]:
-        cache = self.state_cache
         rows = rows.tolist()
-        lengths = cache.lengths(rows)
+        lengths = self.state_cache.lengths(rows)
         weight = self.auto_model.encoder.layer[self.split_layer].attention.self.query.weight
-        states = torch.from_numpy(cache.gather(rows)).to(device=weight.device, dtype=weight.dtype)
+        states = torch.from_numpy(self.state_cache.gather(rows)).to(device=weight.device, dtype=weight.dtype)
         mask = torch.as_tensor(np.arange(states.shape[1])[None, :] < lengths[:, None], device=weight.device)
         return states, mask.long()
 
@@ -188,14 +180,11 @@ class SegmentInteraction(Module):
         if QUERY_MASK not in features:
             raise ValueError("SegmentInteraction reads a SplitTransformer's output (no query_token_mask)")
         tokens = features["token_embeddings"]
-        mask = features["attention_mask"].to(tokens.dtype)
         q_mask = features[QUERY_MASK].to(tokens.dtype)
-        d_mask = mask - q_mask
-
-        def mean(m: Tensor) -> Tensor:
-            return (tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0)
-
-        u_q, u_d = F.normalize(mean(q_mask), dim=-1), F.normalize(mean(d_mask), dim=-1)
+        u_q, u_d = (  # the normalised mean token of the query and of the document
+            F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
+            for m in (q_mask, features["attention_mask"].to(tokens.dtype) - q_mask)
+        )
         features["sentence_embedding"] = self.embedding_dimension * u_q * u_d
         return features
 

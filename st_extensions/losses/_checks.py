@@ -7,15 +7,12 @@ from typing import Any
 
 from torch import Tensor
 
-_ROW_KEYS = ("input_ids", "attention_mask")
-
 
 def feature_rows(features: Mapping[str, Any]) -> int | None:
     """Rows of a column's features, ``input_ids``' (else the first tensor's/list's) length; 0 for ``{}``; else None."""
     if not features:
         return 0
-    values = [features[k] for k in _ROW_KEYS if k in features] + list(features.values())
-    for v in values:
+    for v in [features[k] for k in ("input_ids", "attention_mask") if k in features] + list(features.values()):
         if isinstance(v, Tensor) and v.dim() >= 1:
             return int(v.shape[0])
         if isinstance(v, Sequence) and not isinstance(v, (str, bytes)):
@@ -27,15 +24,15 @@ def check_not_empty(loss: str, sentence_features: Iterable[Mapping[str, Any]]) -
     """``sentence_features`` as a list, or a ``ValueError`` naming ``loss`` if the batch (or a column) has 0 rows."""
     features = list(sentence_features)
     rows = [feature_rows(f) for f in features]
-    if features and all(r == 0 for r in rows):  # every column known to be empty
+    empty = [i for i, r in enumerate(rows) if r == 0]
+    if empty and len(empty) == len(rows):  # every column known to be empty
         raise ValueError(
             f"{loss} got an empty batch (0 rows in each of its {len(rows)} columns): nothing to compute a loss on; "
             "check that the training dataset is not empty and that batches are not filtered down to nothing"
         )
-    empty = [i for i, r in enumerate(rows) if r == 0]
     if empty:
-        full = {i: r for i, r in enumerate(rows) if r}
-        other = f" while column {next(iter(full))} has {next(iter(full.values()))}" if full else ""
+        full = next(((i, r) for i, r in enumerate(rows) if r), None)
+        other = f" while column {full[0]} has {full[1]}" if full else ""
         raise ValueError(
             f"{loss} got an empty batch in column(s) {empty} (0 rows){other}: every column needs one text per row"
         )

@@ -48,14 +48,12 @@ class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor | None) -> Tensor:
         if len(embeddings) < 2:
             raise ValueError(f"Expected at least 2 embeddings, got {len(embeddings)}")
-        anchors = embeddings[0]
-        batch = global_batch(len(anchors), self.gather_across_devices)
-        candidates = batch.candidates(torch.cat(embeddings[1:]))
-        logits = self.similarity_fct(anchors, candidates) * self.scale
+        batch = global_batch(len(embeddings[0]), self.gather_across_devices)
+        logits = self.similarity_fct(embeddings[0], batch.candidates(torch.cat(embeddings[1:]))) * self.scale
         targets = batch.targets(logits.device)
         if self.judged is None or labels is None:
             # MultipleNegativesRankingLoss's own formula ("query_to_doc", "joint"), term for term
-            positives = logits[torch.arange(len(anchors), device=logits.device), targets]
+            positives = logits[torch.arange(len(logits), device=logits.device), targets]
             return -(positives - torch.logsumexp(logits, dim=1)).mean()
         logits = masked_logits(logits, self.judged, batch.labels(labels), offset=batch.offset)
         return F.cross_entropy(logits, targets)

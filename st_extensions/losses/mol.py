@@ -45,6 +45,8 @@ class MoLLoss(nn.Module):
         SentenceTransformerTrainer(model=model, train_dataset=train, loss=MoLLoss(model)).train()
     """
 
+    citation = MOL_CITATION
+
     def __init__(
         self,
         model: SentenceTransformer,
@@ -55,13 +57,11 @@ class MoLLoss(nn.Module):
         gather_across_devices: bool = False,
     ) -> None:
         super().__init__()
-        self.mol = find_mol(model)
-        self.model = model
+        self.mol, self.model = find_mol(model), model
         self.alpha = finite_float("alpha", alpha, low=0.0)
         self.scale = positive_float("scale", scale)
         self.eps = finite_float("eps", eps, low=0.0, high=1e-3, low_open=True, high_open=True)
-        self.judged = judged
-        self.gather_across_devices = bool(gather_across_devices)
+        self.judged, self.gather_across_devices = judged, bool(gather_across_devices)
 
     def _encode(self, features: list[dict[str, Any]], task: str) -> tuple[Tensor, Tensor | None]:
         """Components (and gate features) of one or more columns, in one merged forward where possible."""
@@ -80,9 +80,7 @@ class MoLLoss(nn.Module):
         q, qf = self._encode(features[:1], "query")
         x, xf = self._encode(features[1:], "document")
         batch = global_batch(len(q), self.gather_across_devices)
-        x = batch.candidates(x)
-        xf = None if xf is None else batch.candidates(xf)
-        return self.mol.mixture_all(q, x, qf, xf)
+        return self.mol.mixture_all(q, batch.candidates(x), qf, None if xf is None else batch.candidates(xf))
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         scores, gates = self.scores_and_gates(sentence_features)
@@ -90,13 +88,7 @@ class MoLLoss(nn.Module):
         labels = batch.labels(labels) if self.judged is not None else labels
         logits = masked_logits(self.scale * scores, self.judged, labels, offset=batch.offset)
         loss = F.cross_entropy(logits, batch.targets(scores.device))
-        if self.alpha:
-            loss = loss + self.alpha * mutual_information_loss(gates, eps=self.eps, batch=batch)
-        return loss
+        return loss + self.alpha * mutual_information_loss(gates, eps=self.eps, batch=batch) if self.alpha else loss
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "scale": self.scale, "gather_across_devices": self.gather_across_devices}
-
-    @property
-    def citation(self) -> str:
-        return MOL_CITATION

@@ -17,7 +17,7 @@ from sentence_transformers.base.losses.merged_forward import embed_columns
 from torch import Tensor, nn
 
 from st_extensions.checks import finite_float
-from st_extensions.distributed import GlobalBatch, global_batch
+from st_extensions.distributed import global_batch
 from st_extensions.judged import JudgedPairs, masked_logits
 from st_extensions.losses._checks import check_not_empty
 from st_extensions.pebr import find_head
@@ -36,6 +36,7 @@ class _PEBRLoss(nn.Module):
     """Shared set-up: find the head, embed the columns, in-batch cosine matrix, per-query parameters."""
 
     family: str = ""
+    citation = PEBR_CITATION
 
     def __init__(
         self,
@@ -51,32 +52,23 @@ class _PEBRLoss(nn.Module):
                 f"{type(self).__name__} needs a QueryDistributionHead of family {self.family!r}, but the model's "
                 f"head is {head.family!r}: build the model with build_pebr_model(..., family={self.family!r})"
             )
-        self.model = model
-        self.head = head
+        self.model, self.head = model, head
         self.eps = finite_float("eps", eps, low=0.0, high=0.5, low_open=True, high_open=True)
-        self.judged = judged
-        self.gather_across_devices = bool(gather_across_devices)
-
-    def global_batch(self, size: int) -> GlobalBatch:
-        """The global batch of a local batch of ``size`` anchors (:func:`st_extensions.distributed.global_batch`)."""
-        return global_batch(size, self.gather_across_devices)
+        self.judged, self.gather_across_devices = judged, bool(gather_across_devices)
 
     def cosines_and_params(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
         """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (anchor i's positive is candidate i;
         under DDP with ``gather_across_devices`` the global batch's, positive at ``rank * B + i``) and the anchors'
         params ``(B, k)``.
         """
-        sentence_features = check_not_empty(type(self).__name__, sentence_features)
-        embeddings = embed_columns(self.model, sentence_features)
+        name = type(self).__name__
+        embeddings = embed_columns(self.model, check_not_empty(name, sentence_features))
         if len(embeddings) < 2:
-            raise ValueError(
-                f"{type(self).__name__} needs (anchor, positive[, negative_1, ...]) columns, got {len(embeddings)}"
-            )
+            raise ValueError(f"{name} needs (anchor, positive[, negative_1, ...]) columns, got {len(embeddings)}")
         anchors = embeddings[0]
-        params = self.head.distribution_params(anchors)
-        candidates = self.global_batch(len(anchors)).candidates(torch.cat(embeddings[1:], dim=0))
+        candidates = global_batch(len(anchors), self.gather_across_devices).candidates(torch.cat(embeddings[1:]))
         cos = F.normalize(anchors, dim=-1) @ F.normalize(candidates, dim=-1).T
-        return cos, params
+        return cos, self.head.distribution_params(anchors)
 
     def log_z(self, cos: Tensor) -> Tensor:
         """log((1 + cos) / 2), the log of Sec. 3.2.2's Beta variable z clamped to ``[eps, 1]`` (finite at cos = -1)."""
@@ -84,17 +76,12 @@ class _PEBRLoss(nn.Module):
 
     def nce(self, logits: Tensor, labels: Tensor | None) -> Tensor:
         """Cross-entropy of each anchor's positive among ``logits`` (judged negatives masked), global batch aware."""
-        batch = self.global_batch(len(logits))
+        batch = global_batch(len(logits), self.gather_across_devices)
         labels = batch.labels(labels) if self.judged is not None else labels
-        logits = masked_logits(logits, self.judged, labels, offset=batch.offset)
-        return F.cross_entropy(logits, batch.targets(logits.device))
+        return F.cross_entropy(masked_logits(logits, self.judged, labels, batch.offset), batch.targets(logits.device))
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"family": self.family, "eps": self.eps, "gather_across_devices": self.gather_across_devices}
-
-    @property
-    def citation(self) -> str:
-        return PEBR_CITATION
 
 
 class ExpNCELoss(_PEBRLoss):
@@ -171,17 +158,17 @@ class BetaMLELoss(_PEBRLoss):
 
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         cos, params = self.cosines_and_params(sentence_features)
-        batch = self.global_batch(len(cos))
+        batch = global_batch(len(cos), self.gather_across_devices)
         if cos.shape[1] < 2:
             raise ValueError("BetaMLELoss needs at least one irrelevant candidate: use batch size > 1")
         a_pos, b_pos, a_neg, b_neg = (params[:, k : k + 1] for k in range(4))
         positive = torch.zeros_like(cos, dtype=torch.bool)
         positive[torch.arange(len(cos), device=cos.device), batch.targets(cos.device)] = True
-        log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
         irrelevant = ~positive
         if self.judged is not None and labels is not None:
             judged = self.judged.mask(batch.labels(labels), cos.shape[1], offset=batch.offset, n_anchors=len(cos))
             irrelevant &= ~judged.to(cos.device)
+        log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
         log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[irrelevant]
         # every rank has B anchors (one positive each), but the judged mask leaves each a different number of
         # irrelevant pairs: their mean is over the global count (GlobalBatch.mean)

@@ -63,17 +63,6 @@ def diversity_loss(branch_embeddings: Tensor, scale: float, margin: float, thres
     return torch.logsumexp(F.pad(logits, (1, 0)), dim=1).mean()
 
 
-def _take_rows(features: Mapping[str, Any], rows: Sequence[int], batch: int) -> dict[str, Any]:
-    """The sub-batch of ``rows`` (tensors whose first axis is the batch are indexed, the rest copied)."""
-    index = torch.as_tensor(list(rows), dtype=torch.long)
-    return {
-        key: value.index_select(0, index.to(value.device))
-        if isinstance(value, Tensor) and value.ndim >= 1 and value.shape[0] == batch
-        else value
-        for key, value in features.items()
-    }
-
-
 class FrozenDocumentTower:
     """UniERF's shared item tower (``E_I`` of Eq. 28-30) held fixed while the query tower trains.
 
@@ -85,9 +74,7 @@ class FrozenDocumentTower:
     def __init__(self, model: SentenceTransformer, cache: bool = True) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a SentenceTransformer, got {type(model).__name__}")
-        self.encoder = copy.deepcopy(model)
-        self.encoder.eval()
-        self.encoder.requires_grad_(False)
+        self.encoder = copy.deepcopy(model).eval().requires_grad_(False)
         self.use_cache = bool(cache)
         self._cache: dict[bytes, Tensor] = {}
         self.hits = self.computed = self.primed = 0
@@ -99,20 +86,13 @@ class FrozenDocumentTower:
     def row_keys(features: Mapping[str, Any]) -> list[bytes]:
         """The cache key of every row of a tokenised column: its token ids where the attention mask is set."""
         ids = features["input_ids"].detach().cpu().numpy().astype(np.int64, copy=False)
-        mask = features.get("attention_mask")
-        if mask is None:
-            return [row.tobytes() for row in ids]
-        mask = mask.detach().cpu().numpy().astype(bool, copy=False)
+        mask = features.get("attention_mask", torch.ones(ids.shape)).detach().cpu().numpy().astype(bool, copy=False)
         return [row[m].tobytes() for row, m in zip(ids, mask)]
 
     @torch.no_grad()
     def _forward(self, features: Mapping[str, Any]) -> Tensor:
-        device = features["input_ids"].device
-        if next(self.encoder.parameters()).device != device:
-            self.encoder.to(device)
-        self.encoder.eval()
-        out = self.encoder(dict(features))["sentence_embedding"]
-        return F.normalize(out.float(), dim=-1)
+        self.encoder.to(features["input_ids"].device).eval()
+        return F.normalize(self.encoder(dict(features))["sentence_embedding"].float(), dim=-1)
 
     @torch.no_grad()
     def embed(self, features: Mapping[str, Any]) -> Tensor:
@@ -121,15 +101,17 @@ class FrozenDocumentTower:
             self.computed += int(features["input_ids"].shape[0])
             return self._forward(features)
         keys = self.row_keys(features)
-        device = features["input_ids"].device
         missing = [i for i, k in enumerate(keys) if k not in self._cache]
-        if missing:
-            new = self._forward(_take_rows(features, missing, len(keys))).cpu()
-            for i, vec in zip(missing, new):
-                self._cache[keys[i]] = vec
+        if missing:  # the sub-batch of the missing rows: tensors whose first axis is the batch are indexed
+            index = torch.as_tensor(missing)
+            batch = {
+                k: v[index.to(v.device)] if isinstance(v, Tensor) and v.ndim and len(v) == len(keys) else v
+                for k, v in features.items()
+            }
+            self._cache.update(zip([keys[i] for i in missing], self._forward(batch).cpu()))
             self.computed += len(missing)
         self.hits += len(keys) - len(missing)
-        return torch.stack([self._cache[k] for k in keys]).to(device)
+        return torch.stack([self._cache[k] for k in keys]).to(features["input_ids"].device)
 
     def embed_columns(self, features_list: Iterable[Mapping[str, Any]]) -> list[Tensor]:
         """:meth:`embed` of every column."""
@@ -158,8 +140,7 @@ class FrozenDocumentTower:
                 )
         for start in range(0, len(texts), chunk):
             features = self.encoder.preprocess(texts[start : start + chunk])
-            for key, vec in zip(self.row_keys(features), vecs[start : start + chunk]):
-                self._cache[key] = vec.clone()
+            self._cache.update(zip(self.row_keys(features), vecs[start : start + chunk].clone()))
         self.primed += len(texts)
         return len(texts)
 
@@ -216,6 +197,8 @@ class UniERFLoss(nn.Module):
     and an example: ``docs/unierf.md``.
     """
 
+    citation = UNIERF_CITATION
+
     def __init__(
         self,
         model: SentenceTransformer,
@@ -231,9 +214,7 @@ class UniERFLoss(nn.Module):
         if config is not None and options:
             raise TypeError(f"pass either config or keyword options, not both (got {sorted(options)})")
         self.config = config if config is not None else UniERFLossConfig(**options)
-        self.model = model
-        self.judged = judged
-        self.gather_across_devices = bool(gather_across_devices)
+        self.model, self.judged, self.gather_across_devices = model, judged, bool(gather_across_devices)
         self.head = find_branches(model)
         if document_tower is not None and not isinstance(document_tower, FrozenDocumentTower):
             raise TypeError(f"document_tower must be a FrozenDocumentTower, got {type(document_tower).__name__}")
@@ -245,11 +226,8 @@ class UniERFLoss(nn.Module):
         unknown = [c for c in self.ignore_columns if c not in self.columns]
         if unknown:
             raise ValueError(f"ignore_columns {unknown} are not among the columns {self.columns}")
-        self._keep = [c not in self.ignore_columns for c in self.columns] if self.ignore_columns else None
-        self.layout: tuple[list[str], list[str | None]] | None = None
-        if self.columns is not None:
-            kept = [c for c in self.columns if c not in self.ignore_columns]
-            self.layout = parse_unierf_columns(kept, self.head.branches)
+        kept = None if self.columns is None else [c for c in self.columns if c not in self.ignore_columns]
+        self.layout = None if kept is None else parse_unierf_columns(kept, self.head.branches)
 
     def _layout(self, n_columns: int) -> tuple[list[str], list[str | None]]:
         """(anchor branches, negative tags) for a batch of ``n_columns`` columns."""
@@ -279,8 +257,8 @@ class UniERFLoss(nn.Module):
         """``(H per anchor branch (B, dim), positives (B, dim), negatives [(B, dim)], negative tags)``, normalised."""
         features = list(sentence_features)
         anchors, tags = self._layout(len(features))
-        if self._keep is not None:
-            features = [f for f, keep in zip(features, self._keep) if keep]
+        if self.ignore_columns:
+            features = [f for f, c in zip(features, self.columns) if c not in self.ignore_columns]
         features = check_not_empty("UniERFLoss", features)
         k = len(anchors)
         branch_emb = {
@@ -309,28 +287,21 @@ class UniERFLoss(nn.Module):
         negatives = [batch.candidates(n) for n in negatives]
         if self.judged is not None:
             labels = batch.labels(labels)
-        zero = positives.new_zeros(())
-        out = {"positive": zero, "triplet": zero, "infonce": zero}
+        out = dict.fromkeys(("positive", "triplet", "infonce"), positives.new_zeros(()))
         for branch, h in branch_emb.items():
             cands = torch.cat([positives, *(n for n, t in zip(negatives, tags) if t is None or t == branch)], dim=0)
             scores = h @ cands.T  # (B, W * B * (1 + m_b)); column offset + i is row i's positive
             pos = scores[rows, target]
             out["positive"] = out["positive"] + (cfg.positive_threshold - pos).clamp_min(0.0).mean()
-            judged = (
-                None if self.judged is None else self.judged.mask(labels, scores.shape[1], batch.offset, batch.size)
-            )
-            judged = None if judged is None else judged.to(scores.device)
+            judged = self.judged.mask(labels, scores.shape[1], batch.offset, batch.size) if self.judged else None
+            judged = torch.zeros_like(scores, dtype=torch.bool) if judged is None else judged.to(scores.device)
             if scores.shape[1] > 1:
-                is_neg = torch.ones_like(scores, dtype=torch.bool)
+                is_neg = ~judged
                 is_neg[rows, target] = False
-                if judged is not None:
-                    is_neg &= ~judged
                 hinge = (scores - pos[:, None] + cfg.triplet_margin).clamp_min(0.0)
                 # each device keeps a different number of negative pairs: the mean is over the global count
                 out["triplet"] = out["triplet"] + batch.mean(hinge[is_neg])
-            logits = scores / cfg.temperature
-            if judged is not None:
-                logits = logits.masked_fill(judged, float("-inf"))
+            logits = (scores / cfg.temperature).masked_fill(judged, float("-inf"))
             out["infonce"] = out["infonce"] + F.cross_entropy(logits, target)
         # the diversity term is per query (its branches only): the local mean is this device's share
         stacked = torch.stack([branch_emb[b] for b in self.head.branches if b in branch_emb], dim=1)
@@ -355,7 +326,3 @@ class UniERFLoss(nn.Module):
             "document_tower": "frozen" if self.document_tower is not None else "shared (trained)",
             "gather_across_devices": self.gather_across_devices,
         }
-
-    @property
-    def citation(self) -> str:
-        return UNIERF_CITATION

@@ -36,17 +36,21 @@ def gaussian_kl(mean: Tensor, var: Tensor) -> Tensor:
 class _VarCELoss(nn.Module):
     """Shared set-up of the VarCrossEncoder losses: the model's VariationalHead and the KL weight beta (Eq. 10)."""
 
+    citation = VARCE_CITATION
+
     def __init__(self, model: CrossEncoder, beta: float) -> None:
         super().__init__()
         if not isinstance(model, CrossEncoder):
             raise ValueError(f"{type(self).__name__} expects a CrossEncoder (a VarCrossEncoder), got {type(model)}")
-        self.head = find_var_head(model)
-        self.model = model
+        self.head, self.model = find_var_head(model), model
         self.beta = finite_float("beta", beta, low=0.0)
 
-    @property
-    def citation(self) -> str:
-        return VARCE_CITATION
+    def latents(
+        self, pairs: list[tuple[str, str]], prompt: str | None = None, task: str | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(mu, diag Sigma)`` of the model's Gaussian latent (Eq. 3) for each pair, each ``(batch, K)``."""
+        out = self.model(batch_to_device(self.model.preprocess(pairs, prompt=prompt, task=task), self.model.device))
+        return out[MEAN_KEY], out[VAR_KEY]
 
 
 class VariationalBCELoss(_VarCELoss):
@@ -68,38 +72,22 @@ class VariationalBCELoss(_VarCELoss):
     def forward(
         self, inputs: list[list[str]], labels: Tensor, prompt: str | None = None, task: str | None = None
     ) -> Tensor:
-        if len(inputs) != 2:
-            raise ValueError(
-                f"VariationalBCELoss expects a dataset with two non-label columns (query, document), "
-                f"got {len(inputs)} columns"
-            )
         labels = self._check_batch(inputs, labels)
-        pairs = list(zip(inputs[0], inputs[1]))
-        features = self.model.preprocess(pairs, prompt=prompt, task=task)
-        features = batch_to_device(features, self.model.device)
-        outputs = self.model(features)
-        mean, var = outputs[MEAN_KEY], outputs[VAR_KEY]
-        if labels.numel() != mean.shape[0]:
-            raise ValueError(
-                f"VariationalBCELoss expects {mean.shape[0]} labels (one per pair), got {labels.numel()} "
-                f"with shape {tuple(labels.shape)}"
-            )
+        mean, var = self.latents(list(zip(*inputs)), prompt, task)
         z = self.head.sample(mean, var, self.num_samples)  # (N, B, K), Eq. 5
         scores = self.head.decode(z).squeeze(-1)  # (N, B), Eq. 8
         targets = labels.view(1, -1).to(scores.dtype).expand_as(scores)
         prediction = self.bce_with_logits_loss(scores, targets)  # Eq. 18-19, averaged over the N samples
-        if self.beta == 0.0:
-            return prediction
-        return prediction + self.beta * gaussian_kl(mean, var).mean()  # Eq. 17
+        return prediction + self.beta * gaussian_kl(mean, var).mean() if self.beta else prediction  # Eq. 17
 
     @staticmethod
     def _check_batch(inputs: list[list[str]], labels: Any) -> Tensor:
-        """Clear errors for an empty batch, missing or non-numeric labels, and texts that are not str."""
+        """Clear errors for a wrong or empty batch, texts that are not str and missing or non-numeric labels."""
+        if len(inputs) != 2:
+            raise ValueError(f"VariationalBCELoss expects two non-label columns (query, document), got {len(inputs)}")
         n = len(inputs[0])
         if n == 0:
-            raise ValueError(
-                "VariationalBCELoss got an empty batch (0 rows: no (query, document) pairs): nothing to train on"
-            )
+            raise ValueError("VariationalBCELoss got an empty batch (0 rows: no (query, document) pairs)")
         if len(inputs[1]) != n:
             raise ValueError(f"VariationalBCELoss got {n} queries but {len(inputs[1])} documents")
         for column, texts in zip(("query", "document"), inputs):
@@ -118,18 +106,16 @@ class VariationalBCELoss(_VarCELoss):
                 labels = torch.as_tensor(labels, dtype=torch.float32)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise ValueError(f"VariationalBCELoss labels must be numbers in [0, 1], got {labels!r}") from e
-        if not (
-            labels.is_floating_point()
-            or labels.dtype in (torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-        ):
+        if labels.is_complex():
             raise ValueError(f"VariationalBCELoss labels must be numbers in [0, 1], got dtype {labels.dtype}")
-        values = labels.detach().float()
-        bad = ~torch.isfinite(values) | (values < 0) | (values > 1)
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad.reshape(-1))[0])
+        if labels.numel() != n:
+            raise ValueError(f"VariationalBCELoss expects {n} labels (one per pair), got shape {tuple(labels.shape)}")
+        values = labels.detach().float().reshape(-1)
+        bad = torch.nonzero(~torch.isfinite(values) | (values < 0) | (values > 1))
+        if len(bad):
+            i = int(bad[0, 0])
             raise ValueError(
-                f"VariationalBCELoss labels must be numbers in [0, 1] (1 relevant, 0 not), got "
-                f"{values.reshape(-1)[i].item()!r} for pair {i}"
+                f"VariationalBCELoss labels must be numbers in [0, 1], got {values[i].item()!r} for pair {i}"
             )
         return labels
 
@@ -158,9 +144,7 @@ class VariationalMarginMSELoss(_VarCELoss):
 
     def moments(self, pairs: list[tuple[str, str]], prompt: str | None = None, task: str | None = None) -> tuple:
         """(E[s], Var[s] with W detached, KL per pair) of ``pairs``, each ``(batch,)``."""
-        features = batch_to_device(self.model.preprocess(pairs, prompt=prompt, task=task), self.model.device)
-        out = self.model(features)
-        mean, var = out[MEAN_KEY], out[VAR_KEY]
+        mean, var = self.latents(pairs, prompt, task)
         w = self.head.decoder.weight.detach()
         return self.head.decoder(mean).view(-1), (var @ (w * w).T).view(-1), gaussian_kl(mean, var)
 
@@ -169,7 +153,7 @@ class VariationalMarginMSELoss(_VarCELoss):
     ) -> Tensor:
         if len(inputs) < 3:
             raise ValueError(
-                f"VariationalMarginMSELoss expects (query, document_0, document_1, ...) columns, got {len(inputs)}"
+                f"VariationalMarginMSELoss expects (query, document_0, document_1, ...), got {len(inputs)}"
             )
         n = len(inputs[0])
         if n == 0:
@@ -177,14 +161,11 @@ class VariationalMarginMSELoss(_VarCELoss):
         labels = torch.stack(labels) if isinstance(labels, list) else torch.as_tensor(labels)
         if labels.shape != (n, len(inputs) - 1):
             raise ValueError(
-                f"VariationalMarginMSELoss expects labels of shape {(n, len(inputs) - 1)} (a teacher score per "
-                f"document), got {tuple(labels.shape)}"
+                f"VariationalMarginMSELoss expects labels of shape {(n, len(inputs) - 1)}, got {tuple(labels.shape)}"
             )
         labels = labels.to(self.model.device).float()
         moments = [self.moments(list(zip(inputs[0], docs)), prompt, task) for docs in inputs[1:]]
-        mean = torch.stack([m[0] for m in moments], dim=1)  # (B, n+1)
-        var = torch.stack([m[1] for m in moments], dim=1)
-        kl = torch.stack([m[2] for m in moments], dim=1)
+        mean, var, kl = (torch.stack(m, dim=1) for m in zip(*moments))  # each (B, n+1)
         margin = mean[:, :1] - mean[:, 1:]
         target = labels[:, :1] - labels[:, 1:]
         loss = (margin - target).pow(2).mean()
@@ -192,9 +173,7 @@ class VariationalMarginMSELoss(_VarCELoss):
             spread = (var[:, :1] + var[:, 1:]).clamp_min(1e-8)
             residual = (margin.detach() - target).pow(2)
             loss = loss + self.nll_weight * 0.5 * (residual / spread + torch.log(spread)).mean()
-        if self.beta:
-            loss = loss + self.beta * kl.mean()
-        return loss
+        return loss + self.beta * kl.mean() if self.beta else loss
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "nll_weight": self.nll_weight}

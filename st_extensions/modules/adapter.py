@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from st_extensions.checks import positive_int
@@ -24,9 +23,8 @@ class LinearAdapter(SafetensorsModule):
         super().__init__()
         self.in_features = positive_int("in_features", in_features)
         self.linear = nn.Linear(in_features, in_features)
-        with torch.no_grad():
-            self.linear.weight.zero_()
-            self.linear.bias.zero_()
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
 
     def forward(self, features: dict[str, Tensor | Any], **kwargs) -> dict[str, Any]:
         e = features["sentence_embedding"]

@@ -65,8 +65,7 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         if not is_int(seed):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.branches = check_branch_names(branches)
-        self.seed = int(seed)
-        self.residual = bool(residual)
+        self.seed, self.residual = int(seed), bool(residual)
         self.heads = nn.ModuleDict({name: nn.Linear(in_features, in_features) for name in self.branches})
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -89,8 +88,7 @@ class MultiBranchQueryEncoder(SafetensorsModule):
                 f"MultiBranchQueryEncoder expects pooled embeddings of shape (batch, {self.in_features}), got "
                 f"{shape}: the branch heads were built for another embedding dimension"
             )
-        weight = next(iter(self.heads.values())).weight
-        return embeddings.to(weight.dtype)
+        return embeddings.to(next(iter(self.heads.values())).weight.dtype)
 
     def embed(self, embeddings: Tensor, branch: str | None = None) -> Tensor:
         """``H^b = l2_norm(W_b e + c_b)`` (Eq. 5) of pooled embeddings ``(batch, dim)``: ``(batch, dim)`` for one
@@ -110,14 +108,11 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         self, features: dict[str, Tensor | Any], task: str | None = None, branch: str | None = None, **kwargs
     ) -> dict[str, Any]:
         task = task or features.get("task")
+        if branch is not None and task == "document":
+            raise ValueError(f"branch={branch!r} asks for a query branch on the document path: branches are query-side")
         if branch is not None:
-            if task == "document":
-                raise ValueError(
-                    f"branch={branch!r} asks for a query branch on the document path: branches are query-side"
-                )
             features["sentence_embedding"] = self.embed(features["sentence_embedding"], branch)
-            return features
-        if task == "query":
+        elif task == "query":
             features[BRANCH_EMBEDDINGS_KEY] = self.embed(features["sentence_embedding"])
         return features
 

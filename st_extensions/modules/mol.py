@@ -32,16 +32,13 @@ FEATURES_KEY = "sentence_embedding"
 def component_dots(q_components: Tensor, x_components: Tensor) -> Tensor:
     """The P = P_q * P_x inner products <f_pq(q), g_px(x)> of each query ``(B, P_q, d)`` with its own C candidates
     ``(B, C, P_x, d)``: ``(B, C, P_q * P_x)``, pq-major (pair ``p = pq * P_x + px``)."""
-    b, c, px = x_components.shape[:3]
-    return torch.einsum("bqd,bcxd->bcqx", q_components, x_components).reshape(b, c, q_components.shape[1] * px)
+    return torch.einsum("bqd,bcxd->bcqx", q_components, x_components).flatten(2)
 
 
 def component_dots_all(q_components: Tensor, x_components: Tensor) -> Tensor:
     """The component inner products of every query ``(B, P_q, d)`` with every document ``(N, P_x, d)`` of a shared
     set: ``(B, N, P_q * P_x)``, pq-major."""
-    n, px = x_components.shape[:2]
-    b, pq = q_components.shape[:2]
-    return torch.einsum("bqd,nxd->bnqx", q_components, x_components).reshape(b, n, pq * px)
+    return torch.einsum("bqd,nxd->bnqx", q_components, x_components).flatten(2)
 
 
 def mixture_scores(weights: Tensor, dots: Tensor) -> Tensor:
@@ -130,17 +127,14 @@ class MoLGate(nn.Module):
         self.query = nn.Linear(feature_dim, hidden_dim, bias=False) if feature_dim else None
         self.document = nn.Linear(feature_dim, hidden_dim, bias=False) if feature_dim else None
         self.out = nn.Linear(hidden_dim, num_logits)
-        with torch.no_grad():
-            self.out.weight.zero_()
-            self.out.bias.zero_()
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
 
     def forward(self, dots: Tensor, q_hidden: Tensor | None = None, x_hidden: Tensor | None = None) -> Tensor:
         """Gating weights ``(..., P)`` from ``dots (..., P)`` and feature parts broadcastable to ``(..., hidden)``."""
         h = self.dots(dots)
-        if q_hidden is not None:
-            h = h + q_hidden
-        if x_hidden is not None:
-            h = h + x_hidden
+        for part in (q_hidden, x_hidden):
+            h = h if part is None else h + part
         return torch.softmax(self.out(F.silu(h)), dim=-1)
 
 
@@ -182,11 +176,9 @@ class MoLConfig:
         self.head_init_std = finite_float("head_init_std", self.head_init_std, low=0.0)
         self.pooling_init_logit = finite_float("pooling_init_logit", self.pooling_init_logit)
         if self.component_source == "heads":
-            for name in ("token_dim", "max_positions"):
-                if getattr(self, name) is not None:
+            for name in ("token_dim", "max_positions", "query_tokens", "doc_tokens", "token_layer"):
+                if getattr(self, name) not in (None, [], ()):
                     raise ValueError(f"{name} is for component_source='tokens' only, got {getattr(self, name)!r}")
-            if self.query_tokens or self.doc_tokens or self.token_layer is not None:
-                raise ValueError("aggregation tokens (and token_layer) are for component_source='tokens' only")
             if self.head_init == "identity" and self.component_dim != self.embedding_dim:
                 raise ValueError(
                     f"head_init='identity' needs component_dim == embedding_dim ({self.embedding_dim}), "
@@ -268,8 +260,7 @@ class MixtureOfLogits(SafetensorsModule):
     def _heads(in_dim: int, count: int, out_dim: int, init: str, std: float) -> nn.Linear:
         heads = nn.Linear(in_dim, count * out_dim)
         with torch.no_grad():
-            for p in range(count):
-                block = heads.weight[p * out_dim : (p + 1) * out_dim]
+            for block in heads.weight.view(count, out_dim, in_dim):
                 if init == "identity":
                     block.copy_(torch.eye(out_dim, in_dim) + std * torch.randn(out_dim, in_dim))
                 else:
@@ -348,21 +339,18 @@ class MixtureOfLogits(SafetensorsModule):
                 f"inputs of {length} tokens exceed the MoL pooling's max_positions={self.max_positions}: "
                 f"set model.max_seq_length <= {self.max_positions}"
             )
-        ids = features.get("input_ids")
-        n_agg = self.num_query_components + self.num_doc_components
-        if self.aggregation_token_ids.numel():
-            where = slice(self.token_offset, self.token_offset + n_agg)
-            if (
-                not isinstance(ids, Tensor)
-                or ids.shape[:2] != (b, length)
-                or length < self.token_offset + n_agg
-                or not bool((ids[:, where] == self.aggregation_token_ids.to(ids.device)).all())
-            ):
-                raise ValueError(
-                    "the inputs do not carry the MoL aggregation tokens at positions "
-                    f"{self.token_offset}..{self.token_offset + n_agg - 1}: tokenize with the model's own "
-                    "(MoL-aware) tokenizer, model.preprocess(...), with right padding"
-                )
+        ids, agg = features.get("input_ids"), self.aggregation_token_ids
+        start, stop = self.token_offset, self.token_offset + len(agg)
+        if len(agg) and not (
+            isinstance(ids, Tensor)
+            and ids.shape[:2] == (b, length)
+            and length >= stop
+            and bool((ids[:, start:stop] == agg.to(ids.device)).all())
+        ):
+            raise ValueError(
+                f"the inputs do not carry the MoL aggregation tokens at positions {start}..{stop - 1}: tokenize with "
+                "the model's own (MoL-aware) tokenizer, model.preprocess(...), with right padding"
+            )
         pool = self.query_pool if task == "query" else self.doc_pool
         logits = pool(tokens[:, 0].to(pool.weight.dtype)).view(b, -1, self.max_positions)[:, :, :length]
         logits = logits.masked_fill(~mask.bool()[:, None, :], float("-inf"))
@@ -373,10 +361,8 @@ class MixtureOfLogits(SafetensorsModule):
         """L2-normalised components (Eq. 2) of the encoder's output ``features``: f_pq ``(B, P_q, d_P)`` for
         ``task="query"``, g_px ``(B, P_x, d_P)`` for ``"document"``."""
         choice("task", task, TASKS)
-        d = self.component_dim
         if self.component_source == "tokens":
-            pooled, _ = self._pool(features, task)
-            out = (self.query_proj if task == "query" else self.doc_proj)(pooled)
+            out = (self.query_proj if task == "query" else self.doc_proj)(self._pool(features, task)[0])
         else:
             emb = features.get(FEATURES_KEY)
             if not isinstance(emb, Tensor) or emb.ndim != 2 or emb.shape[1] != self.embedding_dim:
@@ -385,7 +371,7 @@ class MixtureOfLogits(SafetensorsModule):
                     f"MixtureOfLogits heads need 'sentence_embedding' of shape (B, {self.embedding_dim}), got {shape}"
                 )
             heads = self.query_heads if task == "query" else self.doc_heads
-            out = heads(emb.to(heads.weight.dtype)).view(len(emb), -1, d)
+            out = heads(emb.to(heads.weight.dtype)).view(len(emb), -1, self.component_dim)
         return F.normalize(out, dim=-1)
 
     def forward(self, features: dict[str, Any], task: str | None = None, **kwargs) -> dict[str, Any]:
@@ -407,7 +393,7 @@ class MixtureOfLogits(SafetensorsModule):
         w = self.gate_net.out.weight
         return value.to(device=w.device, dtype=w.dtype)
 
-    def _inputs(self, inputs: tuple[Any, ...], check_finite: bool, shared: bool) -> tuple[Tensor | None, ...]:
+    def _inputs(self, shared: bool, check_finite: bool, *inputs: Any) -> tuple[Tensor | None, ...]:
         """Checked ``(q_components, x_components, q_features, x_features)`` and the gate's feature parts:
         ``(q, x, q_hidden, x_hidden)``. x holds each query's own candidates ``(B, C, P_x, d_P)``, or (``shared``)
         one set of documents ``(N, P_x, d_P)`` for every query."""
@@ -419,12 +405,12 @@ class MixtureOfLogits(SafetensorsModule):
             raise ValueError(f"x_components has {x.shape[0]} queries' candidates, q_components {q.shape[0]} queries")
         if not self.gate_features:
             return q, x, None, None
-        for name, value in (("q_features", q_features), ("x_features", x_features)):
-            if value is None:
-                raise ValueError(
-                    f"this MoL gate uses query- and document-side features (gate_features=True): pass {name} "
-                    "(encode_components(..., return_features=True))"
-                )
+        missing = [name for name, v in (("q_features", q_features), ("x_features", x_features)) if v is None]
+        if missing:
+            raise ValueError(
+                f"this MoL gate uses query- and document-side features (gate_features=True): pass {missing[0]} "
+                "(encode_components(..., return_features=True))"
+            )
         qf = self._input("q_features", q_features, (q.shape[0], self.embedding_dim), check_finite)
         xf = self._input("x_features", x_features, (*x.shape[: 1 if shared else 2], self.embedding_dim), check_finite)
         x_hidden = self.gate_net.document(xf)
@@ -443,7 +429,7 @@ class MixtureOfLogits(SafetensorsModule):
         check_finite: bool = True,
     ) -> tuple[Tensor, Tensor]:
         """Scores and gates for per-query candidates: ``(phi (B, C), pi (B, C, P))``; arguments as :meth:`gate`."""
-        q, x, qh, xh = self._inputs((q_components, x_components, q_features, x_features), check_finite, shared=False)
+        q, x, qh, xh = self._inputs(False, check_finite, q_components, x_components, q_features, x_features)
         return self._mix(component_dots(q, x), qh, xh)
 
     def gate(
@@ -475,7 +461,7 @@ class MixtureOfLogits(SafetensorsModule):
         (features ``(B, F)``, ``(N, F)`` iff ``gate_features``): no gradients, ``chunk_size`` documents at a time;
         :meth:`mixture_all` is the differentiable, unchunked form."""
         chunk_size = positive_int("chunk_size", chunk_size)
-        q, x, qh, xh = self._inputs((q_components, x_components, q_features, x_features), True, shared=True)
+        q, x, qh, xh = self._inputs(True, True, q_components, x_components, q_features, x_features)
         scores = []
         for a in range(0, x.shape[0], chunk_size):
             x_hidden = None if xh is None else xh[:, a : a + chunk_size]
@@ -486,7 +472,7 @@ class MixtureOfLogits(SafetensorsModule):
         self, q_components: Tensor, x_components: Tensor, q_features: OptTensor = None, x_features: OptTensor = None
     ) -> tuple[Tensor, Tensor]:
         """Unchunked :meth:`score_all` that also returns the gates: ``(phi (B, N), pi (B, N, P))`` (for training)."""
-        q, x, qh, xh = self._inputs((q_components, x_components, q_features, x_features), False, shared=True)
+        q, x, qh, xh = self._inputs(True, False, q_components, x_components, q_features, x_features)
         return self._mix(component_dots_all(q, x), qh, xh)
 
     def __repr__(self) -> str:

@@ -4,7 +4,6 @@ beta_g = 1, Eq. 3), or Beta laws (alpha+, beta+), (alpha-, beta-) for the maximu
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
@@ -52,16 +51,14 @@ class QueryDistributionHead(SafetensorsModule):
             raise ValueError(f"need param_min < 1/tau_init, 1 < param_max, got {param_min}, {param_max}")
 
         mle = family == "beta_mle"
-        bounds = [(param_min, param_max)] * 4 if mle else [(tau_min, tau_max)]
-        init = [1.0 / tau_init, 1.0, 1.0, 1.0] if mle else [tau_init]
-        self.register_buffer("log_lo", torch.tensor([math.log(lo) for lo, _ in bounds]), persistent=False)
-        self.register_buffer("log_hi", torch.tensor([math.log(hi) for _, hi in bounds]), persistent=False)
+        bounds = torch.tensor([(param_min, param_max)] * 4 if mle else [(tau_min, tau_max)], dtype=torch.float64).log()
+        init = torch.tensor([1.0 / tau_init, 1.0, 1.0, 1.0] if mle else [tau_init], dtype=torch.float64).log()
+        self.register_buffer("log_lo", bounds[:, 0].float(), persistent=False)
+        self.register_buffer("log_hi", bounds[:, 1].float(), persistent=False)
         self.linear = nn.Linear(in_features, len(init))
-        with torch.no_grad():
+        with torch.no_grad():  # w = 0 and b such that every query starts at ``init``
             self.linear.weight.zero_()
-            for i, ((lo, hi), value) in enumerate(zip(bounds, init)):
-                frac = (math.log(value) - math.log(lo)) / (math.log(hi) - math.log(lo))
-                self.linear.bias[i] = math.log(frac / (1.0 - frac)) / self.scale
+            self.linear.bias.copy_(torch.logit((init - bounds[:, 0]) / (bounds[:, 1] - bounds[:, 0])) / self.scale)
 
     @property
     def num_params(self) -> int:

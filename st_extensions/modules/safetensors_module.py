@@ -36,14 +36,10 @@ def check_safetensors_file(path: str | os.PathLike, remedy: str = REMEDY) -> dic
             header = json.loads(f.read(n))
         if not isinstance(header, dict):
             raise ValueError("its header is not a JSON object")
-        end, shapes = 0, {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            _start, stop = info["data_offsets"]
-            end = max(end, int(stop))
-            shapes[name] = tuple(int(d) for d in info["shape"])
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+        end = max((int(info["data_offsets"][1]) for info in tensors.values()), default=0)
+        shapes = {name: tuple(int(d) for d in info["shape"]) for name, info in tensors.items()}
+    except (OSError, ValueError, KeyError, IndexError, TypeError, UnicodeDecodeError) as e:
         raise CorruptFileError(
             f"{path!r} is not a complete safetensors file (truncated or corrupt?): {e}; {remedy}"
         ) from e
