@@ -86,8 +86,10 @@ class FrozenDocumentTower:
     def row_keys(features: Mapping[str, Any]) -> list[bytes]:
         """The cache key of every row of a tokenised column: its token ids where the attention mask is set."""
         ids = features["input_ids"].detach().cpu().numpy().astype(np.int64, copy=False)
-        mask = features.get("attention_mask", torch.ones(ids.shape)).detach().cpu().numpy().astype(bool, copy=False)
-        return [row[m].tobytes() for row, m in zip(ids, mask)]
+        mask = features.get("attention_mask")  # a whole row's ids when there is none
+        if mask is None:
+            return [row.tobytes() for row in ids]
+        return [row[m].tobytes() for row, m in zip(ids, mask.detach().cpu().numpy().astype(bool, copy=False))]
 
     @torch.no_grad()
     def _forward(self, features: Mapping[str, Any]) -> Tensor:
