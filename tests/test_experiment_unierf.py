@@ -19,7 +19,7 @@ BRANCHES = ("semantic", "trigger")
 
 
 def test_help_lists_the_options(capsys):
-    out = cli_help(capsys, "unierf", "--budgets --ablations --doc-tower --alpha --low-alpha --head-lr")
+    out = cli_help(capsys, "unierf", "--budgets --ablations --doc-tower --alpha --low-alpha --head-lr --dev-quotas")
     assert "pyterrier-prob unierf" in out
 
 
@@ -34,6 +34,7 @@ def test_help_lists_the_options(capsys):
         (["--head-lr", "inf"], "--head-lr must be finite and > 0"),
         (["--steps", "-1"], "--steps must be >= 0"),
         (["--test-split", "dev", "--dev-split", "dev"], "must differ from the train and dev splits"),
+        (["--dev-quotas", "--doc-tower", "joint"], "--dev-quotas searches the dev queries"),
     ],
 )
 def test_bad_settings_are_refused(argv, message, capsys):
@@ -244,3 +245,33 @@ def test_steps_0_on_a_test_only_collection_evaluates_the_start_model(tmp_path, s
     assert summary["trained"] == [] and summary["frozen_tower"] is None
     assert summary["data"]["n_test_queries"] == info["queries"]["test"]  # every test query: nothing is calibrated
     assert summary["data"]["train"] is None
+
+
+@pytest.mark.slow
+def test_dev_quotas_choose_the_trigger_share_on_dev_and_report_it(tmp_path, small_beir):
+    folder, _ = small_beir
+    out, claims = tmp_path / "unierf-q", tmp_path / "claims.json"
+    argv = ["unierf", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    argv += ["--budgets", "6", "100", "--ablations", "none", "--dev-quotas", "--output", str(out), "--quiet"]
+    assert main([*argv, "--claims-json", str(claims)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    results = pd.read_csv(out / "results.csv").set_index("name")
+    equal = results.loc["UniERF (all): merged"]
+    for b in (6, 100):
+        chosen = summary["dev_quotas"][str(b)]
+        dev = chosen[f"dev_R@{b}"]
+        assert sorted(map(float, dev)) == [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+        best = max(dev.values())
+        tied = [float(w) for w, v in dev.items() if v == best]
+        assert chosen["trigger_share"] == min(tied, key=lambda w: abs(w - 0.5))  # the dev argmax, nearest 0.5
+        assert chosen["dev_queries"] == summary["data"]["n_calibration_queries"]
+        value = results.loc["UniERF (all): merged, dev quotas", f"R@{b}"]
+        assert 0 <= value <= 1 and not np.isnan(results.loc["UniERF (all): merged, dev quotas", f"R@{b} p-value"])
+        if chosen["trigger_share"] == 0.5:  # the equal merge: the same lists
+            assert value == equal[f"R@{b}"]
+    assert "merged with the trigger branch's share of B chosen on" in (out / "results.md").read_text()
+    rows = {r["claim"]: r for r in json.loads(claims.read_text())["rows"]}
+    plain, quotas = rows["merged_vs_best_branch"], rows["merged_dev_quotas_vs_best_branch"]
+    assert quotas["baseline"] == plain["baseline"] and quotas["baseline_value"] == plain["baseline_value"]
+    assert quotas["system"] == "UniERF (all): merged, dev quotas"
+    assert quotas["value"] == pytest.approx(results.loc["UniERF (all): merged, dev quotas", "R@100"])

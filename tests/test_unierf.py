@@ -15,6 +15,7 @@ from helpers import tiny_training_args
 from torch import nn
 
 from pyterrier_prob import DenseIndex, MultiBranchRetriever, TriggerText, UniERFEncoder
+from pyterrier_prob.unierf.analysis import merged_run
 from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists, query_vec_column, unierf_training_data
 from st_extensions import (
     MultiBranchQueryEncoder,
@@ -440,6 +441,16 @@ def test_quotas_largest_remainder():
 
 def _lists(*docs):
     return [(np.asarray(d), np.linspace(1, 0, len(d))) for d in docs]
+
+
+def test_merged_run_splits_the_budget_by_weights():
+    a = {"q": (np.array([f"a{i}" for i in range(20)], dtype=object), np.linspace(1, 0, 20))}
+    b = {"q": (np.array([f"b{i}" for i in range(20)], dtype=object), np.linspace(2, 1, 20))}
+    for weights, want in (((0.2, 0.8), (2, 8)), (None, (5, 5)), ((0.7, 0.3), (7, 3))):
+        run, shared = merged_run([a, b], 10, weights)
+        got = run["docno"].str[0].value_counts()
+        assert (got.get("a", 0), got.get("b", 0)) == want and shared == 0.0
+        assert list(run["rank"]) == list(range(10)) and run["score"].is_monotonic_decreasing
 
 
 def test_merge_lists_quotas_dedup_and_refill():

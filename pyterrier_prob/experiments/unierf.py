@@ -80,6 +80,10 @@ DESCRIPTION = (
 
 BRANCHES = ("semantic", "trigger")
 BASELINE = "UniERF (all)"
+DEV_QUOTAS = f"{BASELINE}: merged, dev quotas"
+"""``--dev-quotas``: the row of the full model's branches merged with the trigger share chosen on dev."""
+SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+"""``--dev-quotas``: the trigger branch's shares of B tried on the dev queries (0.5: the paper's equal merge)."""
 HEAD_PARAMS = r"(^|\.)heads\."
 """Regex of the branch heads' parameters (trained at ``--head-lr``)."""
 HARD_DEPTH = 100
@@ -140,6 +144,11 @@ class UniERFJobConfig(CommonConfig):
         "joint: the encoder also trains on the documents and every trained model re-indexes (~4x the time)",
         choices=("frozen", "joint"),
     )
+    dev_quotas: bool = option(
+        False,
+        "also merge the full model's branches with the trigger branch's share of each budget B chosen on the dev "
+        "queries (R@B over the shares 0.1, 0.2, ..., 0.9; the paper's merge is the equal share 0.5)",
+    )
     timings: dict[str, float] = field(default_factory=dict, repr=False)
 
     def check(self) -> None:
@@ -156,6 +165,8 @@ class UniERFJobConfig(CommonConfig):
             raise ValueError(f"--budgets must be distinct, got {list(self.budgets)}")
         choice("--ablations", self.ablations, tuple(ABLATIONS))
         choice("--doc-tower", self.doc_tower, ("frozen", "joint"))
+        if self.dev_quotas and self.doc_tower != "frozen":
+            raise ValueError("--dev-quotas searches the dev queries in the start model index: needs --doc-tower frozen")
 
 
 add_arguments, config_from_args = subcommand(UniERFJobConfig, "UniERF")  # what ``pyterrier-prob`` calls
@@ -216,10 +227,10 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
     ``results.md``; models under ``models/``, indexes under ``indexes/``. Returns ``{"results", "overlap",
     "training": frame, "summary": dict}``."""
     h = Harness("unierf", cfg)
-    dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
+    dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder or cfg.dev_quotas  # dev: curves and quota shares
     data = h.load_data(calibrate=dev_curves)  # every test query is reported
     if data.dev is not None and not dev_curves:
-        data.notes.append(f"the dev split ({data.cal_source}) is not used: UniERF calibrates nothing")
+        data.notes.append(f"the dev split ({data.cal_source}) is not used: nothing is chosen on dev")
     run = start(cfg, h, data)
     train_systems(run)
     results, shares = recall_at_budgets(run)
@@ -246,6 +257,8 @@ class UniERFRun:
     judged: Any = None
     tower: Any = None
     dev: Any = None  # the dev curves' scores (_MergedDev), shared by every system
+    train_index: Any = None  # the start model's index of the collection the dev queries search
+    shares: dict[int, dict[str, Any]] = field(default_factory=dict)  # --dev-quotas: B -> the share chosen on dev
 
     @property
     def budgets(self) -> list[int]:
@@ -289,8 +302,8 @@ def start(cfg: UniERFJobConfig, h: Harness, data: Data) -> UniERFRun:
     if data.train and ABLATIONS[cfg.ablations]:
         same = data.train_collection is test_coll
         train_bm25 = test_bm25 if same else h.bm25(data.train_collection)
-        train_index = test_index if same else h.dense_index("untrained", encoder, data.train_collection)
-        training_rows(run, model, train_bm25, train_index)
+        run.train_index = test_index if same else h.dense_index("untrained", encoder, data.train_collection)
+        training_rows(run, model, train_bm25, run.train_index)
     del model, encoder
     gc.collect()
     return run
@@ -376,9 +389,35 @@ def _train_one(
     index = run.index_of(slug, model)
     with h.stage(f"retrieve_{slug}", f"retrieving with {name}'s branches"):
         frame = run.query_vectors(model)
+    if cfg.dev_quotas and name == BASELINE:
+        choose_quota_shares(run, model)
     del model
     gc.collect()
     return frame, index
+
+
+def choose_quota_shares(run: UniERFRun, model: Any) -> None:
+    """``--dev-quotas``: for each budget B, the trigger branch's share of B (of :data:`SHARES`) whose merge of
+    ``model``'s branch lists has the highest R@B on the dev queries (ties: the share nearest the paper's equal 0.5),
+    searched in the start model's index of their collection; to ``run.shares`` with every share's dev R@B."""
+    h, data = run.h, run.data
+    coll, index = (data.train_collection, run.train_index) if data.dev else (data.test_collection, run.test_index)
+    with h.stage("dev_quotas", f"choosing the trigger share of B on the {len(data.cal_topics)} dev queries"):
+        topics = _with_triggers(h, h.bm25(coll), coll, data.cal_topics)
+        frame = UniERFEncoder(h.encoding_model(model), batch_size=64).query_encoder()(topics)
+        lists = [branch_lists(frame, index, b, max(run.budgets)) for b in BRANCHES]
+        for budget in run.budgets:
+            runs = {str(w): merged_run(lists, budget, (1.0 - w, w))[0] for w in SHARES}
+            exp = h.experiment(runs, topics[["qid", "query"]], data.cal_qrels, [f"R@{budget}"])
+            dev = {str(n): float(v) for n, v in zip(exp["name"], exp[f"R@{budget}"])}
+            best = max(SHARES, key=lambda w: (round(dev[str(w)], 12), -abs(w - 0.5)))
+            run.shares[budget] = {"trigger_share": best, "dev_queries": len(topics), f"dev_R@{budget}": dev}
+
+
+def _dev_quota_run(run: UniERFRun, budget: int) -> pd.DataFrame:
+    """The full model's test lists merged with the trigger share ``--dev-quotas`` chose for ``budget``."""
+    w = run.shares[budget]["trigger_share"]
+    return merged_run([run.lists[BASELINE][b] for b in BRANCHES], budget, (1.0 - w, w))[0]
 
 
 def _order(run: UniERFRun) -> tuple[str, list[str]]:
@@ -428,6 +467,10 @@ def claims(run: UniERFRun, budget: int = 100) -> list[dict[str, Any]]:
         runs = {BASELINE: merged[BASELINE], f"{b} branch alone": alone_run(run.lists[BASELINE][b], budget)}
         alone += perquery_claims(h, runs, data, "unierf", "merged_vs_best_branch", *runs, metric)
     rows = [max(alone, key=lambda r: r["baseline_value"])]
+    if budget in run.shares:  # the merge with the dev-chosen share, against the same branch
+        best = rows[0]["baseline"]
+        runs = {DEV_QUOTAS: _dev_quota_run(run, budget), best: alone_run(run.lists[BASELINE][best.split()[0]], budget)}
+        rows += perquery_claims(h, runs, data, "unierf", "merged_dev_quotas_vs_best_branch", *runs, metric)
     for s in JOINT:
         if s.name in merged and s.name != BASELINE:
             rows += perquery_claims(h, merged, data, "unierf", f"ablation_{s.key}", s.name, BASELINE, metric)
@@ -452,6 +495,8 @@ def recall_at_budgets(run: UniERFRun) -> tuple[pd.DataFrame, dict[str, dict[int,
                 if s in alone:
                     for b in BRANCHES:
                         runs[f"{s}: {b} branch alone"] = alone_run(lists[s][b], budget)
+                if s == BASELINE and budget in run.shares:
+                    runs[DEV_QUOTAS] = _dev_quota_run(run, budget)
             runs["BM25"] = run.bm25_runs[budget][["qid", "docno", "score", "rank"]]
             topics = run.topics[["qid", "query"]]
             exp = h.experiment(runs, topics, run.data.test_qrels, [f"R@{budget}"], baseline=f"{baseline}: merged")
@@ -502,6 +547,7 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
         "batch_fingerprints": prints,
         "identical_batches": (len(set(prints.values())) == 1) if len(info) == len(prints) > 1 else None,
         "frozen_tower": run.tower.stats if run.tower is not None else None,
+        "dev_quotas": {str(b): v for b, v in run.shares.items()} or None,
         "training": info,
         **{
             k: f.astype(object).where(f.notna(), None).to_dict("records")
@@ -539,6 +585,14 @@ def _markdown(
         "Overlap (means over the test queries; both@B: share of the merged B found by both branches):",
         markdown_table(overlap, ".3f"),
     ]
+    if summary.get("dev_quotas"):
+        chosen = ", ".join(f"B = {b}: {v['trigger_share']}" for b, v in summary["dev_quotas"].items())
+        n = next(iter(summary["dev_quotas"].values()))["dev_queries"]
+        parts.insert(
+            1,
+            f"`{DEV_QUOTAS}`: the same lists merged with the trigger branch's share of B chosen on {n} dev queries "
+            f"(R@B over the shares {', '.join(map(str, SHARES))}): {chosen}.",
+        )
     if len(training):
         same = summary.get("identical_batches")
         same = "yes" if same else "no" if same is False else "not checked"
