@@ -74,7 +74,12 @@ def partial_dataset(a: argparse.Namespace) -> str:
 
 def policies() -> dict[str, tuple[list[str], dict[str, str]]]:
     """Policy name -> (extra options, environment changes)."""
-    return {"after": ([], {}), "before": (["--threads", str(os.cpu_count() or 1)], {"ST_SMALL_MODEL_THREADS": "0"})}
+    old_threads = ["--threads", str(os.cpu_count() or 1), "--sched-slice-ms", "0"]
+    return {
+        "after": ([], {}),
+        "no_slice": (["--sched-slice-ms", "0"], {}),
+        "before": (old_threads, {"ST_SMALL_MODEL_THREADS": "0"}),
+    }
 
 
 def start(cmd: list[str], cpu: str, output: str | None, env: dict[str, str], log: str) -> subprocess.Popen:
@@ -203,7 +208,11 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
 
 
 WORKLOAD_NAMES = {"unierf_frozen": "`unierf`, frozen heads", "pebr_partial": "`pebr --recipe partial --train-layers 1`"}
-POLICY_NAMES = {"after": "now", "before": "old (`--threads <cores>`, no small-model cap)"}
+POLICY_NAMES = {
+    "after": "now",
+    "no_slice": "now without batch scheduling (`--sched-slice-ms 0`)",
+    "before": "old (`--threads <cores>`, no small-model cap, no batch scheduling)",
+}
 
 
 def markdown(steps_per_s: dict[str, dict[str, dict[str, Any]]]) -> str:

@@ -5,14 +5,18 @@ the cgroup's CPU quota; :func:`configure_threads` sets torch's, faiss's and the 
 a given count) once at a run's start. :func:`torch_threads` narrows torch's count for a block of small-model work
 (heads on cached features), which gains little from more threads and loses much when the CPUs are shared: on 2 cores,
 ``pyterrier-prob unierf``'s frozen-head training ran at 93 steps/s on 2 threads and 82 on one alone, but at 2.1 on 2
-threads and 21 on one beside other work (``benchmarks/contention.py``).
+threads and 21 on one beside other work (``benchmarks/contention.py``). :func:`batch_scheduling` marks a run as a
+batch job with long time slices, so that jobs sharing a core switch rarely and keep their caches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
 import os
+import platform
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +24,23 @@ import torch
 
 from st_extensions.checks import positive_int
 
-__all__ = ["SMALL_MODEL_THREADS", "available_cpus", "configure_threads", "thread_count", "torch_threads"]
+__all__ = [
+    "BATCH_SLICE_MS",
+    "SMALL_MODEL_THREADS",
+    "available_cpus",
+    "batch_scheduling",
+    "configure_threads",
+    "thread_count",
+    "torch_threads",
+]
 
 #: Threads of small-model work (:func:`torch_threads`): heads on cached features (``benchmarks/contention.py``).
 SMALL_MODEL_THREADS = 1
+#: Time slice (ms) of :func:`batch_scheduling`: the kernel's longest (``benchmarks/contention.py``).
+BATCH_SLICE_MS = 100.0
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # syscall numbers of sched_setattr(2)
+_SCHED_BATCH = 3
 _configured: int | None = None  # the count configure_threads set (thread_count)
 _interop_set = False  # torch's inter-op pool can be sized once, before its first use
 
@@ -104,3 +120,28 @@ def torch_threads(n: int | None = None) -> Iterator[int]:
         yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
+    """Schedule every thread of this process as a batch job: ``SCHED_BATCH`` (sched(7): CPU-bound, not interactive)
+    with a time slice of ``slice_ms`` (``sched_setattr(2)``'s ``sched_runtime``, the per-task slice of Linux >= 6.12's
+    EEVDF scheduler, which clamps it to 0.1-100 ms; threads started later inherit it). Two such jobs on one core then
+    take turns every ``slice_ms`` instead of every tick (1.4 ms slices, 4 ms ticks) and keep their caches warm between
+    turns; tasks that wake with shorter slices (a shell, an editor) still preempt them. The nice value is kept.
+    ``None`` or 0: leave the scheduling as it is. Returns whether every thread was changed (False where the syscall
+    is not known or refused: nothing else changes)."""
+    if not slice_ms:
+        return False
+    if not (math.isfinite(slice_ms) and slice_ms > 0):
+        raise ValueError(f"slice_ms must be a finite number of milliseconds > 0, got {slice_ms!r}")
+    number = _SCHED_SETATTR.get(platform.machine())
+    if number is None or not Path("/proc/self/task").is_dir():
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    # struct sched_attr (version 1, 56 bytes): size, policy, flags, nice, priority, runtime, deadline, period, util
+    attr = ctypes.create_string_buffer(
+        struct.pack("IIQiIQQQII", 56, _SCHED_BATCH, 0, nice, 0, int(slice_ms * 1e6), 0, 0, 0, 0), 56
+    )
+    done = [libc.syscall(number, int(tid), attr, 0) == 0 for tid in os.listdir("/proc/self/task")]
+    return all(done)

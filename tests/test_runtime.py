@@ -95,6 +95,43 @@ def test_threads_option_parsed_and_checked(capsys):
         build_parser("pebr").parse_args(["--threads", "two"])
 
 
+BATCH_PROBE = """
+import threading, sys
+from st_extensions.threads import batch_scheduling
+def sched(tid):
+    text = open(f"/proc/self/task/{tid}/sched").read()
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()) if v}
+before = sched(threading.get_native_id())
+ok = batch_scheduling(float(sys.argv[1]))
+later = []
+t = threading.Thread(target=lambda: later.append(sched(threading.get_native_id())))
+t.start(); t.join()
+now = sched(threading.get_native_id())
+last = later[0]
+print(ok, before.get("policy"), now.get("policy"), now.get("se.slice"), last.get("policy"), last.get("se.slice"))
+"""
+
+
+def test_batch_scheduling_sets_policy_and_slice_for_every_thread():
+    if not os.path.exists("/proc/self/sched"):
+        pytest.skip("no /proc/<pid>/sched to read the scheduling back")
+
+    def probe(ms: str) -> list[str]:
+        return subprocess.check_output([sys.executable, "-c", BATCH_PROBE, ms], text=True).split()
+
+    ok, before, policy, slice_ns, later_policy, later_slice = probe("37.5")
+    if ok != "True" or slice_ns == "None":
+        pytest.skip("this kernel does not take per-task slices (Linux >= 6.12)")
+    assert (before, policy, later_policy) == ("0", "3", "3")  # SCHED_OTHER -> SCHED_BATCH, inherited
+    assert slice_ns == later_slice == "37500000"
+    assert probe("0")[:3] == ["False", "0", "0"]  # 0: left as it is
+    with pytest.raises(ValueError, match="slice_ms must be a finite number"):
+        threads.batch_scheduling(float("nan"))
+    with pytest.raises(ValueError, match="--sched-slice-ms must be a finite number >= 0, got -1"):
+        CommonConfig(sched_slice_ms=-1).check()
+    assert build_parser("pebr").parse_args([]).sched_slice_ms == threads.BATCH_SLICE_MS
+
+
 def test_step_rate_leaves_out_the_first_step(monkeypatch):
     clock = iter([10.0, 10.5, 11.0, 11.5])
     monkeypatch.setattr("pyterrier_prob.training.time.perf_counter", lambda: next(clock))

@@ -44,7 +44,7 @@ from st_extensions.cross_encoder.split import SplitTransformer
 from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, prefix_model
 from st_extensions.model_card import save_with_card, set_card_figures
 from st_extensions.partial import check_partial_transformer, state_fingerprint
-from st_extensions.threads import configure_threads, thread_count
+from st_extensions.threads import BATCH_SLICE_MS, batch_scheduling, configure_threads, thread_count
 
 C = TypeVar("C", bound="CommonConfig")
 
@@ -141,6 +141,12 @@ class CommonConfig:
         "else its affinity (taskset, a cluster's cpuset) capped by its cgroup's CPU quota)",
         TRAINING,
     )
+    sched_slice_ms: float = option(
+        BATCH_SLICE_MS,
+        "run as a batch job (SCHED_BATCH) asking the kernel for time slices of this many ms (Linux >= 6.12 honours "
+        "0.1-100): jobs sharing a core then take turns every slice instead of every tick; 0: the default scheduling",
+        TRAINING,
+    )
     dev_every: int | None = option(
         None,
         "steps between dev evaluations of each trained system (its own dev retrieval measure on the calibration "
@@ -203,6 +209,8 @@ class CommonConfig:
             raise ValueError(message.replace("mode '", "--recipe '")) from None
         for flag in ("threads", "dev_every", "patience"):
             positive_int(_flag(flag), getattr(self, flag), allow_none=True)
+        if not (np.isfinite(self.sched_slice_ms) and self.sched_slice_ms >= 0):
+            raise ValueError(f"--sched-slice-ms must be a finite number >= 0, got {self.sched_slice_ms}")
         if self.max_seq_length < 8:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
         if not 0 <= self.dev_from_train < 1:
@@ -375,6 +383,7 @@ class Harness:
         self._lock = lock_output(self.output)  # held until finish() (or the process ends)
         weakref.finalize(self, self._lock.close)
         self.threads = configure_threads(cfg.threads)
+        self.batch_scheduled = batch_scheduling(cfg.sched_slice_ms)
         self.verbose = not cfg.quiet
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
