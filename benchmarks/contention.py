@@ -235,6 +235,20 @@ def markdown(steps_per_s: dict[str, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def _measuring(argv: list[str]) -> list[str]:
+    """The command line without ``--report-only`` and ``--note``: the command that measures."""
+    out, skip = [], False
+    for x in argv:
+        if skip or x == "--report-only":
+            skip = False
+            continue
+        if x == "--note":
+            skip = True
+            continue
+        out.append(x)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="irds:beir/nfcorpus")
@@ -259,6 +273,7 @@ def main() -> None:
     ap.add_argument(
         "--report-only", action="store_true", help="with --resume: write the JSON from what finished, measure nothing"
     )
+    ap.add_argument("--note", action="append", default=[], help="a line for the JSON's notes (e.g. rounds' provenance)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "contention.json"))
     a = ap.parse_args()
     if shutil.which("taskset") is None:
@@ -274,8 +289,9 @@ def main() -> None:
     results = {name: measure(name, cmd, a) for name, cmd in workloads(a).items() if a.only in (None, name)}
     result = {
         # the command that measures (a --report-only run writes what it finished: rerun it to complete the file)
-        "command": shlex.join([os.path.relpath(sys.argv[0]), *[x for x in sys.argv[1:] if x != "--report-only"]]),
+        "command": shlex.join([os.path.relpath(sys.argv[0]), *_measuring(sys.argv[1:])]),
         "not_measured": a.not_measured,
+        "notes": a.note,
         "machine": describe(),
         "pinned_to_cpu": a.cpu,
         "commands": {name: shlex.join(cmd) for name, cmd in workloads(a).items() if a.only in (None, name)},

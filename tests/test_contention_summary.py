@@ -51,3 +51,11 @@ def test_one_round_has_no_test_and_the_table_says_so():
     s["cpu_share_beside_job"] = 0.5
     row = c.markdown({"unierf_frozen": {"after": s}}).splitlines()[-1]
     assert "**0.450** (0.450-0.450) | nan | 0.450 | 0.500 |" in row
+
+
+def test_the_recorded_command_is_the_one_that_measures():
+    m = _contention()
+    argv = ["--resume", "--note", "rounds of an earlier session", "--report-only", "--rounds", "3"]
+    assert m._measuring(argv) == ["--resume", "--rounds", "3"]
+    assert m.policies()["before"][0][-2:] == ["--sched-slice-ms", "0"]  # the old default had no batch scheduling
+    assert m.policies()["after"] == ([], {})  # the defaults
