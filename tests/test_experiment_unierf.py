@@ -255,6 +255,7 @@ def test_dev_quotas_choose_the_trigger_share_on_dev_and_report_it(tmp_path, smal
     argv += ["--budgets", "6", "100", "--ablations", "none", "--dev-quotas", "--output", str(out), "--quiet"]
     assert main([*argv, "--claims-json", str(claims)]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["cpu"]["threads"] >= 1 and isinstance(summary["cpu"]["batch_scheduled"], bool)
     results = pd.read_csv(out / "results.csv").set_index("name")
     equal = results.loc["UniERF (all): merged"]
     for b in (6, 100):

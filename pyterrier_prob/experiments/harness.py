@@ -693,6 +693,7 @@ class Harness:
             **dict(summary),
             "timings_s": dict(self.timings),
             "train_steps_per_s": dict(self.step_rates),
+            "cpu": {"threads": self.threads, "batch_scheduled": self.batch_scheduled},  # what the kernel took
             "dev_curves": curve_summaries(self.path("curves"), self.dev_measures, self.recipes),
             "total_s": total,
             "tables": {name: f.to_dict(orient="records") for name, f in tables.items()},  # the report's figures
