@@ -3,10 +3,11 @@ second job of the same kind, all pinned to one core (``taskset -c <cpu>``).
 
 Two workloads: the frozen-head training of ``pyterrier-prob unierf`` (``--ablations none``) and the partial recipe of
 ``pyterrier-prob pebr --recipe partial --train-layers 1``. Each runs (a) alone, (b) beside one busy single-threaded
-process (``python -c "while True: pass"``) and (c) beside a second identical job (both measured, averaged), under two
-thread policies: ``after`` (the defaults: threads follow the CPUs the process may use, heads on cached features on
-:data:`st_extensions.threads.SMALL_MODEL_THREADS`) and ``before`` (the old default reproduced: ``--threads <the
-machine's cores>`` and ``ST_SMALL_MODEL_THREADS=0``). Steps/s come from each run's ``summary.json``
+process (``python -c "while True: pass"``) and (c) beside a second identical job (both measured, averaged), under
+three policies: ``after`` (the defaults: threads follow the CPUs the process may use, heads on cached features on
+:data:`st_extensions.threads.SMALL_MODEL_THREADS`, batch scheduling with 100 ms slices), ``no_slice`` (the same with
+``--sched-slice-ms 0``) and ``before`` (the old default reproduced: ``--threads <the machine's cores>``,
+``ST_SMALL_MODEL_THREADS=0`` and ``--sched-slice-ms 0``). Steps/s come from each run's ``summary.json``
 (``train_steps_per_s``: first to last step, set-up and caches left out). A warm-up run per workload fills the encoder
 and state caches the measured runs share.
 
@@ -19,7 +20,7 @@ single-threaded job beside another cannot exceed half its speed alone. Goal: bes
 alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
 
     python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0
-        --rounds 3 --policies after,before --resume]
+        --rounds 3 --policies after,no_slice,before --resume]
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["unierf_frozen", "pebr_partial"], help="measure one workload only")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per (workload, policy); medians are reported")
     ap.add_argument(
-        "--policies", default="after,before", type=lambda s: s.split(","), help="thread policies (after,before)"
+        "--policies", default="after,before", type=lambda s: s.split(","), help="policies (after,no_slice,before)"
     )
     ap.add_argument("--resume", action="store_true", help="keep the rounds an earlier, interrupted run finished")
     ap.add_argument(
