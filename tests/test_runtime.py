@@ -96,8 +96,9 @@ def test_threads_option_parsed_and_checked(capsys):
 
 
 BATCH_PROBE = """
-import threading, sys
+import os, threading, sys
 from st_extensions.threads import batch_scheduling
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # not what the parent left (a run in the test process)
 def sched(tid):
     text = open(f"/proc/self/task/{tid}/sched").read()
     return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()) if v}
