@@ -238,15 +238,12 @@ def markdown(steps_per_s: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 def _measuring(argv: list[str]) -> list[str]:
     """The command line without ``--report-only`` and ``--note``: the command that measures."""
-    out, skip = [], False
-    for x in argv:
-        if skip or x == "--report-only":
-            skip = False
-            continue
+    out, args = [], iter(argv)
+    for x in args:
         if x == "--note":
-            skip = True
-            continue
-        out.append(x)
+            next(args, None)  # its text
+        elif x != "--report-only":
+            out.append(x)
     return out
 
 

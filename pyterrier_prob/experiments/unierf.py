@@ -264,8 +264,10 @@ class UniERFRun:
     def budgets(self) -> list[int]:
         return sorted(int(b) for b in self.cfg.budgets)
 
-    def query_vectors(self, model: Any) -> pd.DataFrame:
-        return UniERFEncoder(self.h.encoding_model(model), batch_size=64).query_encoder()(self.topics)
+    def query_vectors(self, model: Any, topics: pd.DataFrame | None = None) -> pd.DataFrame:
+        """``model``'s branch vectors of ``topics`` (default: the test queries with their triggers)."""
+        topics = self.topics if topics is None else topics
+        return UniERFEncoder(self.h.encoding_model(model), batch_size=64).query_encoder()(topics)
 
     def add_lists(self, name: str, frames: dict[str, pd.DataFrame], indexes: dict[str, Any]) -> None:
         """System ``name``'s branch lists: ``frames[b]``, test queries with ``query_vec_<b>``; ``indexes[b]``, the
@@ -404,7 +406,7 @@ def choose_quota_shares(run: UniERFRun, model: Any) -> None:
     coll, index = (data.train_collection, run.train_index) if data.dev else (data.test_collection, run.test_index)
     with h.stage("dev_quotas", f"choosing the trigger share of B on the {len(data.cal_topics)} dev queries"):
         topics = _with_triggers(h, h.bm25(coll), coll, data.cal_topics)
-        frame = UniERFEncoder(h.encoding_model(model), batch_size=64).query_encoder()(topics)
+        frame = run.query_vectors(model, topics)
         lists = [branch_lists(frame, index, b, max(run.budgets)) for b in BRANCHES]
         for budget in run.budgets:
             runs = {str(w): merged_run(lists, budget, (1.0 - w, w))[0] for w in SHARES}
@@ -462,14 +464,15 @@ def claims(run: UniERFRun, budget: int = 100) -> list[dict[str, Any]]:
         return []
     h, data, metric = run.h, run.data, [f"R@{budget}"]
     merged = {s: merged_run([run.lists[s][b] for b in BRANCHES], budget)[0] for s in run.lists}
-    alone = []
+    alone = {b: alone_run(run.lists[BASELINE][b], budget) for b in BRANCHES}
+    against = {}  # branch -> the merged list's claim row against it
     for b in BRANCHES:
-        runs = {BASELINE: merged[BASELINE], f"{b} branch alone": alone_run(run.lists[BASELINE][b], budget)}
-        alone += perquery_claims(h, runs, data, "unierf", "merged_vs_best_branch", *runs, metric)
-    rows = [max(alone, key=lambda r: r["baseline_value"])]
+        runs = {BASELINE: merged[BASELINE], f"{b} branch alone": alone[b]}
+        against[b] = perquery_claims(h, runs, data, "unierf", "merged_vs_best_branch", *runs, metric)[0]
+    best = max(BRANCHES, key=lambda b: against[b]["baseline_value"])
+    rows = [against[best]]
     if budget in run.shares:  # the merge with the dev-chosen share, against the same branch
-        best = rows[0]["baseline"]
-        runs = {DEV_QUOTAS: _dev_quota_run(run, budget), best: alone_run(run.lists[BASELINE][best.split()[0]], budget)}
+        runs = {DEV_QUOTAS: _dev_quota_run(run, budget), f"{best} branch alone": alone[best]}
         rows += perquery_claims(h, runs, data, "unierf", "merged_dev_quotas_vs_best_branch", *runs, metric)
     for s in JOINT:
         if s.name in merged and s.name != BASELINE:
