@@ -83,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser(paper, commands=not named).parse_args(argv)
     setup_console(verbose=a.verbose)  # our bars and the table only, unless --verbose
     mod = importlib.import_module(PAPERS[paper])
+    threads = importlib.import_module("st_extensions.threads")  # torch: only once a command runs
     try:
         cfg = mod.config_from_args(a)
         cfg.command = command
         cfg.check()
+        threads.batch_scheduling(cfg.sched_slice_ms)  # the command's process only: a notebook's run leaves its own
         mod.run(cfg)
     except (ValueError, FileNotFoundError) as e:  # bad settings, collections, splits, models: a message, no traceback
         print(f"pyterrier-prob {paper}: {e}", file=sys.stderr)

@@ -30,6 +30,7 @@ __all__ = [
     "available_cpus",
     "batch_scheduling",
     "configure_threads",
+    "is_batch_scheduled",
     "thread_count",
     "torch_threads",
 ]
@@ -145,3 +146,8 @@ def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
     )
     done = [libc.syscall(number, int(tid), attr, 0) == 0 for tid in os.listdir("/proc/self/task")]
     return all(done)
+
+
+def is_batch_scheduled() -> bool:
+    """Whether this process's main thread runs as a batch job (``SCHED_BATCH``, :func:`batch_scheduling`)."""
+    return hasattr(os, "sched_getscheduler") and os.sched_getscheduler(0) == _SCHED_BATCH

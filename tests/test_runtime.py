@@ -133,6 +133,25 @@ def test_batch_scheduling_sets_policy_and_slice_for_every_thread():
     assert build_parser("pebr").parse_args([]).sched_slice_ms == threads.BATCH_SLICE_MS
 
 
+HARNESS_PROBE = """
+import os, sys
+from pyterrier_prob.experiments.harness import CommonConfig, Harness
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+h = Harness("t", CommonConfig(output=sys.argv[1], quiet=True))  # a notebook's run: its process is left as it is
+print(os.sched_getscheduler(0), h.batch_scheduled)
+"""
+
+
+def test_batch_scheduling_is_the_commands_not_a_notebooks(tmp_path, monkeypatch):
+    out = subprocess.check_output([sys.executable, "-c", HARNESS_PROBE, str(tmp_path / "nb")], text=True).split()
+    assert out == [str(os.SCHED_OTHER), "False"]
+    calls = []
+    monkeypatch.setattr(threads, "batch_scheduling", lambda ms: calls.append(ms))
+    monkeypatch.setattr("pyterrier_prob.experiments.pebr.run", lambda cfg: calls.append(cfg.output))
+    assert main(["pebr", "--sched-slice-ms", "25", "--output", str(tmp_path / "cmd")]) == 0
+    assert calls == [25.0, str(tmp_path / "cmd")]  # the command sets it, before the run
+
+
 def test_step_rate_leaves_out_the_first_step(monkeypatch):
     clock = iter([10.0, 10.5, 11.0, 11.5])
     monkeypatch.setattr("pyterrier_prob.training.time.perf_counter", lambda: next(clock))

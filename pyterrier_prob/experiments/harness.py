@@ -44,7 +44,7 @@ from st_extensions.cross_encoder.split import SplitTransformer
 from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, prefix_model
 from st_extensions.model_card import save_with_card, set_card_figures
 from st_extensions.partial import check_partial_transformer, state_fingerprint
-from st_extensions.threads import BATCH_SLICE_MS, batch_scheduling, configure_threads, thread_count
+from st_extensions.threads import BATCH_SLICE_MS, configure_threads, is_batch_scheduled, thread_count
 
 C = TypeVar("C", bound="CommonConfig")
 
@@ -143,8 +143,9 @@ class CommonConfig:
     )
     sched_slice_ms: float = option(
         BATCH_SLICE_MS,
-        "run as a batch job (SCHED_BATCH) asking the kernel for time slices of this many ms (Linux >= 6.12 honours "
-        "0.1-100): jobs sharing a core then take turns every slice instead of every tick; 0: the default scheduling",
+        "the command runs as a batch job (SCHED_BATCH) asking the kernel for time slices of this many ms (Linux >= "
+        "6.12 honours 0.1-100): jobs sharing a core then take turns every slice instead of every tick; 0: the default "
+        "scheduling",
         TRAINING,
     )
     dev_every: int | None = option(
@@ -383,7 +384,7 @@ class Harness:
         self._lock = lock_output(self.output)  # held until finish() (or the process ends)
         weakref.finalize(self, self._lock.close)
         self.threads = configure_threads(cfg.threads)
-        self.batch_scheduled = batch_scheduling(cfg.sched_slice_ms)
+        self.batch_scheduled = is_batch_scheduled()  # the command line set it (cli.main); a notebook is left be
         self.verbose = not cfg.quiet
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
