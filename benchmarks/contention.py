@@ -242,7 +242,7 @@ def _measuring(argv: list[str]) -> list[str]:
     for x in args:
         if x == "--note":
             next(args, None)  # its text
-        elif x != "--report-only":
+        elif x != "--report-only" and not x.startswith("--note="):
             out.append(x)
     return out
 

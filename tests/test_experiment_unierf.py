@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import cli_help
 
+import pyterrier_prob.experiments.unierf as unierf_experiment
 from pyterrier_prob.cli import main
 from st_extensions import build_unierf_model
 from st_extensions.losses import UniERFLoss
@@ -152,7 +153,7 @@ def test_ignore_columns_skips_them(unierf_model, base_model):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["frozen", "full"])
-def test_tiny_run_trains_ablations_on_identical_batches(recipe, tmp_path, small_beir, capfd):
+def test_tiny_run_trains_ablations_on_identical_batches(recipe, tmp_path, small_beir, capfd, monkeypatch):
     folder, info = small_beir
     out = tmp_path / "unierf"
     argv = [
@@ -217,9 +218,16 @@ def test_tiny_run_trains_ablations_on_identical_batches(recipe, tmp_path, small_
     again = pd.read_csv(out / "results.csv")
     pd.testing.assert_frame_equal(again, results)
     assert all(v["reused"] for v in json.loads((out / "summary.json").read_text())["training"].values())
-    if recipe == "full":  # a training that finds checkpoints sees only some batches: its batches are not compared
+    if recipe == "full":
         shutil.rmtree(out / "models" / "unierf-nodiv")
         (out / "runs" / "unierf-nodiv" / "checkpoint-1").mkdir(parents=True)  # incomplete: trains from step 0
+        first = summary["batch_fingerprints"]["w/o L_div"]
+        assert main([*argv, "--resume"]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        assert not summary["training"]["w/o L_div"]["reused"] and summary["batch_fingerprints"]["w/o L_div"] == first
+        # a training that resumes from a complete checkpoint sees only its last batches: they are not compared
+        shutil.rmtree(out / "models" / "unierf-nodiv")
+        monkeypatch.setattr(unierf_experiment, "complete_checkpoints", lambda folder: [f"{folder}/checkpoint-1"])
         assert main([*argv, "--resume"]) == 0
         summary = json.loads((out / "summary.json").read_text())
         assert not summary["training"]["w/o L_div"]["reused"] and "w/o L_div" not in summary["batch_fingerprints"]

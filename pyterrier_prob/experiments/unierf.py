@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,7 +34,7 @@ from pyterrier_prob.experiments.harness import (
     option,
     subcommand,
 )
-from pyterrier_prob.training import text_columns
+from pyterrier_prob.training import complete_checkpoints, text_columns
 from pyterrier_prob.unierf.analysis import (
     RECORDED,
     BranchLists,
@@ -372,7 +371,7 @@ def _train_one(
     run.dev = run.dev or _MergedDev(run)
     dev = h.dev_evaluator(run.data, "R@100", run.dev)
     folder = h.path("runs", slug)  # a resumed training sees only its last steps' batches: no fingerprint then
-    resumed = cfg.resume and os.path.isdir(folder) and any(n.startswith("checkpoint-") for n in os.listdir(folder))
+    resumed = cfg.resume and bool(complete_checkpoints(folder))  # an incomplete one trains from step 0
     model, losses = h.train(
         slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
     )
