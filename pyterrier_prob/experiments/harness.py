@@ -384,7 +384,7 @@ class Harness:
         self._lock = lock_output(self.output)  # held until finish() (or the process ends)
         weakref.finalize(self, self._lock.close)
         self.threads = configure_threads(cfg.threads)
-        self.batch_scheduled = is_batch_scheduled()  # the command line set it (cli.main); a notebook is left be
+        self.batch_scheduled = is_batch_scheduled()  # set by the command line (cli.main), never by a notebook run
         self.verbose = not cfg.quiet
         self.timings: dict[str, float] = {}
         self.t0 = time.perf_counter()
