@@ -128,7 +128,8 @@ def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
     with a time slice of ``slice_ms`` (``sched_setattr(2)``'s ``sched_runtime``, the per-task slice of Linux >= 6.12's
     EEVDF scheduler, which clamps it to 0.1-100 ms; threads started later inherit it). Two such jobs on one core then
     take turns every ``slice_ms`` instead of every tick (1.4 ms slices, 4 ms ticks) and keep their caches warm between
-    turns; tasks that wake with shorter slices (a shell, an editor) still preempt them. The nice value is kept.
+    turns; tasks that wake with shorter slices (a shell, an editor) still preempt them, and beside a busy task with
+    the default slice the turns are the default ones (``benchmarks/turns.py``). The nice value is kept.
     ``None`` or 0: leave the scheduling as it is. Returns whether every thread was changed (False where the syscall
     is not known or refused: nothing else changes)."""
     if not slice_ms:
