@@ -217,7 +217,14 @@ def test_tiny_run_trains_ablations_on_identical_batches(recipe, tmp_path, small_
     assert main([*argv, "--reuse"]) == 0
     again = pd.read_csv(out / "results.csv")
     pd.testing.assert_frame_equal(again, results)
-    assert all(v["reused"] for v in json.loads((out / "summary.json").read_text())["training"].values())
+    reused = json.loads((out / "summary.json").read_text())
+    assert all(v["reused"] for v in reused["training"].values())
+    # what the trainings recorded is saved beside the models: the reused ones report it as the first run did
+    assert reused["batch_fingerprints"] == summary["batch_fingerprints"] and reused["identical_batches"] is True
+    for name, first in summary["training"].items():
+        for key in ("branch_cos", "share_above_alpha", "diversity_term"):
+            assert reused["training"][name][f"{key}_first_last_10"] == first[f"{key}_first_last_10"]
+    assert "the same batches for every system: yes" in (out / "results.md").read_text()
     if recipe == "full":
         shutil.rmtree(out / "models" / "unierf-nodiv")
         (out / "runs" / "unierf-nodiv" / "checkpoint-1").mkdir(parents=True)  # incomplete: trains from step 0

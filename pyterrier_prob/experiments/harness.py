@@ -401,6 +401,7 @@ class Harness:
         self.dev_measures: dict[str, str] = {}  # model name -> its dev curve's measure (summary.json's dev_curves)
         self._dev_pool: Any = None  # (dev topics, docno -> text) every system's dev measure searches
         self.saved_models: dict[str, str] = {}  # model name -> its folder: finish() adds the figures to its card
+        self.records: dict[str, dict[str, Any]] = {}  # model name -> its loss's record(), saved beside the model
         self.recipe = cfg.training_recipe(max(cfg.steps, 1))  # the run's recipe (what its options choose)
         if not console.verbose():  # the libraries' own bars and INFO lines are not stages (unless --verbose)
             console.quiet_libraries()
@@ -531,15 +532,18 @@ class Harness:
             return None
         with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
             model = _set_max_len(load_model(path, device="cpu"), self.cfg.max_seq_length)
-        self.saved_models[name] = path
+        self.saved_models[name], self.records[name] = path, dict(saved.get("record") or {})
         return model, list(saved.get("losses", []))
 
     def _save_trained(
         self, name: str, model: Any, recipe: Recipe, info: dict[str, Any], loss: Any = None, rows: Any = None
     ) -> None:
         """Save a trained model with its recipe, ``info`` (settings, losses) and model card (``loss``, recipe, the
-        training data and its ``rows``; :meth:`finish` adds the run's figures); drop its checkpoints."""
+        training data and its ``rows``; :meth:`finish` adds the run's figures); drop its checkpoints. A ``loss`` with
+        a ``record()`` (what it measured while training) has it saved too, in :attr:`records` again on ``--reuse``."""
         path = self.path("models", name)
+        self.records[name] = dict(loss.record()) if callable(getattr(loss, "record", None)) else {}
+        info = {**info, "record": self.records[name]}
         train_data = self._train_data or self.cfg.dataset
         save_with_card(
             path, model, loss=loss, recipe=recipe.describe(), train_data=train_data, rows=rows, model_name=name

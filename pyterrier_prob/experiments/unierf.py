@@ -370,22 +370,22 @@ def _train_one(
     build = partial(_start_model, cfg, branches)
     run.dev = run.dev or _MergedDev(run)
     dev = h.dev_evaluator(run.data, "R@100", run.dev)
-    folder = h.path("runs", slug)  # a resumed training sees only its last steps' batches: no fingerprint then
-    resumed = cfg.resume and bool(complete_checkpoints(folder))  # an incomplete one trains from step 0
+    # a resumed training sees only its last steps' batches: no fingerprint then (an incomplete checkpoint: step 0)
+    loss.kwargs["resumed"] = cfg.resume and bool(complete_checkpoints(h.path("runs", slug)))
     model, losses = h.train(
         slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
     )
-    rec, several = loss.loss, len(branches) > 1
-    stats = rec.stats if rec is not None else {}
+    record, several = h.records.get(slug, {}), len(branches) > 1  # also a reused model's, saved when it was trained
+    stats = record.get("stats", {})
     run.info[name] = {
         "model": h.path("models", slug),
         "columns": settings["columns"],
         **({"use_diversity": diversity, "alpha": alpha} if several else {"use_diversity": None, "alpha": None}),
-        "reused": rec is None,
+        "reused": loss.loss is None,
         "train_s": h.timings.get(f"train_{slug}"),
         "loss_first_last_10": loss_ends(losses),
         **{f"{k}_first_last_10": loss_ends(stats.get(k, [])) for k in RECORDED},
-        "batch_fingerprint": rec.digest.hexdigest()[:16] if rec is not None and not resumed else None,
+        "batch_fingerprint": record.get("batch_fingerprint"),
     }
     index = run.index_of(slug, model)
     with h.stage(f"retrieve_{slug}", f"retrieving with {name}'s branches"):

@@ -87,13 +87,18 @@ def mean_jaccard(a: BranchLists, b: BranchLists, k: int) -> float:
 class RecordedUniERFLoss(UniERFLoss):
     """:class:`~st_extensions.losses.UniERFLoss` that also records, per step, a fingerprint of the batch (its anchor
     and positive token ids: equal fingerprints, identical batches; ``digest``), and in ``stats`` the mean cosine of
-    a row's two branch embeddings, the share of rows above alpha (the rows Eq. 31 acts on) and the diversity term."""
+    a row's two branch embeddings, the share of rows above alpha (the rows Eq. 31 acts on) and the diversity term.
+    ``resumed``: the training continues from a checkpoint, so the batches seen are its last ones only."""
 
-    def __init__(self, model: Any, columns: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, model: Any, columns: Sequence[str], resumed: bool = False, **kwargs: Any) -> None:
         super().__init__(model, columns=list(columns), **kwargs)
         self.marks = [list(columns).index(c) for c in ("anchor_semantic", "positive_doc")]
-        self.digest = hashlib.sha1()
+        self.digest, self.resumed = hashlib.sha1(), resumed
         self.stats: dict[str, list[float]] = {k: [] for k in RECORDED}
+
+    def record(self) -> dict[str, Any]:
+        """What is saved beside the trained model: ``stats`` and the batches' fingerprint (None when resumed)."""
+        return {"batch_fingerprint": None if self.resumed else self.digest.hexdigest()[:16], "stats": self.stats}
 
     def forward(self, sentence_features, labels=None):
         features = list(sentence_features)
