@@ -484,8 +484,11 @@ def _build_faiss(vectors: np.ndarray, backend: str, scale: np.ndarray | None, s:
     if not index.is_trained:
         rows = np.sort(np.random.default_rng(s.seed).choice(n, size=min(n, s.train_size), replace=False))
         index.train(_rows(vectors, rows, scale))
-    for a in pt.tqdm(range(0, n, _ADD_BATCH), desc=f"building {backend}", unit="batch", disable=not verbose):
-        index.add(_rows(vectors, slice(a, a + _ADD_BATCH), scale))
+    # HNSW gets every vector in one add: it inserts an add's vectors level by level in a shuffled order, and added
+    # in chunks its graph loses half its recall (docs/scale.md); the other indexes code each vector on its own
+    step = max(n, 1) if backend == "hnsw" else _ADD_BATCH
+    for a in pt.tqdm(range(0, n, step), desc=f"building {backend}", unit="batch", disable=not verbose):
+        index.add(_rows(vectors, slice(a, a + step), scale))
     return index
 
 
