@@ -9,7 +9,8 @@ same vectors and the same 323 nfcorpus/test queries:
 * ``ours``: :func:`pyterrier_prob.index.make_searcher` ``(vectors, "hnsw", M, ef_construction)``;
 * ``faiss IP``: ``faiss.IndexHNSWFlat(d, M, METRIC_INNER_PRODUCT)`` built here, outside the package;
 * ``faiss L2``: the same with the L2 metric (the same order on unit vectors);
-* ``faiss IP chunked``: ``faiss IP`` with the vectors added 65,536 at a time, as the package's build adds them;
+* ``faiss IP chunked``: ``faiss IP`` with the vectors added 65,536 at a time, as the package's build added them
+  before it gave HNSW all of them in one ``add`` (this script found the chunks the cause of its low recall);
 
 each at several ``ef_search``, top-100 recall against the exact inner-product scan, on two 1M collections:
 ``perturbed`` (as index_scale.py) and ``mixture`` (unit vectors sampled from a 64-component diagonal Gaussian
@@ -134,7 +135,7 @@ def run(args) -> dict:
                 metric = faiss.METRIC_L2 if name.startswith("faiss L2") else faiss.METRIC_INNER_PRODUCT
                 index = faiss.IndexHNSWFlat(X.shape[1], args.M, metric)
                 index.hnsw.efConstruction = args.efc
-                step = CHUNK if name.endswith("chunked") else len(X)  # ours adds 65,536 vectors per call
+                step = CHUNK if name.endswith("chunked") else len(X)
                 for a in range(0, len(X), step):
                     index.add(X[a : a + step])
             build = time.perf_counter() - t0
