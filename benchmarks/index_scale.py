@@ -342,6 +342,7 @@ def main() -> None:
             continue
         rows: list = []
         info = run_size(args, n, side, rows)
+        info["command"] = "python benchmarks/index_scale.py " + " ".join(sys.argv[1:])  # the one that measured n
         result["rows"] = [r for r in result["rows"] if r["n_docs"] != n] + rows
         result["sizes"][str(n)] = info
         result.update(
