@@ -296,8 +296,44 @@ def run_size(args, n: int, side: dict, rows: list) -> dict:
     return out
 
 
+SEARCHES = {  # (search, thresholds) -> docs/scale.md's label, in its order
+    ("topk", None): "top-100",
+    ("range", "pebr_t_depth100"): "range, t_q + c₁₀₀",
+    ("range", "pebr_t_depth1000"): "range, t_q + c₁₀₀₀",
+    ("range", "pebr_t"): "range, t_q (the model's own)",
+}
+
+
+def table(path: str) -> str:
+    """docs/scale.md's table from a result file: per size and search, the exact scan and, for each backend, its
+    fastest setting with recall >= 0.99 (or its best recall when none reaches it); SQ8's ``range_slack`` not shown."""
+    rows = pd.DataFrame(json.load(open(path))["rows"])
+    lines = [
+        "| documents | search (mean exact depth) | backend | setting | recall | × exact scan | build | index memory |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n in sorted(rows["n_docs"].unique()):
+        for (search, thresholds), label in SEARCHES.items():
+            same = (rows["n_docs"] == n) & (rows["search"] == search)
+            group = rows[same & (rows["thresholds"].isna() if thresholds is None else rows["thresholds"] == thresholds)]
+            for backend in [b for b in ("exact", "ivf_flat", "ivf_sq8", "hnsw") if b in set(group["backend"])]:
+                b = group[group["backend"] == backend]
+                good = b[b["recall"] >= 0.99]
+                r = good.loc[good["speedup_vs_exact"].idxmax()] if len(good) else b.loc[b["recall"].idxmax()]
+                exact = backend == "exact"
+                speed = f"{r['median_batch_s']:.2f} s / batch" if exact else f"{r['speedup_vs_exact']:.1f}×"
+                memory = f"{r['memory_bytes'] / 2**30:.2f} GiB" + (" (fp16)" if exact and n >= 10_000_000 else "")
+                setting = ",".join(p for p in r["setting"].split(",") if not p.startswith("range_slack="))
+                lines.append(
+                    f"| {n:,} | {label} ({r['mean_exact_depth']:,.0f}) | {backend} | {setting} | "
+                    f"{r['recall']:.4f} | {speed} | {r['build_s']:.0f} s | {memory} |"
+                )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", metavar="JSON", help="print docs/scale.md's table from a result file and stop")
     ap.add_argument("--sizes", default="1000000,10000000")
     ap.add_argument("--model", default=os.path.join(PEBR, "models", "pebr"))
     ap.add_argument("--queries", type=int, default=160, help="nfcorpus/test queries measured (of 323)")
@@ -319,6 +355,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="50k documents, 64 queries: a smoke test")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     args.nprobes = [int(x) for x in args.nprobes.split(",")]
     args.ef_searches = [int(x) for x in args.ef_searches.split(",")]
     args.target_depths = [int(x) for x in str(args.target_depths).split(",")]
