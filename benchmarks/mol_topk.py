@@ -843,8 +843,9 @@ def main() -> None:
             "faiss_threads": faiss.omp_get_max_threads(),
             "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(),
-            "note": "shared machine (other jobs running); latencies are medians of interleaved per-batch runs",
+            "note": "latencies: medians of interleaved per-batch runs; the load averages: how busy the machine was",
         },
+        "command": "python benchmarks/mol_topk.py " + " ".join(sys.argv[1:]),
         "K": K,
         "batch_size": BATCH,
         "hr_at": list(HR_AT),
@@ -858,8 +859,9 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
     }
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as f:
+    with open(out_path + ".tmp", "w") as f:
         json.dump(result, f, indent=2)
+    os.replace(out_path + ".tmp", out_path)  # complete or absent
     if os.path.exists(partial):
         os.remove(partial)
     print(f"peak RSS {peak_rss_gb():.1f} GB; wrote {out_path}")
