@@ -168,6 +168,8 @@ def test_hnsw_graph_is_the_one_plain_faiss_builds_from_one_add(data, monkeypatch
     """Added in chunks, faiss' HNSW builds another graph (at 1M a much worse one, docs/scale.md): ours gets every
     vector in one add, whatever the chunk size of the other backends."""
     monkeypatch.setattr(search_module, "_ADD_BATCH", 300)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)  # one thread inserts in a fixed order: the same graph from the same adds
     docs, Q = data["docs"], data["queries"]
 
     def plain(step: int) -> np.ndarray:
@@ -178,9 +180,12 @@ def test_hnsw_graph_is_the_one_plain_faiss_builds_from_one_add(data, monkeypatch
         index.hnsw.efSearch = 16
         return index.search(Q, 10)[1]
 
-    hits = make_searcher(docs, "hnsw", M=8, ef_construction=16, ef_search=16).search(Q, -np.inf, 10)
+    try:
+        hits = make_searcher(docs, "hnsw", M=8, ef_construction=16, ef_search=16).search(Q, -np.inf, 10)
+        one_add, chunked = plain(N), plain(300)
+    finally:
+        faiss.omp_set_num_threads(threads)
     ours = hits.docids.reshape(NQ, 10)
-    one_add, chunked = plain(N), plain(300)
     assert not np.array_equal(one_add, chunked)  # the two graphs can be told apart on this data
     np.testing.assert_array_equal(ours, one_add)
 
