@@ -15,9 +15,10 @@ same vectors and the same 323 nfcorpus/test queries:
 each at several ``ef_search``, top-100 recall against the exact inner-product scan, on two 1M collections:
 ``perturbed`` (as index_scale.py) and ``mixture`` (unit vectors sampled from a 64-component diagonal Gaussian
 mixture fitted to the real vectors, as index_scale.py's 10M collection -- fitted here to nfcorpus alone -- read in
-float32 and at 1M). For the
-perturbed collection it also counts the share of each graph's level-0 links that join two copies of the same real
-document (a graph whose links stay inside the clouds of copies cannot lead a search from one cloud to another).
+float32 and at 1M). For each graph it also measures what a search can reach on level 0 -- the share of the
+documents, and of the queries' exact top 100, reachable from the entry point along the links; the share no link points
+to; the mean number of links a document keeps -- and on the perturbed collection the share of links that join two
+copies of the same real document.
 
 The vectors are the packaged all-MiniLM-L6-v2's (the pEBR model that index_scale.py reads is an experiment output,
 not part of the repository); the collections are built the same way.
@@ -38,6 +39,8 @@ import faiss
 import numpy as np
 import pandas as pd
 import pyterrier as pt
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import breadth_first_order
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _machine import describe  # noqa: E402
@@ -86,17 +89,35 @@ def copy_sources(n_real: int, n: int, seed: int = 0) -> np.ndarray:
     return src
 
 
-def within_cloud_links(index, src: np.ndarray) -> float:
-    """Share of the HNSW level-0 links that join two copies of the same real document."""
+def level0_links(index) -> tuple[np.ndarray, np.ndarray]:
+    """(from, to) of every HNSW level-0 link (level 0 comes first in each node's block of neighbours)."""
     hnsw = index.hnsw
     neighbors = faiss.vector_to_array(hnsw.neighbors)
     offsets = faiss.vector_to_array(hnsw.offsets).astype(np.int64)
-    n = index.ntotal
-    per = int(hnsw.nb_neighbors(0))
-    rows = neighbors[offsets[:n, None] + np.arange(per)[None, :]]  # level 0 comes first in each node's block
+    n, per = index.ntotal, int(hnsw.nb_neighbors(0))
+    rows = neighbors[offsets[:n, None] + np.arange(per)[None, :]]
     valid = rows >= 0
-    same = src[np.where(valid, rows, 0)] == src[:n, None]
-    return float(same[valid].mean())
+    return np.nonzero(valid)[0], rows[valid].astype(np.int64)
+
+
+def graph_stats(index, truth: np.ndarray, src: np.ndarray | None) -> dict:
+    """What a search can reach on level 0: the share of the documents (and of the queries' exact top-k) reachable
+    from the entry point along its links, the share no link points to, the mean number of links a document keeps,
+    and (``src``: the copied real document of each) the share of links within a cloud of copies."""
+    a, b = level0_links(index)
+    n = index.ntotal
+    graph = csr_matrix((np.ones(a.size, np.int8), (a, b)), shape=(n, n))
+    reachable = np.zeros(n, bool)
+    reachable[breadth_first_order(graph, int(index.hnsw.entry_point), return_predecessors=False)] = True
+    out = {
+        "level0_reachable_from_entry": float(reachable.mean()),
+        "exact_topk_reachable": float(reachable[truth].mean()),
+        "level0_without_in_links": float(np.mean(np.bincount(b, minlength=n) == 0)),
+        "level0_mean_links": float(a.size / n),
+    }
+    if src is not None:
+        out["level0_links_within_a_cloud"] = float(np.mean(src[a] == src[b]))
+    return out
 
 
 def recall(found: np.ndarray, truth: np.ndarray) -> float:
@@ -144,8 +165,7 @@ def run(args) -> dict:
                 index.hnsw.efSearch = max(ef, args.k)
                 _, found = index.search(Q, args.k)
                 b["recall_at_k"][str(ef)] = recall(found, truth)
-            if kind == "perturbed":
-                b["level0_links_within_a_cloud"] = within_cloud_links(index, src)
+            b |= graph_stats(index, truth, src if kind == "perturbed" else None)
             log(f"  {name}: built in {build:.0f} s, recall@{args.k} by ef_search {b['recall_at_k']}")
             row["builds"].append(b)
             del index
