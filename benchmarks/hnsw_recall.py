@@ -43,7 +43,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import describe  # noqa: E402
+from _machine import describe, write_result  # noqa: E402
 from index_scale import CHUNK, mixture, perturbed  # noqa: E402
 
 from pyterrier_prob.index import make_searcher  # noqa: E402
@@ -197,9 +197,7 @@ def main() -> None:
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
-        with open(args.out + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(args.out + ".tmp", args.out)
+        write_result(args.out, result, indent=1)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _machine import describe  # noqa: E402
+from _machine import describe, write_result  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "outputs", "mol-bench")
@@ -858,10 +858,7 @@ def main() -> None:
         "seconds_total": round(time.perf_counter() - t_start, 1),
         "torch_threads": torch.get_num_threads(),
     }
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(out_path + ".tmp", out_path)  # complete or absent
+    write_result(out_path, result)
     if os.path.exists(partial):
         os.remove(partial)
     print(f"peak RSS {peak_rss_gb():.1f} GB; wrote {out_path}")

@@ -362,6 +362,8 @@ def _train_one(
     cfg, h = run.cfg, run.h
     columns = text_columns(run.rows)
     terms = {"use_diversity": diversity, "diversity_threshold": alpha}
+    # a resumed training sees only its last steps' batches: no fingerprint then (an incomplete checkpoint: step 0)
+    terms["resumed"] = cfg.resume and bool(complete_checkpoints(h.path("runs", slug)))
     loss = LossFactory(columns=columns, ignore_columns=ignore, document_tower=run.tower, judged=run.judged, **terms)
     settings = {"train": f"{run.data.train_collection.name}/{run.data.train}", "branches": list(branches)}
     settings |= {"columns": [c for c in columns if c not in ignore], "use_diversity": diversity, "alpha": alpha}
@@ -370,8 +372,6 @@ def _train_one(
     build = partial(_start_model, cfg, branches)
     run.dev = run.dev or _MergedDev(run)
     dev = h.dev_evaluator(run.data, "R@100", run.dev)
-    # a resumed training sees only its last steps' batches: no fingerprint then (an incomplete checkpoint: step 0)
-    loss.kwargs["resumed"] = cfg.resume and bool(complete_checkpoints(h.path("runs", slug)))
     model, losses = h.train(
         slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
     )
