@@ -1,9 +1,5 @@
-"""The shared experiment harness: what every paper's experiment (:mod:`~pyterrier_prob.experiments.pebr`, ``mol``,
-``varce``, ``unierf``) needs besides its own stages, written once: the options (:class:`CommonConfig`,
-:func:`option`, :func:`add_options`), collections and splits (:meth:`Harness.load_data`), training under the run's
-recipe with ``--reuse``/``--resume`` (:meth:`Harness.train`), dense and BM25 (PISA) indexes, ``pt.Experiment`` with
-paired t-tests (:meth:`Harness.experiment`) and the atomically written report (:meth:`Harness.finish`).
-"""
+"""The shared experiment harness: the options (:class:`CommonConfig`), data, training with ``--reuse``/``--resume``,
+indexes, ``pt.Experiment`` with paired t-tests and the report that every paper's experiment uses (:class:`Harness`)."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, TypeVar
 
 import ir_measures
@@ -39,7 +35,7 @@ from pyterrier_prob.index import DenseIndex, MoLIndex
 from pyterrier_prob.training import MODES, Recipe, StepRate, fine_tune
 from st_extensions import default_model_path, load_model
 from st_extensions.atomic import FILE_MODE, locked
-from st_extensions.checks import is_int, positive_int
+from st_extensions.checks import choice, is_int, positive_int
 from st_extensions.cross_encoder.split import SplitTransformer
 from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, prefix_model
 from st_extensions.model_card import save_with_card, set_card_figures
@@ -96,9 +92,8 @@ SPLITS, TRAINING, OUTPUT = "collection and splits", "model and training", "outpu
 @dataclass
 class CommonConfig:
     """Options every experiment takes, each field's help its documentation (:func:`option`); the training options
-    (:data:`RECIPE_OPTIONS`) are :class:`~pyterrier_prob.training.Recipe`'s fields, documented there (``lr`` is the
-    encoder's rate; the modules a method adds train at their own). ``command`` is the command line that ran the
-    experiment (set by ``pyterrier-prob``; in the summary)."""
+    (:data:`RECIPE_OPTIONS`) are :class:`~pyterrier_prob.training.Recipe`'s fields. ``command``: the command line
+    that ran the experiment (set by ``pyterrier-prob``)."""
 
     dataset: str = option(
         "irds:beir/nfcorpus",
@@ -210,6 +205,11 @@ class CommonConfig:
             raise ValueError(message.replace("mode '", "--recipe '")) from None
         for flag in ("threads", "dev_every", "patience"):
             positive_int(_flag(flag), getattr(self, flag), allow_none=True)
+        for f in fields(self):  # every option with choices (each value of a sequence option)
+            if allowed := f.metadata.get("choices"):
+                value = getattr(self, f.name)
+                for v in value if isinstance(value, tuple | list) else (value,):
+                    choice(_flag(f.name), v, allowed)
         if not (np.isfinite(self.sched_slice_ms) and self.sched_slice_ms >= 0):
             raise ValueError(f"--sched-slice-ms must be a finite number >= 0, got {self.sched_slice_ms}")
         if self.max_seq_length < 8:
@@ -263,14 +263,7 @@ def config_from_args(cls: type[C], a: argparse.Namespace) -> C:
 def subcommand(cls: type[C], title: str) -> tuple[Callable[..., None], Callable[..., C]]:
     """A paper's ``add_arguments(ap)`` (``cls``'s options, the paper's own in the group ``title``) and
     ``config_from_args(a)`` (a ``cls`` from the parsed arguments): what ``pyterrier-prob <paper>`` calls."""
-
-    def add_arguments(ap: argparse.ArgumentParser) -> None:
-        add_options(ap, cls(), title)
-
-    def from_args(a: argparse.Namespace) -> C:
-        return config_from_args(cls, a)
-
-    return add_arguments, from_args
+    return partial(add_options, defaults=cls(), title=title), partial(config_from_args, cls)
 
 
 def base_model(cfg: CommonConfig, adapter: bool = False) -> Any:
@@ -303,10 +296,8 @@ def loss_ends(losses: Sequence[float], n: int = 10) -> tuple[float, float] | Non
 
 
 class TrainingPairs:
-    """The train split's (query, relevant document) rows, made once and shared by every system of a run (the same
-    rows, and through the recipe's seed the same batches: :func:`~pyterrier_prob.data.training_pairs`), and its
-    judged pairs, which the losses mask as in-batch negatives. Called, it gives the rows (``Harness.train``'s
-    ``data``)."""
+    """The train split's (query, relevant document) rows (:func:`~pyterrier_prob.data.training_pairs`), made once and
+    shared by every system of a run, and its judged pairs, which the losses mask; called, it gives the rows."""
 
     def __init__(self, data: Data, seed: int) -> None:
         self.data, self.seed = data, seed
@@ -342,10 +333,9 @@ _OUTPUT_LOCKS: dict[str, contextlib.ExitStack] = {}  # lock file -> this process
 
 
 def lock_output(folder: str) -> contextlib.ExitStack:
-    """Hold an exclusive flock on ``folder/.pyterrier-prob.lock``, noting this process's pid and start time in it,
-    until the returned stack is closed or the process ends (a killed run's lock is free: the next run takes it).
-    ``ValueError`` at once, naming the holder, when another process holds it; this process's own earlier hold on the
-    folder (a finished or failed run) is taken over."""
+    """Hold an exclusive flock on ``folder/.pyterrier-prob.lock`` (with this process's pid) until the returned stack
+    is closed or the process ends; ``ValueError`` naming the holder when another process holds it (this process's
+    own earlier hold is taken over)."""
     path = os.path.join(folder, LOCK_FILE)
     held = _OUTPUT_LOCKS.pop(os.path.realpath(path), None)
     if held is not None:
@@ -451,17 +441,12 @@ class Harness:
         dev: Callable[[Any], float] | None = None,
         **recipe_fields: Any,
     ) -> tuple[Any, list[float]]:
-        """Build, fine-tune and save a model as ``output/models/<name>``; returns ``(model, losses)``.
-
-        It trains under the run's recipe with the :class:`~pyterrier_prob.training.Recipe` fields in
-        ``recipe_fields`` replaced (None: as the run's), saved as ``recipe.json`` beside the model; checkpoints go to
-        ``output/runs/<name>`` until it is saved. ``data`` builds the rows (None, or ``steps`` 0: the built model,
-        untrained, unsaved). ``--reuse`` loads a saved model whose ``train_settings.json`` matches ``settings``;
-        ``--resume`` continues a cut-off training. ``encoder_cache``: the frozen recipe's cache to train on
-        (default: :meth:`encoder_cache`); ``callbacks`` go to the trainer. ``dev``: the system's dev measure
-        (:meth:`dev_evaluator`), evaluated every ``--dev-every`` steps (default: 250 when the encoder trains) with
-        ``--patience``: the best dev step's weights are the ones kept and saved, the curve ``curves/<name>.json``.
-        """
+        """Build, fine-tune under the run's recipe (``recipe_fields`` replaced) and save a model as
+        ``output/models/<name>``; returns ``(model, losses)``. ``data`` builds the rows (None, or ``steps`` 0: the
+        built model, untrained). ``--reuse`` loads a saved model made with the same ``settings``; ``--resume``
+        continues a cut-off training. ``encoder_cache``: the frozen recipe's cache (default: :meth:`encoder_cache`).
+        ``dev`` (:meth:`dev_evaluator`) is evaluated every ``--dev-every`` steps (default: 250 when the encoder
+        trains): the best dev step's weights are kept, the curve in ``curves/<name>.json``."""
         overrides = {k: dict(v) if isinstance(v, Mapping) else v for k, v in recipe_fields.items() if v is not None}
         steps = overrides.pop("steps", self.cfg.steps)
         recipe = self.cfg.training_recipe(steps, **overrides) if data is not None and steps else None
@@ -513,8 +498,7 @@ class Harness:
         return DevRetrieval(self._dev_pool[0], data.cal_qrels, self._dev_pool[1], measure, score)
 
     def _train_settings(self, name: str, recipe: Recipe | None, settings: Mapping[str, Any] | None) -> dict[str, Any]:
-        """What makes the model ``name``: compared with a saved model's by ``--reuse``, and part of its indexes'
-        settings (an index is reused only for a model made the same way)."""
+        """What makes the model ``name``: compared by ``--reuse`` with a saved model's and with its indexes'."""
         if recipe is None:
             wanted = {**self._base, "trained": False}
         else:
@@ -538,9 +522,7 @@ class Harness:
     def _save_trained(
         self, name: str, model: Any, recipe: Recipe, info: dict[str, Any], loss: Any = None, rows: Any = None
     ) -> None:
-        """Save a trained model with its recipe, ``info`` (settings, losses) and model card (``loss``, recipe, the
-        training data and its ``rows``; :meth:`finish` adds the run's figures); drop its checkpoints. A ``loss`` with
-        a ``record()`` (what it measured while training) has it saved too, in :attr:`records` again on ``--reuse``."""
+        """Save a trained model with its recipe, ``info``, its loss's ``record()`` and card; drop its checkpoints."""
         path = self.path("models", name)
         self.records[name] = dict(loss.record()) if callable(getattr(loss, "record", None)) else {}
         info = {**info, "record": self.records[name]}
@@ -554,9 +536,8 @@ class Harness:
         shutil.rmtree(self.path("runs", name), ignore_errors=True)  # the saved model replaces the checkpoints
 
     def state_cache_path(self, recipe: Any, model: Any = None) -> str:
-        """The partial recipe's folder of the lower layers' states: ``output/cache/states-<base>-<len>-top<N>-<key>``,
-        ``key`` from ``model``'s :func:`~st_extensions.partial.state_fingerprint`: one folder per set of states (MoL's
-        aggregation tokens get their own), reused across runs and systems."""
+        """The partial recipe's folder of the lower layers' states, one per set of states (``model``'s
+        :func:`~st_extensions.partial.state_fingerprint`), reused across runs and systems."""
         base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
         name = f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}"
         first = next(iter(model), None) if model is not None else None
@@ -692,7 +673,7 @@ class Harness:
             set_card_figures(folder, f"{self.name}: {title}", _figures(name, tables))
         full = {
             "experiment": self.name,
-            "config": asdict(self.cfg) if hasattr(self.cfg, "__dataclass_fields__") else dict(vars(self.cfg)),
+            "config": asdict(self.cfg),
             "data": data.describe() if data is not None else None,
             "recipes": dict(self.recipes),
             **dict(summary),
@@ -705,21 +686,21 @@ class Harness:
         }
         full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
         atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
-        copy = getattr(self.cfg, "results_json", None)
+        copy = self.cfg.results_json
         if copy:  # the summary where the docs' tables can name it, with the command line that made it
             if os.path.isdir(copy) or copy.endswith(os.sep):
                 copy = os.path.join(make_dirs(copy), f"{self.name}.json")
-            copied = {"command": getattr(self.cfg, "command", None), **full}
+            copied = {"command": self.cfg.command, **full}
             full["outputs"]["results_json"] = atomic_write(copy, json.dumps(copied, indent=2, default=_json_default))
+        if isinstance(getattr(self.cfg, "timings", None), dict):  # a config with a timings field gets the stages'
+            self.cfg.timings.update(self.timings)
         print("\n" + text, flush=True)
         print(f"results written to {self.path('results.md')} (tables as CSV, summary.json) in {self.output}/")
         self._lock.close()  # the folder is complete: another run may take it
         return full
 
     def _report_head(self, title: str, data: Data | None) -> list[str]:
-        """The report's first lines, generated from what the run did: the splits used (with the notes on how they
-        were chosen) and the recipe each trained model ran under (:meth:`Recipe.describe
-        <pyterrier_prob.training.Recipe.describe>`)."""
+        """The report's first lines: the splits used (with their notes) and the recipe each model trained under."""
         head = [f"# {title}", ""]
         if data is not None:
             d = data.describe()
@@ -753,8 +734,7 @@ class _NativeLogged(pt.Transformer):
 
 
 def _figures(name: str, tables: Mapping[str, pd.DataFrame]) -> str:
-    """The rows of ``tables`` whose first text column names the model ``name`` (e.g. ``MoL`` for ``mol``), as
-    Markdown; no such row: the first table whole (the run's figures, all systems)."""
+    """The rows of ``tables`` whose first text column names the model ``name`` as Markdown (none: the first table)."""
     parts = []
     for title, frame in tables.items():
         text = [c for c in frame.columns if pd.api.types.is_string_dtype(frame[c])]
@@ -772,8 +752,7 @@ def _json_default(o: Any) -> Any:
 
 
 def _read(path: str, parse: Callable[[str], Any] = json.loads) -> Any:
-    """The text of ``path`` parsed (default: the JSON of a model's or an index's settings), None when missing or
-    unreadable."""
+    """The text of ``path`` parsed (default: JSON), None when missing or unreadable."""
     try:
         with open(path, encoding="utf8") as f:
             return parse(f.read())
@@ -782,8 +761,7 @@ def _read(path: str, parse: Callable[[str], Any] = json.loads) -> Any:
 
 
 def _set_max_len(model: Any, n: int) -> Any:
-    """Set the model's token budget and return the model; ``ValueError`` naming ``--max-seq-length`` beyond the most
-    tokens its transformer takes (``max_position_embeddings``)."""
+    """Set the model's token budget (``ValueError`` beyond its ``max_position_embeddings``) and return the model."""
     for m in model.modules() if isinstance(model, torch.nn.Module) else []:
         limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and limit > 0:

@@ -1,12 +1,7 @@
-"""The Mixture-of-Logits experiment (``pyterrier-prob mol``): MoL against the dot-product bi-encoder, same
-backbone, same pairs, same budget.
-
-Ding & Zhai, *Retrieval with Learned Similarities* (WWW'25, ``shared/papers/mixture-of-logits.txt``): MoL's learned
-similarity phi(q, x) = sum_{pq, px} pi_{pq,px}(q, x) <f_pq(q), g_px(x)> (Eqs. 1-2), trained with the sampled softmax
-plus alpha * L_MI (Eqs. 3-4). The stages (:func:`systems`, :func:`train_system`, :func:`retrieve_dense`,
-:func:`retrieve_mol` with :func:`gate_statistics`, :func:`evaluate`, :func:`report`) can be called one by one; the
-protocol, the systems and what ``--model``/``--steps 0`` change: ``docs/mol.md`` (The protocol).
-"""
+"""The Mixture-of-Logits experiment (``pyterrier-prob mol``; Ding & Zhai, WWW'25,
+``shared/papers/mixture-of-logits.txt``): MoL's learned similarity (Eqs. 1-2) trained with the sampled softmax plus
+alpha * L_MI (Eqs. 3-4) against the dot-product bi-encoder, same backbone, pairs and budget. The stages can be called
+one by one; the protocol: ``docs/mol.md``."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from ir_measures import R, nDCG
 
 from pyterrier_prob.experiments.claims import perquery_claims, record_claims
 from pyterrier_prob.experiments.harness import (
@@ -38,7 +32,6 @@ from pyterrier_prob.mol import MoLEncoder, MoLRetriever
 from pyterrier_prob.mol.gate import gate_statistics
 from pyterrier_prob.pebr import ProbBiEncoder, TopKRetriever
 from st_extensions import MixtureOfLogits, build_mol_model, default_model_path, encode_components, find_mol, load_model
-from st_extensions.checks import choice
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, MoLLoss
 
 __all__ = [
@@ -126,8 +119,6 @@ class MolJobConfig(CommonConfig):
             raise ValueError(f"--pq and --px must be >= 1, got {self.pq} and {self.px}")
         if self.component_dim is not None and self.component_dim < 1:
             raise ValueError(f"--component-dim must be >= 1, got {self.component_dim}")
-        choice("--component-source", self.component_source, ("tokens", "heads"))
-        choice("--head-init", self.head_init, ("identity", "orthogonal"))
         if self.component_source == "tokens" and self.steps and self.training_recipe(1).caches_features:
             raise ValueError(
                 "--component-source tokens reads the encoder's token outputs, which the frozen recipe does not "
@@ -196,11 +187,8 @@ def _loss(model: Any, cls: type, pairs: TrainingPairs, **settings: Any) -> Any:
 
 
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
-    """Run the Mixture-of-Logits experiment (``docs/mol.md``, The protocol) and write its outputs to ``cfg.output``:
-    ``results.csv`` (the pt.Experiment table: nDCG@10, R@k, paired t-tests against the bi-encoder), ``gate.csv`` (gate
-    statistics per MoL system and pair set), ``training.csv`` (losses), ``summary.json`` and ``results.md``; models
-    under ``models/``, indexes under ``indexes/``. Returns ``{"experiment", "gate", "training": frame, "summary"}``.
-    """
+    """Run the Mixture-of-Logits experiment (``docs/mol.md``), writing its tables (``results``, ``gate``,
+    ``training``), ``summary.json`` and ``results.md`` to ``cfg.output``; returns them and ``"summary"``."""
     h = Harness("mol", cfg)
     dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
     data = h.load_data(calibrate=dev_curves)  # every test query is reported
@@ -232,8 +220,7 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     experiment = evaluate(cfg, h, data, runs, info, baseline)
     if baseline == BASELINE:  # claim mol_vs_dot: each trained MoL system against the dot-product model
         trained = [s.name for s in rows if s.kind == "mol" and s.loss is not None]
-        measures = [str(m) for m in (nDCG @ 10, R @ cfg.k)]
-        claims = [perquery_claims(h, runs, data, "mol", "mol_vs_dot", n, BASELINE, measures) for n in trained]
+        claims = [perquery_claims(h, runs, data, "mol", "mol_vs_dot", n, BASELINE, _measures(cfg)) for n in trained]
         # the construction is part of the system's name, so that the heads and tokens rows do not replace each other
         src = cfg.component_source
         claim_rows = [{**r, "system": f"{r['system']} ({src})", "construction": src} for rs in claims for r in rs]
@@ -270,6 +257,10 @@ def _mol_dev_scores(model: Any, topics: pd.DataFrame, texts: list[str]) -> np.nd
     q, qf = encode_components(model, topics["query"].tolist(), "query", return_features=True)
     x, xf = encode_components(model, texts, "document", return_features=True)
     return find_mol(model).score_all(q, x, qf, xf).float().cpu().numpy()
+
+
+def _measures(cfg: MolJobConfig) -> list[str]:
+    return ["nDCG@10", f"R@{cfg.k}"]
 
 
 def _loss_summary(losses: list[float]) -> dict[str, Any]:
@@ -329,10 +320,9 @@ def evaluate(
     baseline: str | None,
 ) -> pd.DataFrame:
     """``pt.Experiment`` of every system's run: nDCG@10 and R@k, paired t-tests against ``baseline``."""
-    measures = [nDCG @ 10, R @ cfg.k]
     coll, topics = data.test_collection, data.test_topics
     with h.stage("evaluate", f"pt.Experiment on {coll.name}/{data.test} ({len(topics)} queries)"):
-        experiment = h.experiment(runs, topics, data.test_qrels, measures, baseline=baseline)
+        experiment = h.experiment(runs, topics, data.test_qrels, _measures(cfg), baseline=baseline)
     experiment.insert(1, "similarity", [info[n]["similarity"] for n in experiment["name"]])
     experiment.insert(2, "fine-tuned", [("loss" in info[n]) for n in experiment["name"]])
     return experiment
@@ -358,7 +348,7 @@ def report(
     training = pd.DataFrame(
         [{"system": n, "loss": e["loss"], **e.get("train_loss", {})} for n, e in info.items() if "loss" in e]
     )
-    measures = [str(m) for m in (nDCG @ 10, R @ cfg.k)]
+    measures = _measures(cfg)
     significance = f"paired t-test per measure against {baseline!r} (pt.Experiment, no correction)"
     summary = {
         "systems": [s.name for s in rows],

@@ -1,11 +1,7 @@
-"""The pEBR experiment (``pyterrier-prob pebr``, and plain ``pyterrier-prob``): fine-tune, index, calibrate on dev,
-compare cutoffs on test at matched mean depth.
-
-pEBR (``shared/papers/pebr.md``): a BetaNCE head (Sec. 3.2.2) against an MNRL baseline with the same budget, every
-variable-depth retriever calibrated to a mean depth k (Sec. 4.1.3) and compared on test with set measures, overall
-and per stratum (Table 1), with Table 3 and Figure 2. Each stage can be called on its own (e.g. from a notebook);
-the protocol: ``docs/pebr.md`` (The protocol).
-"""
+"""The pEBR experiment (``pyterrier-prob pebr``, and plain ``pyterrier-prob``; ``shared/papers/pebr.md``): a BetaNCE
+head (Sec. 3.2.2) against an MNRL baseline, every variable-depth retriever calibrated to a mean depth k (Sec. 4.1.3)
+and compared on test, overall and per stratum (Table 1, Table 3, Figure 2). Each stage can be called on its own; the
+protocol: ``docs/pebr.md``."""
 
 from __future__ import annotations
 
@@ -36,7 +32,6 @@ from pyterrier_prob.experiments.pebr_cutoffs import StudyConfig, cutoff_study, s
 from pyterrier_prob.pebr import CDFCutoffRetriever, ProbBiEncoder, ScoreCutoffRetriever, TopKRetriever
 from pyterrier_prob.plots import retrieved_count_histogram, table3_plot
 from st_extensions import build_pebr_model, load_model
-from st_extensions.checks import choice
 from st_extensions.losses import BetaMLELoss, BetaNCELoss, ExpNCELoss, MaskedMultipleNegativesRankingLoss
 from st_extensions.pebr import find_head
 
@@ -69,10 +64,9 @@ MEASURES = ("SetR", "SetP")
 RANKING_MEASURES = ("nDCG@10", "R@100")
 STUDY_KEYS = ("pit", "pit_per_query", "calibrated_law", "calibrated_law_list_features", "figures")  # in summary.json
 FAMILIES = ("beta", "exp", "beta_mle")
-#: the frozen recipe's rates for ``--family beta_mle``: BetaMLE's point-wise log-likelihood l(θ) (pEBR Sec. 3.1) pulls
-#: the shared embedding space towards fitting the two laws rather than ranking, and on nfcorpus/dev every adapter
-#: rate above 0 lowered nDCG@10 below the untrained model's (``benchmarks/recipe_search.py --methods pebr_mle``;
-#: README), so the adapter keeps the base geometry and only the head learns the relevant and irrelevant laws
+#: the frozen recipe's rates for ``--family beta_mle``: BetaMLE's log-likelihood (Sec. 3.1) pulls the embedding space
+#: towards fitting the laws, and every adapter rate above 0 lowered nDCG@10 on nfcorpus/dev
+#: (``benchmarks/recipe_search.py --methods pebr_mle``): only the head learns
 MLE_FROZEN_RATES = {"LinearAdapter": 0.0}
 
 
@@ -102,8 +96,6 @@ class PebrJobConfig(CommonConfig):
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range."""
         super().check()
-        choice("family", self.family, FAMILIES)
-        choice("geometry", self.geometry, ("line", "sphere"))
         if not self.ks or any(int(k) != k or k < 1 for k in self.ks):
             raise ValueError(f"ks must be positive integers, got {list(self.ks)}")
         for name in ("cap", "study_cap"):
@@ -119,12 +111,8 @@ add_arguments, config_from_args = subcommand(PebrJobConfig, "pEBR")  # what ``py
 
 
 def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
-    """Run the pEBR experiment (module docstring) and write to ``cfg.output`` its tables as CSV (``results.csv``:
-    pt.Experiment, all k; ``strata.csv``, ``table3.csv``, ``calibration.csv``, ...) and as ``results.md``,
-    ``summary.json`` and the figures; models under ``models/``, indexes under ``indexes/``.
-
-    Returns ``{"experiment": frame, "strata": frame, "table3": frame, "calibration": frame, "summary": dict}``.
-    """
+    """Run the pEBR experiment (module docstring), writing its tables (CSV, ``results.md``), ``summary.json`` and
+    figures to ``cfg.output``; returns ``{"experiment", "strata", "table3", "calibration": frame, "summary"}``."""
     h = Harness("pebr", cfg)
     data = h.load_data()
     trained = train_models(cfg, h, data)
@@ -146,25 +134,14 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
         },
     }
     md = _markdown(ranking, tested, table3, calibration, summary) + "\n" + study_markdown(study, data.cal_source)
-    tables = {
-        "results": tested["experiment"],
-        "ranking": ranking,
-        "strata": tested["per_stratum"],
-        "table3": table3,
-        "calibration": calibration,
-        "cutoffs_matched_depth": study["matched"],
-        "cutoffs_recall_targets": study["targets"],
-    }
+    out = {"experiment": tested["experiment"], "strata": tested["per_stratum"], "table3": table3}
+    out["calibration"] = calibration
+    tables = {"results": out["experiment"], "ranking": ranking, "strata": out["strata"], "table3": table3}
+    tables |= {"calibration": calibration, "cutoffs_matched_depth": study["matched"]}
+    tables["cutoffs_recall_targets"] = study["targets"]
     record_claims(cfg, cutoff_claims(data, study["matched"]))
-    summary = h.finish("pEBR: CDF cutoff vs top-k and score cutoff at matched mean depth", md, tables, summary, data)
-    cfg.timings.update(h.timings)
-    return {
-        "experiment": tested["experiment"],
-        "strata": tested["per_stratum"],
-        "table3": table3,
-        "calibration": calibration,
-        "summary": summary,
-    }
+    title = "pEBR: CDF cutoff vs top-k and score cutoff at matched mean depth"
+    return {**out, "summary": h.finish(title, md, tables, summary, data)}
 
 
 def cutoff_claims(data: Data, matched: pd.DataFrame) -> list[dict[str, Any]]:
@@ -200,12 +177,9 @@ def _pebr_model(cfg: PebrJobConfig, projection: bool) -> Any:
 
 
 def train_models(cfg: PebrJobConfig, h: Harness, data: Data) -> dict[str, Any]:
-    """The pEBR and baseline (masked MNRL) models trained with the same recipe, rows and budget (judged negatives
-    masked; under the frozen recipe a LinearAdapter (+ head) on the cached encoder outputs), or (no train split /
-    ``--steps 0``) the given model as it is (with a new head on the pEBR side unless it has one); and the untrained one.
-
-    Returns ``{"models": {"pebr", "baseline", "untrained"}, "losses": {"pebr", "baseline"}}``.
-    """
+    """The pEBR and baseline (masked MNRL) models trained with the same recipe, rows and budget (nothing to train: the
+    given model, with a new pEBR head unless it has one), and the untrained one; returns ``{"models": {"pebr",
+    "baseline", "untrained"}, "losses": {"pebr", "baseline"}}``."""
     adapter = h.recipe.caches_features
     pairs = TrainingPairs(data, cfg.seed) if data.train else None
     settings = {"family": cfg.family, "train": f"{data.train_collection.name}/{data.train}", "judged_masked": True}
@@ -327,11 +301,9 @@ def _runs_at(h: Harness, enc: Encoded, bm25: Any, topics: pd.DataFrame, k: int, 
 def test_runs(
     cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded, settings: dict[int, dict[str, float]]
 ) -> dict[str, Any]:
-    """On the test queries, every system at each k in ``pt.Experiment`` (set measures, paired t-tests against pEBR
-    top-k), overall and per head/torso/tail stratum (Table 1).
-
-    Returns ``{"experiment", "per_stratum", "strata", "histogram_counts", "histogram_p"}`` (the last two: the pEBR
-    CDF cutoff's retrieved counts per test query at the largest k, for Figure 2)."""
+    """On the test queries, every system at each k in ``pt.Experiment`` (paired t-tests against pEBR top-k), overall
+    and per stratum (Table 1); returns ``{"experiment", "per_stratum", "strata", "histogram_counts", "histogram_p"}``
+    (the last two: the CDF cutoff's counts per query at the largest k, for Figure 2)."""
     topics, qrels = data.test_topics, data.test_qrels
     bm25 = h.bm25(data.test_collection)
     strata = assign_strata(topics, qrels)
@@ -433,28 +405,21 @@ def _markdown(
         [k, name, *(f"{measure_cell(g.loc[s], 'SetR')} ({g.loc[s, 'mean_k']:.0f})" for s in strata)]
         for (k, name), g in ((key, g.set_index("stratum")) for key, g in per_stratum.groupby(["k", "name"], sort=False))
     ]
-    t3 = table3.set_index("stratum")
-    t3 = [[s, *(f"{v:.1f}" for v in row)] for s, row in t3.iterrows()]
+    t3 = [[s, *(f"{v:.1f}" for v in row)] for s, row in table3.set_index("stratum").iterrows()]
     cal = [
         [r["k"], r["system"], r["parameter"], f"{r['value']:.6g}", f"{r['dev_mean_k']:.2f}"]
         + ["yes" if r["achieved_within_1pct"] else "no"]
         for _, r in calibration.iterrows()
     ]
     ps = [f"p={float(p):g}" for p in table3.columns if p != "stratum"]
+    ranking_title = "Ranking (top 100 of each model; `*`: p < 0.05, paired t-test against the untrained model):"
+    cal_columns = ["k", "system", "parameter", "value", "dev mean k", "within 1%"]
     parts = [
-        (
-            "Ranking (top 100 of each model; `*`: p < 0.05, paired t-test against the untrained model):",
-            ranked,
-            ["model", *RANKING_MEASURES],
-        ),
+        (ranking_title, ranked, ["model", *RANKING_MEASURES]),
         (f"`*`: p < 0.05, {summary['significance']}.", main, ["k", "system", "setting", "test mean k", "SetR", "SetP"]),
         (f"Per stratum ({summary['strata_basis']}): SetR (mean k)", by_stratum, ["k", "system", *strata]),
         ("Table 3 (pEBR CDF cutoff, test queries): mean retrieved documents per query", t3, ["stratum", *ps]),
-        (
-            "Calibration (mean depth reached on the calibration queries):",
-            cal,
-            ["k", "system", "parameter", "value", "dev mean k", "within 1%"],
-        ),
+        ("Calibration (mean depth reached on the calibration queries):", cal, cal_columns),
     ]
     tables = (f"{title}\n\n{markdown_table(pd.DataFrame(rows, columns=cols))}" for title, rows, cols in parts)
     return "\n\n".join(tables) + "\n"

@@ -1,13 +1,7 @@
-"""The UniERF experiment (``pyterrier-prob unierf``): recall of the merged branch candidates at a total budget B,
-the Table 2 ablation, and how much the branches' candidate sets overlap.
-
-Jiang et al., *UniERF* (KDD'25, ``shared/papers/unierf.md``), adapted to text retrieval with two branches of one
-query tower (Sec. 4.1): ``semantic`` reads the query, ``trigger`` the query and the text of its top BM25 document
-(:class:`~pyterrier_prob.TriggerText`), trained by the terms of :class:`~st_extensions.losses.UniERFLoss` (Eq.
-28-32) on the same rows and batches. The stages (:func:`start`, :func:`training_rows`, :func:`train_systems`,
-:func:`recall_at_budgets`, :func:`overlap_table`, :func:`report`, on a :class:`UniERFRun`) can be called one by
-one; the protocol in full: ``docs/unierf.md`` (The protocol).
-"""
+"""The UniERF experiment (``pyterrier-prob unierf``; Jiang et al., KDD'25, ``shared/papers/unierf.md``): two branches
+of one query tower (``semantic``: the query; ``trigger``: the query and its top BM25 document, Sec. 4.1) trained by
+the terms of :class:`~st_extensions.losses.UniERFLoss` (Eq. 28-32); merged recall at a total budget B, the Table 2
+ablation and the branches' overlap. The stages run on a :class:`UniERFRun`; the protocol: ``docs/unierf.md``."""
 
 from __future__ import annotations
 
@@ -46,7 +40,6 @@ from pyterrier_prob.unierf.analysis import (
     merged_run,
 )
 from pyterrier_prob.unierf.branches import TriggerText, UniERFEncoder, unierf_training_data
-from pyterrier_prob.validation import choice
 from st_extensions import build_unierf_model
 from st_extensions.judged import JudgedPairs, pair_labels
 from st_extensions.losses.unierf import FrozenDocumentTower
@@ -162,8 +155,6 @@ class UniERFJobConfig(CommonConfig):
             raise ValueError(f"--budgets must be integers >= 2 (each branch gets B/2), got {list(self.budgets)}")
         if len(set(self.budgets)) != len(self.budgets):
             raise ValueError(f"--budgets must be distinct, got {list(self.budgets)}")
-        choice("--ablations", self.ablations, tuple(ABLATIONS))
-        choice("--doc-tower", self.doc_tower, ("frozen", "joint"))
         if self.dev_quotas and self.doc_tower != "frozen":
             raise ValueError("--dev-quotas searches the dev queries in the start model index: needs --doc-tower frozen")
 
@@ -202,9 +193,8 @@ def _frozen_tower(start: Any, rows: Any, doc_texts: dict[str, str], index: Any) 
 
 
 def _start_model(cfg: UniERFJobConfig, branches: Sequence[str] = BRANCHES) -> Any:
-    """The start model: ``--model`` as it is when it is a UniERF model with ``branches``, else the model (default: the
-    packaged MiniLM; a UniERF one loses its heads) with identity-initialised heads for ``branches`` (``given_heads``
-    says which); (c) builds its one-branch models with one branch."""
+    """``--model`` as it is when it is a UniERF model with ``branches``, else the model (a UniERF one loses its heads)
+    with identity-initialised heads for ``branches``; ``given_heads`` says which."""
     model = base_model(cfg)
     heads = [m for m in model.modules() if isinstance(m, MultiBranchQueryEncoder)]
     if heads and len(branches) > 1:
@@ -221,10 +211,8 @@ def _start_model(cfg: UniERFJobConfig, branches: Sequence[str] = BRANCHES) -> An
 
 
 def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
-    """Run the UniERF experiment (``docs/unierf.md``, The protocol) and write its outputs to ``cfg.output``:
-    ``results.csv`` (R@B and p-values of every run), ``overlap.csv``, ``training.csv``, ``summary.json`` and
-    ``results.md``; models under ``models/``, indexes under ``indexes/``. Returns ``{"results", "overlap",
-    "training": frame, "summary": dict}``."""
+    """Run the UniERF experiment (``docs/unierf.md``), writing its tables, ``summary.json`` and ``results.md`` to
+    ``cfg.output``; returns ``{"results", "overlap", "training": frame, "summary": dict}``."""
     h = Harness("unierf", cfg)
     dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder or cfg.dev_quotas  # dev: curves and quota shares
     data = h.load_data(calibrate=dev_curves)  # every test query is reported
@@ -560,9 +548,7 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
     title = "UniERF: merged recall at budget B, Table 2 ablation and branch overlap"
     tables = {"results": results, "overlap": overlap, "training": training}
     record_claims(cfg, claims(run))
-    summary = run.h.finish(title, md, tables, summary, run.data)
-    cfg.timings.update(run.h.timings)
-    return {**tables, "summary": summary}
+    return {**tables, "summary": run.h.finish(title, md, tables, summary, run.data)}
 
 
 def _markdown(
