@@ -1,10 +1,6 @@
-"""The ``pyterrier-prob`` command: one subcommand per paper's experiment, on any collection.
-
-``pyterrier-prob pebr|mol|varce|unierf [options]`` runs :mod:`pyterrier_prob.experiments.<paper>`; each has its own
-``--help``, and ``pyterrier-prob --help`` lists them. Plain ``pyterrier-prob [options]`` runs the pEBR experiment. At
-default verbosity the console shows our progress bars and the final table only; ``--verbose`` keeps the libraries'
-own output (:mod:`pyterrier_prob.console`).
-"""
+"""The ``pyterrier-prob`` command: ``pyterrier-prob pebr|mol|varce|unierf [options]`` runs
+:mod:`pyterrier_prob.experiments.<paper>` on any collection (plain ``pyterrier-prob [options]``: pEBR); ``--verbose``
+keeps the libraries' own output (:mod:`pyterrier_prob.console`)."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ DEFAULT = "pebr"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Each option's help followed by its default, once: not when the help already says it, nor for a default of
-    None or False (a flag, or an option that is off unless given)."""
+    """Each option's help followed by its default, unless the help says it or the default is None or False."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

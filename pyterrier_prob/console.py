@@ -1,10 +1,6 @@
-"""The command line's console: our own progress bars and the final table, the libraries' chatter only on request.
-
-:func:`setup_console` (what ``pyterrier-prob <paper>`` calls; ``--verbose`` keeps or restores everything) silences
-ir_datasets' ``[INFO]`` lines, the Hugging Face bars, sentence-transformers' inner bars (:func:`library_bars`) and
-torch's harmless ``pin_memory`` warning without an accelerator (:data:`PIN_MEMORY_WARNING`). Used as a library, nothing
-here runs unless asked; a script or notebook that wants the quiet console calls ``setup_console()`` itself and wraps
-native code that prints on its own (PISA's indexer) in :func:`native_output_to`."""
+"""The command line's console: our own progress bars and the final table, the libraries' chatter only on request
+(:func:`setup_console`, which ``pyterrier-prob`` calls; a script or notebook calls it itself, and wraps native code
+that prints, such as PISA's indexer, in :func:`native_output_to`)."""
 
 from __future__ import annotations
 
@@ -37,18 +33,14 @@ def verbose() -> bool:
 
 
 def library_bars() -> bool:
-    """Whether the libraries' inner progress bars show (sentence-transformers' encode "Batches", the model card's
-    "Computing widget examples", pyterrier-dr's scoring bar) where our code would otherwise show them: False only
-    after :func:`setup_console` at default verbosity."""
+    """Whether the libraries' inner progress bars show (sentence-transformers' "Batches", pyterrier-dr's scoring bar):
+    False only after :func:`setup_console` at default verbosity."""
     return _VERBOSE is not False
 
 
 def quiet_ir_datasets(level: int = logging.WARNING) -> None:
-    """Set ir_datasets' loggers (names ``ir_datasets``, ``ir_datasets.*``) to ``level``.
-
-    ir_datasets sets its logger to INFO the first time it logs, so the logger is made here first (through
-    ``ir_datasets.log.easy().logger()``, which does that once) and its level set after.
-    """
+    """Set ir_datasets' loggers (``ir_datasets``, ``ir_datasets.*``) to ``level`` (made first: ir_datasets sets its
+    logger to INFO the first time it logs)."""
     try:
         import ir_datasets
 
@@ -70,8 +62,7 @@ def _hf_progress_bars(enabled: bool) -> None:
 
 
 def quiet_libraries() -> None:
-    """Hide the Hugging Face bars (loading weights, downloads) and ir_datasets' INFO lines: what the experiment
-    harness does for every run unless the command line asked for ``--verbose``."""
+    """Hide the Hugging Face bars and ir_datasets' INFO lines (every experiment run, unless ``--verbose``)."""
     _hf_progress_bars(False)
     quiet_ir_datasets(logging.WARNING)
 

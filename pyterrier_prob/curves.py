@@ -33,15 +33,11 @@ def _read_points(path: str) -> list[dict[str, float]]:
 
 class DevCurve(TrainerCallback):
     """Evaluates ``evaluate(model) -> float`` (higher is better, e.g. dev nDCG@10) every ``every`` optimiser steps, at
-    the last step and (``evaluate_at_start``) at step 0; each point ``{"step", "dev", "train_s"}`` is appended to
-    ``path`` (JSON, written atomically; None: memory only, and a resume starts afresh) as it comes.
-
-    ``model`` is the model the trainer trains (under the frozen and partial recipes the training stand-in, which
-    shares its trained modules with the real model and scores exactly as it does up to the cache's storage rounding).
-    With ``keep_best`` the trainable parameters at the best point so far are kept (also on disk beside ``path``, so a
-    resumed run knows them) and put back into the model when training ends: the model is then the one at the best dev
-    step. ``patience``: stop training after this many evaluations without a better dev value (None: never). A resumed
-    run keeps the points up to the step it resumes from; a fresh run (step 0) starts a new curve."""
+    the last step and (``evaluate_at_start``) at step 0, appending each point ``{"step", "dev", "train_s"}`` to
+    ``path`` (JSON; None: memory only). ``model`` is what the trainer trains (the recipes' stand-in shares its trained
+    modules). With ``keep_best`` the trainable parameters at the best point (also on disk beside ``path``) are put
+    back when training ends. ``patience``: stop after this many evaluations without a better dev value (None: never).
+    A resumed run keeps the points up to its step; a fresh run starts a new curve."""
 
     def __init__(
         self,
@@ -136,9 +132,8 @@ class DevCurve(TrainerCallback):
 def curve_summaries(
     folder: str, measures: Mapping[str, str], recipes: Mapping[str, Mapping[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """name -> the saved :class:`DevCurve` ``folder/<name>.json`` of each trained system in ``measures`` (name ->
-    dev measure), capped at its recipe's ``steps``: best step and dev value, evaluations, ``stopped_by``
-    (``"patience"`` when the last point is before the cap, else ``"steps"``)."""
+    """name -> summary of the saved :class:`DevCurve` ``folder/<name>.json`` of each system in ``measures`` (name ->
+    dev measure): best step and value, evaluations, ``stopped_by`` (``"patience"`` before the recipe's steps)."""
     out = {}
     for name, measure in measures.items():
         path = os.path.join(folder, f"{name}.json")

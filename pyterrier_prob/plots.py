@@ -89,11 +89,9 @@ def pit_plot(
     bins: int = 20,
     dpi: int = 120,
 ) -> str:
-    """PIT histogram and reliability curve of per-query cosine laws, e.g. before and after calibration (issue #13).
-
-    ``pits``: label -> PIT values (:func:`pyterrier_prob.pebr.calibration.pit_values`). Left: their density (dotted:
-    uniform); right: their empirical CDF (diagonal: calibrated; above it the pEBR cutoff keeps fewer than a share p).
-    The legend gives n, the KS distance D and the share below 0.01. Returns ``path``."""
+    """PIT histogram and reliability curve of per-query cosine laws, e.g. before and after calibration (issue #13):
+    ``pits``, label -> PIT values (:func:`pyterrier_prob.pebr.calibration.pit_values`); the legend gives n, the KS
+    distance D and the share below 0.01. Returns ``path``."""
     if not isinstance(pits, Mapping) or not pits:
         raise ValueError("pits must be a non-empty mapping label -> PIT values")
     clean = {}
@@ -149,10 +147,8 @@ def truncation_curves_plot(
 
 
 def reliability_plot(calibration: Mapping[str, Mapping], path: str | os.PathLike | None = None) -> Figure:
-    """Reliability diagram (Guo et al., ICML 2017): per re-ranker, the fraction of relevant pairs against the mean
-    predicted P(relevant) in equal-mass bins (``calibration[name]["reliability"]``, as
-    :func:`pyterrier_prob.varce.calibration.reliability_curve` gives it), its ECE in the legend; the diagonal is
-    perfect calibration. Saved as PNG at ``path`` when given."""
+    """Reliability diagram (Guo et al., ICML 2017) of each re-ranker's ``calibration[name]["reliability"]``
+    (:func:`pyterrier_prob.varce.calibration.reliability_curve`), its ECE in the legend; saved at ``path`` if given."""
     fig = Figure(figsize=(4.8, 4.4))
     ax = fig.add_subplot()
     ax.plot([0, 1], [0, 1], color="0.7", lw=1, ls="--")

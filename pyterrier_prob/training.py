@@ -54,8 +54,7 @@ __all__ = [
 
 
 class _LossBar(TrainerCallback):
-    """One tqdm bar over the optimiser steps with the running loss as its postfix, instead of transformers'
-    printer / progress callbacks (which write one loss dictionary per logged step)."""
+    """One tqdm bar over the optimiser steps with the running loss, instead of transformers' printer callbacks."""
 
     def __init__(self, show: bool, desc: str) -> None:
         self.show, self.desc, self.bar = show, desc, None
@@ -104,13 +103,10 @@ def head_learning_rates(
     by_class: Mapping[str, float] | None = None,
     default: float | None = None,
 ) -> dict[str, float]:
-    """``learning_rate_mapping`` for the trainer: every parameter of a module that declares a ``learning_rate``
-    (the modules our builders add: :class:`~st_extensions.modules.LinearAdapter`, the pEBR
-    :class:`~st_extensions.modules.QueryDistributionHead`, :class:`~st_extensions.modules.MixtureOfLogits`,
-    :class:`~st_extensions.modules.MultiBranchQueryEncoder`, the VarCE ``VariationalHead``) trains at that rate,
-    or at ``default`` when given, or at ``by_class[<its class name>]`` for the classes named there (e.g.
-    ``{"LinearAdapter": 3e-5}``; 0 keeps that module as built); the encoder keeps the trainer's rate. Keys are
-    exact parameter names as the trainer sees them (through ``loss``)."""
+    """``learning_rate_mapping`` for the trainer: every parameter of a module that declares a ``learning_rate`` (the
+    modules our builders add: LinearAdapter, pEBR head, MixtureOfLogits, branch heads, VariationalHead) trains at that
+    rate, or at ``default``, or at ``by_class[<its class name>]`` (0 keeps it as built); the encoder keeps the
+    trainer's rate. Keys are exact parameter names as the trainer sees them (through ``loss``)."""
     heads = [m for m in model.modules() if isinstance(getattr(type(m), "learning_rate", None), float)]
     by_class, declared = dict(by_class or {}), sorted({type(m).__name__ for m in heads})
     if unknown := sorted(set(by_class) - set(declared)):
@@ -130,8 +126,7 @@ def text_columns(train: Dataset) -> list[str]:
 
 @contextlib.contextmanager
 def _loss_on(loss: nn.Module, model: nn.Module, stand_in: nn.Module):
-    """Point every ``.model`` of ``loss`` (and of its submodules) that is ``model`` at ``stand_in`` for a while (nothing
-    to do when ``stand_in`` is ``model``)."""
+    """Point every ``.model`` of ``loss`` (and of its submodules) that is ``model`` at ``stand_in`` for a while."""
     swapped = [m for m in loss.modules() if getattr(m, "model", None) is model and stand_in is not model]
     for m in swapped:
         m.model = stand_in
@@ -158,12 +153,9 @@ def _option(default: Any, text: str) -> Any:
 
 @dataclass
 class Recipe:
-    """Everything that decides how a model is fine-tuned, in one object (written beside every trained model).
-
-    Each field's ``help`` (its metadata) says what it does; the command line's options are made from them
-    (:func:`pyterrier_prob.experiments.harness.add_options`). The global batch is ``batch_size`` times
-    the world size; ``learning_rate_mapping`` (regex on parameter names -> rate) overrides every other rate.
-    """
+    """Everything that decides how a model is fine-tuned (written beside every trained model); each field's ``help``
+    says what it does (the command line's options are made from them). The global batch is ``batch_size`` times the
+    world size; ``learning_rate_mapping`` (regex on parameter names -> rate) overrides every other rate."""
 
     mode: str = _option(
         "frozen",
@@ -207,8 +199,7 @@ class Recipe:
 
     @property
     def caches_features(self) -> bool:
-        """Whether only the added modules train, on the encoder's outputs computed once (mode ``frozen``): the
-        encoder is never updated, so its outputs can be cached and shared by every system of a run."""
+        """Whether only the added modules train, on the encoder's outputs computed once (mode ``frozen``)."""
         return self.mode == "frozen"
 
     @property
@@ -261,8 +252,8 @@ class Recipe:
 
 
 def complete_checkpoints(folder: str) -> list[str]:
-    """The complete checkpoints (``checkpoint-<step>`` folders holding the :data:`COMPLETE` marker) in ``folder``,
-    oldest first. A checkpoint whose writing was interrupted has no marker and is not listed."""
+    """The complete checkpoints (``checkpoint-<step>`` folders with the :data:`COMPLETE` marker) in ``folder``, oldest
+    first."""
     return [p for _, p in sorted(_checkpoints(folder).items()) if os.path.isfile(os.path.join(p, COMPLETE))]
 
 
@@ -280,9 +271,7 @@ def _remove_checkpoints(folder: str, after: int = -1) -> None:
 
 
 def _pairs_of(train: Dataset) -> list[tuple[str, str]]:
-    """The (query, document) pairs a cross-encoder trains on: ``query`` with ``document`` for (query, document,
-    label) rows; else the first column with each further text column (e.g. ``query, positive, negative_1, ...`` for a
-    listwise loss)."""
+    """The (query, document) pairs a cross-encoder trains on (else the first text column with each further one)."""
     if "document" in train.column_names and "query" in train.column_names:
         return list(zip(train["query"], train["document"]))
     columns = [c for c in train.column_names if c != "label" and isinstance(train[0][c], str)]
@@ -295,10 +284,7 @@ def _pairs_of(train: Dataset) -> list[tuple[str, str]]:
 
 
 class _SamplerEpoch(TrainerCallback):
-    """Sets the epoch of the :class:`~st_extensions.sampler.QueryBalancedBatchSampler` under the trainer's data
-    loader at every epoch's start, from the step count as the trainer computes the epochs it has trained. The trainer
-    sets it too, except in the epoch a multi-process run resumes in the middle of (there its ``set_epoch`` reaches
-    accelerate's ``BatchSamplerShard``, not the sampler), which would otherwise be drawn as epoch 0."""
+    """Sets the batch sampler's epoch at every epoch's start (the trainer's misses it in a resumed DDP epoch)."""
 
     def on_epoch_begin(self, args, state, control, train_dataloader=None, **kwargs):
         steps = len(train_dataloader) // max(1, args.gradient_accumulation_steps) if train_dataloader else 0
@@ -312,8 +298,7 @@ class _SamplerEpoch(TrainerCallback):
 
 
 class _MarkComplete(TrainerCallback):
-    """Marks a checkpoint complete once the trainer has written all of it (weights, optimizer, scheduler, RNG,
-    trainer state with the sampler's position): an interrupted write leaves no marker, and resuming skips it."""
+    """Marks a checkpoint complete once the trainer has written all of it: resuming skips an unmarked one."""
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -322,10 +307,7 @@ class _MarkComplete(TrainerCallback):
 
 
 def _trainer_class(base: type) -> type:
-    """``base`` (a sentence-transformers trainer) whose checkpoints hold the *real* model, not the training
-    stand-in: under the frozen and partial recipes the trainer trains a stand-in (cached encoder outputs or lower
-    layers) that shares its trained modules with the model; each checkpoint saves the model itself (an ordinary
-    sentence-transformers folder, safetensors weights) and a resumed run loads its weights back into it."""
+    """``base`` (a trainer class) whose checkpoints save and load the real model, not the training stand-in."""
 
     class RecipeTrainer(base):
         real_model: nn.Module | None = None
@@ -372,21 +354,15 @@ def fine_tune(
     encoder_cache: CachedEmbeddings | None = None,
     state_cache: str | None = None,
 ) -> list[float]:
-    """Train ``model`` in place under ``recipe`` (:class:`Recipe`); returns the logged training loss of every step (a
-    resumed run: those its checkpoint recorded, then its own). Recipes, caches and checkpoints: ``docs/recipes.md``.
+    """Train ``model`` in place under ``recipe``; returns the logged training loss of every step (a resumed run: those
+    its checkpoint recorded, then its own). Recipes, caches and checkpoints: ``docs/recipes.md``.
 
-    A :class:`~sentence_transformers.CrossEncoder` trains with ``CrossEncoderTrainer`` on its rows as given
-    (shuffled); any other model with ``SentenceTransformerTrainer`` on query-balanced batches
-    (:class:`~st_extensions.sampler.QueryBalancedBatchSampler`) of its ``anchor*``, ``positive*`` and ``negative*``
-    columns in their order, plus ``label`` (:func:`~st_extensions.judged.pair_labels`), linear warm-up. Under
-    ``frozen`` and ``partial`` a stand-in trains on inputs computed once (:func:`_stand_in`): ``encoder_cache`` reuses
-    and extends a cache of the same encoder (frozen), ``state_cache`` is the folder of the lower layers' states
-    (partial; default under ``output_dir``, else temporary); the model is then saved and used exactly as after full
-    training. Rates: :func:`head_learning_rates`, ``recipe.learning_rate_mapping`` over all. ``output_dir`` receives
-    ``recipe.json`` and the checkpoints (``recipe.checkpoint_every``; one counts once its :data:`COMPLETE` marker is
-    written); ``resume=True`` continues from the newest complete one, under the same recipe only, and ends with the
-    weights of an uninterrupted run. ``callbacks`` join the trainer (e.g. a dev curve); ``desc`` labels the one
-    progress bar over the steps (none without ``show_progress``)."""
+    A CrossEncoder trains on its rows as given (shuffled), any other model on query-balanced batches of its
+    ``anchor*``, ``positive*``, ``negative*`` columns (and ``label``). Under ``frozen`` and ``partial`` a stand-in
+    trains on inputs computed once: ``encoder_cache`` reuses a cache of the same encoder (frozen), ``state_cache`` is
+    the folder of the lower layers' states (partial; default under ``output_dir``, else temporary). ``output_dir``
+    receives ``recipe.json`` and the checkpoints; ``resume=True`` continues from the newest complete one (same recipe
+    only). ``callbacks`` join the trainer; ``desc`` labels the progress bar (none without ``show_progress``)."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
     recipe.check()
@@ -438,9 +414,7 @@ def fine_tune(
 
 
 def _stand_in(model: nn.Module, train: Dataset, recipe: Recipe, folder: str, cache: Any, show: bool) -> nn.Module:
-    """What the trainer trains under ``recipe``: ``model`` itself (full), or a stand-in on inputs computed once --
-    the encoder's outputs (frozen; a cross-encoder's head on the backbone's [CLS] features of every training pair),
-    the lower layers' states cached in ``folder`` (partial)."""
+    """What the trainer trains: ``model``, or a stand-in on cached encoder outputs (frozen) or states (partial)."""
     cross = isinstance(model, CrossEncoder)
     if recipe.caches_features:
         # encode's inner "Batches" bar only where library bars are wanted (not the command line's default)
@@ -468,9 +442,7 @@ def _stand_in(model: nn.Module, train: Dataset, recipe: Recipe, folder: str, cac
 def _trainer(
     model: nn.Module, trained: nn.Module, loss: nn.Module, train: Dataset, recipe: Recipe, run_dir: str
 ) -> Any:
-    """The trainer of :func:`fine_tune`: ``trained`` (the model or its stand-in on cached inputs) under ``recipe``
-    (learning rates through :func:`head_learning_rates`, checkpoints, seed), saving ``model`` itself in its
-    checkpoints; our callbacks (complete-checkpoint marker, sampler epoch) instead of transformers' printers."""
+    """The trainer of :func:`fine_tune`: ``trained`` under ``recipe``, saving ``model`` itself in its checkpoints."""
     if isinstance(model, CrossEncoder):  # its rows as given, shuffled
         trainer_class, arguments_class, sampler = CrossEncoderTrainer, CrossEncoderTrainingArguments, {}
     else:
@@ -507,22 +479,17 @@ def _trainer(
 
 
 def _ddp_arguments() -> dict[str, Any]:
-    """Trainer arguments for several processes (torchrun / accelerate launch): DDP's static graph, and without a
-    GPU the CPU flag and gloo (accelerate runs DDP on CPU processes only when told they are CPU ones; otherwise each
-    would train alone on its shard)."""
+    """Trainer arguments for several processes: DDP's static graph, and without a GPU the CPU flag and gloo."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return {}
-    # our losses run the model more than once per step (queries, then documents, which skip the query-side heads) and
-    # read heads outside the DDP forward, and the encoder has parameters no loss uses (BERT's pooler): DDP's search
-    # for unused parameters marks a head left out of one forward ready there and again in backward. The graph is the
-    # same at every step, which DDP's static-graph mode is made for (unused and multiply used parameters alike).
+    # our losses run the model more than once per step and leave parameters unused (BERT's pooler), which DDP's
+    # unused-parameter search gets wrong; the graph is the same at every step, what static-graph mode is made for
     ddp = {"ddp_static_graph": True}
     return ddp if torch.cuda.is_available() else {**ddp, "use_cpu": True, "ddp_backend": "gloo"}
 
 
 def _resume_point(folder: str, recipe: Recipe) -> str | None:
-    """The newest complete checkpoint in ``folder`` written under ``recipe`` (None: start afresh); checkpoints
-    newer than it (interrupted writes) are removed so the trainer's rotation never keeps them over it."""
+    """The newest complete checkpoint in ``folder`` written under ``recipe`` (None: none); newer ones are removed."""
     done = complete_checkpoints(folder)
     if not done:
         return None
@@ -539,8 +506,7 @@ def _resume_point(folder: str, recipe: Recipe) -> str | None:
 
 
 def _check_checkpoint(path: str) -> None:
-    """Every file of the checkpoint ``path`` reads back whole (safetensors sizes, the CRCs of torch's zip files, JSON);
-    else ``CorruptFileError`` naming the file and what to do."""
+    """Every file of the checkpoint ``path`` reads back whole, else ``CorruptFileError`` naming the file."""
     remedy = f"delete {path!r} and rerun with --resume (it continues from the checkpoint before, if any)"
     for root, _dirs, files in os.walk(path):
         for name in sorted(files):

@@ -245,8 +245,7 @@ def encode(cfg: PebrJobConfig, h: Harness, data: Data, models: dict[str, Any]) -
 def _calibrated(
     run: Any, k: int, lo: float, hi: float, increasing: bool, topics: pd.DataFrame
 ) -> tuple[Calibration, bool]:
-    """:func:`calibrate_mean_k` of one rule and False, or its deepest setting and True when mean depth ``k`` is out
-    of its reach (e.g. the head's law keeps fewer than k documents even at p -> 1)."""
+    """:func:`calibrate_mean_k` of one rule and False, or its deepest setting and True when ``k`` is out of reach."""
     try:
         return calibrate_mean_k(run, k, lo, hi, increasing=increasing, topics=topics, max_iter=80), False
     except ValueError as e:

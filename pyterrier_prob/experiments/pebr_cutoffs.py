@@ -1,10 +1,6 @@
-"""The per-query cutoff study of ``pyterrier-prob pebr`` (issue #13) on the pEBR model's ranked lists of the
-calibration and test queries: calibrated per-query laws (:class:`~pyterrier_prob.pebr.calibration.CalibratedLaw`)
-and the PIT of the test queries' relevant cosines before and after calibration; recall targets met by conformal risk
-control (:func:`~pyterrier_prob.pebr.rlt.conformal_recall_level`, checked over random re-splits); and every
-ranked-list-truncation rule of :mod:`pyterrier_prob.pebr.rlt` at matched mean depth, against top-k and the oracle
-depth. What each part does, and the results: ``docs/pebr.md`` (Per-query cutoffs beyond the paper).
-"""
+"""The per-query cutoff study of ``pyterrier-prob pebr`` (issue #13) on the pEBR model's ranked lists: calibrated
+per-query laws and their PIT, recall targets by conformal risk control, and every ranked-list-truncation rule of
+:mod:`pyterrier_prob.pebr.rlt` at matched mean depth; ``docs/pebr.md`` (Per-query cutoffs beyond the paper)."""
 
 from __future__ import annotations
 
@@ -121,8 +117,7 @@ class StudyConfig:
 
 @dataclass
 class _Split:
-    """One query set's ranked lists (top ``cap``), relevant cosines, head parameters, list features and the lists'
-    relevance (``(query index, is relevant, relevant count)`` per row)."""
+    """One query set's ranked lists, relevant cosines, head parameters, list features and the rows' relevance."""
 
     ranked: pd.DataFrame
     qids: list[str]
@@ -175,9 +170,7 @@ def _split(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame, study: StudyC
 
 
 def _calibrated_laws(h: Any, splits: dict[str, _Split], study: StudyConfig, out: dict[str, Any]) -> dict[str, Any]:
-    """Fit the calibrated laws on the calibration queries' relevant cosines (``out``'s ``calibrated_law*``); the
-    head's law and both calibrated laws per split; the PIT of the test queries' relevant cosines before and after
-    calibration (``out``'s ``pit``, ``pit_per_query`` and its figure)."""
+    """The head's and both calibrated laws (fitted on the calibration queries) per split; the PITs to ``out``."""
     dev, test = splits["dev"], splits["test"]
     dev_rel = [dev.rel[i] for i in dev.has]
     cal, cal_f = (  # from the head's parameters alone, and with the query's list features
@@ -238,9 +231,8 @@ def _level(stats: dict[str, np.ndarray], rule: str, n_queries: int, k: int) -> f
 def _matched_depth(
     h: Any, data: Any, splits: dict[str, _Split], stats: dict[str, Any], ks: Sequence[int], topk_recall: np.ndarray
 ) -> pd.DataFrame:
-    """Every rule at each mean depth k (levels from the calibration queries) on test, in ``pt.Experiment`` with
-    paired t-tests against top-k, and the oracle depth; ``calibration_SetR``: the rule's SetR on the calibration
-    queries at its level (NaN for the oracle)."""
+    """Every rule and the oracle depth at each mean depth k (levels from the calibration queries) on test, against
+    top-k."""
     dev, test = splits["dev"], splits["test"]
     rows = []
     for k in ks:
@@ -278,8 +270,7 @@ def _recall_targets(
     topk_recall: np.ndarray,
     same_collection: bool,
 ) -> pd.DataFrame:
-    """Each target rule's level by conformal risk control on the calibration queries, and what it achieves on
-    test; when both query sets share a collection, the same over random re-splits of their pool."""
+    """Each target rule's conformal level on the calibration queries, on test and over random re-splits."""
     (dq, dr, dn), (tq, tr, tn) = splits["dev"].relinfo, splits["test"].relinfo
     n_dev, n_test = len(splits["dev"].qids), len(splits["test"].qids)
     pool_q, pool_r, pool_n = np.concatenate([dq, tq + n_dev]), np.concatenate([dr, tr]), np.concatenate([dn, tn])
@@ -396,8 +387,7 @@ def _fmt_rho(r: float) -> str:
 
 
 def _interp(curve: np.ndarray, depth: float) -> float:
-    """Mean recall of top-k at a fractional mean depth: linear between the integer depths around it (recall 0 at 0;
-    beyond the curve's end, its last value)."""
+    """Mean recall of top-k at a fractional mean depth, linear between integer depths (0 at 0)."""
     return float(np.interp(depth, np.arange(len(curve) + 1), np.r_[0.0, curve]))
 
 

@@ -25,13 +25,9 @@ __all__ = ["Data", "load_data"]
 
 @dataclass
 class Data:
-    """The collections and query sets of one experiment (from :meth:`Harness.load_data`).
-
-    ``train`` is None when there is nothing to fine-tune on. ``cal_topics``/``cal_qrels`` are what calibration and
-    dev-side choices use: the dev split, else train queries held out from training (``train_collection`` is then
-    a :class:`~pyterrier_prob.collections.HeldOutCollection`), else a seeded half of the test queries (then
-    ``test_topics`` is the other half). ``notes`` says which, for the report.
-    """
+    """The collections and query sets of one experiment (``train`` None: nothing to fine-tune on); ``cal_topics`` and
+    ``cal_qrels``: the dev split, train queries held out (a ``HeldOutCollection``) or a seeded half of the test
+    queries; ``notes`` says which, for the report."""
 
     train_collection: Collection
     test_collection: Collection
@@ -54,14 +50,8 @@ class Data:
 
 
 def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
-    """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries.
-
-    Args:
-        calibrate: whether the experiment needs calibration queries. With no dev split: a seeded share
-            (``dev_from_train``) of the train queries, held out from training, else (no train split, or
-            ``dev_from_train`` 0) a seeded half of the test queries, the results then on the other half. False: none
-            (``cal_topics`` empty), the results on every test query.
-    """
+    """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries (with
+    ``calibrate`` and no dev split: ``--dev-from-train`` of the train queries, else a seeded half of test)."""
     train_coll = test_coll = load_collection(cfg.dataset)
     notes: list[str] = []
     held_out: dict[str, Any] = {}

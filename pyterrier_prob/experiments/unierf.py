@@ -345,8 +345,7 @@ def train_systems(run: UniERFRun) -> None:
 def _train_one(
     run: UniERFRun, slug: str, name: str, branches: Sequence[str], ignore: list[str], diversity: bool, alpha: float
 ) -> tuple[pd.DataFrame, Any]:
-    """Train one system by the terms it keeps (``diversity``, the columns it does not ``ignore``), its training
-    summary to ``run.info[name]``; returns its test query vectors and the index it searches."""
+    """Train one system (summary to ``run.info[name]``); returns its test query vectors and the index it searches."""
     cfg, h = run.cfg, run.h
     columns = text_columns(run.rows)
     terms = {"use_diversity": diversity, "diversity_threshold": alpha}
@@ -417,9 +416,8 @@ def _order(run: UniERFRun) -> tuple[str, list[str]]:
 
 
 class _MergedDev:
-    """UniERF's dev scores for :class:`~pyterrier_prob.curves.DevRetrieval`: each dev query's branch rankings of the
-    dev pool merged as the test lists are (equal quotas, dedup, refill: a document ranks by its best rank over the
-    branches); the documents encoded by the start model when the document tower stays frozen (as its index)."""
+    """UniERF's dev scores for :class:`~pyterrier_prob.curves.DevRetrieval`: the branch rankings merged as the test
+    lists are (a document ranks by its best rank over the branches)."""
 
     def __init__(self, run: UniERFRun) -> None:
         self.run, self.topics, self.docs = run, None, None

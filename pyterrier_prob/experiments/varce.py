@@ -1,12 +1,6 @@
-"""The VarCrossEncoder experiment (``pyterrier-prob varce``): CrossEncoder against VarCrossEncoder re-rankers of BM25.
-
-VarCrossEncoder (``shared/papers/var-cross-encoder.md``) scores a (query, document) pair with a Gaussian: E[s] =
-mu^T W + b (Eq. 22), by which the paper ranks, and variance W^T Sigma W (Eq. 23), trained with the variational BCE
-(Eq. 10). :func:`run_varce_job` runs the stages data -> train -> score -> analyses -> report over
-:mod:`pyterrier_prob.varce` (scoring, analyses, noise, hard queries, report) and the shared
-:mod:`~pyterrier_prob.experiments.harness`; the protocol, its options and what the defaults cost are in
-``docs/varce.md`` ("The experiment"). ``--teacher`` runs :mod:`pyterrier_prob.experiments.varce_distill` instead.
-"""
+"""The VarCrossEncoder experiment (``pyterrier-prob varce``; ``shared/papers/var-cross-encoder.md``): CrossEncoder
+against VarCrossEncoder re-rankers of BM25 (E[s], Eq. 22; variance, Eq. 23; variational BCE, Eq. 10); the protocol:
+``docs/varce.md``. ``--teacher`` runs :mod:`pyterrier_prob.experiments.varce_distill` instead."""
 
 from __future__ import annotations
 
@@ -147,10 +141,8 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
 
 
 def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
-    """Run the VarCrossEncoder experiment (docs/varce.md) and write its outputs to ``cfg.output``: ``results.csv``
-    (pt.Experiment per collection), ``uncertainty.csv``, ``risk.csv``, ``hard_queries.csv``, ``robustness.csv``,
-    ``summary.json`` and ``results.md``; models under ``models/``, indexes under ``indexes/``, scores under
-    ``scores/``. Returns those tables and ``"summary"``."""
+    """Run the VarCrossEncoder experiment (docs/varce.md), writing its tables, ``summary.json`` and ``results.md`` to
+    ``cfg.output``; returns the tables and ``"summary"``."""
     h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=False)  # dev queries choose lambda and alpha; every test query is evaluated
     job = _Job(cfg, h, data, train_stage(cfg, h, data), target_stage(cfg, h, data))
@@ -193,9 +185,7 @@ class _Job:
         self.runs: dict[str, dict[str, pd.DataFrame]] = {}
 
     def _scoring_model(self, model: Any) -> Any:
-        """Under the frozen recipe ``model``'s head on the run's cached backbone features (each pair through the
-        backbone once, whichever heads score it); ``model`` itself when its head is not separate from the backbone
-        (a given sequence-classification CrossEncoder) or under the other recipes."""
+        """Under the frozen recipe ``model``'s head on the cached backbone features (if separate), else ``model``."""
         if self.trained.features is None:
             return model
         try:

@@ -1,12 +1,6 @@
-"""``pyterrier-prob varce --teacher``: cross-encoders distilled from the strongest ranker we can build, as BM25
-re-rankers in domain and zero-shot (docs/varce.md, "Cross-encoders distilled ...").
-
-Stages over the shared :class:`~pyterrier_prob.experiments.harness.Harness` (its BM25 indexes, stages and report),
-each reusing what an earlier run in the same output folder made: :func:`teacher_stage` (teacher embeddings, fusion
-weight chosen on dev, training pools), :func:`train_students` (CE and VarCEs, split-attention students trained on the
-same Margin-MSE rows, best dev point kept), :func:`score_stage` (E[s], std[s]) and :func:`run`'s report (nDCG@10
-with paired t-tests, calibration, risk-aware lambda, uncertainty).
-"""
+"""``pyterrier-prob varce --teacher``: split-attention cross-encoders distilled from a bi-encoder + BM25 teacher, as
+BM25 re-rankers in domain and zero-shot (docs/varce.md, "Cross-encoders distilled ..."); each stage reuses what an
+earlier run in the same output folder made."""
 
 from __future__ import annotations
 
@@ -120,8 +114,7 @@ def build_teacher(cfg: DistillConfig) -> str:
 def _train_partial(
     cfg: DistillConfig, name: str, model: Any, loss: Any, rows: Any, recipe: Any, curve: Any, states: str, folder: str
 ) -> None:
-    """``fine_tune`` under the partial ``recipe`` into ``runs/<name>`` (resumable), dev ``curve`` as callback; then
-    save the model to ``folder`` (atomically) with its model card."""
+    """``fine_tune`` into ``runs/<name>`` (resumable) with the dev ``curve``; then save the model with its card."""
     out = cfg.path("runs", name)
     fine_tune(model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve], state_cache=states)
     if hasattr(model[0], "state_cache"):
@@ -285,8 +278,7 @@ def calibration_stage(
 
 
 def _ndcg_at_risk(frame: pd.DataFrame, qrels: pd.DataFrame, s: str, qids: list[str] | None, risk: float) -> Any:
-    """Per-query nDCG@10 of student ``s`` ranking ``frame`` by E[s] - risk * std[s] (the mean when ``qids`` is None:
-    over ``frame``'s queries)."""
+    """Per-query nDCG@10 of student ``s`` ranking by E[s] - risk * std[s] (``qids`` None: the mean)."""
     score = risk_adjusted(frame[s].to_numpy(), frame[f"{s}_std"].to_numpy(), risk)
     values = distill.ndcg_at_10(frame.assign(score=score), qrels, qids=qids)
     return float(values.mean()) if qids is None else values

@@ -116,8 +116,7 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
 
 
 def _build(base: str, variant: str | None, max_seq_length: int, seed: int) -> CrossEncoder:
-    """CE (``variant`` None: [CLS] -> a linear ranker, the VarCEs' backbone and pooling) or a VarCE, seeded: the same
-    head initialisation with and without training."""
+    """CE (``variant`` None: [CLS] -> a linear ranker) or a VarCE, seeded."""
     torch.manual_seed(seed)
     if variant is None:
         return build_cross_encoder(base, max_seq_length=max_seq_length, device="cpu")
@@ -125,8 +124,7 @@ def _build(base: str, variant: str | None, max_seq_length: int, seed: int) -> Cr
 
 
 class _TrainingRows:
-    """The training rows (:func:`~pyterrier_prob.varce.data.cross_encoder_training_data`), built on first use (a
-    reused model needs none): ``Harness.train``'s ``data``."""
+    """The training rows (``Harness.train``'s ``data``), built on first use (a reused model needs none)."""
 
     def __init__(self, cfg: VarceJobConfig, h: Harness, data: Data, base: str) -> None:
         self.cfg, self.h, self.data, self.base = cfg, h, data, base
@@ -149,8 +147,7 @@ class _TrainingRows:
 
 
 def _negative_sources(cfg: VarceJobConfig, h: Harness, coll: Any, base: str) -> dict[str, Any]:
-    """The first stages the training negatives are mined from (``--negatives-from``): ``BM25`` (the collection's
-    PISA index) and ``dense`` (the untrained base model as a bi-encoder, exhaustive search of its index)."""
+    """The first stages the training negatives are mined from (``--negatives-from``): BM25 and the untrained model."""
     stages: dict[str, Any] = {}
     k = max(cfg.pool_depth, cfg.positive_depth or 0)  # the negatives come from the top pool_depth of these
     if "bm25" in cfg.negatives_from:
@@ -184,8 +181,7 @@ def _dev_every(cfg: VarceJobConfig) -> int:
 
 
 def _dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | None:
-    """``model -> dev nDCG@10`` re-ranking BM25's top ``--dev-depth`` of ``--dev-queries`` (seeded) dev queries (None
-    without a dev split or with ``--dev-queries 0``: test queries are never used)."""
+    """``model -> dev nDCG@10`` of ``--dev-queries`` seeded dev queries (None without: test is never used)."""
     if not cfg.dev_queries or data.dev is None or data.cal_topics.empty:
         if cfg.dev_queries:
             data.notes.append("no dev split: no learning curve; each re-ranker is the one of its last step")
@@ -200,8 +196,7 @@ def _dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | N
 
 
 def _given_model(spec: str | None) -> tuple[str, Any]:
-    """What ``--model`` is: ``("var", model)`` a saved VarCrossEncoder, ``("cross", model)`` a CrossEncoder,
-    ``("backbone", None)`` anything else (a base encoder the re-rankers are built on)."""
+    """What ``--model`` is: ``("var"|"cross", model)`` a saved (Var)CrossEncoder, else ``("backbone", None)``."""
     if spec is None or not os.path.isdir(spec):
         return "backbone", None
     if not os.path.isfile(os.path.join(spec, "modules.json")):
