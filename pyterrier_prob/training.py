@@ -248,7 +248,7 @@ class Recipe:
     @classmethod
     def load(cls, path: str) -> Recipe:
         """Read a recipe written by :meth:`save`."""
-        return cls.from_dict(_read_json(path))
+        return cls.from_dict(read_json(path))
 
 
 def complete_checkpoints(folder: str) -> list[str]:
@@ -516,7 +516,7 @@ def _check_checkpoint(path: str) -> None:
             elif name.endswith((".pt", ".pth")):
                 read_checked(file, _test_zip, remedy)
             elif name.endswith(".json"):
-                read_checked(file, _read_json, remedy)
+                read_checked(file, read_json, remedy)
 
 
 def _test_zip(path: str) -> None:
@@ -526,6 +526,7 @@ def _test_zip(path: str) -> None:
         raise ValueError(f"its member {bad} fails its CRC check")
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
+    """The JSON value in the file ``path``."""
     with open(path, encoding="utf8") as f:
         return json.load(f)

@@ -289,10 +289,7 @@ def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:
 
 def loss_ends(losses: Sequence[float], n: int = 10) -> tuple[float, float] | None:
     """Means of the first and last ``n`` logged training losses (None for none), for reports."""
-    if not len(losses):
-        return None
-    k = min(n, len(losses))
-    return float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
+    return (float(np.mean(losses[:n])), float(np.mean(losses[-n:]))) if len(losses) else None
 
 
 class TrainingPairs:
@@ -312,6 +309,10 @@ class TrainingPairs:
     @cached_property
     def judged(self) -> Any:
         return judged_pairs(self.data.train_collection, self.data.train)
+
+    def loss(self, model: Any, cls: type, **settings: Any) -> Any:
+        """``cls(model, ...)`` masking the judged pairs as in-batch negatives (read only when a model trains)."""
+        return cls(model, judged=self.judged, **settings)
 
 
 def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:

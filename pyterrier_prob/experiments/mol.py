@@ -171,19 +171,14 @@ def systems(cfg: MolJobConfig, h: Harness, data: Data, pairs: TrainingPairs, giv
             out.append(_System(MOL_UNTRAINED, ref + "-mol", "mol", partial(base_model, cfg), None))
         return out
     mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
-    dense_loss = partial(_loss, cls=MaskedMultipleNegativesRankingLoss, pairs=pairs, scale=cfg.scale)
+    dense_loss = partial(pairs.loss, cls=MaskedMultipleNegativesRankingLoss, scale=cfg.scale)
     out.append(_System(BASELINE, "bi-encoder", "dense", partial(base_model, cfg, h.recipe.caches_features), dense_loss))
     alphas = [(MOL, "mol", cfg.alpha)] + ([(MOL_NO_MI, "mol-no-lmi", 0.0)] if cfg.mi_ablation else [])
     for name, model_name, alpha in alphas:
-        loss = partial(_loss, cls=MoLLoss, pairs=pairs, alpha=alpha, scale=cfg.scale)
+        loss = partial(pairs.loss, cls=MoLLoss, alpha=alpha, scale=cfg.scale)
         build = partial(_mol_model, cfg, given_is_mol)
         out.append(_System(name, model_name, "mol", build, loss, alpha=alpha, mapping=mapping))
     return out
-
-
-def _loss(model: Any, cls: type, pairs: TrainingPairs, **settings: Any) -> Any:
-    """``cls(model, ...)`` masking the train split's judged pairs (read only when a model trains)."""
-    return cls(model, judged=pairs.judged, **settings)
 
 
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:

@@ -163,9 +163,6 @@ def cutoff_claims(data: Data, matched: pd.DataFrame) -> list[dict[str, Any]]:
     return rows
 
 
-# ---- the stages -------------------------------------------------------------------------------------------------
-
-
 def _pebr_model(cfg: PebrJobConfig, projection: bool) -> Any:
     """``--model`` when it has a pEBR head, else a new head (``projection``: on a LinearAdapter) on it."""
     if cfg.model:
@@ -191,15 +188,10 @@ def train_models(cfg: PebrJobConfig, h: Harness, data: Data) -> dict[str, Any]:
     dev = h.dev_evaluator(data, "nDCG@10") if pairs else None  # both systems' dev curve: the same measure and pool
     models, losses = {}, {}
     for name, (build, loss, rates) in systems.items():
-        args = (partial(build, cfg, adapter), partial(_masked, loss, pairs), pairs)
+        args = (partial(build, cfg, adapter), pairs and partial(pairs.loss, cls=loss), pairs)
         models[name], losses[name] = h.train(name, *args, module_learning_rates=rates, settings=settings, dev=dev)
     models["untrained"], _ = h.train("untrained", partial(base_model, cfg), None, None)
     return {"models": models, "losses": losses}
-
-
-def _masked(loss: type, pairs: TrainingPairs, model: Any) -> Any:
-    """``loss`` on ``model``, with the train split's judged pairs masked as in-batch negatives."""
-    return loss(model, judged=pairs.judged)
 
 
 @dataclass

@@ -94,11 +94,9 @@ LR_RULE = "likelihood-ratio cutoff (beta_mle)"
 def lr_stat(ranked: pd.DataFrame, relevant: Any, irrelevant: Any) -> np.ndarray:
     """Per-row log likelihood ratio of the query's relevant and irrelevant cosine laws (pEBR Sec. 3.1), made
     prefix-monotone (the running minimum down the list), so that a level keeps a truncation."""
-    width = ranked.groupby("qid", sort=False).size().max()
     lists = [g.to_numpy() for _, g in ranked.groupby("qid", sort=False)["score"]]
-    padded = np.array(
-        [np.pad(np.clip(v, -1 + 1e-6, 1 - 1e-6), (0, width - len(v)), constant_values=0.0) for v in lists]
-    )
+    width = max(map(len, lists))
+    padded = np.array([np.pad(np.clip(v, -1 + 1e-6, 1 - 1e-6), (0, width - len(v))) for v in lists])
     llr = np.asarray(log_likelihood_ratio(relevant, irrelevant, padded))
     return running_min(ranked, np.concatenate([llr[i, : len(v)] for i, v in enumerate(lists)]))
 

@@ -137,9 +137,6 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
     return run_varce_job(cfg)
 
 
-# ---- the stages -------------------------------------------------------------------------------------------------
-
-
 def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     """Run the VarCrossEncoder experiment (docs/varce.md), writing its tables, ``summary.json`` and ``results.md`` to
     ``cfg.output``; returns the tables and ``"summary"``."""

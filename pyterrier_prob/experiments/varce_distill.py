@@ -22,7 +22,7 @@ from pyterrier_prob.collections import Collection, load_collection
 from pyterrier_prob.curves import DevCurve
 from pyterrier_prob.data import judged_pairs, training_pairs
 from pyterrier_prob.experiments.harness import Harness, markdown_table
-from pyterrier_prob.training import Recipe, fine_tune
+from pyterrier_prob.training import Recipe, fine_tune, read_json
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
 from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
@@ -220,8 +220,7 @@ def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any) -> dic
             atomic_write(os.path.join(folder, "training.json"), json.dumps({"train_wall_s": time.perf_counter() - t0}))
         split_state_cache(model, cfg.path("states"))
         models[name], h.saved_models[name] = model, folder
-        with open(curve_path, encoding="utf8") as f:
-            curves[name] = json.load(f)
+        curves[name] = read_json(curve_path)
     return {"models": models, "curves": curves}
 
 

@@ -25,7 +25,8 @@ from pyterrier_prob import ProbBiEncoder
 from pyterrier_prob.collections import choose_splits, load_collection
 from pyterrier_prob.console import library_bars
 from pyterrier_prob.curves import DevCurve
-from pyterrier_prob.experiments.harness import Data, Harness
+from pyterrier_prob.experiments.harness import Data, Harness, _read
+from pyterrier_prob.training import read_json
 from pyterrier_prob.varce.analysis import DevRerank
 from pyterrier_prob.varce.data import cross_encoder_training_data, evaluated_queries, groups_for
 from st_extensions import default_model_path, load_model
@@ -104,8 +105,7 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         kw = {"learning_rate_mapping": rates, "settings": own, "callbacks": callbacks, "encoder_cache": out.features}
         out.models[name], out.losses[name] = h.train(name, build, loss, rows, **kw)
         if os.path.isfile(curve_path):  # the curve of a reused model is the one its training wrote
-            with open(curve_path, encoding="utf8") as f:
-                out.curves[name] = json.load(f)
+            out.curves[name] = read_json(curve_path)
     out.rows_info = rows.info if rows is not None else None
     if rows is None:
         data.notes.append(
@@ -200,11 +200,7 @@ def _given_model(spec: str | None) -> tuple[str, Any]:
     if spec is None or not os.path.isdir(spec):
         return "backbone", None
     if not os.path.isfile(os.path.join(spec, "modules.json")):
-        try:
-            with open(os.path.join(spec, "config.json"), encoding="utf8") as f:
-                archs = json.load(f).get("architectures") or []
-        except (OSError, ValueError):
-            archs = []
+        archs = (_read(os.path.join(spec, "config.json")) or {}).get("architectures") or []
         if any(a.endswith("ForSequenceClassification") for a in archs):
             return "cross", CrossEncoder(spec, device="cpu")
         return "backbone", None
@@ -307,8 +303,7 @@ def score_fingerprint(h: Harness, name: str, trained: bool, cfg: VarceJobConfig)
         path = h.path("models", name, "train_settings.json")
         if not os.path.isfile(path):
             return None
-        with open(path, encoding="utf8") as f:
-            text = json.dumps(json.load(f).get("settings"), sort_keys=True)
+        text = json.dumps(read_json(path).get("settings"), sort_keys=True)
     elif cfg.model and os.path.isdir(cfg.model):
         stamp = [(f, os.path.getmtime(os.path.join(cfg.model, f))) for f in sorted(os.listdir(cfg.model))]
         text = json.dumps([os.path.realpath(cfg.model), cfg.max_seq_length, stamp])
