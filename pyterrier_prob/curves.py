@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save
 from transformers import TrainerCallback
 
 from pyterrier_prob.atomic import atomic_write, read_checked
+from pyterrier_prob.training import read_json
 from st_extensions.checks import positive_int
 
 __all__ = ["DevCurve", "DevRetrieval", "cosine_scores", "curve_summaries"]
@@ -27,8 +28,7 @@ REMEDY = "delete the curve's .json and .best.safetensors and rerun the training 
 
 
 def _read_points(path: str) -> list[dict[str, float]]:
-    with open(path, encoding="utf8") as f:
-        return list(json.load(f)["points"])
+    return list(read_json(path)["points"])
 
 
 class DevCurve(TrainerCallback):
@@ -138,8 +138,7 @@ def curve_summaries(
     for name, measure in measures.items():
         path = os.path.join(folder, f"{name}.json")
         try:
-            with open(path, encoding="utf8") as f:
-                curve = json.load(f)
+            curve = read_json(path)
         except (OSError, ValueError):
             continue
         points, best = curve.get("points") or [], curve.get("best") or {}

@@ -57,24 +57,20 @@ class _LossBar(TrainerCallback):
     """One tqdm bar over the optimiser steps with the running loss, instead of transformers' printer callbacks."""
 
     def __init__(self, show: bool, desc: str) -> None:
-        self.show, self.desc, self.bar = show, desc, None
+        self.show, self.desc = show, desc
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.show:
-            self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=state.max_steps, desc=self.desc, unit="step", dynamic_ncols=True, disable=not self.show)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.update(state.global_step - self.bar.n)
+        self.bar.update(state.global_step - self.bar.n)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.bar is not None and logs and "loss" in logs:
+        if logs and "loss" in logs:
             self.bar.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        self.bar.close()
 
 
 class StepRate(TrainerCallback):

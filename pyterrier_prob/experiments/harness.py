@@ -655,12 +655,7 @@ class Harness:
 
     # ---- report -----------------------------------------------------------------------------------------------
     def finish(
-        self,
-        title: str,
-        markdown: str,
-        tables: Mapping[str, pd.DataFrame],
-        summary: Mapping[str, Any],
-        data: Data | None = None,
+        self, title: str, markdown: str, tables: Mapping[str, pd.DataFrame], summary: Mapping, data: Data | None = None
     ) -> dict[str, Any]:
         """Write ``results.md``, ``<table>.csv`` per table and ``summary.json`` and print the report (also when
         ``quiet``); returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs``)."""
@@ -687,8 +682,7 @@ class Harness:
         }
         full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
         atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
-        copy = self.cfg.results_json
-        if copy:  # the summary where the docs' tables can name it, with the command line that made it
+        if copy := self.cfg.results_json:  # the summary where the docs' tables can name it, with its command line
             if os.path.isdir(copy) or copy.endswith(os.sep):
                 copy = os.path.join(make_dirs(copy), f"{self.name}.json")
             copied = {"command": self.cfg.command, **full}

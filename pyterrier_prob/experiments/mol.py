@@ -307,12 +307,7 @@ def retrieve_mol(
 
 
 def evaluate(
-    cfg: MolJobConfig,
-    h: Harness,
-    data: Data,
-    runs: dict[str, pd.DataFrame],
-    info: dict[str, dict[str, Any]],
-    baseline: str | None,
+    cfg: MolJobConfig, h: Harness, data: Data, runs: dict[str, pd.DataFrame], info: dict, baseline: str | None
 ) -> pd.DataFrame:
     """``pt.Experiment`` of every system's run: nDCG@10 and R@k, paired t-tests against ``baseline``."""
     coll, topics = data.test_collection, data.test_topics

@@ -262,11 +262,7 @@ def _matched_depth(
 
 
 def _recall_targets(
-    splits: dict[str, _Split],
-    stats: dict[str, Any],
-    targets: Sequence[float],
-    topk_recall: np.ndarray,
-    same_collection: bool,
+    splits: dict[str, _Split], stats: dict, targets: Sequence[float], topk_recall: np.ndarray, same_collection: bool
 ) -> pd.DataFrame:
     """Each target rule's conformal level on the calibration queries, on test and over random re-splits."""
     (dq, dr, dn), (tq, tr, tn) = splits["dev"].relinfo, splits["test"].relinfo

@@ -550,11 +550,7 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
 
 
 def _markdown(
-    results: pd.DataFrame,
-    overlap: pd.DataFrame,
-    training: pd.DataFrame,
-    budgets: Sequence[int],
-    summary: dict[str, Any],
+    results: pd.DataFrame, overlap: pd.DataFrame, training: pd.DataFrame, budgets: Sequence[int], summary: dict
 ) -> str:
     """The report: the main table (R@B with `*` marks, overlap of the merged systems), then the details."""
     names = results["name"].astype(str)
