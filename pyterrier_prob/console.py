@@ -21,8 +21,8 @@ __all__ = [
     "verbose",
 ]
 
+#: the start of torch's harmless DataLoader warning on a machine without a GPU
 PIN_MEMORY_WARNING = r"'pin_memory' argument is set as true but no accelerator is found"
-"""The start of torch's DataLoader warning on a machine without a GPU (harmless: memory is simply not pinned)."""
 
 _VERBOSE: bool | None = None  # None: not configured (a library user), else the command line's --verbose
 

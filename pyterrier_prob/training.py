@@ -133,8 +133,7 @@ def _loss_on(loss: nn.Module, model: nn.Module, stand_in: nn.Module):
             m.model = model
 
 
-MODES = ("frozen", "partial", "full")
-"""The fine-tuning recipes (:attr:`Recipe.mode`), the one list of them."""
+MODES = ("frozen", "partial", "full")  #: the fine-tuning recipes (:attr:`Recipe.mode`), the one list of them
 
 #: name of the file a checkpoint folder gets once every part of it is written (the marker of a complete checkpoint)
 COMPLETE = "checkpoint_complete.json"

@@ -52,6 +52,7 @@ __all__ = [
     "add_options",
     "base_model",
     "config_from_args",
+    "insert_columns",
     "lock_output",
     "loss_ends",
     "markdown_table",
@@ -285,6 +286,13 @@ def p_mark(p: float | None) -> str:
 def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:
     """A result table's cell: ``row[measure]`` with ``fmt``, marked `` *`` when its ``<measure> p-value`` < 0.05."""
     return f"{row[measure]:{fmt}}{p_mark(row.get(f'{measure} p-value', np.nan))}"
+
+
+def insert_columns(frame: pd.DataFrame, at: int = 0, **columns: Any) -> pd.DataFrame:
+    """``frame`` with ``columns`` inserted in their order from position ``at`` (in place)."""
+    for i, (name, values) in enumerate(columns.items()):
+        frame.insert(at + i, name, values)
+    return frame
 
 
 def loss_ends(losses: Sequence[float], n: int = 10) -> tuple[float, float] | None:

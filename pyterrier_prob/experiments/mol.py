@@ -62,9 +62,7 @@ REFERENCE = "base model (no fine-tuning)"
 BASELINE = "bi-encoder"
 MOL = "MoL"
 MOL_NO_MI = "MoL (no L_MI)"
-MOL_UNTRAINED = "MoL (no fine-tuning)"
-"""System names in the result tables; significance is tested against ``BASELINE`` (``REFERENCE`` when nothing is
-fine-tuned)."""
+MOL_UNTRAINED = "MoL (no fine-tuning)"  #: system names; significance against BASELINE (REFERENCE: nothing trains)
 
 #: Parameters of the MixtureOfLogits module (pooling, projections or heads, gate): the ones ``--head-lr`` sets.
 HEAD_PARAMS = r"(^|\.)(query_pool|doc_pool|query_proj|doc_proj|query_heads|doc_heads|gate_net)\."

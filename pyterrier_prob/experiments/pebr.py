@@ -23,6 +23,7 @@ from pyterrier_prob.experiments.harness import (
     Harness,
     TrainingPairs,
     base_model,
+    insert_columns,
     markdown_table,
     measure_cell,
     option,
@@ -305,13 +306,11 @@ def test_runs(
             runs = _runs_at(h, enc, bm25, topics, k, settings[k])
             exp = h.experiment(runs, topics, qrels, MEASURES, baseline=SIGNIFICANCE_BASELINE)
             counts = {n: r.groupby("qid").size().reindex(topics["qid"], fill_value=0) for n, r in runs.items()}
-            exp.insert(1, "k", k)
-            exp.insert(2, "test_mean_k", [float(counts[n].mean()) for n in exp["name"]])
-            exp.insert(3, "setting", [_setting(n, settings[k]) for n in exp["name"]])
+            mean_k = [float(counts[n].mean()) for n in exp["name"]]
+            insert_columns(exp, 1, k=k, test_mean_k=mean_k, setting=[_setting(n, settings[k]) for n in exp["name"]])
             experiments.append(exp)
             st = evaluate_set_measures(runs, qrels, strata, measures=MEASURES, baseline=SIGNIFICANCE_BASELINE)
-            st.insert(1, "k", k)
-            per_stratum.append(st)
+            per_stratum.append(insert_columns(st, 1, k=k))
             if k == max(cfg.ks):
                 out["histogram_counts"], out["histogram_p"] = counts["pEBR CDF cutoff"], settings[k]["pEBR CDF cutoff"]
     out["experiment"] = pd.concat(experiments, ignore_index=True)

@@ -14,7 +14,7 @@ from scipy.stats import spearmanr
 
 from pyterrier_prob.dense import PARAM_COLUMNS
 from pyterrier_prob.evaluation import evaluate_set_measures
-from pyterrier_prob.experiments.harness import markdown_table, measure_cell
+from pyterrier_prob.experiments.harness import insert_columns, markdown_table, measure_cell
 from pyterrier_prob.pebr.calibration import (
     CalibratedLaw,
     beta_mle_laws,
@@ -87,8 +87,7 @@ TARGET_RULES = (
 )
 """The rules given a recall target by conformal risk control."""
 
-LR_RULE = "likelihood-ratio cutoff (beta_mle)"
-"""The extra rule of a ``beta_mle`` head: log f+(cos) - log f-(cos) of its relevant and irrelevant laws (Sec. 3.1)."""
+LR_RULE = "likelihood-ratio cutoff (beta_mle)"  #: a ``beta_mle`` head's extra rule: log f+(cos) - log f-(cos)
 
 
 def lr_stat(ranked: pd.DataFrame, relevant: Any, irrelevant: Any) -> np.ndarray:
@@ -245,8 +244,7 @@ def _matched_depth(
         runs["oracle depth (qrels known)"] = oracle_runs(test.ranked, is_rel, qidx, n_rel, k, len(test.qids))
         exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"], baseline="top-k")
         counts = {n: r.groupby("qid").size().reindex(test.qids, fill_value=0) for n, r in runs.items()}
-        exp.insert(1, "k", k)
-        exp.insert(2, "test_mean_depth", [float(counts[n].mean()) for n in exp["name"]])
+        insert_columns(exp, 1, k=k, test_mean_depth=[float(counts[n].mean()) for n in exp["name"]])
         # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
         # the rule's own test mean depth is the comparison that leaves no depth advantage
         exp["calibration_SetR"] = exp["name"].map(dict(zip(cal["name"], cal["SetR"], strict=True)))

@@ -72,16 +72,11 @@ DESCRIPTION = (
 
 BRANCHES = ("semantic", "trigger")
 BASELINE = "UniERF (all)"
-DEV_QUOTAS = f"{BASELINE}: merged, dev quotas"
-"""``--dev-quotas``: the row of the full model's branches merged with the trigger share chosen on dev."""
-SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-"""``--dev-quotas``: the trigger branch's shares of B tried on the dev queries (0.5: the paper's equal merge)."""
-HEAD_PARAMS = r"(^|\.)heads\."
-"""Regex of the branch heads' parameters (trained at ``--head-lr``)."""
-HARD_DEPTH = 100
-"""BM25 candidates per query for the hard negatives."""
-HARD_TAIL = 0.3
-"""Share of those candidates, from the bottom, that are hard negatives ("the last 30%", Sec. 5.3.2)."""
+DEV_QUOTAS = f"{BASELINE}: merged, dev quotas"  #: the full model's merge with the trigger share chosen on dev
+SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  #: ``--dev-quotas``: the trigger shares of B tried on dev
+HEAD_PARAMS = r"(^|\.)heads\."  #: the branch heads' parameters (trained at ``--head-lr``)
+HARD_DEPTH = 100  #: BM25 candidates per query for the hard negatives
+HARD_TAIL = 0.3  #: share of them, from the bottom, that are hard negatives ("the last 30%", Sec. 5.3.2)
 
 
 @dataclass(frozen=True)

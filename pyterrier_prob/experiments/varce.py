@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 
 from pyterrier_prob.experiments import varce_distill
-from pyterrier_prob.experiments.harness import CommonConfig, Data, Harness, option, subcommand
+from pyterrier_prob.experiments.harness import CommonConfig, Data, Harness, insert_columns, option, subcommand
 from pyterrier_prob.experiments.varce_report import markdown
 from pyterrier_prob.experiments.varce_train import (
     BASELINE,
@@ -212,10 +212,7 @@ class _Job:
                 cand = self.cands[tg.label] = tg.candidates(self.h, tg.topics, tg.depth)
                 self.runs[tg.label] = self.runs_of(tg.label, cand)
                 exp = self.h.experiment(self.runs[tg.label], tg.topics, tg.qrels, MEASURES, baseline=self.baseline)
-            exp.insert(0, "collection", tg.label)
-            exp.insert(1, "queries", len(tg.topics))
-            exp.insert(2, "depth", tg.depth)
-            tables.append(exp)
+            tables.append(insert_columns(exp, collection=tg.label, queries=len(tg.topics), depth=tg.depth))
         return pd.concat(tables, ignore_index=True)
 
     def choose_on_dev(self) -> dict[str, dict[str, Any]]:
@@ -253,8 +250,7 @@ class _Job:
                     ndcg = per_query(run, tg.qrels, MEASURES[0], topics=tg.topics)
                     rows.append({"collection": tg.label, "name": n, **uncertainty_stats(run, ndcg)})
                     exp = risk_table(run, tg.topics, tg.qrels, self.risks, MEASURES)
-                    exp.insert(0, "collection", tg.label)
-                    exp.insert(1, "model", n)
+                    insert_columns(exp, collection=tg.label, model=n)
                     exp["chosen_on_dev"] = [n in chosen and r == chosen[n]["lambda"] for r in self.risks]
                     tables.append(exp)
                     if n in chosen and tg is self.targets[0]:
@@ -273,9 +269,7 @@ class _Job:
                 for under in dict.fromkeys([self.baseline, "BM25"]):
                     runs = self.runs[tg.label]
                     tab = hard_query_table(runs, tg.qrels, under, list(MEASURES), 0.5, k=10, topics=tg.topics)
-                    tab.insert(0, "collection", tg.label)
-                    tab.insert(1, "hard_under", under)
-                    tables.append(tab)
+                    tables.append(insert_columns(tab, collection=tg.label, hard_under=under))
         return pd.concat(tables, ignore_index=True)
 
     def robustness(self) -> tuple[pd.DataFrame, dict[str, list[list[str]]]]:
@@ -308,9 +302,7 @@ class _Job:
                 exp = self.h.experiment(runs, sub, target.qrels, MEASURES, baseline=self.baseline)
                 if k == "clean":
                     clean = dict(zip(exp["name"], exp[MEASURES[0]]))
-                exp.insert(0, "perturbation", k)
-                exp.insert(1, "changed_queries", changed[k])
-                exp.insert(2, "queries", len(sub))
+                insert_columns(exp, perturbation=k, changed_queries=changed[k], queries=len(sub))
                 exp[f"{MEASURES[0]} drop"] = [clean[n] - v for n, v in zip(exp["name"], exp[MEASURES[0]])]
                 rows.append(exp)
         return pd.concat(rows, ignore_index=True), examples

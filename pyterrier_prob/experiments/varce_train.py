@@ -41,9 +41,8 @@ __all__ = ["CE_HEAD_PARAMETERS", "Target", "Trained", "dev_target", "recipe_summ
 
 BASELINE = "CE"
 VARIANTS = ("MEANVAR", "VAR")
+#: The parameters of the CE's linear ranker (``build_cross_encoder``'s ``Dense``) as the trainer names them.
 CE_HEAD_PARAMETERS = r"^model\.\d+\.linear\.(weight|bias)$"
-"""The parameters of the CE's linear ranker (``build_cross_encoder``'s ``Dense``: module 2, or 1 in the frozen
-recipe's stand-in) as the trainer names them (through the loss)."""
 
 #: The rate of every head: the VarCE head's declared one (the CE's linear ranker alike, as a new head should).
 HEAD_RATE = float(VariationalHead.learning_rate)
