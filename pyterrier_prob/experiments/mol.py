@@ -197,9 +197,7 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
             f"nothing to fine-tune and {cfg.model or 'the base model'} has no MoL head: only its dense row "
             "(pass a saved MoL model as --model to evaluate its MoL similarity too)"
         )
-    runs: dict[str, pd.DataFrame] = {}
-    info: dict[str, dict[str, Any]] = {}
-    gate: dict[str, dict[str, Any]] = {}
+    runs, info, gate = {}, {}, {}  # system -> its run, its summary entry, its gate statistics
     for s in rows:
         model, info[s.name] = train_system(cfg, h, data, s, pairs)
         if s.kind == "dense":
@@ -221,9 +219,7 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     return report(cfg, h, data, rows, experiment, info, gate, given_is_mol, baseline)
 
 
-def train_system(
-    cfg: MolJobConfig, h: Harness, data: Data, s: _System, pairs: TrainingPairs
-) -> tuple[Any, dict[str, Any]]:
+def train_system(cfg: MolJobConfig, h: Harness, data: Data, s: _System, pairs: TrainingPairs) -> tuple[Any, dict]:
     """Fine-tune (or build) one system's model; returns it and its summary entry (loss, rates, training loss)."""
     entry: dict[str, Any] = {"similarity": "MoL (Eq. 1-2)" if s.kind == "mol" else "cosine"}
     mol_settings = {"pq": cfg.pq, "px": cfg.px, "component_dim": cfg.component_dim, "source": cfg.component_source}
@@ -272,9 +268,7 @@ def retrieve_dense(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model:
     return run[["qid", "docno", "score", "rank"]]
 
 
-def retrieve_mol(
-    cfg: MolJobConfig, h: Harness, data: Data, s: _System, model: Any
-) -> tuple[pd.DataFrame, dict[str, Any]]:
+def retrieve_mol(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model: Any) -> tuple[pd.DataFrame, dict]:
     """Index the test collection with a MoL system, retrieve the top ``k`` by brute force (phi for every document,
     Sec. 3.1), and summarise its gate on the retrieved and on the judged-relevant pairs."""
     topics, qrels, coll = data.test_topics, data.test_qrels, data.test_collection

@@ -231,13 +231,10 @@ def encode(cfg: PebrJobConfig, h: Harness, data: Data, models: dict[str, Any]) -
     topics = {"dev": data.cal_topics, "test": data.test_topics}
     with h.stage("encode_queries", "encoding the calibration and test queries"):
         queries = {(n, s): encoders[n].query_encoder()(topics[s]) for n in encoders for s in ("dev", "test")}
-    dim = encoders["pebr"].dim if cfg.geometry == "sphere" else None
-    return Encoded(cfg, encoders, indexes, queries, dim)
+    return Encoded(cfg, encoders, indexes, queries, encoders["pebr"].dim if cfg.geometry == "sphere" else None)
 
 
-def _calibrated(
-    run: Any, k: int, lo: float, hi: float, increasing: bool, topics: pd.DataFrame
-) -> tuple[Calibration, bool]:
+def _calibrated(run, k: int, lo: float, hi: float, increasing: bool, topics: pd.DataFrame) -> tuple[Calibration, bool]:
     """:func:`calibrate_mean_k` of one rule and False, or its deepest setting and True when ``k`` is out of reach."""
     try:
         return calibrate_mean_k(run, k, lo, hi, increasing=increasing, topics=topics, max_iter=80), False
@@ -249,9 +246,7 @@ def _calibrated(
     return Calibration(value=edge, mean_k=mean_k, target_k=k, iterations=1, achieved=False), True
 
 
-def calibrate(
-    cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded
-) -> tuple[pd.DataFrame, dict[int, dict[str, float]]]:
+def calibrate(cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded) -> tuple[pd.DataFrame, dict[int, dict]]:
     """On the calibration queries only, each variable-depth rule's setting for a mean depth of k (Sec. 4.1.3): the
     CDF value p of the pEBR cutoff and the cosine threshold of each model's score cutoff. Returns the calibration
     table and ``k -> system -> setting``."""

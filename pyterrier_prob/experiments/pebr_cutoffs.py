@@ -58,9 +58,7 @@ def relevant_cosines(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame) -> 
         q = np.asarray(vec, dtype=np.float64)
         q = q / max(np.linalg.norm(q), 1e-12)
         d = np.asarray(vectors[np.sort(ids)], dtype=np.float64) if ids else np.zeros((0, len(q)))
-        if len(d):
-            d = d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12)
-        out.append(d @ q)
+        out.append(d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-12) @ q)
     return out
 
 

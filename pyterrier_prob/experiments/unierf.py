@@ -351,14 +351,11 @@ def _train_one(
     settings |= {"columns": [c for c in columns if c not in ignore], "use_diversity": diversity, "alpha": alpha}
     settings |= {"head_lr": cfg.head_lr, "doc_tower": cfg.doc_tower, "rows": len(run.rows)}
     mapping = {HEAD_PARAMS: cfg.head_lr} if cfg.head_lr is not None else None
-    build = partial(_start_model, cfg, branches)
     run.dev = run.dev or _MergedDev(run)
     dev = h.dev_evaluator(run.data, "R@100", run.dev)
-    model, losses = h.train(
-        slug, build, loss, lambda: run.rows, learning_rate_mapping=mapping, settings=settings, dev=dev
-    )
+    build, rows = partial(_start_model, cfg, branches), lambda: run.rows
+    model, losses = h.train(slug, build, loss, rows, learning_rate_mapping=mapping, settings=settings, dev=dev)
     record, several = h.records.get(slug, {}), len(branches) > 1  # also a reused model's, saved when it was trained
-    stats = record.get("stats", {})
     run.info[name] = {
         "model": h.path("models", slug),
         "columns": settings["columns"],
@@ -366,7 +363,7 @@ def _train_one(
         "reused": loss.loss is None,
         "train_s": h.timings.get(f"train_{slug}"),
         "loss_first_last_10": loss_ends(losses),
-        **{f"{k}_first_last_10": loss_ends(stats.get(k, [])) for k in RECORDED},
+        **{f"{k}_first_last_10": loss_ends(record.get("stats", {}).get(k, [])) for k in RECORDED},
         "batch_fingerprint": record.get("batch_fingerprint"),
     }
     index = run.index_of(slug, model)

@@ -255,8 +255,7 @@ class _Job:
                     tables.append(exp)
                     if n in chosen and tg is self.targets[0]:
                         row = exp[exp["chosen_on_dev"]].iloc[0]
-                        chosen[n]["test"] = tg.label
-                        chosen[n]["test_nDCG@10"] = float(row["nDCG@10"])
+                        chosen[n] |= {"test": tg.label, "test_nDCG@10": float(row["nDCG@10"])}
                         chosen[n]["test_nDCG@10_at_lambda_0"] = float(exp.iloc[0]["nDCG@10"])
                         chosen[n]["p_vs_lambda_0"] = float(row.get("nDCG@10 p-value", math.nan))
         return pd.DataFrame(rows), pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
