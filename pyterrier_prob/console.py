@@ -33,22 +33,18 @@ def verbose() -> bool:
 
 
 def library_bars() -> bool:
-    """Whether the libraries' inner progress bars show (sentence-transformers' "Batches", pyterrier-dr's scoring bar):
-    False only after :func:`setup_console` at default verbosity."""
+    """Whether the libraries' inner progress bars show: False only after :func:`setup_console` at default verbosity."""
     return _VERBOSE is not False
 
 
 def quiet_ir_datasets(level: int = logging.WARNING) -> None:
     """Set ir_datasets' loggers (``ir_datasets``, ``ir_datasets.*``) to ``level`` (made first: ir_datasets sets its
     logger to INFO the first time it logs)."""
-    try:
+    with contextlib.suppress(ImportError, AttributeError):  # another ir_datasets layout: the level below still applies
         import ir_datasets
 
         ir_datasets.log.easy().logger()
-    except (ImportError, AttributeError):  # another ir_datasets layout: the level below still applies
-        pass
-    names = {"ir_datasets", *(n for n in logging.root.manager.loggerDict if n.startswith("ir_datasets."))}
-    for name in names:
+    for name in {"ir_datasets", *(n for n in logging.root.manager.loggerDict if n.startswith("ir_datasets."))}:
         logging.getLogger(name).setLevel(level)
 
 
@@ -68,8 +64,7 @@ def quiet_libraries() -> None:
 
 
 def setup_console(verbose: bool = False) -> None:
-    """Configure the console of one command-line run (module docstring): quiet libraries, or with ``verbose`` every
-    library message and bar kept (also undoing an earlier quiet call in the same process)."""
+    """Configure the console of a command-line run: quiet libraries, or with ``verbose`` every message and bar kept."""
     global _VERBOSE
     _VERBOSE = bool(verbose)
     quiet_ir_datasets(logging.INFO if verbose else logging.WARNING)  # INFO: ir_datasets' own default

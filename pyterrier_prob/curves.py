@@ -32,12 +32,10 @@ def _read_points(path: str) -> list[dict[str, float]]:
 
 
 class DevCurve(TrainerCallback):
-    """Evaluates ``evaluate(model) -> float`` (higher is better, e.g. dev nDCG@10) every ``every`` optimiser steps, at
-    the last step and (``evaluate_at_start``) at step 0, appending each point ``{"step", "dev", "train_s"}`` to
-    ``path`` (JSON; None: memory only). ``model`` is what the trainer trains (the recipes' stand-in shares its trained
-    modules). With ``keep_best`` the trainable parameters at the best point (also on disk beside ``path``) are put
-    back when training ends. ``patience``: stop after this many evaluations without a better dev value (None: never).
-    A resumed run keeps the points up to its step; a fresh run starts a new curve."""
+    """Evaluates ``evaluate(model) -> float`` (higher is better) every ``every`` optimiser steps, at the last step and
+    (``evaluate_at_start``) at step 0, appending each point to ``path`` (JSON; None: memory only). With ``keep_best``
+    the trainable parameters at the best point (also on disk) are put back when training ends; ``patience``: stop
+    after this many evaluations without a better value. A resumed run keeps the points up to its step."""
 
     def __init__(
         self,
@@ -157,15 +155,12 @@ def curve_summaries(
 def cosine_scores(model: Any, topics: pd.DataFrame, docs: list[str]) -> np.ndarray:
     """``(queries, docs)`` cosine similarities of a bi-encoder's ``encode_query`` / ``encode_document`` embeddings."""
     kw = {"batch_size": 64, "normalize_embeddings": True, "convert_to_numpy": True}
-    q = model.encode_query(topics["query"].tolist(), **kw)
-    return q @ model.encode_document(list(docs), **kw).T
+    return model.encode_query(topics["query"].tolist(), **kw) @ model.encode_document(list(docs), **kw).T
 
 
 class DevRetrieval:
-    """``model -> mean dev measure`` (``"nDCG@10"`` or ``"R@100"``) of a model searching a fixed candidate ``pool``
-    (docno -> text) exactly for the dev ``topics``, every query counted (none retrieved: 0); the ``evaluate`` of a
-    :class:`DevCurve`. ``score(model, topics, texts) -> (queries, docs)`` array, higher better (default:
-    :func:`cosine_scores`)."""
+    """``model -> mean dev measure`` of exact search over a fixed candidate ``pool`` (docno -> text) for the dev
+    ``topics`` (a :class:`DevCurve`'s ``evaluate``); ``score(model, topics, texts)``: default :func:`cosine_scores`."""
 
     def __init__(
         self,

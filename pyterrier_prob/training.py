@@ -74,8 +74,7 @@ class _LossBar(TrainerCallback):
 
 
 class StepRate(TrainerCallback):
-    """Optimiser steps per second of a training (``steps_per_second``, None before two steps), timed from its first
-    step's end to its last: set-up, caches and the first step's warm-up left out."""
+    """Optimiser steps per second (``steps_per_second``) from the first step's end to the last (warm-up left out)."""
 
     def __init__(self) -> None:
         self.first: float | None = None
@@ -100,9 +99,8 @@ def head_learning_rates(
     default: float | None = None,
 ) -> dict[str, float]:
     """``learning_rate_mapping`` for the trainer: every parameter of a module that declares a ``learning_rate`` (the
-    modules our builders add: LinearAdapter, pEBR head, MixtureOfLogits, branch heads, VariationalHead) trains at that
-    rate, or at ``default``, or at ``by_class[<its class name>]`` (0 keeps it as built); the encoder keeps the
-    trainer's rate. Keys are exact parameter names as the trainer sees them (through ``loss``)."""
+    modules our builders add) trains at that rate, at ``default``, or at ``by_class[<class name>]`` (0: kept as built);
+    keys are exact parameter names as the trainer sees them (through ``loss``)."""
     heads = [m for m in model.modules() if isinstance(getattr(type(m), "learning_rate", None), float)]
     by_class, declared = dict(by_class or {}), sorted({type(m).__name__ for m in heads})
     if unknown := sorted(set(by_class) - set(declared)):
@@ -247,8 +245,7 @@ class Recipe:
 
 
 def complete_checkpoints(folder: str) -> list[str]:
-    """The complete checkpoints (``checkpoint-<step>`` folders with the :data:`COMPLETE` marker) in ``folder``, oldest
-    first."""
+    """The ``checkpoint-<step>`` folders in ``folder`` with the :data:`COMPLETE` marker, oldest first."""
     return [p for _, p in sorted(_checkpoints(folder).items()) if os.path.isfile(os.path.join(p, COMPLETE))]
 
 
@@ -349,15 +346,11 @@ def fine_tune(
     encoder_cache: CachedEmbeddings | None = None,
     state_cache: str | None = None,
 ) -> list[float]:
-    """Train ``model`` in place under ``recipe``; returns the logged training loss of every step (a resumed run: those
-    its checkpoint recorded, then its own). Recipes, caches and checkpoints: ``docs/recipes.md``.
-
-    A CrossEncoder trains on its rows as given (shuffled), any other model on query-balanced batches of its
-    ``anchor*``, ``positive*``, ``negative*`` columns (and ``label``). Under ``frozen`` and ``partial`` a stand-in
-    trains on inputs computed once: ``encoder_cache`` reuses a cache of the same encoder (frozen), ``state_cache`` is
-    the folder of the lower layers' states (partial; default under ``output_dir``, else temporary). ``output_dir``
-    receives ``recipe.json`` and the checkpoints; ``resume=True`` continues from the newest complete one (same recipe
-    only). ``callbacks`` join the trainer; ``desc`` labels the progress bar (none without ``show_progress``)."""
+    """Train ``model`` in place under ``recipe``; returns the logged training loss of every step. A CrossEncoder trains
+    on its rows as given (shuffled), any other model on query-balanced batches of its ``anchor*``, ``positive*``,
+    ``negative*`` columns. ``encoder_cache`` (frozen) and ``state_cache`` (partial: a folder) hold inputs computed once;
+    ``output_dir`` receives ``recipe.json`` and the checkpoints, from which ``resume=True`` continues (same recipe
+    only). Recipes, caches and checkpoints: ``docs/recipes.md``."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a pyterrier_prob.training.Recipe, got {type(recipe).__name__}")
     recipe.check()

@@ -81,9 +81,8 @@ def _flag(name: str) -> str:
 
 
 def option(default: Any = None, help: str = "", group: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A config field that is also the command-line option ``--<field name>`` (:func:`add_options`): its default,
-    its help (the field's documentation), the help group (None: the paper's own) and argparse keywords (``choices``;
-    a None default's type is its annotation's). A sequence default is a tuple (``nargs="+"``); a False one a flag."""
+    """A config field that is also the option ``--<field name>`` (:func:`add_options`): default, help, help group (None:
+    the paper's own) and argparse keywords; a tuple default takes several values (``nargs="+"``), False: a flag."""
     return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
 
 
@@ -180,8 +179,7 @@ class CommonConfig:
     command: str | None = None
 
     def training_recipe(self, steps: int | None = None, **overrides: Any) -> Recipe:
-        """The run's :class:`~pyterrier_prob.training.Recipe` from the training options (:data:`RECIPE_OPTIONS`),
-        with ``steps`` and any field in ``overrides`` replaced."""
+        """The run's :class:`~pyterrier_prob.training.Recipe`, ``steps`` and any field in ``overrides`` replaced."""
         values = {field_: getattr(self, option) for option, field_ in RECIPE_OPTIONS.items()}
         values["steps"] = self.steps if steps is None else steps
         values["checkpoint_every"] = self.checkpoint_every or 0
@@ -191,8 +189,7 @@ class CommonConfig:
         return recipe
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first setting out of range (the training options through
-        :meth:`Recipe.check <pyterrier_prob.training.Recipe.check>`, named as the command line's flags)."""
+        """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
         if not (is_int(self.steps) and self.steps >= 0):
             raise ValueError(f"--steps must be >= 0, got {self.steps}")
         if not (self.lr > 0 and np.isfinite(self.lr)):  # a recipe may keep the encoder (0); the command line trains
@@ -217,15 +214,13 @@ class CommonConfig:
             raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
         if not 0 <= self.dev_from_train < 1:
             raise ValueError(f"--dev-from-train must be in [0, 1), got {self.dev_from_train}")
-        named = [s for s in (self.train_split, self.dev_split) if s]
-        if self.test_split and self.test_split in named:
+        if self.test_split and self.test_split in (self.train_split, self.dev_split):
             raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
 
 
 def add_options(ap: argparse.ArgumentParser, defaults: CommonConfig, title: str | None = None) -> None:
-    """Add a config dataclass's options to ``ap``: every :func:`option` field as ``--<field>`` (its help, group and
-    argparse keywords from the field, its default from ``defaults``), and the training options from
-    :class:`~pyterrier_prob.training.Recipe`'s fields (:data:`RECIPE_OPTIONS`); a paper's own go to group ``title``."""
+    """Add a config dataclass's options to ``ap``: every :func:`option` field (default from ``defaults``; a paper's own
+    in group ``title``) and the training options from :class:`~pyterrier_prob.training.Recipe`'s fields."""
     recipe_fields = {f.name: f for f in fields(Recipe)}
     common = {f.name: f.metadata for f in fields(CommonConfig)}
     groups: dict[str, Any] = {}
@@ -255,21 +250,18 @@ def add_options(ap: argparse.ArgumentParser, defaults: CommonConfig, title: str 
 
 
 def config_from_args(cls: type[C], a: argparse.Namespace) -> C:
-    """A config dataclass (:class:`CommonConfig` or a paper's) from parsed arguments: every field the parser has
-    (lists as tuples)."""
+    """A config dataclass from parsed arguments: every field the parser has (lists as tuples)."""
     values = {f.name: getattr(a, f.name) for f in fields(cls) if f.init and hasattr(a, f.name)}
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def subcommand(cls: type[C], title: str) -> tuple[Callable[..., None], Callable[..., C]]:
-    """A paper's ``add_arguments(ap)`` (``cls``'s options, the paper's own in the group ``title``) and
-    ``config_from_args(a)`` (a ``cls`` from the parsed arguments): what ``pyterrier-prob <paper>`` calls."""
+    """A paper's ``add_arguments(ap)`` and ``config_from_args(a)`` for ``cls`` (its own options in group ``title``)."""
     return partial(add_options, defaults=cls(), title=title), partial(config_from_args, cls)
 
 
 def base_model(cfg: CommonConfig, adapter: bool = False) -> Any:
-    """``--model`` (default: the packaged MiniLM) on the CPU; with ``adapter`` (a recipe that caches the encoder's
-    outputs) under the LinearAdapter a dense model trains on them."""
+    """``--model`` (default: the packaged MiniLM) on the CPU; with ``adapter`` under a LinearAdapter (frozen recipe)."""
     model = load_model(cfg.model or default_model_path(), device="cpu")
     return build_adapter_model(model) if adapter else model
 
@@ -301,8 +293,7 @@ def loss_ends(losses: Sequence[float], n: int = 10) -> tuple[float, float] | Non
 
 
 class TrainingPairs:
-    """The train split's (query, relevant document) rows (:func:`~pyterrier_prob.data.training_pairs`), made once and
-    shared by every system of a run, and its judged pairs, which the losses mask; called, it gives the rows."""
+    """The train split's rows (:func:`~pyterrier_prob.data.training_pairs`) and judged pairs, made once per run."""
 
     def __init__(self, data: Data, seed: int) -> None:
         self.data, self.seed = data, seed
@@ -426,9 +417,7 @@ class Harness:
 
     # ---- collections ------------------------------------------------------------------------------------------
     def load_data(self, calibrate: bool = True) -> Data:
-        """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries
-        (:func:`~pyterrier_prob.experiments.splits.load_data`: ``calibrate`` says whether the experiment needs
-        calibration queries)."""
+        """Load the collections, splits and calibration/test queries (``calibrate``: whether the run needs them)."""
         cfg = self.cfg
         with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
             data = load_data(cfg, calibrate)
@@ -452,10 +441,8 @@ class Harness:
     ) -> tuple[Any, list[float]]:
         """Build, fine-tune under the run's recipe (``recipe_fields`` replaced) and save a model as
         ``output/models/<name>``; returns ``(model, losses)``. ``data`` builds the rows (None, or ``steps`` 0: the
-        built model, untrained). ``--reuse`` loads a saved model made with the same ``settings``; ``--resume``
-        continues a cut-off training. ``encoder_cache``: the frozen recipe's cache (default: :meth:`encoder_cache`).
-        ``dev`` (:meth:`dev_evaluator`) is evaluated every ``--dev-every`` steps (default: 250 when the encoder
-        trains): the best dev step's weights are kept, the curve in ``curves/<name>.json``."""
+        built model, untrained); ``--reuse`` loads a saved model made with the same ``settings``. ``dev``
+        (:meth:`dev_evaluator`) runs every ``--dev-every`` steps and the best dev step's weights are kept."""
         overrides = {k: dict(v) if isinstance(v, Mapping) else v for k, v in recipe_fields.items() if v is not None}
         steps = overrides.pop("steps", self.cfg.steps)
         recipe = self.cfg.training_recipe(steps, **overrides) if data is not None and steps else None
@@ -545,8 +532,7 @@ class Harness:
         shutil.rmtree(self.path("runs", name), ignore_errors=True)  # the saved model replaces the checkpoints
 
     def state_cache_path(self, recipe: Any, model: Any = None) -> str:
-        """The partial recipe's folder of the lower layers' states, one per set of states (``model``'s
-        :func:`~st_extensions.partial.state_fingerprint`), reused across runs and systems."""
+        """The partial recipe's folder of lower-layer states, one per ``model``'s ``state_fingerprint``."""
         base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
         name = f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}"
         first = next(iter(model), None) if model is not None else None
@@ -557,8 +543,7 @@ class Harness:
 
     # ---- the frozen recipe's encoder cache ---------------------------------------------------------------------
     def encoder_cache(self, model: Any) -> Any:
-        """The run's cache of base-encoder outputs (:class:`st_extensions.frozen.CachedEmbeddings`), shared by every
-        system's training and indexing; kept in ``output/cache/``, reused while base model and token budget match."""
+        """The run's cache of base-encoder outputs, shared by every system; kept in ``output/cache/`` for later runs."""
         if self._cache is None:
             path = self._cache_file
             if _read(f"{path}.settings.json") == self._base and os.path.isfile(path):
@@ -578,8 +563,7 @@ class Harness:
         atomic_write(f"{self._cache_file}.settings.json", json.dumps(self._base))
 
     def encoding_model(self, model: Any) -> Any:
-        """What to encode queries and documents with: under the frozen recipe, ``model``'s added modules on the
-        run's encoder cache (identical outputs; each text through the encoder once per run), else ``model``."""
+        """Under the frozen recipe ``model``'s added modules on the run's encoder cache, else ``model``."""
         return cached_model(model, cache=self.encoder_cache(model)) if self.recipe.caches_features else model
 
     # ---- indexes ----------------------------------------------------------------------------------------------
@@ -596,14 +580,12 @@ class Harness:
         return {"model": self._model_settings.get(name, self._base), "max_seq_length": self.cfg.max_seq_length}
 
     def dense_index(self, name: str, encoder: Any, collection: Collection) -> Any:
-        """Encode ``collection`` with a :class:`~pyterrier_prob.ProbBiEncoder` (or any pyterrier-dr BiEncoder) into a
-        :class:`~pyterrier_prob.DenseIndex` (one bar over the documents). ``name`` is the model's name in
-        :meth:`train`; with ``--reuse`` an index built by a model made with the same settings is reused."""
+        """Encode ``collection`` with a pyterrier-dr BiEncoder into a :class:`~pyterrier_prob.DenseIndex` (``name``: the
+        model's name in :meth:`train`; ``--reuse`` reuses an index built by a model made with the same settings)."""
         return self._index(name, DenseIndex, "flex", encoder.doc_encoder(verbose=False), collection)
 
     def mol_index(self, name: str, encoder: Any, collection: Collection) -> Any:
-        """Encode ``collection`` with a :class:`~pyterrier_prob.MoLEncoder` into a :class:`~pyterrier_prob.MoLIndex`
-        (one bar over the documents; reuse as for :meth:`dense_index`)."""
+        """Encode ``collection`` with a MoLEncoder into a :class:`~pyterrier_prob.MoLIndex` (as :meth:`dense_index`)."""
         return self._index(name, MoLIndex, "mol", encoder.doc_encoder(), collection)
 
     def _index(self, name: str, cls: type, ext: str, doc_encoder: Any, collection: Collection) -> Any:
@@ -619,8 +601,7 @@ class Harness:
         return index
 
     def bm25(self, collection: Collection) -> Any:
-        """A PISA index of ``collection`` for BM25: built once per run (and, with ``--reuse``, once per output
-        folder); PISA's own log goes to a file beside it."""
+        """A PISA index of ``collection`` for BM25, built once per run (``--reuse``: per output folder)."""
         if collection.name in self._bm25:
             return self._bm25[collection.name]
         path = self._index_path("bm25", collection, "pisa")

@@ -73,8 +73,7 @@ RETRIEVAL = {"dense": "DenseIndex + TopKRetriever", "mol": "MoLIndex + MoLRetrie
 
 @dataclass
 class MolJobConfig(CommonConfig):
-    """Settings of :func:`run_mol_job` (the ``pyterrier-prob mol`` options: each field's help documents it); the
-    shared ones are :class:`~pyterrier_prob.experiments.harness.CommonConfig`'s."""
+    """The ``pyterrier-prob mol`` options beyond :class:`CommonConfig`'s, each field's help its documentation."""
 
     output: str = "outputs/mol"
     alpha: float = option(0.001, "weight of L_MI (Eq. 3) in MoLLoss (Eq. 4) for the MoL row")
@@ -180,11 +179,9 @@ def systems(cfg: MolJobConfig, h: Harness, data: Data, pairs: TrainingPairs, giv
 
 
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
-    """Run the Mixture-of-Logits experiment (``docs/mol.md``), writing its tables (``results``, ``gate``,
-    ``training``), ``summary.json`` and ``results.md`` to ``cfg.output``; returns them and ``"summary"``."""
+    """Run the MoL experiment (``docs/mol.md``) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("mol", cfg)
-    dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder  # dev queries for the curves, none calibrated
-    data = h.load_data(calibrate=dev_curves)  # every test query is reported
+    data = h.load_data(calibrate=bool(cfg.dev_every) or h.recipe.trains_encoder)  # dev queries only for the curves
     given = load_model(cfg.model, device="cpu") if cfg.model else None
     given_is_mol = given is not None and any(isinstance(m, MixtureOfLogits) for m in given.modules())
     del given
@@ -269,8 +266,7 @@ def retrieve_dense(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model:
 
 
 def retrieve_mol(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model: Any) -> tuple[pd.DataFrame, dict]:
-    """Index the test collection with a MoL system, retrieve the top ``k`` by brute force (phi for every document,
-    Sec. 3.1), and summarise its gate on the retrieved and on the judged-relevant pairs."""
+    """Index with a MoL system, retrieve the top ``k`` by brute force (Sec. 3.1) and summarise its gate."""
     topics, qrels, coll = data.test_topics, data.test_qrels, data.test_collection
     encoder = MoLEncoder(h.encoding_model(model), batch_size=ENCODE_BATCH)
     index = h.mol_index(s.model_name, encoder, coll)
@@ -348,8 +344,7 @@ def report(
         title = "Mixture-of-Logits against the dot-product bi-encoder (same backbone and budget)"
     else:
         title = f"Mixture-of-Logits: {cfg.model or 'the base model'} without fine-tuning"
-    tables = {"results": experiment, "gate": gate_table, "training": training}
-    summary = h.finish(title, md, tables, summary, data)
+    summary = h.finish(title, md, {"results": experiment, "gate": gate_table, "training": training}, summary, data)
     return {"experiment": experiment, "gate": gate_table, "training": training, "summary": summary}
 
 

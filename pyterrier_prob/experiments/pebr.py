@@ -73,8 +73,7 @@ MLE_FROZEN_RATES = {"LinearAdapter": 0.0}
 
 @dataclass
 class PebrJobConfig(CommonConfig):
-    """Settings of :func:`run_pebr_job` (the ``pyterrier-prob pebr`` options: each field's help documents it); the
-    shared ones are :class:`~pyterrier_prob.experiments.harness.CommonConfig`'s."""
+    """The ``pyterrier-prob pebr`` options beyond :class:`CommonConfig`'s, each field's help its documentation."""
 
     output: str = "outputs/pebr"
     family: str = option(
@@ -112,8 +111,7 @@ add_arguments, config_from_args = subcommand(PebrJobConfig, "pEBR")  # what ``py
 
 
 def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
-    """Run the pEBR experiment (module docstring), writing its tables (CSV, ``results.md``), ``summary.json`` and
-    figures to ``cfg.output``; returns ``{"experiment", "strata", "table3", "calibration": frame, "summary"}``."""
+    """Run the pEBR experiment into ``cfg.output``; returns its main tables and ``"summary"``."""
     h = Harness("pebr", cfg)
     data = h.load_data()
     trained = train_models(cfg, h, data)
@@ -146,9 +144,8 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
 
 
 def cutoff_claims(data: Data, matched: pd.DataFrame) -> list[dict[str, Any]]:
-    """Claims ``cutoff_vs_topk_k<k>``: the per-query cutoff rule with the best SetR on the calibration queries (chosen
-    without looking at test), its test SetR against top-k's at matched mean depth k (the matched-depth table's
-    paired t-test on the test queries; the rule in ``rule``)."""
+    """Claims ``cutoff_vs_topk_k<k>``: the cutoff rule with the best SetR on the calibration queries against top-k at
+    matched mean depth k on test (the matched-depth table's paired t-test; the rule in ``rule``)."""
     rows = []
     for k, g in matched.groupby("k"):
         g = g.set_index("name")
@@ -197,8 +194,7 @@ def train_models(cfg: PebrJobConfig, h: Harness, data: Data) -> dict[str, Any]:
 
 @dataclass
 class Encoded:
-    """The models' encoders and indexes of the test collection, the encoded calibration (``"dev"``) and ``"test"``
-    queries, and the retrievers the experiment runs on them."""
+    """The models' encoders and test indexes, the encoded ``"dev"`` and ``"test"`` queries, and their retrievers."""
 
     cfg: PebrJobConfig
     encoders: dict[str, Any]
@@ -247,9 +243,8 @@ def _calibrated(run, k: int, lo: float, hi: float, increasing: bool, topics: pd.
 
 
 def calibrate(cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded) -> tuple[pd.DataFrame, dict[int, dict]]:
-    """On the calibration queries only, each variable-depth rule's setting for a mean depth of k (Sec. 4.1.3): the
-    CDF value p of the pEBR cutoff and the cosine threshold of each model's score cutoff. Returns the calibration
-    table and ``k -> system -> setting``."""
+    """On the calibration queries only, each variable-depth rule's setting (p, cosine threshold) for a mean depth of k
+    (Sec. 4.1.3); returns the calibration table and ``k -> system -> setting``."""
     rules = (
         ("pEBR CDF cutoff", enc.cdf_cutoff, 1e-9, 1 - 1e-9, True),
         ("pEBR score cutoff", partial(enc.score_cutoff, "pebr"), -1.0, 1.0, False),
@@ -340,8 +335,7 @@ def table3_and_figure2(
 
 
 def query_spread(cfg: PebrJobConfig, enc: Encoded, strata: pd.DataFrame) -> dict[str, Any]:
-    """The head's per-query spread (``query_temp``; ``query_alpha`` for beta_mle) on the test queries: quantiles,
-    mean per stratum and Spearman's rho against the number of relevant documents."""
+    """The head's per-query spread on the test queries: quantiles, mean per stratum, rho against the relevant count."""
     q = enc.queries[("pebr", "test")].merge(strata[["qid", "stratum", "value"]], on="qid")
     col = "query_temp" if cfg.family != "beta_mle" else "query_alpha"
     rho, pval = spearmanr(q[col], q["value"]) if q[col].nunique() > 1 else (float("nan"),) * 2
@@ -355,8 +349,7 @@ def query_spread(cfg: PebrJobConfig, enc: Encoded, strata: pd.DataFrame) -> dict
 
 def cutoffs(cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded) -> dict[str, Any]:
     """The per-query cutoff study beyond the paper (issue #13; :func:`~pyterrier_prob.experiments.pebr_cutoffs.
-    cutoff_study`) on the pEBR model's lists; calibration needs the calibration queries' own collection (under
-    ``--test-dataset``, the training collection's)."""
+    cutoff_study`) on the pEBR model's lists of the calibration queries' own collection and of test."""
     coll = data.test_collection
     cal_index = enc.indexes["pebr"]
     if data.train_collection is not coll and data.dev is not None:

@@ -129,10 +129,8 @@ class _Split:
 def cutoff_study(
     h: Any, data: Any, indexes: dict[str, Any], queries: dict[str, pd.DataFrame], study: StudyConfig
 ) -> dict[str, Any]:
-    """Run the study (module docstring) on the pEBR model's indexes of the calibration (``"dev"``) and ``"test"``
-    collections and their encoded queries (``qid``, ``query_vec``, the head's parameters). Returns ``{"matched",
-    "targets", "pit", "pit_per_query", "calibrated_law", "calibrated_law_list_features", "curves", "figures"}``.
-    """
+    """Run the study (module docstring) on the pEBR model's ``"dev"`` (calibration) and ``"test"`` indexes and encoded
+    queries; returns ``{"matched", "targets", "pit", "pit_per_query", "calibrated_law*", "curves", "figures"}``."""
     qrels = {"dev": data.cal_qrels, "test": data.test_qrels}
     what = f"ranked lists (top {study.cap}) and relevant cosines of the calibration and test queries"
     with h.stage("cutoff_lists", what):
@@ -148,8 +146,7 @@ def cutoff_study(
         out["matched"] = _matched_depth(h, data, splits, stats, study.ks, topk_recall)
     what = f"recall targets {', '.join(f'{t:g}' for t in study.targets)} by conformal risk control"
     with h.stage("recall_targets", what):
-        same = indexes["dev"] is indexes["test"]
-        out["targets"] = _recall_targets(splits, stats, study.targets, topk_recall, same)
+        out["targets"] = _recall_targets(splits, stats, study.targets, topk_recall, indexes["dev"] is indexes["test"])
     with h.stage("curves", "recall, precision and F1 against mean depth for every rule"):
         out["curves"] = _curves(test, stats["test"], study.cap)
         out["figures"]["curves"] = truncation_curves_plot(out["curves"], h.path("truncation_curves.png"))
@@ -226,8 +223,7 @@ def _level(stats: dict[str, np.ndarray], rule: str, n_queries: int, k: int) -> f
 def _matched_depth(
     h: Any, data: Any, splits: dict[str, _Split], stats: dict[str, Any], ks: Sequence[int], topk_recall: np.ndarray
 ) -> pd.DataFrame:
-    """Every rule and the oracle depth at each mean depth k (levels from the calibration queries) on test, against
-    top-k."""
+    """Every rule and the oracle depth at each mean depth k on test (levels from the calibration queries)."""
     dev, test = splits["dev"], splits["test"]
     rows = []
     for k in ks:
@@ -383,8 +379,6 @@ def _interp(curve: np.ndarray, depth: float) -> float:
 
 def _topk_recall_curve(ranks: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, cap: int):
     """Mean recall of top-k for k = 1..cap over the queries with a relevant document (non-decreasing)."""
-    has = n_rel > 0
     hits = np.zeros((len(n_rel), cap))
     np.add.at(hits, (qidx[is_rel], ranks[is_rel].astype(int)), 1.0)
-    rec = np.cumsum(hits, axis=1) / np.maximum(n_rel, 1)[:, None]
-    return rec[has].mean(axis=0)
+    return (np.cumsum(hits, axis=1) / np.maximum(n_rel, 1)[:, None])[n_rel > 0].mean(axis=0)

@@ -107,8 +107,7 @@ ABLATIONS = {
 
 @dataclass
 class UniERFJobConfig(CommonConfig):
-    """Settings of :func:`run_unierf_job` (the ``pyterrier-prob unierf`` options: each field's help documents it);
-    the shared ones are :class:`~pyterrier_prob.experiments.harness.CommonConfig`'s."""
+    """The ``pyterrier-prob unierf`` options beyond :class:`CommonConfig`'s, each field's help its documentation."""
 
     output: str = "outputs/unierf"
     head_lr: float | None = option(
@@ -206,8 +205,7 @@ def _start_model(cfg: UniERFJobConfig, branches: Sequence[str] = BRANCHES) -> An
 
 
 def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
-    """Run the UniERF experiment (``docs/unierf.md``), writing its tables, ``summary.json`` and ``results.md`` to
-    ``cfg.output``; returns ``{"results", "overlap", "training": frame, "summary": dict}``."""
+    """Run the UniERF experiment (``docs/unierf.md``) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("unierf", cfg)
     dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder or cfg.dev_quotas  # dev: curves and quota shares
     data = h.load_data(calibrate=dev_curves)  # every test query is reported
@@ -216,8 +214,7 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
     run = start(cfg, h, data)
     train_systems(run)
     results, shares = recall_at_budgets(run)
-    overlap = overlap_table(run, shares)
-    return report(run, results, overlap)
+    return report(run, results, overlap_table(run, shares))
 
 
 @dataclass
@@ -252,8 +249,7 @@ class UniERFRun:
         return UniERFEncoder(self.h.encoding_model(model), batch_size=64).query_encoder()(topics)
 
     def add_lists(self, name: str, frames: dict[str, pd.DataFrame], indexes: dict[str, Any]) -> None:
-        """System ``name``'s branch lists: ``frames[b]``, test queries with ``query_vec_<b>``; ``indexes[b]``, the
-        index branch b searches."""
+        """System ``name``'s branch lists from ``frames[b]`` (``query_vec_<b>``) searched in ``indexes[b]``."""
         self.lists[name] = {b: branch_lists(frames[b], indexes[b], b, max(self.budgets)) for b in BRANCHES}
         sem, trig = (np.stack(frames[b][f"query_vec_{b}"].to_list()) for b in BRANCHES)
         same_space = indexes["semantic"] is indexes["trigger"]
@@ -268,8 +264,7 @@ class UniERFRun:
 
 
 def start(cfg: UniERFJobConfig, h: Harness, data: Data) -> UniERFRun:
-    """The start model, its index of the test collection, BM25, the test queries' triggers and the start model's
-    branch lists; then the training rows (when something trains)."""
+    """The start model, its test index, BM25, the test queries' triggers and branch lists; then the training rows."""
     model, _ = h.train("untrained", partial(_start_model, cfg), None, None)
     start_name = "given model" if model.given_heads else "untrained"
     encoder = UniERFEncoder(h.encoding_model(model), batch_size=64)
@@ -318,8 +313,7 @@ def training_rows(run: UniERFRun, model: Any, bm25_index: Any, dense_index: Any)
 
 
 def train_systems(run: UniERFRun) -> None:
-    """Train the systems ``--ablations`` names on the same rows and retrieve with each one's branches: the joint
-    ones ((a) and its ablations) and (c) the independently trained branches."""
+    """Train the systems ``--ablations`` names (joint ones, (c) independent branches) and retrieve with each one."""
     cfg = run.cfg
     wanted = ABLATIONS[cfg.ablations] if run.rows is not None else ()
     hard_cols = [negative_column(b) for b in BRANCHES]
@@ -377,9 +371,8 @@ def _train_one(
 
 
 def choose_quota_shares(run: UniERFRun, model: Any) -> None:
-    """``--dev-quotas``: for each budget B, the trigger branch's share of B (of :data:`SHARES`) whose merge of
-    ``model``'s branch lists has the highest R@B on the dev queries (ties: the share nearest the paper's equal 0.5),
-    searched in the start model's index of their collection; to ``run.shares`` with every share's dev R@B."""
+    """``--dev-quotas``: for each budget B, the trigger branch's share of B (:data:`SHARES`) whose merge has the highest
+    dev R@B (ties: the share nearest 0.5), to ``run.shares`` with every share's dev R@B."""
     h, data = run.h, run.data
     coll, index = (data.train_collection, run.train_index) if data.dev else (data.test_collection, run.test_index)
     with h.stage("dev_quotas", f"choosing the trigger share of B on the {len(data.cal_topics)} dev queries"):
@@ -458,9 +451,8 @@ def claims(run: UniERFRun, budget: int = 100) -> list[dict[str, Any]]:
 
 
 def recall_at_budgets(run: UniERFRun) -> tuple[pd.DataFrame, dict[str, dict[int, float]]]:
-    """R@B of every system's merged candidates (and of the branches alone, and BM25) for each budget B, in
-    ``pt.Experiment`` with paired t-tests against the baseline's merged list; and each system's share of the merged
-    B found by both branches."""
+    """R@B of every system's merged candidates (and of the branches alone, and BM25) for each B against the baseline's
+    merged list (``pt.Experiment``); and each system's share of the merged B found by both branches."""
     h, lists = run.h, run.lists
     baseline, order = _order(run)
     alone = {BASELINE, INDEPENDENT, run.start_name}
@@ -486,8 +478,7 @@ def recall_at_budgets(run: UniERFRun) -> tuple[pd.DataFrame, dict[str, dict[int,
 
 
 def overlap_table(run: UniERFRun, shares: dict[str, dict[int, float]]) -> pd.DataFrame:
-    """Per system: the mean Jaccard of the branches' top-B/2 lists, the share of the merged B found by both, and the
-    mean cosine of a query's two branch vectors."""
+    """Per system: the branches' mean Jaccard at B/2, the share of the merged B found by both, their mean cosine."""
     rows = []
     for s in _order(run)[1]:
         row: dict[str, Any] = {"system": s}

@@ -61,8 +61,7 @@ _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev
 
 @dataclass
 class VarceJobConfig(CommonConfig):
-    """Settings of :func:`run_varce_job` (the ``pyterrier-prob varce`` options, whose help says what each does) on
-    top of :class:`~pyterrier_prob.experiments.harness.CommonConfig`'s."""
+    """The ``pyterrier-prob varce`` options beyond :class:`CommonConfig`'s, each field's help its documentation."""
 
     output: str = "outputs/varce"
     negatives: int = option(3, "negatives per relevant training doc, mined from --negatives-from")
@@ -138,8 +137,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
 
 
 def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
-    """Run the VarCrossEncoder experiment (docs/varce.md), writing its tables, ``summary.json`` and ``results.md`` to
-    ``cfg.output``; returns the tables and ``"summary"``."""
+    """Run the VarCrossEncoder experiment (docs/varce.md) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=False)  # dev queries choose lambda and alpha; every test query is evaluated
     job = _Job(cfg, h, data, train_stage(cfg, h, data), target_stage(cfg, h, data))

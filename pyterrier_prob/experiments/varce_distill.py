@@ -85,10 +85,8 @@ def _slug(spec: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ 1. teacher
 def build_teacher(cfg: DistillConfig) -> str:
-    """The teacher's folder: ``cfg.teacher`` itself, or for ``"partial"`` the MNRL bi-encoder fine-tuned on the
-    training split (top ``teacher_layers`` layers, query-balanced batches, judged negatives masked), dev nDCG@10 by
-    exact search every ``teacher_dev_every`` steps, the best dev point kept; trained once into
-    ``output/teacher/model`` (resumable) and reused."""
+    """The teacher's folder: ``cfg.teacher``, or for ``"partial"`` an MNRL bi-encoder fine-tuned on the training split
+    (top ``teacher_layers`` layers, best dev point kept), trained once into ``output/teacher/model`` and reused."""
     if cfg.teacher != "partial":
         if not os.path.isfile(os.path.join(cfg.teacher, "modules.json")):
             raise FileNotFoundError(f"--teacher {cfg.teacher!r} is not a saved sentence-transformers model folder")
@@ -100,9 +98,8 @@ def build_teacher(cfg: DistillConfig) -> str:
     coll = load_collection(cfg.dataset)
     model = load_model(cfg.base_model or str(default_model_path()))
     model.max_seq_length = cfg.max_seq_length
-    corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
     dev, qrels = coll.topics("dev").astype({"qid": str}), coll.qrels("dev").astype({"qid": str, "docno": str})
-    evaluate = distill.DenseDev(dev, qrels, corpus)
+    evaluate = distill.DenseDev(dev, qrels, {d["docno"]: d["text"] for d in coll.corpus_iter()})
     loss = MaskedMultipleNegativesRankingLoss(model, judged=judged_pairs(coll, "train"))
     rows = training_pairs(coll, "train", seed=cfg.seed)
     recipe = cfg.recipe(cfg.teacher_steps, 32, 5e-5, cfg.teacher_layers, cfg.teacher_dev_every)
@@ -169,8 +166,7 @@ def candidates(cfg: DistillConfig, h: Harness, side: Side, split: str) -> pd.Dat
 
 def teacher_stage(cfg: DistillConfig, h: Harness, side: Side) -> dict[str, Any]:
     """Choose the fusion weight on dev; build the training pools with teacher scores (cached)."""
-    dev = candidates(cfg, h, side, "dev")
-    chosen = distill.choose_teacher(dev, side.qrels["dev"])
+    chosen = distill.choose_teacher(candidates(cfg, h, side, "dev"), side.qrels["dev"])
     pool_path = cfg.path("teacher", f"pool-a{chosen['alpha']}-d{cfg.pool_depth}.parquet")
     if os.path.isfile(pool_path):
         pool = read_checked(pool_path, pd.read_parquet, "delete it: the next run scores the pool again")
@@ -246,9 +242,8 @@ def score_stage(cfg: DistillConfig, models: dict[str, Any], name: str, cand: pd.
 def rerank_rows(
     cfg: DistillConfig, frame: pd.DataFrame, qrels: pd.DataFrame, alpha: float, spec: str, qids: list[str]
 ) -> tuple:
-    """Rows (collection, depth, system, queries, nDCG@10, p_vs_bm25, p_vs_CE) of BM25, the teacher (fused and
-    bi-encoder alone) and every student over all ``qids`` (a query BM25 retrieves nothing for scores 0 for every
-    system) and the per-query values."""
+    """Rows (collection, depth, system, queries, nDCG@10, p values) of BM25, the teacher and every student over all
+    ``qids`` (nothing retrieved: 0), and the per-query values."""
     scores = {"BM25": frame["bm25"], "Teacher (bi-encoder)": frame["dense"]}
     scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
     scores |= {s: frame[s] for s in cfg.students if s in frame.columns}
@@ -264,9 +259,8 @@ def calibration_stage(
     out = {}
     for s in students:
         std_col = f"{s}_std"
-        std_dev = dev[std_col].to_numpy() if std_col in dev else None
         std_test = test[std_col].to_numpy() if std_col in test else None
-        platt = cal.fit_platt(dev[s].to_numpy(), y_dev, std_dev)
+        platt = cal.fit_platt(dev[s].to_numpy(), y_dev, dev[std_col].to_numpy() if std_col in dev else None)
         prob = cal.relevance_probability(test[s].to_numpy(), platt, std_test)
         curve = cal.reliability_curve(prob, y_test).to_dict("list")
         out[s] = {"platt": platt, "ece": cal.expected_calibration_error(prob, y_test), "reliability": curve}
@@ -307,8 +301,7 @@ def uncertainty_stage(
 
 
 def run(cfg: DistillConfig, h: Harness) -> dict[str, Any]:
-    """All the stages under the run's harness ``h``; writes ``summary.json``, ``results.md``, ``rows.csv`` and
-    ``reliability.png`` into ``cfg.output`` (:meth:`Harness.finish`) and returns the summary."""
+    """All the stages under the harness ``h``, reported by :meth:`Harness.finish`; returns the summary."""
     h.cfg.reuse = True  # every stage reuses what an earlier run in the output folder made (the BM25 indexes too)
     cfg.teacher = build_teacher(cfg)
     teacher = SentenceTransformer(cfg.teacher, device="cpu")
@@ -327,8 +320,7 @@ def run(cfg: DistillConfig, h: Harness) -> dict[str, Any]:
     rows_out, calibration, uncertainty = [], {}, {}
     dev_sub = dev_subset(cfg, h, side)
     dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
-    targets = [(cfg.dataset, side)] + [(spec, load_side(cfg, teacher, spec, ("test",))) for spec in cfg.ood]
-    for spec, s in targets:
+    for spec, s in [(cfg.dataset, side)] + [(spec, load_side(cfg, teacher, spec, ("test",))) for spec in cfg.ood]:
         with h.stage(f"rerank_{_slug(spec)}", f"re-ranking BM25's top {cfg.depth} of {spec} (test)"):
             scored = score_stage(cfg, models, f"{_slug(spec)}-test", candidates(cfg, h, s, "test"))
             qids = s.topics["test"]["qid"].tolist()
@@ -366,8 +358,7 @@ def _fmt_p(p: float | None) -> str:
 
 
 def markdown(summary: dict[str, Any]) -> str:
-    """The re-ranking table (nDCG@10, p vs BM25 / p vs CE per collection), the students' ECE and the teacher's
-    choice, as generated from the run's summary."""
+    """The re-ranking table (nDCG@10, p vs BM25 / CE), the students' ECE and the teacher's choice."""
     rows = pd.DataFrame(summary["rows"])
     rows["cell"] = [f"{r['nDCG@10']:.4f} ({_fmt_p(r['p_vs_bm25'])} / {_fmt_p(r['p_vs_CE'])})" for r in summary["rows"]]
     rows["collection"] = [f"{c} ({n} q.)" for c, n in zip(rows["collection"], rows["queries"].astype(int))]

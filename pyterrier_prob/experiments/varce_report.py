@@ -53,13 +53,12 @@ def _effectiveness(results: pd.DataFrame, summary: dict[str, Any]) -> str:
     rerank = pd.DataFrame(summary.get("rerank_rows") or [], dtype=object)
     if not rerank.empty:
         p = {f"p vs {b}": [_p(v) for v in rerank[f"p_vs_{b.replace('BM25', 'bm25')}"]] for b in ("BM25", "CE")}
-        cols = ["collection", "depth", "queries", "system", "nDCG@10"]
         lines += [
             "",
             "nDCG@10 with paired t-tests (scipy.stats.ttest_rel over the queries) against BM25 and against CE, at each "
             "re-ranking depth (the shallower depths re-rank BM25's top k with the same scores):",
             "",
-            markdown_table(rerank[cols].assign(**p)),
+            markdown_table(rerank[["collection", "depth", "queries", "system", "nDCG@10"]].assign(**p)),
         ]
     return "\n".join(lines)
 

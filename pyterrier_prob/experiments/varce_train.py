@@ -223,8 +223,7 @@ class Target:
     texts: dict[str, str] = field(default_factory=dict)
 
     def candidates(self, h: Harness, topics: pd.DataFrame, depth: int) -> pd.DataFrame:
-        """BM25's top ``depth`` of ``topics``: ``qid, docno, score, rank, query, text`` (a docno without text: the
-        re-ranker says so)."""
+        """BM25's top ``depth`` of ``topics``: ``qid, docno, score, rank, query, text``."""
         res = h.bm25_run(self.index, topics[["qid", "query"]], depth)[["qid", "docno", "score", "rank"]]
         res = res.merge(topics[["qid", "query"]], on="qid").sort_values(["qid", "rank"]).reset_index(drop=True)
         missing = set(res["docno"]) - set(self.texts)
@@ -268,8 +267,7 @@ def target_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> list[Target]:
 
 
 def recipe_summary(cfg: VarceJobConfig, h: Harness, trained: Trained) -> dict[str, Any]:
-    """Which training recipe ran: ``description`` is the :class:`~pyterrier_prob.training.Recipe`'s own
-    (:meth:`~pyterrier_prob.training.Recipe.describe`) followed by ``training``, what this run's heads did."""
+    """Which training recipe ran: the Recipe's ``description`` followed by ``training``, what the heads did."""
     features = trained.features
     pairs = None if features is None else len(features.index)
     backbone = "as given" if features is None else "frozen (as pre-trained)"
@@ -296,8 +294,7 @@ def recipe_summary(cfg: VarceJobConfig, h: Harness, trained: Trained) -> dict[st
 
 
 def score_fingerprint(h: Harness, name: str, trained: bool, cfg: VarceJobConfig) -> str | None:
-    """What identifies a model's scores across runs: its saved training settings, or the given model's files;
-    None (no score file) for an untrained head."""
+    """What identifies a model's scores across runs (saved settings, the given model's files; None: nothing)."""
     if trained:
         path = h.path("models", name, "train_settings.json")
         if not os.path.isfile(path):
