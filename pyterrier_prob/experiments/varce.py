@@ -110,7 +110,7 @@ class VarceJobConfig(CommonConfig):
         super().check()
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
         lowest |= {"robust_depth": 1, "ood_queries": 1, "ood_depth": 1, "inference_batch_size": 1}
-        lowest |= {"positive_depth": 1, "dev_queries": 0, "dev_depth": 1, "dev_every": 1}
+        lowest |= {"positive_depth": 1, "dev_queries": 0, "dev_depth": 1}  # --dev-every: CommonConfig.check
         for name, low in lowest.items():
             value = getattr(self, name)
             if value is not None and value < low:

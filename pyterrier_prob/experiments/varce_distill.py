@@ -185,9 +185,8 @@ def teacher_stage(cfg: DistillConfig, h: Harness, side: Side) -> dict[str, Any]:
 def dev_subset(cfg: DistillConfig, h: Harness, side: Side) -> pd.DataFrame:
     """BM25's top ``dev_depth`` of ``dev_queries`` seeded dev queries: the learning curves' and the choices' pairs."""
     dev = candidates(cfg, h, side, "dev")
-    rng = np.random.default_rng(cfg.seed)
     qids = sorted(dev["qid"].unique())
-    keep = set(rng.choice(qids, size=min(cfg.dev_queries, len(qids)), replace=False).tolist())
+    keep = set(np.random.default_rng(cfg.seed).choice(qids, size=min(cfg.dev_queries, len(qids)), replace=False))
     return dev[dev["qid"].isin(keep) & (dev["rank"] < cfg.dev_depth)].reset_index(drop=True)
 
 
