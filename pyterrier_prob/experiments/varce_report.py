@@ -82,11 +82,8 @@ def _dev_choices(summary: dict[str, Any]) -> str:
             lines.append(f"- {n}: {pts} (best: step {best.get('step')}, {best.get('dev', math.nan):.4f})")
     inter = summary.get("interpolation_chosen_on_dev") or {}
     if inter:
-        lines += [
-            "",
-            f"Interpolation with BM25 (alpha * z(E[s]) + (1 - alpha) * z(BM25)), alpha chosen on {_dev(inter)}:",
-            "",
-        ]
+        head = f"Interpolation with BM25 (alpha * z(E[s]) + (1 - alpha) * z(BM25)), alpha chosen on {_dev(inter)}:"
+        lines += ["", head, ""]
         for n, c in inter.items():
             lines.append(f"- {n}: dev nDCG@10 by alpha {_values(c)} -> alpha = {c['alpha']:g} (system {n}+BM25)")
     chosen = summary.get("risk_chosen_on_dev") or {}
