@@ -59,8 +59,7 @@ def perquery_claims(
     baseline: str,
     metrics: Sequence[str],
 ) -> list[dict[str, Any]]:
-    """:func:`paired_claim` rows, one per metric, of the ``system`` and ``baseline`` runs on ``data``'s test queries
-    (per-query values from the harness's ``pt.Experiment``, every test query counted)."""
+    """:func:`paired_claim` rows, one per metric, of the ``system`` and ``baseline`` runs on every test query."""
     pair = {system: runs[system], baseline: runs[baseline]}
     frame = h.experiment(pair, data.test_topics, data.test_qrels, metrics, perquery=True)
     qids = data.test_topics["qid"].astype(str)
