@@ -385,8 +385,7 @@ def fine_tune(
         with _loss_on(loss, model, trained):
             with contextlib.nullcontext() if shown else contextlib.redirect_stderr(io.StringIO()):
                 trainer = _trainer(model, trained, loss, train, recipe, run_dir)
-            trainer.add_callback(_LossBar(show_progress, desc))
-            for cb in callbacks:
+            for cb in (_LossBar(show_progress, desc), *callbacks):
                 trainer.add_callback(cb)
             try:  # heads on cached features gain little from more threads and lose much on shared CPUs
                 with torch_threads() if recipe.caches_features else contextlib.nullcontext():
