@@ -64,8 +64,7 @@ __all__ = [
 ]
 
 
-#: The command line's training options, made from :class:`~pyterrier_prob.training.Recipe`'s fields (their type and
-#: help): :class:`CommonConfig` field (``--flag``) -> Recipe field.
+#: The training options: :class:`CommonConfig` field (``--flag``) -> the Recipe field giving its type and help.
 RECIPE_OPTIONS = {"recipe": "mode", "lr": "learning_rate"} | {
     name: name for name in ("steps", "batch_size", "train_layers", "checkpoint_every", "checkpoint_limit", "seed")
 }
