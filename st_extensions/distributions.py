@@ -1,11 +1,9 @@
 """Per-query laws of the query/relevant-item cosine similarity and the cutoffs they give (pEBR).
 
 pEBR (``shared/papers/pebr.md``) gives every query q a law of the cosine x in [-1, 1] to its relevant items and
-retrieves the items above ``t_q = F_q^{-1}(1 - p)`` (:meth:`~_CosineLaw.cutoff`, Sec. 3.2, 4.4.2):
-:class:`ExpCosine` (ExpNCE, density ~ ``exp(x / tau)``, Sec. 3.2.1) and :class:`BetaCosine` (BetaNCE, a Beta law
-moved to [-1, 1], Sec. 3.2.2). ``dim=None`` is the 1-D law; ``dim=n`` Appendix A's sphere-corrected law (Eq. 4).
-Parameters are a scalar or one per query; numpy/scipy, vectorised, exact up to floating point except the
-sphere-corrected exponential law (a quadrature, about 1e-14). The geometry and accuracy are in ``docs/pebr.md``.
+retrieves the items above ``t_q = F_q^{-1}(1 - p)`` (:meth:`~_CosineLaw.cutoff`, Sec. 3.2, 4.4.2): :class:`ExpCosine`
+(ExpNCE, Sec. 3.2.1) and :class:`BetaCosine` (BetaNCE, Sec. 3.2.2). ``dim=None`` is the 1-D law; ``dim=n`` Appendix
+A's sphere-corrected law (Eq. 4). Parameters are a scalar or one per query. Geometry and accuracy: ``docs/pebr.md``.
 """
 
 from __future__ import annotations
@@ -70,7 +68,6 @@ class _CosineLaw:
     def __init__(self, dim: int | None) -> None:
         self._dim = positive_int("dim", dim, allow_none=True, minimum=2)
 
-    # ---- properties ---------------------------------------------------------------------------------------
     @property
     def dim(self) -> int | None:
         """Embedding dimension n of Appendix A's sphere-corrected law; ``None``: the 1-D law of Sec. 3.2."""
@@ -96,7 +93,6 @@ class _CosineLaw:
         """Exponent (n - 3) / 2 of the sphere factor (1 - x^2)^m (Eq. 4); 0 for the 1-D law."""
         return 0.0 if self._dim is None else (self._dim - 3) / 2.0
 
-    # ---- broadcasting -------------------------------------------------------------------------------------
     def align(self, values: ArrayLike, name: str) -> _Aligned:
         """``(values as a float array, the shape the parameters take to broadcast against it)``: scalar parameters as
         numpy; Q per-query parameters accept a scalar, (Q,) or (Q, K, ...) (leading axis = queries), else a ValueError
@@ -127,7 +123,6 @@ class _CosineLaw:
     def _finite(self, values: ArrayLike, name: str) -> _Aligned:
         return self._checked(values, name, np.isfinite, "be finite (got nan or inf)")
 
-    # ---- public API (shared) ------------------------------------------------------------------------------
     def logpdf(self, x: ArrayLike) -> FloatOrArray:
         """Log density of the cosine at ``x`` (-inf outside [-1, 1])."""
         v, pshape = self._finite(x, "x")
@@ -146,13 +141,11 @@ class _CosineLaw:
         """Quantile function F_q^{-1}(q) for ``q`` in [0, 1], ppf(0) = -1, ppf(1) = 1; shapes as in :meth:`cdf`."""
         v, pshape = self._checked(q, "q", lambda v: (v >= 0.0) & (v <= 1.0), "lie in [0, 1] (and not be nan)")
         out = np.clip(self._ppf(v, pshape), -1.0, 1.0)
-        out = np.where(v == 0.0, -1.0, np.where(v == 1.0, 1.0, out))
-        return _out(out)
+        return _out(np.where(v == 0.0, -1.0, np.where(v == 1.0, 1.0, out)))
 
     def cutoff(self, p: ArrayLike) -> FloatOrArray:
         """Per-query threshold ``t_q = ppf(1 - p)``, so ``P(x >= t_q) = p`` (Sec. 4.4.2): a larger ``p`` in (0, 1) keeps
-        more items (Table 3).
-        """
+        more items (Table 3)."""
         inside = "lie strictly inside (0, 1): it is the share of the relevant-item law kept"
         v, _ = self._checked(p, "p", lambda v: (v > 0.0) & (v < 1.0), inside)  # also rejects nan
         return self.ppf(1.0 - v)
@@ -205,11 +198,8 @@ def _bsearch(edges: NDArray[np.float64], rows: NDArray[np.intp], v: NDArray[np.f
 
 
 class _ExpSphereQuadrature:
-    """CDF and quantiles of the density ~ exp(x / tau) (1 - x^2)^m on [-1, 1], m >= -1/2 (Appendix A, m = (n - 3) / 2).
-
-    Substituting x = tanh(s) gives a smooth unimodal integrand e^{G(s)}, integrated per row by Gauss-Legendre panels
-    either side of its mode (mass below e^-60 of the peak dropped); quantiles by safeguarded Newton in the bracketing
-    panel. The method and its accuracy against mpmath: ``docs/pebr.md``.
+    """CDF and quantiles of the density ~ exp(x / tau) (1 - x^2)^m on [-1, 1], m >= -1/2 (Appendix A, m = (n - 3) / 2):
+    Gauss-Legendre panels in s = artanh(x) either side of the mode, quantiles by safeguarded Newton (``docs/pebr.md``).
     """
 
     def __init__(
@@ -371,12 +361,16 @@ class ExpCosine(_CosineLaw):
     def _table(self) -> _ExpSphereQuadrature:
         return _ExpSphereQuadrature(self._tau.reshape(-1), self._m)
 
-    def _rows(self, v: NDArray[np.float64]) -> tuple[NDArray[np.intp], NDArray[np.float64]]:
-        """Quadrature-table row of every value of ``v`` (aligned by :meth:`align`), and v flattened."""
+    def _apply(self, v: NDArray[np.float64], pshape: tuple[int, ...], closed_form: Callable, table: str) -> NDArray:
+        """``closed_form(v, tau)``, else the quadrature table's ``table`` method on every value of ``v`` (aligned by
+        :meth:`align`) with its row."""
+        if self._closed_form:
+            return closed_form(v, self._tau.reshape(pshape))
         if not self._shape:
-            return np.zeros(v.size, dtype=np.intp), v.reshape(-1)
-        per_row = v.size // self._shape[0] if self._shape[0] else 0
-        return np.repeat(np.arange(self._shape[0]), per_row), np.ascontiguousarray(v).reshape(-1)
+            rows = np.zeros(v.size, dtype=np.intp)
+        else:
+            rows = np.repeat(np.arange(self._shape[0]), v.size // self._shape[0] if self._shape[0] else 0)
+        return getattr(self._table, table)(rows, np.ascontiguousarray(v).reshape(-1)).reshape(v.shape)
 
     def _logpdf(self, x: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         tau = self._tau.reshape(pshape)
@@ -391,16 +385,10 @@ class ExpCosine(_CosineLaw):
         return np.where(inside, out, -np.inf)
 
     def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        if self._closed_form:
-            return _exp_cdf_1d(t, self._tau.reshape(pshape))
-        rows, flat = self._rows(t)
-        return self._table.cdf(rows, flat).reshape(t.shape)
+        return self._apply(t, pshape, _exp_cdf_1d, "cdf")
 
     def _ppf(self, q: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        if self._closed_form:
-            return _exp_ppf_1d(q, self._tau.reshape(pshape))
-        rows, flat = self._rows(q)
-        return self._table.ppf(rows, flat).reshape(q.shape)
+        return self._apply(q, pshape, _exp_ppf_1d, "ppf")
 
 
 # ---- BetaNCE: Beta law on [-1, 1] ----------------------------------------------------------------------

@@ -480,17 +480,18 @@ class LayerStateCache:
         self.extend(keys)
         return [self._rows[k] for k in keys]
 
+    def _row(self, data: np.memmap | None, row: int) -> np.ndarray:
+        if data is None:
+            raise IndexError(f"row {row} of an empty cache")
+        return data[self._offsets[row] : self._offsets[row + 1]]
+
     def token_ids(self, row: int) -> np.ndarray:
         """The cached token ids of key ``row`` (no padding)."""
-        if self._ids is None:
-            raise IndexError(f"row {row} of an empty cache")
-        return self._ids[self._offsets[row] : self._offsets[row + 1]]
+        return self._row(self._ids, row)
 
     def states(self, row: int) -> np.ndarray:
         """The cached states of key ``row``, ``(n_tokens, hidden_size)`` of the storage dtype (a memmap view)."""
-        if self._states is None:
-            raise IndexError(f"row {row} of an empty cache")
-        return self._states[self._offsets[row] : self._offsets[row + 1]]
+        return self._row(self._states, row)
 
     def lengths(self, rows: Sequence[int]) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)

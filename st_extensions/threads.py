@@ -1,12 +1,9 @@
 """Thread counts that follow the CPUs a process may use, for shared machines and cluster jobs.
 
-:func:`available_cpus` reads ``OMP_NUM_THREADS``, else the CPU affinity (``taskset``, a scheduler's cpuset) capped by
-the cgroup's CPU quota; :func:`configure_threads` sets torch's, faiss's and the tokenizers' thread counts to it (or to
-a given count) once at a run's start. :func:`torch_threads` narrows torch's count for a block of small-model work
-(heads on cached features), which gains little from more threads and loses much when the CPUs are shared: on 2 cores,
-``pyterrier-prob unierf``'s frozen-head training ran at 93 steps/s on 2 threads and 82 on one alone, but at 2.1 on 2
-threads and 21 on one beside other work (``benchmarks/contention.py``). :func:`batch_scheduling` marks a run as a
-batch job with long time slices, so that jobs sharing a core switch rarely and keep their caches.
+:func:`available_cpus` reads ``OMP_NUM_THREADS``, else the CPU affinity capped by the cgroup's CPU quota;
+:func:`configure_threads` sets torch's, faiss's and the tokenizers' thread counts to it once at a run's start;
+:func:`torch_threads` narrows torch's count for small-model work; :func:`batch_scheduling` marks a run as a batch job
+with long time slices. Why and the measurements: ``docs/cluster.md``.
 """
 
 from __future__ import annotations
@@ -124,14 +121,11 @@ def torch_threads(n: int | None = None) -> Iterator[int]:
 
 
 def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
-    """Schedule every thread of this process as a batch job: ``SCHED_BATCH`` (sched(7): CPU-bound, not interactive)
-    with a time slice of ``slice_ms`` (``sched_setattr(2)``'s ``sched_runtime``, the per-task slice of Linux >= 6.12's
-    EEVDF scheduler, which clamps it to 0.1-100 ms; threads started later inherit it). Two such jobs on one core then
-    take turns every ``slice_ms`` instead of every tick (1.4 ms slices, 4 ms ticks) and keep their caches warm between
-    turns; tasks that wake with shorter slices (a shell, an editor) still preempt them, and beside a busy task with
-    the default slice the turns are the default ones (``benchmarks/turns.py``). The nice value is kept.
-    ``None`` or 0: leave the scheduling as it is. Returns whether every thread was changed (False where the syscall
-    is not known or refused: nothing else changes)."""
+    """Schedule every thread of this process as a batch job: ``SCHED_BATCH`` with a time slice of ``slice_ms``
+    (``sched_setattr(2)``'s ``sched_runtime``, honoured by Linux >= 6.12 between 0.1 and 100 ms; threads started later
+    inherit it), so that jobs sharing a core take long turns (``docs/cluster.md``). The nice value is kept. ``None`` or
+    0: leave the scheduling as it is. Returns whether every thread was changed (False where the syscall is not known
+    or refused: nothing else changes)."""
     if not slice_ms:
         return False
     if not (math.isfinite(slice_ms) and slice_ms > 0):
