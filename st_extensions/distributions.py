@@ -169,9 +169,7 @@ def _exp_cdf_1d(t: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.
 
 
 def _exp_ppf_1d(q: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Inverse of :func:`_exp_cdf_1d`: 1 + tau log(q + (1 - q) e^{-2/tau}), via log-sum-exp for tau < 1, log1p for tau
-    >= 1.
-    """
+    """Inverse of :func:`_exp_cdf_1d`: 1 + tau log(q + (1 - q) e^{-2/tau}), via log-sum-exp for tau < 1, else log1p."""
     with np.errstate(divide="ignore", invalid="ignore"):
         small = np.logaddexp(np.log(q), np.log1p(-q) - 2.0 / tau)
         large = np.log1p((1.0 - q) * np.expm1(-2.0 / tau))
@@ -336,9 +334,8 @@ class ExpCosine(_CosineLaw):
     """Truncated exponential law of the cosine (ExpNCE, Sec. 3.2.1), temperature ``tau`` > 0 scalar or one per query.
 
     ``dim=None``: density ``exp(x / tau) / (tau (e^{1/tau} - e^{-1/tau}))`` on [-1, 1], CDF and inverse overflow-free.
-    ``dim=n >= 2``: Appendix A's law (Eq. 4), ~ ``exp(x / tau) (1 - x^2)^((n - 3) / 2)`` (vMF cosine marginal);
-    n = 3 is closed form, other n use :class:`_ExpSphereQuadrature` (built on first use).
-    """
+    ``dim=n >= 2``: Appendix A's law (Eq. 4), ~ ``exp(x / tau) (1 - x^2)^((n - 3) / 2)`` (vMF cosine marginal); n = 3 is
+    closed form, other n use :class:`_ExpSphereQuadrature` (built on first use)."""
 
     def __init__(self, tau: ArrayLike, dim: int | None = None) -> None:
         super().__init__(dim)
@@ -399,8 +396,7 @@ class BetaCosine(_CosineLaw):
 
     ``dim=None``: z = (1 + x) / 2 ~ Beta(alpha, beta) (after BetaNCE alpha = 1 / tau_q, beta = 1, Eq. 3:
     :meth:`from_temperature`). ``dim=n >= 2`` (Eq. 4): z ~ Beta(alpha + (n - 3) / 2, beta + (n - 3) / 2)
-    (:attr:`z_params`; n = 2 needs alpha, beta > 1/2).
-    """
+    (:attr:`z_params`; n = 2 needs alpha, beta > 1/2)."""
 
     def __init__(self, alpha: ArrayLike, beta: ArrayLike = 1.0, dim: int | None = None) -> None:
         super().__init__(dim)

@@ -1,9 +1,8 @@
 """A guarded model loader: our own Module classes are allowed, any other foreign class is refused.
 
-:func:`load_model` checks every class reference of a saved model's ``modules.json`` (and a Router's
-``router_config.json``) and resolves ours (:func:`register_module`) to this package's classes, so
-``trust_remote_code`` stays ``False`` for everything else. Weights are loaded from safetensors only and whole:
-pickled weights, a truncated safetensors file and a checkpoint lacking weights its config declares are refused.
+:func:`load_model` resolves the class references of a saved model's ``modules.json`` (and a Router's
+``router_config.json``) to the registered classes of this package (:func:`register_module`), with
+``trust_remote_code=False``, and loads whole safetensors weights only.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ from st_extensions.atomic import recover_directory
 from st_extensions.modules import LinearAdapter, MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.modules.safetensors_module import check_safetensors_file
 
-#: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
-#: ``trust_remote_code``: the classes of :mod:`st_extensions.modules` and those that register themselves
-#: (the cross-encoder modules, registered when :mod:`st_extensions.cross_encoder` is imported, as it is by
-#: ``import st_extensions``).
+#: Class references (as in ``modules.json``) that :func:`load_model` resolves: :mod:`st_extensions.modules`' classes
+#: and those that register themselves (the cross-encoder modules, on ``import st_extensions``).
 ALLOWED_MODULES: dict[str, type[nn.Module]] = {}
 #: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
 #: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).
@@ -181,8 +178,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
     that class (a VariationalHead: ``VarCrossEncoder``). ``**kwargs`` go to the class; ``trust_remote_code`` is refused.
     ValueError: a module class neither ``sentence_transformers.*`` nor in :data:`ALLOWED_MODULES`, repository code, not
     a saved model, only pickled weights (:data:`PICKLED_WEIGHTS`), a truncated / corrupt safetensors file, or declared
-    weights the checkpoint lacks (which transformers would initialise at random and only log).
-    """
+    weights the checkpoint lacks (which transformers would initialise at random and only log)."""
     if "trust_remote_code" in kwargs:
         raise ValueError("load_model does not take trust_remote_code: it allows our own module classes only")
     path = os.fspath(path)

@@ -123,8 +123,7 @@ def freeze_lower_layers(backbone: Any, frozen: int) -> None:
 
 def layer_attention_mask(backbone: Any, hidden_states: Tensor, attention_mask: Tensor) -> Any:
     """The mask a ``BertModel`` encoder hands its layers for a padded (B, T) ``attention_mask``
-    (``create_bidirectional_mask``, called directly: ``BertModel._create_attention_masks``' signature varies in v5).
-    """
+    (``create_bidirectional_mask``, called directly: ``BertModel._create_attention_masks``' signature varies in v5)."""
     return create_bidirectional_mask(config=backbone.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
 
 
@@ -132,8 +131,7 @@ def run_top_layers(
     backbone: Any, hidden_states: Tensor, attention_mask: Tensor, start: int, stop: int | None = None
 ) -> Tensor:
     """``backbone``'s layers ``start..stop-1`` on the states entering layer ``start``, as ``BertEncoder.forward`` runs
-    them for an encoder: the output of layer ``stop - 1``, (B, T, H) (a tuple output gives its first element).
-    """
+    them for an encoder: the output of layer ``stop - 1``, (B, T, H) (a tuple output gives its first element)."""
     mask = layer_attention_mask(backbone, hidden_states, attention_mask)
     for layer in backbone.encoder.layer[start:stop]:
         out = layer(hidden_states, attention_mask=mask)
@@ -263,8 +261,7 @@ class LayerStateCache:
 
     Per key the token ids (padding dropped) and the states, computed in eval mode by ``transformer`` (``None``: opened
     read-only, a missing key raises ``KeyError``). ``overwrite`` rebuilds a folder of other settings (else ValueError);
-    don't rebuild one another process uses. File format and crash safety: ``docs/recipes.md``.
-    """
+    don't rebuild one another process uses. File format and crash safety: ``docs/recipes.md``."""
 
     def __init__(
         self,
@@ -570,8 +567,7 @@ class PartialTransformer(InputModule):
 
     ``preprocess`` maps keys to cache rows (right-padded token ids and mask); ``forward`` runs layers
     ``frozen_layers..L-1`` and writes ``token_embeddings``. Prompts, ``processing_kwargs`` and another ``max_length``
-    are refused. It cannot be saved (save the model it was made from).
-    """
+    are refused. It cannot be saved (save the model it was made from)."""
 
     save_in_root = False
 
@@ -683,8 +679,7 @@ def partial_model(
     first use unless ``encode_missing=False`` (then ``KeyError``). ``cache``: a :class:`LayerStateCache` of this model's
     frozen part, else one in ``cache_dir`` (``None``: temporary) with ``dtype`` / ``overwrite`` as in the cache. Returns
     a model of ``model``'s class (a CrossEncoder keeps its ``activation_fn``) giving its outputs up to the storage
-    rounding.
-    """
+    rounding."""
     modules = list(model)
     if not modules:
         raise ValueError("partial training needs a model with modules")

@@ -22,9 +22,8 @@ __all__ = ["QueryBalancedBatchSampler", "query_groups"]
 
 
 def query_groups(dataset: Dataset) -> list[list[int]]:
-    """Row indices of ``dataset`` grouped by query, in first-appearance order: by the ``label`` column's first
-    entry (the query key of :func:`st_extensions.judged.pair_labels`) when there is one, else by the first
-    column's text."""
+    """Row indices of ``dataset`` grouped by query, in first-appearance order: by the ``label`` column's first entry
+    (the query key of :func:`st_extensions.judged.pair_labels`) when there is one, else by the first column's text."""
     if "label" in dataset.column_names and isinstance(dataset[0]["label"], (list, tuple)):
         keys = [row[0] for row in dataset["label"]]
     else:
@@ -36,16 +35,14 @@ def query_groups(dataset: Dataset) -> list[list[int]]:
 
 
 class QueryBalancedBatchSampler(DefaultBatchSampler):
-    """Batches of distinct queries; one row per query per epoch, each query's rows cycled across epochs (order by
-    ``seed``).
+    """Batches of distinct queries; one row per query per epoch, its rows cycled across epochs (order by ``seed``).
 
     Use as ``SentenceTransformerTrainingArguments(batch_sampler=QueryBalancedBatchSampler)``. One process: an epoch has
     ``n_queries // batch_size`` batches (+1 partial without ``drop_last``); W processes (``world_size``, default
     :func:`st_extensions.distributed.data_parallel_world_size`): ``(n_queries // (W * batch_size)) * W``, so a global
     batch's queries stay distinct. The epoch is the trainer's (:meth:`set_epoch`), else each ``__iter__`` starts the
     next. ``valid_label_columns`` and ``generator`` are unused. ValueError: fewer queries than ``world_size *
-    batch_size``.
-    """
+    batch_size``."""
 
     def __init__(
         self,

@@ -27,8 +27,7 @@ class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     L = -1/B sum_i log( exp(s cos(q_i, d_i+)) / sum_{j not judged for q_i} exp(s cos(q_i, d_j)) ).
 
     Without ``judged`` (rows with ``label`` of :func:`st_extensions.judged.pair_labels`) it is exactly MNRL;
-    ``gather_across_devices`` masks over the DDP global batch, as MNRL's option.
-    """
+    ``gather_across_devices`` masks over the DDP global batch, as MNRL's option."""
 
     def __init__(
         self,

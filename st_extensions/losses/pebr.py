@@ -86,8 +86,7 @@ class ExpNCELoss(_PEBRLoss):
     L = -1/B sum_i log( exp(cos(q_i, d_i+) / tau_i) / sum_j exp(cos(q_i, d_j) / tau_i) ): the relevant items of q follow
     :class:`~st_extensions.distributions.ExpCosine`; a constant tau gives ``MultipleNegativesRankingLoss(scale=1/tau)``.
     Inputs: (anchor, positive[, negative_1, ...]) columns, no labels. ``judged`` (judged-relevant in-batch negatives
-    left out of the softmax), ``gather_across_devices`` (the DDP global batch) and an example: ``docs/pebr.md``.
-    """
+    left out of the softmax), ``gather_across_devices`` (the DDP global batch) and an example: ``docs/pebr.md``."""
 
     family = "exp"
 
@@ -108,8 +107,7 @@ class BetaNCELoss(_PEBRLoss):
     """BetaNCE (pEBR Sec. 3.2.2): InfoNCE on log z / tau_q, z = (1 + cos) / 2 clamped to ``[eps, 1]``.
 
     After training the relevant items of q follow Beta(1 / tau_q, 1) in z (Eq. 3,
-    :class:`~st_extensions.distributions.BetaCosine`). Head family "beta"; inputs and options as :class:`ExpNCELoss`.
-    """
+    :class:`~st_extensions.distributions.BetaCosine`). Head family "beta"; inputs and options as :class:`ExpNCELoss`."""
 
     family = "beta"
 
@@ -131,8 +129,7 @@ class BetaMLELoss(_PEBRLoss):
     L = -[ mean_i log f_i(cos(q_i, d_i+)) + w * mean_{i, j != i} log h_i(cos(q_i, d_ij)) ], f and h the Beta densities
     (:func:`beta_log_density`) of the relevant / irrelevant cosines, ``w = negative_weight``; every non-positive
     candidate is irrelevant (``judged`` removes judged-relevant ones). Point-wise, so it ranks worse than the NCE losses
-    (the paper). Needs batch size > 1 or hard negatives; inputs as :class:`ExpNCELoss`.
-    """
+    (the paper). Needs batch size > 1 or hard negatives; inputs as :class:`ExpNCELoss`."""
 
     family = "beta_mle"
 
