@@ -207,7 +207,6 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
         raise ValueError(f"{path!r} holds modules of several model classes: {[name for name, _ in special]}")
     if special and issubclass(special[0][1], cls):
         cls = special[0][1]  # e.g. VarCrossEncoder for a CrossEncoder with a VariationalHead
-    # The loader maps the checked class references to our imported classes; trust_remote_code stays False.
     with _record_missing_weights() as missing:
         model = cls._load_with_module_classes(path, module_classes=dict(ALLOWED_MODULES), **kwargs)
     if missing:

@@ -532,7 +532,7 @@ class LayerStateCache:
             for name, f in files.items():
                 f.truncate(committed[name])  # drop what a crashed writer left beyond the committed index
                 f.seek(committed[name])
-            pending, last = 0, time.monotonic()
+            last = time.monotonic()
             for batch in self._compute(keys):
                 for p, t, s in batch:
                     raw = _encode_key(keys[p])
@@ -541,12 +541,10 @@ class LayerStateCache:
                     files[KEYS].write(raw)
                     counts = [counts[0] + 1, counts[1] + len(t), counts[2] + len(raw)]
                     files[ROWS].write(np.array([counts[2], counts[1]], dtype=np.int64).tobytes())
-                    pending += 1
                 if time.monotonic() - last > self.commit_seconds:
                     self._commit(files, counts)
-                    pending, last = 0, time.monotonic()
-            if pending:
-                self._commit(files, counts)
+                    last = time.monotonic()
+            self._commit(files, counts)
         self.computed += len(keys)
 
     def _commit(self, files: dict[str, Any], counts: list[int]) -> None:

@@ -139,8 +139,7 @@ def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
     attr = ctypes.create_string_buffer(
         struct.pack("IIQiIQQQII", 56, _SCHED_BATCH, 0, nice, 0, int(slice_ms * 1e6), 0, 0, 0, 0), 56
     )
-    done = [libc.syscall(number, int(tid), attr, 0) == 0 for tid in os.listdir("/proc/self/task")]
-    return all(done)
+    return all([libc.syscall(number, int(tid), attr, 0) == 0 for tid in os.listdir("/proc/self/task")])
 
 
 def is_batch_scheduled() -> bool:

@@ -158,8 +158,7 @@ class BetaMLELoss(_PEBRLoss):
             irrelevant &= ~judged.to(cos.device)
         log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
         log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[irrelevant]
-        # every rank has B anchors (one positive each), but the judged mask leaves each a different number of
-        # irrelevant pairs: their mean is over the global count (GlobalBatch.mean)
+        # the judged mask leaves each rank a different number of irrelevant pairs: mean over the global count
         return -(log_f.mean() + self.negative_weight * batch.mean(log_h))
 
     def get_config_dict(self) -> dict[str, Any]:
