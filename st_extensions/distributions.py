@@ -59,8 +59,8 @@ def _out(arr: NDArray[np.float64]) -> FloatOrArray:
 class _CosineLaw:
     """Shared machinery: parameter shape, dimension, broadcasting of inputs against per-query parameters.
 
-    A law implements ``_logpdf``, ``_cdf`` and ``_ppf`` on inputs aligned by :meth:`align` (parameters reshaped to
-    its ``pshape``)."""
+    A law implements ``_logpdf`` (on x clipped to [-1, 1]), ``_cdf`` and ``_ppf`` on inputs aligned by :meth:`align`
+    (parameters reshaped to its ``pshape``)."""
 
     _shape: tuple[int, ...]
     _dim: int | None
@@ -126,7 +126,8 @@ class _CosineLaw:
     def logpdf(self, x: ArrayLike) -> FloatOrArray:
         """Log density of the cosine at ``x`` (-inf outside [-1, 1])."""
         v, pshape = self._finite(x, "x")
-        return _out(self._logpdf(v, pshape))
+        out = self._logpdf(np.clip(v, -1.0, 1.0), pshape)
+        return _out(np.where((v >= -1.0) & (v <= 1.0), out, -np.inf))
 
     def pdf(self, x: ArrayLike) -> FloatOrArray:
         """Density of the cosine at ``x`` (0 outside [-1, 1])."""
@@ -236,11 +237,8 @@ class _ExpSphereQuadrature:
         masses = np.empty((tau.size, self.n_panels))
         step = max(1, 2**20 // (self.n_panels * order))
         for i in range(0, tau.size, step):
-            a = self.edges[i : i + step, :-1]
-            h = np.diff(self.edges[i : i + step], axis=1)
-            pts = a[..., None] + h[..., None] * self._u
-            vals = np.exp(self._g(pts, tau[i : i + step, None, None]) - self.g_star[i : i + step, None, None])
-            masses[i : i + step] = h * (vals @ self._w)
+            edges = self.edges[i : i + step]
+            masses[i : i + step] = self._partial(np.arange(i, i + len(edges))[:, None], edges[:, :-1], edges[:, 1:])
         cum = np.zeros((tau.size, self.n_panels + 1))
         np.cumsum(masses, axis=1, out=cum[:, 1:])
         self.total = cum[:, -1].copy()
@@ -269,10 +267,10 @@ class _ExpSphereQuadrature:
         return s0 + direction * outer
 
     def _partial(self, rows: NDArray[np.intp], a: NDArray[np.float64], s: NDArray[np.float64]) -> NDArray:
-        """int_a^s exp(G - G*) by one Gauss-Legendre rule on [a, s] (a and s in the same panel)."""
+        """int_a^s exp(G - G*) by one Gauss-Legendre rule on [a, s] (one panel); ``rows`` broadcast to a's shape."""
         h = s - a
-        pts = a[:, None] + h[:, None] * self._u
-        vals = np.exp(self._g(pts, self.tau[rows, None]) - self.g_star[rows, None])
+        pts = a[..., None] + h[..., None] * self._u
+        vals = np.exp(self._g(pts, self.tau[rows][..., None]) - self.g_star[rows][..., None])
         return h * (vals @ self._w)
 
     def log_norm(self) -> NDArray[np.float64]:
@@ -371,15 +369,11 @@ class ExpCosine(_CosineLaw):
 
     def _logpdf(self, x: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         tau = self._tau.reshape(pshape)
-        inside = (x >= -1.0) & (x <= 1.0)
-        xc = np.clip(x, -1.0, 1.0)
         if self._closed_form:
-            out = (xc - 1.0) / tau - np.log(tau) - np.log(-np.expm1(-2.0 / tau))
-        else:
-            log_norm = self._table.log_norm().reshape(pshape) if self._shape else self._table.log_norm()[0]
-            with np.errstate(divide="ignore"):
-                out = (xc - 1.0) / tau + self._m * (np.log1p(xc) + np.log1p(-xc)) - log_norm
-        return np.where(inside, out, -np.inf)
+            return (x - 1.0) / tau - np.log(tau) - np.log(-np.expm1(-2.0 / tau))
+        log_norm = self._table.log_norm().reshape(pshape) if self._shape else self._table.log_norm()[0]
+        with np.errstate(divide="ignore"):
+            return (x - 1.0) / tau + self._m * (np.log1p(x) + np.log1p(-x)) - log_norm
 
     def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         return self._apply(t, pshape, _exp_cdf_1d, "cdf")
@@ -400,14 +394,12 @@ class BetaCosine(_CosineLaw):
 
     def __init__(self, alpha: ArrayLike, beta: ArrayLike = 1.0, dim: int | None = None) -> None:
         super().__init__(dim)
-        alpha_arr, beta_arr = _as_param(alpha, "alpha"), _as_param(beta, "beta")
-        if alpha_arr.ndim == 1 and beta_arr.ndim == 1 and alpha_arr.shape != beta_arr.shape:
-            raise ValueError(
-                f"mismatched dimensions: alpha has shape {alpha_arr.shape} but beta has shape {beta_arr.shape}"
-            )
-        self._shape = np.broadcast_shapes(alpha_arr.shape, beta_arr.shape)
-        self._alpha, self._beta = alpha_arr, beta_arr
-        self._a, self._b = (np.array(np.broadcast_to(p + self._m, self._shape)) for p in (alpha_arr, beta_arr))
+        self._alpha, self._beta = _as_param(alpha, "alpha"), _as_param(beta, "beta")
+        a_shape, b_shape = self._alpha.shape, self._beta.shape
+        if len(a_shape) == 1 and len(b_shape) == 1 and a_shape != b_shape:
+            raise ValueError(f"mismatched dimensions: alpha has shape {a_shape} but beta has shape {b_shape}")
+        self._shape = np.broadcast_shapes(a_shape, b_shape)
+        self._a, self._b = (np.array(np.broadcast_to(p + self._m, self._shape)) for p in (self._alpha, self._beta))
         for name, eff in (("alpha", self._a), ("beta", self._b)):
             if np.any(eff <= 0):
                 raise ValueError(
@@ -440,12 +432,9 @@ class BetaCosine(_CosineLaw):
 
     def _logpdf(self, x: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         a, b = self._a.reshape(pshape), self._b.reshape(pshape)
-        inside = (x >= -1.0) & (x <= 1.0)
-        xc = np.clip(x, -1.0, 1.0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            out = special.xlogy(a - 1.0, (1.0 + xc) / 2.0) + special.xlogy(b - 1.0, (1.0 - xc) / 2.0)
-            out = out - special.betaln(a, b) - _LOG2
-        return np.where(inside, out, -np.inf)
+            out = special.xlogy(a - 1.0, (1.0 + x) / 2.0) + special.xlogy(b - 1.0, (1.0 - x) / 2.0)
+            return out - special.betaln(a, b) - _LOG2
 
     def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         a, b = self._a.reshape(pshape), self._b.reshape(pshape)
