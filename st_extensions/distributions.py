@@ -286,8 +286,7 @@ class _ExpSphereQuadrature:
             sel = idx[i : i + 2**16]
             r, si = rows[sel], s[sel]
             j = _bsearch(self.edges, r, si)
-            a = self.edges[r, j]
-            val = self.cum[r, j] + self._partial(r, a, si) / self.total[r]
+            val = self.cum[r, j] + self._partial(r, self.edges[r, j], si) / self.total[r]
             out[sel] = np.minimum(val, self.cum[r, j + 1])
         return out
 

@@ -116,8 +116,7 @@ def build_mol_model(
     torch.manual_seed(seed)  # the head's orthogonal initialisations
     if component_source == "tokens":
         settings.update(_token_settings(modules[0], pq, px, settings.pop("max_positions", None), seed))
-    if component_dim is None:
-        component_dim = settings.get("token_dim", embedding_dim)
+    component_dim = settings.get("token_dim", embedding_dim) if component_dim is None else component_dim
     head = MixtureOfLogits(pq, px, component_dim, embedding_dim, component_source, **settings)
     return SentenceTransformer(modules=[*modules, head], device=device)
 

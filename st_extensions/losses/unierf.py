@@ -284,8 +284,7 @@ class UniERFLoss(nn.Module):
         target = batch.targets(positives.device)
         positives = batch.candidates(positives)
         negatives = [batch.candidates(n) for n in negatives]
-        if self.judged is not None:
-            labels = batch.labels(labels)
+        labels = batch.labels(labels) if self.judged is not None else labels
         out = dict.fromkeys(("positive", "triplet", "infonce"), positives.new_zeros(()))
         for branch, h in branch_emb.items():
             cands = torch.cat([positives, *(n for n, t in zip(negatives, tags) if t is None or t == branch)], dim=0)
