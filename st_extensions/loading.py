@@ -69,21 +69,6 @@ def _module_types(path: str) -> list[tuple[str, str]]:
     return found
 
 
-def _check_no_remote_code(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        if "config.json" in files:
-            try:
-                config = _read_json(os.path.join(root, "config.json"))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(config, dict) and "auto_map" in config:
-                raise ValueError(
-                    f"{os.path.join(root, 'config.json')!r} asks for repository modeling code (auto_map); "
-                    "load_model never runs foreign code: load it with sentence-transformers and "
-                    "trust_remote_code=True yourself if you trust it"
-                )
-
-
 #: Pickled weight files (transformers' and torch's) that :func:`load_model` refuses to rely on.
 PICKLED_WEIGHTS = (
     "pytorch_model.bin",
@@ -96,9 +81,21 @@ PICKLED_WEIGHTS = (
 _SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
 
-def _check_weight_files(path: str) -> None:
-    """Every folder of the model with weights has safetensors ones, and every safetensors file is complete."""
+def _check_files(path: str) -> None:
+    """No folder of the model asks for repository code (``auto_map``), every folder with weights has safetensors ones,
+    and every safetensors file is complete."""
     for root, _dirs, files in os.walk(path):
+        if "config.json" in files:
+            try:
+                config = _read_json(os.path.join(root, "config.json"))
+            except json.JSONDecodeError:
+                config = None
+            if isinstance(config, dict) and "auto_map" in config:
+                raise ValueError(
+                    f"{os.path.join(root, 'config.json')!r} asks for repository modeling code (auto_map); "
+                    "load_model never runs foreign code: load it with sentence-transformers and "
+                    "trust_remote_code=True yourself if you trust it"
+                )
         for name in sorted(files):
             if name.endswith(".safetensors"):
                 check_safetensors_file(os.path.join(root, name))
@@ -196,8 +193,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
             f"refusing to load {path!r}: it references module classes outside sentence_transformers and "
             f"st_extensions: {listed}. Only these of ours are allowed: {sorted(ALLOWED_MODULES)}"
         )
-    _check_no_remote_code(path)
-    _check_weight_files(path)
+    _check_files(path)
     if cross_encoder is None:
         config_path = os.path.join(path, "config_sentence_transformers.json")
         cross_encoder = os.path.isfile(config_path) and _read_json(config_path).get("model_type") == "CrossEncoder"

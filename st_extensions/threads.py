@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from st_extensions.checks import positive_int
+from st_extensions.checks import positive_float, positive_int
 
 __all__ = [
     "BATCH_SLICE_MS",
@@ -128,8 +128,7 @@ def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
     or refused: nothing else changes)."""
     if not slice_ms:
         return False
-    if not (math.isfinite(slice_ms) and slice_ms > 0):
-        raise ValueError(f"slice_ms must be a finite number of milliseconds > 0, got {slice_ms!r}")
+    positive_float("slice_ms", slice_ms)
     number = _SCHED_SETATTR.get(platform.machine())
     if number is None or not Path("/proc/self/task").is_dir():
         return False
