@@ -29,17 +29,9 @@ except ImportError:  # pragma: no cover - not on POSIX
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
-    "atomic_directory",
-    "atomic_write",
-    "CorruptFileError",
-    "read_checked",
-    "clean_stale_temporaries",
-    "locked",
-    "make_dirs",
-    "recover_directory",
-]
+    "DIR_MODE", "FILE_MODE", "atomic_directory", "atomic_write", "CorruptFileError", "read_checked",
+    "clean_stale_temporaries", "locked", "make_dirs", "recover_directory",
+]  # fmt: skip
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755

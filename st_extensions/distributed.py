@@ -18,15 +18,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
-    "GlobalBatch",
-    "all_gather_no_grad",
-    "all_gather_with_grad",
-    "all_reduce_sum",
-    "data_parallel_world_size",
-    "global_batch",
-    "rank",
-    "world_size",
-]
+    "GlobalBatch", "all_gather_no_grad", "all_gather_with_grad", "all_reduce_sum", "data_parallel_world_size",
+    "global_batch", "rank", "world_size",
+]  # fmt: skip
 
 
 def _initialised() -> bool:
