@@ -133,9 +133,9 @@ class GlobalBatch:
         return torch.arange(self.offset, self.offset + self.size, device=device)
 
     def candidates(self, columns: Tensor) -> Tensor:
-        """The global candidates from this rank's ``columns``: ``n`` columns of B rows stacked along dim 0 (positives,
-        then each hard-negative column; any trailing shape), each gathered over the ranks with gradient, in the single
-        process's order: column 0 of every rank, then column 1, ..."""
+        """The global candidates from this rank's ``columns`` (``n`` columns of B rows stacked along dim 0, any trailing
+        shape), each column gathered over the ranks with gradient, in the single process's order: column 0 of every
+        rank, then column 1, ..."""
         if not self.gathers:
             return columns
         if columns.shape[0] % self.size:

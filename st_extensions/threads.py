@@ -1,9 +1,6 @@
-"""Thread counts that follow the CPUs a process may use, for shared machines and cluster jobs.
-
-:func:`available_cpus` reads ``OMP_NUM_THREADS``, else the CPU affinity capped by the cgroup's CPU quota;
-:func:`configure_threads` sets torch's, faiss's and the tokenizers' thread counts to it once at a run's start;
-:func:`torch_threads` narrows torch's count for small-model work; :func:`batch_scheduling` marks a run as a batch job
-with long time slices. Why and the measurements: ``docs/cluster.md``.
+"""Thread counts that follow the CPUs a process may use (:func:`available_cpus`, :func:`configure_threads`), fewer
+threads for small-model work (:func:`torch_threads`) and batch scheduling (:func:`batch_scheduling`), for shared
+machines and cluster jobs; why, and the measurements: ``docs/cluster.md``.
 """
 
 from __future__ import annotations

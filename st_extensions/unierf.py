@@ -73,9 +73,8 @@ def encode_branches(
     batch_size: int = 32,
     show_progress_bar: bool | None = None,
 ) -> dict[str, np.ndarray]:
-    """Each branch's query embeddings ``H^b`` (Eq. 5) of its own input texts (:func:`branch_text`; a subset of the
-    branches, any counts): branch -> ``(len(texts), dim)`` float32 unit rows. ValueError: unknown branch / no encoder.
-    """
+    """Each branch's query embeddings ``H^b`` (Eq. 5) of its own input texts (:func:`branch_text`; any subset of the
+    branches): branch -> ``(len(texts), dim)`` float32 unit rows. ValueError: unknown branch / no encoder."""
     head = find_branches(model)
     positive_int("batch_size", batch_size)
     for branch in branch_texts:
