@@ -326,7 +326,10 @@ class LayerStateCache:
                 self.meta = self._read_meta()
             # (encoder id, weights token) last checked against the fingerprint: a cheap re-check before computing
             self._checked = (id(transformer), _weights_token(transformer, frozen_layers))
-        self.pairs = self.meta["keys"] == "pair"
+        #: L - N: the layer whose input states are cached
+        self.frozen_layers = int(self.meta["frozen_layers"])
+        self.max_seq_length, self.hidden_size = self.meta["max_seq_length"], int(self.meta["hidden_size"])
+        self.fingerprint, self.pairs = self.meta["fingerprint"], self.meta["keys"] == "pair"
         self._np_dtype = np.dtype(self.meta["dtype"])
         self._reset()
         self._load_index()
@@ -406,23 +409,6 @@ class LayerStateCache:
             shape = (n_tokens, self.hidden_size)
             self._states = np.memmap(self._path(STATES), dtype=self._np_dtype, mode="r", shape=shape)
             self._ids = np.memmap(self._path(TOKENS), dtype=np.int32, mode="r", shape=(n_tokens,))
-
-    @property
-    def frozen_layers(self) -> int:
-        """L - N: the layer whose input states are cached."""
-        return int(self.meta["frozen_layers"])
-
-    @property
-    def max_seq_length(self) -> int | None:
-        return self.meta["max_seq_length"]
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.meta["hidden_size"])
-
-    @property
-    def fingerprint(self) -> str:
-        return self.meta["fingerprint"]
 
     def __len__(self) -> int:
         return len(self._rows)
