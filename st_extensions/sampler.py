@@ -1,9 +1,6 @@
-"""Query-balanced batches for the sentence-transformers trainer: distinct queries, relevant documents cycled.
-
-Uniform training pairs let broad queries dominate (on nfcorpus/train 56% of the pairs come from the broadest 10% of
-the queries) and put a query beside itself in a batch. :class:`QueryBalancedBatchSampler` makes every epoch one pass
-over the queries: one row each, its next relevant document (cycled across epochs in a seeded order), the queries
-shuffled and cut into batches of distinct queries.
+"""Query-balanced batches for the sentence-transformers trainer: every epoch one pass over the distinct queries, one
+row each with its next relevant document (cycled across epochs), so that broad queries do not dominate and a batch
+never holds a query twice (``docs/recipes.md``).
 """
 
 from __future__ import annotations
