@@ -1,11 +1,9 @@
 """The one atomic writer of pyterrier-prob and st_extensions: files, index directories, model folders and caches.
 
 A file or directory is written into a hidden, flock-ed temporary beside its target (``.<name>.tmp-<pid>-<tag>``),
-fsynced and renamed into place (files 0644, folders 0755); on any error the target is left as it was. Replacing a
-directory swaps the two in one step where the kernel can (``renameat2(RENAME_EXCHANGE)``, ``renamex_np``), else moves
-the old one aside (``.<name>.old-<pid>-<tag>``) first; :func:`recover_directory`, which the loaders call, moves it back
-after a writer killed in between, and stale temporaries (lock free, writer gone) are removed by the next writer.
-Re-exported by :mod:`pyterrier_prob.atomic`.
+fsynced and renamed into place; a directory replaces the old one by an atomic exchange where the kernel can, else by
+moving the old one aside (``.<name>.old-<pid>-<tag>``), which :func:`recover_directory` moves back after a killed
+writer. Re-exported by :mod:`pyterrier_prob.atomic`.
 """
 
 from __future__ import annotations
@@ -31,17 +29,9 @@ except ImportError:  # pragma: no cover - not on POSIX
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "DIR_MODE",
-    "FILE_MODE",
-    "atomic_directory",
-    "atomic_write",
-    "CorruptFileError",
-    "read_checked",
-    "clean_stale_temporaries",
-    "locked",
-    "make_dirs",
-    "recover_directory",
-]
+    "DIR_MODE", "FILE_MODE", "atomic_directory", "atomic_write", "CorruptFileError", "read_checked",
+    "clean_stale_temporaries", "locked", "make_dirs", "recover_directory",
+]  # fmt: skip
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -166,8 +156,7 @@ def _remove(p: Path) -> None:
 
 def recover_directory(path: str | os.PathLike) -> bool:
     """Make ``path`` loadable again after a writer killed between its two renames (the previous version moved back;
-    a live writer waited for up to a second) and remove stale temporaries; whether a version was moved back. Loaders
-    call this before opening: one listing of the parent folder, never raising for lack of permission."""
+    a live writer waited for up to a second) and remove stale temporaries; whether a version was moved back."""
     path = Path(path)
     recovered = False
     deadline = time.monotonic() + 1.0
@@ -301,10 +290,8 @@ def atomic_write(path: str | os.PathLike, data: str | bytes | Callable[[IO[bytes
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Build a directory in a hidden sibling, renamed to ``path`` when the ``with`` block succeeds (0755 / 0644).
-
-    ``overwrite`` replaces an existing ``path`` with no moment without a complete version (see the module
-    docstring); otherwise ``FileExistsError`` (checked before and after the block). Close files by the block's end.
-    """
+    ``overwrite`` replaces an existing ``path`` (see the module docstring); otherwise ``FileExistsError`` (checked
+    before and after the block). Close files by the block's end."""
     path = Path(path)
     if path.exists() and not overwrite:
         raise FileExistsError(f"{str(path)!r} already exists")

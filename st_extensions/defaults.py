@@ -33,9 +33,8 @@ def base_modules(
     """``(deep copies of base_model's modules, its embedding dimension, the new model's device)`` for a builder.
 
     ``base_model``: a path or name (loaded with :func:`~st_extensions.loading.load_model`; default: the packaged
-    all-MiniLM-L6-v2) or a SentenceTransformer, which the new model shares no weights with. A base model already
-    holding a module of class ``added`` (the one the builder adds) is refused.
-    """
+    all-MiniLM-L6-v2) or a SentenceTransformer, which the new model shares no weights with. A base model already holding
+    a module of class ``added`` (the one the builder adds) is refused."""
     if base_model is None:
         base_model = default_model_path()
     if isinstance(base_model, str):

@@ -1,9 +1,8 @@
 """In-batch losses across devices (DDP): the global batch one rank's loss sees, and the collectives it needs.
 
 With ``gather_across_devices=True`` the mean of the ranks' losses is the one-process loss on the global batch, as
-``MultipleNegativesRankingLoss(..., gather_across_devices=True)``: candidates all-gathered with gradients
-(:meth:`GlobalBatch.candidates`), targets and masks offset by the rank, masked means over the global count
-(:meth:`GlobalBatch.mean`). Without an initialised ``torch.distributed`` nothing is gathered (``docs/recipes.md``).
+``MultipleNegativesRankingLoss(..., gather_across_devices=True)``; without an initialised ``torch.distributed``
+nothing is gathered (``docs/recipes.md``).
 """
 
 from __future__ import annotations
@@ -19,15 +18,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
-    "GlobalBatch",
-    "all_gather_no_grad",
-    "all_gather_with_grad",
-    "all_reduce_sum",
-    "data_parallel_world_size",
-    "global_batch",
-    "rank",
-    "world_size",
-]
+    "GlobalBatch", "all_gather_no_grad", "all_gather_with_grad", "all_reduce_sum", "data_parallel_world_size",
+    "global_batch", "rank", "world_size",
+]  # fmt: skip
 
 
 def _initialised() -> bool:
@@ -56,9 +49,8 @@ def data_parallel_world_size() -> int:
 
 @contextmanager
 def _autograd_collectives() -> Iterator[None]:
-    """``torch.distributed.nn``'s differentiable collectives (what sentence-transformers' ``all_gather_with_grad``
-    uses), without the FutureWarning recent torch versions give for them: their suggested replacements are in a
-    private module (``torch.distributed._functional_collectives``)."""
+    """``torch.distributed.nn``'s differentiable collectives, without the FutureWarning recent torch versions give for
+    them (their suggested replacements are in a private module)."""
     import torch.distributed.nn  # noqa: F401 -- makes torch.distributed.nn available
 
     with warnings.catch_warnings():
@@ -68,8 +60,7 @@ def _autograd_collectives() -> Iterator[None]:
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward hands on a contiguous gradient: gloo's all_gather backward scatters a permuted-layout
-    gradient as if contiguous, scrambling it (pytorch/pytorch#24836, #192920); NCCL refuses it.
-    """
+    gradient as if contiguous, scrambling it (pytorch/pytorch#24836, #192920); NCCL refuses it."""
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor) -> Tensor:
@@ -121,8 +112,7 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class GlobalBatch:
     """One rank's view of the global batch: ``size`` B rows per rank, ``world_size`` ranks (1: no gathering), ``rank``,
-    whose rows are ``rank * B .. rank * B + B - 1`` of the global batch.
-    """
+    whose rows are ``rank * B .. rank * B + B - 1`` of the global batch."""
 
     size: int
     world_size: int = 1
@@ -143,9 +133,9 @@ class GlobalBatch:
         return torch.arange(self.offset, self.offset + self.size, device=device)
 
     def candidates(self, columns: Tensor) -> Tensor:
-        """The global candidates from this rank's ``columns``: ``n`` columns of B rows stacked along dim 0 (positives,
-        then each hard-negative column; any trailing shape), each gathered over the ranks with gradient, in the single
-        process's order: column 0 of every rank, then column 1, ..."""
+        """The global candidates from this rank's ``columns`` (``n`` columns of B rows stacked along dim 0, any trailing
+        shape), each column gathered over the ranks with gradient, in the single process's order: column 0 of every
+        rank, then column 1, ..."""
         if not self.gathers:
             return columns
         if columns.shape[0] % self.size:
@@ -160,9 +150,7 @@ class GlobalBatch:
 
     def mean(self, values: Tensor) -> Tensor:
         """This rank's share of the mean of ``values`` over the global batch when each rank holds a different number
-        of them (e.g. the pairs left by a judged-negative mask): ``world_size * sum / global count`` (in float32, the
-        count all-reduced), so that the mean over the ranks is the global mean. Without gathering: ``values.mean()``.
-        """
+        of them (e.g. after a judged-negative mask): ``world_size * sum / global count``; else ``values.mean()``."""
         if not self.gathers:
             return values.mean()
         count = all_reduce_sum(torch.tensor(float(values.numel()), device=values.device, dtype=torch.float32))

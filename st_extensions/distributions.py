@@ -1,11 +1,9 @@
 """Per-query laws of the query/relevant-item cosine similarity and the cutoffs they give (pEBR).
 
 pEBR (``shared/papers/pebr.md``) gives every query q a law of the cosine x in [-1, 1] to its relevant items and
-retrieves the items above ``t_q = F_q^{-1}(1 - p)`` (:meth:`~_CosineLaw.cutoff`, Sec. 3.2, 4.4.2):
-:class:`ExpCosine` (ExpNCE, density ~ ``exp(x / tau)``, Sec. 3.2.1) and :class:`BetaCosine` (BetaNCE, a Beta law
-moved to [-1, 1], Sec. 3.2.2). ``dim=None`` is the 1-D law; ``dim=n`` Appendix A's sphere-corrected law (Eq. 4).
-Parameters are a scalar or one per query; numpy/scipy, vectorised, exact up to floating point except the
-sphere-corrected exponential law (a quadrature, about 1e-14). The geometry and accuracy are in ``docs/pebr.md``.
+retrieves the items above ``t_q = F_q^{-1}(1 - p)`` (:meth:`~_CosineLaw.cutoff`, Sec. 3.2, 4.4.2): :class:`ExpCosine`
+(ExpNCE, Sec. 3.2.1) and :class:`BetaCosine` (BetaNCE, Sec. 3.2.2). ``dim=None`` is the 1-D law; ``dim=n`` Appendix
+A's sphere-corrected law (Eq. 4). Parameters are a scalar or one per query. Geometry and accuracy: ``docs/pebr.md``.
 """
 
 from __future__ import annotations
@@ -61,8 +59,8 @@ def _out(arr: NDArray[np.float64]) -> FloatOrArray:
 class _CosineLaw:
     """Shared machinery: parameter shape, dimension, broadcasting of inputs against per-query parameters.
 
-    A law implements ``_logpdf``, ``_cdf`` and ``_ppf`` on inputs aligned by :meth:`align` (parameters reshaped to
-    its ``pshape``)."""
+    A law implements ``_logpdf`` (on x clipped to [-1, 1]), ``_cdf`` and ``_ppf`` on inputs aligned by :meth:`align`
+    (parameters reshaped to its ``pshape``)."""
 
     _shape: tuple[int, ...]
     _dim: int | None
@@ -70,7 +68,6 @@ class _CosineLaw:
     def __init__(self, dim: int | None) -> None:
         self._dim = positive_int("dim", dim, allow_none=True, minimum=2)
 
-    # ---- properties ---------------------------------------------------------------------------------------
     @property
     def dim(self) -> int | None:
         """Embedding dimension n of Appendix A's sphere-corrected law; ``None``: the 1-D law of Sec. 3.2."""
@@ -96,7 +93,6 @@ class _CosineLaw:
         """Exponent (n - 3) / 2 of the sphere factor (1 - x^2)^m (Eq. 4); 0 for the 1-D law."""
         return 0.0 if self._dim is None else (self._dim - 3) / 2.0
 
-    # ---- broadcasting -------------------------------------------------------------------------------------
     def align(self, values: ArrayLike, name: str) -> _Aligned:
         """``(values as a float array, the shape the parameters take to broadcast against it)``: scalar parameters as
         numpy; Q per-query parameters accept a scalar, (Q,) or (Q, K, ...) (leading axis = queries), else a ValueError
@@ -127,11 +123,11 @@ class _CosineLaw:
     def _finite(self, values: ArrayLike, name: str) -> _Aligned:
         return self._checked(values, name, np.isfinite, "be finite (got nan or inf)")
 
-    # ---- public API (shared) ------------------------------------------------------------------------------
     def logpdf(self, x: ArrayLike) -> FloatOrArray:
         """Log density of the cosine at ``x`` (-inf outside [-1, 1])."""
         v, pshape = self._finite(x, "x")
-        return _out(self._logpdf(v, pshape))
+        out = self._logpdf(np.clip(v, -1.0, 1.0), pshape)
+        return _out(np.where((v >= -1.0) & (v <= 1.0), out, -np.inf))
 
     def pdf(self, x: ArrayLike) -> FloatOrArray:
         """Density of the cosine at ``x`` (0 outside [-1, 1])."""
@@ -146,13 +142,11 @@ class _CosineLaw:
         """Quantile function F_q^{-1}(q) for ``q`` in [0, 1], ppf(0) = -1, ppf(1) = 1; shapes as in :meth:`cdf`."""
         v, pshape = self._checked(q, "q", lambda v: (v >= 0.0) & (v <= 1.0), "lie in [0, 1] (and not be nan)")
         out = np.clip(self._ppf(v, pshape), -1.0, 1.0)
-        out = np.where(v == 0.0, -1.0, np.where(v == 1.0, 1.0, out))
-        return _out(out)
+        return _out(np.where(v == 0.0, -1.0, np.where(v == 1.0, 1.0, out)))
 
     def cutoff(self, p: ArrayLike) -> FloatOrArray:
         """Per-query threshold ``t_q = ppf(1 - p)``, so ``P(x >= t_q) = p`` (Sec. 4.4.2): a larger ``p`` in (0, 1) keeps
-        more items (Table 3).
-        """
+        more items (Table 3)."""
         inside = "lie strictly inside (0, 1): it is the share of the relevant-item law kept"
         v, _ = self._checked(p, "p", lambda v: (v > 0.0) & (v < 1.0), inside)  # also rejects nan
         return self.ppf(1.0 - v)
@@ -176,9 +170,7 @@ def _exp_cdf_1d(t: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.
 
 
 def _exp_ppf_1d(q: NDArray[np.float64], tau: NDArray[np.float64]) -> NDArray[np.float64]:
-    """Inverse of :func:`_exp_cdf_1d`: 1 + tau log(q + (1 - q) e^{-2/tau}), via log-sum-exp for tau < 1, log1p for tau
-    >= 1.
-    """
+    """Inverse of :func:`_exp_cdf_1d`: 1 + tau log(q + (1 - q) e^{-2/tau}), via log-sum-exp for tau < 1, else log1p."""
     with np.errstate(divide="ignore", invalid="ignore"):
         small = np.logaddexp(np.log(q), np.log1p(-q) - 2.0 / tau)
         large = np.log1p((1.0 - q) * np.expm1(-2.0 / tau))
@@ -205,11 +197,8 @@ def _bsearch(edges: NDArray[np.float64], rows: NDArray[np.intp], v: NDArray[np.f
 
 
 class _ExpSphereQuadrature:
-    """CDF and quantiles of the density ~ exp(x / tau) (1 - x^2)^m on [-1, 1], m >= -1/2 (Appendix A, m = (n - 3) / 2).
-
-    Substituting x = tanh(s) gives a smooth unimodal integrand e^{G(s)}, integrated per row by Gauss-Legendre panels
-    either side of its mode (mass below e^-60 of the peak dropped); quantiles by safeguarded Newton in the bracketing
-    panel. The method and its accuracy against mpmath: ``docs/pebr.md``.
+    """CDF and quantiles of the density ~ exp(x / tau) (1 - x^2)^m on [-1, 1], m >= -1/2 (Appendix A, m = (n - 3) / 2):
+    Gauss-Legendre panels in s = artanh(x) either side of the mode, quantiles by safeguarded Newton (``docs/pebr.md``).
     """
 
     def __init__(
@@ -248,11 +237,8 @@ class _ExpSphereQuadrature:
         masses = np.empty((tau.size, self.n_panels))
         step = max(1, 2**20 // (self.n_panels * order))
         for i in range(0, tau.size, step):
-            a = self.edges[i : i + step, :-1]
-            h = np.diff(self.edges[i : i + step], axis=1)
-            pts = a[..., None] + h[..., None] * self._u
-            vals = np.exp(self._g(pts, tau[i : i + step, None, None]) - self.g_star[i : i + step, None, None])
-            masses[i : i + step] = h * (vals @ self._w)
+            edges = self.edges[i : i + step]
+            masses[i : i + step] = self._partial(np.arange(i, i + len(edges))[:, None], edges[:, :-1], edges[:, 1:])
         cum = np.zeros((tau.size, self.n_panels + 1))
         np.cumsum(masses, axis=1, out=cum[:, 1:])
         self.total = cum[:, -1].copy()
@@ -281,10 +267,10 @@ class _ExpSphereQuadrature:
         return s0 + direction * outer
 
     def _partial(self, rows: NDArray[np.intp], a: NDArray[np.float64], s: NDArray[np.float64]) -> NDArray:
-        """int_a^s exp(G - G*) by one Gauss-Legendre rule on [a, s] (a and s in the same panel)."""
+        """int_a^s exp(G - G*) by one Gauss-Legendre rule on [a, s] (one panel); ``rows`` broadcast to a's shape."""
         h = s - a
-        pts = a[:, None] + h[:, None] * self._u
-        vals = np.exp(self._g(pts, self.tau[rows, None]) - self.g_star[rows, None])
+        pts = a[..., None] + h[..., None] * self._u
+        vals = np.exp(self._g(pts, self.tau[rows][..., None]) - self.g_star[rows][..., None])
         return h * (vals @ self._w)
 
     def log_norm(self) -> NDArray[np.float64]:
@@ -300,8 +286,7 @@ class _ExpSphereQuadrature:
             sel = idx[i : i + 2**16]
             r, si = rows[sel], s[sel]
             j = _bsearch(self.edges, r, si)
-            a = self.edges[r, j]
-            val = self.cum[r, j] + self._partial(r, a, si) / self.total[r]
+            val = self.cum[r, j] + self._partial(r, self.edges[r, j], si) / self.total[r]
             out[sel] = np.minimum(val, self.cum[r, j + 1])
         return out
 
@@ -346,9 +331,8 @@ class ExpCosine(_CosineLaw):
     """Truncated exponential law of the cosine (ExpNCE, Sec. 3.2.1), temperature ``tau`` > 0 scalar or one per query.
 
     ``dim=None``: density ``exp(x / tau) / (tau (e^{1/tau} - e^{-1/tau}))`` on [-1, 1], CDF and inverse overflow-free.
-    ``dim=n >= 2``: Appendix A's law (Eq. 4), ~ ``exp(x / tau) (1 - x^2)^((n - 3) / 2)`` (vMF cosine marginal);
-    n = 3 is closed form, other n use :class:`_ExpSphereQuadrature` (built on first use).
-    """
+    ``dim=n >= 2``: Appendix A's law (Eq. 4), ~ ``exp(x / tau) (1 - x^2)^((n - 3) / 2)`` (vMF cosine marginal); n = 3 is
+    closed form, other n use :class:`_ExpSphereQuadrature` (built on first use)."""
 
     def __init__(self, tau: ArrayLike, dim: int | None = None) -> None:
         super().__init__(dim)
@@ -371,36 +355,30 @@ class ExpCosine(_CosineLaw):
     def _table(self) -> _ExpSphereQuadrature:
         return _ExpSphereQuadrature(self._tau.reshape(-1), self._m)
 
-    def _rows(self, v: NDArray[np.float64]) -> tuple[NDArray[np.intp], NDArray[np.float64]]:
-        """Quadrature-table row of every value of ``v`` (aligned by :meth:`align`), and v flattened."""
+    def _apply(self, v: NDArray[np.float64], pshape: tuple[int, ...], closed_form: Callable, table: str) -> NDArray:
+        """``closed_form(v, tau)``, else the quadrature table's ``table`` method on every value of ``v`` (aligned by
+        :meth:`align`) with its row."""
+        if self._closed_form:
+            return closed_form(v, self._tau.reshape(pshape))
         if not self._shape:
-            return np.zeros(v.size, dtype=np.intp), v.reshape(-1)
-        per_row = v.size // self._shape[0] if self._shape[0] else 0
-        return np.repeat(np.arange(self._shape[0]), per_row), np.ascontiguousarray(v).reshape(-1)
+            rows = np.zeros(v.size, dtype=np.intp)
+        else:
+            rows = np.repeat(np.arange(self._shape[0]), v.size // self._shape[0] if self._shape[0] else 0)
+        return getattr(self._table, table)(rows, np.ascontiguousarray(v).reshape(-1)).reshape(v.shape)
 
     def _logpdf(self, x: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         tau = self._tau.reshape(pshape)
-        inside = (x >= -1.0) & (x <= 1.0)
-        xc = np.clip(x, -1.0, 1.0)
         if self._closed_form:
-            out = (xc - 1.0) / tau - np.log(tau) - np.log(-np.expm1(-2.0 / tau))
-        else:
-            log_norm = self._table.log_norm().reshape(pshape) if self._shape else self._table.log_norm()[0]
-            with np.errstate(divide="ignore"):
-                out = (xc - 1.0) / tau + self._m * (np.log1p(xc) + np.log1p(-xc)) - log_norm
-        return np.where(inside, out, -np.inf)
+            return (x - 1.0) / tau - np.log(tau) - np.log(-np.expm1(-2.0 / tau))
+        log_norm = self._table.log_norm().reshape(pshape) if self._shape else self._table.log_norm()[0]
+        with np.errstate(divide="ignore"):
+            return (x - 1.0) / tau + self._m * (np.log1p(x) + np.log1p(-x)) - log_norm
 
     def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        if self._closed_form:
-            return _exp_cdf_1d(t, self._tau.reshape(pshape))
-        rows, flat = self._rows(t)
-        return self._table.cdf(rows, flat).reshape(t.shape)
+        return self._apply(t, pshape, _exp_cdf_1d, "cdf")
 
     def _ppf(self, q: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
-        if self._closed_form:
-            return _exp_ppf_1d(q, self._tau.reshape(pshape))
-        rows, flat = self._rows(q)
-        return self._table.ppf(rows, flat).reshape(q.shape)
+        return self._apply(q, pshape, _exp_ppf_1d, "ppf")
 
 
 # ---- BetaNCE: Beta law on [-1, 1] ----------------------------------------------------------------------
@@ -411,19 +389,16 @@ class BetaCosine(_CosineLaw):
 
     ``dim=None``: z = (1 + x) / 2 ~ Beta(alpha, beta) (after BetaNCE alpha = 1 / tau_q, beta = 1, Eq. 3:
     :meth:`from_temperature`). ``dim=n >= 2`` (Eq. 4): z ~ Beta(alpha + (n - 3) / 2, beta + (n - 3) / 2)
-    (:attr:`z_params`; n = 2 needs alpha, beta > 1/2).
-    """
+    (:attr:`z_params`; n = 2 needs alpha, beta > 1/2)."""
 
     def __init__(self, alpha: ArrayLike, beta: ArrayLike = 1.0, dim: int | None = None) -> None:
         super().__init__(dim)
-        alpha_arr, beta_arr = _as_param(alpha, "alpha"), _as_param(beta, "beta")
-        if alpha_arr.ndim == 1 and beta_arr.ndim == 1 and alpha_arr.shape != beta_arr.shape:
-            raise ValueError(
-                f"mismatched dimensions: alpha has shape {alpha_arr.shape} but beta has shape {beta_arr.shape}"
-            )
-        self._shape = np.broadcast_shapes(alpha_arr.shape, beta_arr.shape)
-        self._alpha, self._beta = alpha_arr, beta_arr
-        self._a, self._b = (np.array(np.broadcast_to(p + self._m, self._shape)) for p in (alpha_arr, beta_arr))
+        self._alpha, self._beta = _as_param(alpha, "alpha"), _as_param(beta, "beta")
+        a_shape, b_shape = self._alpha.shape, self._beta.shape
+        if len(a_shape) == 1 and len(b_shape) == 1 and a_shape != b_shape:
+            raise ValueError(f"mismatched dimensions: alpha has shape {a_shape} but beta has shape {b_shape}")
+        self._shape = np.broadcast_shapes(a_shape, b_shape)
+        self._a, self._b = (np.array(np.broadcast_to(p + self._m, self._shape)) for p in (self._alpha, self._beta))
         for name, eff in (("alpha", self._a), ("beta", self._b)):
             if np.any(eff <= 0):
                 raise ValueError(
@@ -456,12 +431,9 @@ class BetaCosine(_CosineLaw):
 
     def _logpdf(self, x: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         a, b = self._a.reshape(pshape), self._b.reshape(pshape)
-        inside = (x >= -1.0) & (x <= 1.0)
-        xc = np.clip(x, -1.0, 1.0)
         with np.errstate(divide="ignore", invalid="ignore"):
-            out = special.xlogy(a - 1.0, (1.0 + xc) / 2.0) + special.xlogy(b - 1.0, (1.0 - xc) / 2.0)
-            out = out - special.betaln(a, b) - _LOG2
-        return np.where(inside, out, -np.inf)
+            out = special.xlogy(a - 1.0, (1.0 + x) / 2.0) + special.xlogy(b - 1.0, (1.0 - x) / 2.0)
+            return out - special.betaln(a, b) - _LOG2
 
     def _cdf(self, t: NDArray[np.float64], pshape: tuple[int, ...]) -> NDArray[np.float64]:
         a, b = self._a.reshape(pshape), self._b.reshape(pshape)

@@ -24,14 +24,9 @@ from st_extensions.defaults import base_modules
 from st_extensions.modules.adapter import LinearAdapter
 
 __all__ = [
-    "CachedEmbeddings",
-    "build_adapter_model",
-    "cached_model",
-    "encode_prefix",
-    "evaluating",
-    "frozen_prefix_length",
+    "CachedEmbeddings", "build_adapter_model", "cached_model", "encode_prefix", "evaluating", "frozen_prefix_length",
     "prefix_model",
-]
+]  # fmt: skip
 
 
 class CachedEmbeddings(InputModule):
@@ -116,8 +111,7 @@ def _read_cache(path: str) -> tuple[list[str], Tensor]:
 
 def frozen_prefix_length(model: SentenceTransformer, require_added: bool = True) -> int:
     """Number of leading modules (the encoder) before the first module a method added (``require_added=False``: all of
-    a model without one). ValueError: nothing to train, no prefix, or an added module reading token outputs.
-    """
+    a model without one). ValueError: nothing to train, no prefix, or an added module reading token outputs."""
     modules = list(model)
     k = 0
     while k < len(modules) and type(modules[k]).__module__.startswith("sentence_transformers"):
@@ -177,8 +171,7 @@ def cached_model(
     """A model of :class:`CachedEmbeddings` for ``texts`` and ``model``'s added modules (shared, not copied).
 
     ``cache``: one from this model's encoder prefix to reuse and extend (another encoder's gives wrong results). Texts
-    not cached are encoded by ``model``'s prefix on first use.
-    """
+    not cached are encoded by ``model``'s prefix on first use."""
     prefix = prefix_model(model, require_added=False)
     cache = CachedEmbeddings([], torch.zeros(0), encoder=prefix) if cache is None else cache
     if cache.encoder[0] is None:

@@ -11,7 +11,10 @@ import hashlib
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from st_extensions.distributed import GlobalBatch
 
 __all__ = ["JudgedPairs", "text_key", "pair_labels"]
 
@@ -85,3 +88,12 @@ def masked_logits(logits: Tensor, judged: JudgedPairs | None, labels: Tensor | N
         return logits
     mask = judged.mask(labels, logits.shape[1], offset=offset, n_anchors=logits.shape[0])
     return logits if mask is None else logits.masked_fill(mask.to(logits.device), float("-inf"))
+
+
+def judged_cross_entropy(
+    logits: Tensor, judged: JudgedPairs | None, labels: Tensor | None, batch: GlobalBatch
+) -> Tensor:
+    """Cross-entropy of each anchor's positive (``batch.targets``) among ``logits``, judged negatives masked (the
+    global batch's ``labels`` gathered first)."""
+    labels = batch.labels(labels) if judged is not None else labels
+    return F.cross_entropy(masked_logits(logits, judged, labels, batch.offset), batch.targets(logits.device))

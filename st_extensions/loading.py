@@ -1,9 +1,8 @@
 """A guarded model loader: our own Module classes are allowed, any other foreign class is refused.
 
-:func:`load_model` checks every class reference of a saved model's ``modules.json`` (and a Router's
-``router_config.json``) and resolves ours (:func:`register_module`) to this package's classes, so
-``trust_remote_code`` stays ``False`` for everything else. Weights are loaded from safetensors only and whole:
-pickled weights, a truncated safetensors file and a checkpoint lacking weights its config declares are refused.
+:func:`load_model` resolves the class references of a saved model's ``modules.json`` (and a Router's
+``router_config.json``) to the registered classes of this package (:func:`register_module`), with
+``trust_remote_code=False``, and loads whole safetensors weights only.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ from st_extensions.atomic import recover_directory
 from st_extensions.modules import LinearAdapter, MixtureOfLogits, MultiBranchQueryEncoder, QueryDistributionHead
 from st_extensions.modules.safetensors_module import check_safetensors_file
 
-#: Class references (as written in ``modules.json``) that :func:`load_model` resolves without
-#: ``trust_remote_code``: the classes of :mod:`st_extensions.modules` and those that register themselves
-#: (the cross-encoder modules, registered when :mod:`st_extensions.cross_encoder` is imported, as it is by
-#: ``import st_extensions``).
+#: Class references (as in ``modules.json``) that :func:`load_model` resolves: :mod:`st_extensions.modules`' classes
+#: and those that register themselves (the cross-encoder modules, on ``import st_extensions``).
 ALLOWED_MODULES: dict[str, type[nn.Module]] = {}
 #: Model classes that :func:`load_model` loads a saved model as when it holds the given module class
 #: (class reference as in ``modules.json`` -> a CrossEncoder / SentenceTransformer subclass of ours).
@@ -72,21 +69,6 @@ def _module_types(path: str) -> list[tuple[str, str]]:
     return found
 
 
-def _check_no_remote_code(path: str) -> None:
-    for root, _dirs, files in os.walk(path):
-        if "config.json" in files:
-            try:
-                config = _read_json(os.path.join(root, "config.json"))
-            except json.JSONDecodeError:
-                continue
-            if isinstance(config, dict) and "auto_map" in config:
-                raise ValueError(
-                    f"{os.path.join(root, 'config.json')!r} asks for repository modeling code (auto_map); "
-                    "load_model never runs foreign code: load it with sentence-transformers and "
-                    "trust_remote_code=True yourself if you trust it"
-                )
-
-
 #: Pickled weight files (transformers' and torch's) that :func:`load_model` refuses to rely on.
 PICKLED_WEIGHTS = (
     "pytorch_model.bin",
@@ -99,9 +81,21 @@ PICKLED_WEIGHTS = (
 _SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 
 
-def _check_weight_files(path: str) -> None:
-    """Every folder of the model with weights has safetensors ones, and every safetensors file is complete."""
+def _check_files(path: str) -> None:
+    """No folder of the model asks for repository code (``auto_map``), every folder with weights has safetensors ones,
+    and every safetensors file is complete."""
     for root, _dirs, files in os.walk(path):
+        if "config.json" in files:
+            try:
+                config = _read_json(os.path.join(root, "config.json"))
+            except json.JSONDecodeError:
+                config = None
+            if isinstance(config, dict) and "auto_map" in config:
+                raise ValueError(
+                    f"{os.path.join(root, 'config.json')!r} asks for repository modeling code (auto_map); "
+                    "load_model never runs foreign code: load it with sentence-transformers and "
+                    "trust_remote_code=True yourself if you trust it"
+                )
         for name in sorted(files):
             if name.endswith(".safetensors"):
                 check_safetensors_file(os.path.join(root, name))
@@ -181,8 +175,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
     that class (a VariationalHead: ``VarCrossEncoder``). ``**kwargs`` go to the class; ``trust_remote_code`` is refused.
     ValueError: a module class neither ``sentence_transformers.*`` nor in :data:`ALLOWED_MODULES`, repository code, not
     a saved model, only pickled weights (:data:`PICKLED_WEIGHTS`), a truncated / corrupt safetensors file, or declared
-    weights the checkpoint lacks (which transformers would initialise at random and only log).
-    """
+    weights the checkpoint lacks (which transformers would initialise at random and only log)."""
     if "trust_remote_code" in kwargs:
         raise ValueError("load_model does not take trust_remote_code: it allows our own module classes only")
     path = os.fspath(path)
@@ -200,8 +193,7 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
             f"refusing to load {path!r}: it references module classes outside sentence_transformers and "
             f"st_extensions: {listed}. Only these of ours are allowed: {sorted(ALLOWED_MODULES)}"
         )
-    _check_no_remote_code(path)
-    _check_weight_files(path)
+    _check_files(path)
     if cross_encoder is None:
         config_path = os.path.join(path, "config_sentence_transformers.json")
         cross_encoder = os.path.isfile(config_path) and _read_json(config_path).get("model_type") == "CrossEncoder"
@@ -211,7 +203,6 @@ def load_model(path: str, *, cross_encoder: bool | None = None, **kwargs: Any) -
         raise ValueError(f"{path!r} holds modules of several model classes: {[name for name, _ in special]}")
     if special and issubclass(special[0][1], cls):
         cls = special[0][1]  # e.g. VarCrossEncoder for a CrossEncoder with a VariationalHead
-    # The loader maps the checked class references to our imported classes; trust_remote_code stays False.
     with _record_missing_weights() as missing:
         model = cls._load_with_module_classes(path, module_classes=dict(ALLOWED_MODULES), **kwargs)
     if missing:

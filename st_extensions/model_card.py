@@ -80,8 +80,7 @@ def write_model_card(
             head = generate_model_card(model).rstrip() + "\n\n"
         except Exception as e:  # the weights are saved; a card without sentence-transformers' part beats none
             logger.warning("sentence-transformers could not render the model card of %s: %s", folder, e)
-    section = model_card_section(model, loss, recipe, train_data, rows)
-    return atomic_write(os.path.join(folder, CARD), head + section)
+    return atomic_write(os.path.join(folder, CARD), head + model_card_section(model, loss, recipe, train_data, rows))
 
 
 def save_with_card(

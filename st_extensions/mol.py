@@ -103,13 +103,12 @@ def build_mol_model(
 ) -> SentenceTransformer:
     """A SentenceTransformer ending in a :class:`MixtureOfLogits` head (Sec. 2.2; App. A.2, A.3).
 
-    ``base_model``: a name or path (default: the packaged all-MiniLM-L6-v2) or a SentenceTransformer, deep-copied
-    (no shared weights or tokenizer). ``component_dim`` d_P defaults to the encoder's hidden size (``"tokens"``:
-    P_q + P_x aggregation tokens added after ``[CLS]`` and pooled, App. A.2) or the embedding dimension (``"heads"``:
-    linear heads on the pooled embedding). ``seed`` seeds the new token embeddings and the head. ``**settings``:
-    further :class:`~st_extensions.modules.mol.MoLConfig` fields (``gate_hidden_dim``, ``gate_features``,
-    ``head_init``, ``pooling_init_logit``, ``max_positions``). ``encode_query`` / ``encode_document`` add
-    ``"mol_components"``."""
+    ``base_model``: a name or path (default: the packaged all-MiniLM-L6-v2) or a SentenceTransformer, deep-copied (no
+    shared weights or tokenizer). ``component_dim`` d_P defaults to the encoder's hidden size (``"tokens"``: P_q + P_x
+    aggregation tokens added after ``[CLS]`` and pooled, App. A.2) or the embedding dimension (``"heads"``: linear heads
+    on the pooled embedding). ``seed`` seeds the new token embeddings and the head. ``**settings``: further
+    :class:`~st_extensions.modules.mol.MoLConfig` fields (``gate_hidden_dim``, ``gate_features``, ``head_init``,
+    ``pooling_init_logit``, ``max_positions``). ``encode_query`` / ``encode_document`` add ``"mol_components"``."""
     choice("component_source", component_source, COMPONENT_SOURCES)
     pq = positive_int("num_query_components", num_query_components)
     px = positive_int("num_doc_components", num_doc_components)
@@ -117,8 +116,7 @@ def build_mol_model(
     torch.manual_seed(seed)  # the head's orthogonal initialisations
     if component_source == "tokens":
         settings.update(_token_settings(modules[0], pq, px, settings.pop("max_positions", None), seed))
-    if component_dim is None:
-        component_dim = settings.get("token_dim", embedding_dim)
+    component_dim = settings.get("token_dim", embedding_dim) if component_dim is None else component_dim
     head = MixtureOfLogits(pq, px, component_dim, embedding_dim, component_source, **settings)
     return SentenceTransformer(modules=[*modules, head], device=device)
 

@@ -123,8 +123,7 @@ def freeze_lower_layers(backbone: Any, frozen: int) -> None:
 
 def layer_attention_mask(backbone: Any, hidden_states: Tensor, attention_mask: Tensor) -> Any:
     """The mask a ``BertModel`` encoder hands its layers for a padded (B, T) ``attention_mask``
-    (``create_bidirectional_mask``, called directly: ``BertModel._create_attention_masks``' signature varies in v5).
-    """
+    (``create_bidirectional_mask``, called directly: ``BertModel._create_attention_masks``' signature varies in v5)."""
     return create_bidirectional_mask(config=backbone.config, inputs_embeds=hidden_states, attention_mask=attention_mask)
 
 
@@ -132,8 +131,7 @@ def run_top_layers(
     backbone: Any, hidden_states: Tensor, attention_mask: Tensor, start: int, stop: int | None = None
 ) -> Tensor:
     """``backbone``'s layers ``start..stop-1`` on the states entering layer ``start``, as ``BertEncoder.forward`` runs
-    them for an encoder: the output of layer ``stop - 1``, (B, T, H) (a tuple output gives its first element).
-    """
+    them for an encoder: the output of layer ``stop - 1``, (B, T, H) (a tuple output gives its first element)."""
     mask = layer_attention_mask(backbone, hidden_states, attention_mask)
     for layer in backbone.encoder.layer[start:stop]:
         out = layer(hidden_states, attention_mask=mask)
@@ -263,8 +261,7 @@ class LayerStateCache:
 
     Per key the token ids (padding dropped) and the states, computed in eval mode by ``transformer`` (``None``: opened
     read-only, a missing key raises ``KeyError``). ``overwrite`` rebuilds a folder of other settings (else ValueError);
-    don't rebuild one another process uses. File format and crash safety: ``docs/recipes.md``.
-    """
+    don't rebuild one another process uses. File format and crash safety: ``docs/recipes.md``."""
 
     def __init__(
         self,
@@ -329,7 +326,10 @@ class LayerStateCache:
                 self.meta = self._read_meta()
             # (encoder id, weights token) last checked against the fingerprint: a cheap re-check before computing
             self._checked = (id(transformer), _weights_token(transformer, frozen_layers))
-        self.pairs = self.meta["keys"] == "pair"
+        #: L - N: the layer whose input states are cached
+        self.frozen_layers = int(self.meta["frozen_layers"])
+        self.max_seq_length, self.hidden_size = self.meta["max_seq_length"], int(self.meta["hidden_size"])
+        self.fingerprint, self.pairs = self.meta["fingerprint"], self.meta["keys"] == "pair"
         self._np_dtype = np.dtype(self.meta["dtype"])
         self._reset()
         self._load_index()
@@ -410,23 +410,6 @@ class LayerStateCache:
             self._states = np.memmap(self._path(STATES), dtype=self._np_dtype, mode="r", shape=shape)
             self._ids = np.memmap(self._path(TOKENS), dtype=np.int32, mode="r", shape=(n_tokens,))
 
-    @property
-    def frozen_layers(self) -> int:
-        """L - N: the layer whose input states are cached."""
-        return int(self.meta["frozen_layers"])
-
-    @property
-    def max_seq_length(self) -> int | None:
-        return self.meta["max_seq_length"]
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self.meta["hidden_size"])
-
-    @property
-    def fingerprint(self) -> str:
-        return self.meta["fingerprint"]
-
     def __len__(self) -> int:
         return len(self._rows)
 
@@ -480,17 +463,18 @@ class LayerStateCache:
         self.extend(keys)
         return [self._rows[k] for k in keys]
 
+    def _row(self, data: np.memmap | None, row: int) -> np.ndarray:
+        if data is None:
+            raise IndexError(f"row {row} of an empty cache")
+        return data[self._offsets[row] : self._offsets[row + 1]]
+
     def token_ids(self, row: int) -> np.ndarray:
         """The cached token ids of key ``row`` (no padding)."""
-        if self._ids is None:
-            raise IndexError(f"row {row} of an empty cache")
-        return self._ids[self._offsets[row] : self._offsets[row + 1]]
+        return self._row(self._ids, row)
 
     def states(self, row: int) -> np.ndarray:
         """The cached states of key ``row``, ``(n_tokens, hidden_size)`` of the storage dtype (a memmap view)."""
-        if self._states is None:
-            raise IndexError(f"row {row} of an empty cache")
-        return self._states[self._offsets[row] : self._offsets[row + 1]]
+        return self._row(self._states, row)
 
     def lengths(self, rows: Sequence[int]) -> np.ndarray:
         rows = np.asarray(rows, dtype=np.int64)
@@ -534,7 +518,7 @@ class LayerStateCache:
             for name, f in files.items():
                 f.truncate(committed[name])  # drop what a crashed writer left beyond the committed index
                 f.seek(committed[name])
-            pending, last = 0, time.monotonic()
+            last = time.monotonic()
             for batch in self._compute(keys):
                 for p, t, s in batch:
                     raw = _encode_key(keys[p])
@@ -543,12 +527,10 @@ class LayerStateCache:
                     files[KEYS].write(raw)
                     counts = [counts[0] + 1, counts[1] + len(t), counts[2] + len(raw)]
                     files[ROWS].write(np.array([counts[2], counts[1]], dtype=np.int64).tobytes())
-                    pending += 1
                 if time.monotonic() - last > self.commit_seconds:
                     self._commit(files, counts)
-                    pending, last = 0, time.monotonic()
-            if pending:
-                self._commit(files, counts)
+                    last = time.monotonic()
+            self._commit(files, counts)
         self.computed += len(keys)
 
     def _commit(self, files: dict[str, Any], counts: list[int]) -> None:
@@ -569,8 +551,7 @@ class PartialTransformer(InputModule):
 
     ``preprocess`` maps keys to cache rows (right-padded token ids and mask); ``forward`` runs layers
     ``frozen_layers..L-1`` and writes ``token_embeddings``. Prompts, ``processing_kwargs`` and another ``max_length``
-    are refused. It cannot be saved (save the model it was made from).
-    """
+    are refused. It cannot be saved (save the model it was made from)."""
 
     save_in_root = False
 
@@ -682,8 +663,7 @@ def partial_model(
     first use unless ``encode_missing=False`` (then ``KeyError``). ``cache``: a :class:`LayerStateCache` of this model's
     frozen part, else one in ``cache_dir`` (``None``: temporary) with ``dtype`` / ``overwrite`` as in the cache. Returns
     a model of ``model``'s class (a CrossEncoder keeps its ``activation_fn``) giving its outputs up to the storage
-    rounding.
-    """
+    rounding."""
     modules = list(model)
     if not modules:
         raise ValueError("partial training needs a model with modules")

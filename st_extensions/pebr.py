@@ -1,8 +1,6 @@
-"""pEBR models: build a SentenceTransformer with a query-distribution head, read a query's distribution.
-
-Zhang et al., pEBR (``../shared/papers/pebr.md``): the query tower also predicts the law of the cosine
-similarity of the query's relevant items (Sec. 3.1-3.2), from which a per-query cutoff is derived
-(Appendix A, :mod:`st_extensions.distributions`).
+"""pEBR models (Zhang et al., ``../shared/papers/pebr.md``): the query tower also predicts the law of the cosine
+similarity of the query's relevant items (Sec. 3.1-3.2), from which a per-query cutoff is derived (Appendix A,
+:mod:`st_extensions.distributions`).
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def build_pebr_model(
 
     ``base_model``: name, path or model (copied; default the packaged MiniLM). ``projection`` adds a residual,
     zero-initialised :class:`~st_extensions.modules.LinearAdapter` before the head so the space trains with a frozen
-    encoder. ``encode_query(..., output_value="query_distribution")`` also yields the parameters.
-    """
+    encoder. ``encode_query(..., output_value="query_distribution")`` also yields the parameters."""
     modules, dim, device = base_modules(base_model, device, QueryDistributionHead)
     head = QueryDistributionHead(dim, family=family, tau_init=tau_init, **head_kwargs)
     adapter = [LinearAdapter(dim)] if projection else []
@@ -48,13 +45,12 @@ def build_pebr_model(
 def encode_queries(
     model: SentenceTransformer, queries: Sequence[str], batch_size: int = 32, show_progress_bar: bool | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(embeddings (Q, dim) float32, params (Q, k) float64)`` of ``queries`` in one pass; k = 1 (tau_q), 4 for
-    beta_mle.
-    """
-    find_head(model)
+    """``(embeddings (Q, dim) float32, params (Q, k) float64)`` of ``queries`` in one pass (k = 1, tau_q; 4 for
+    beta_mle)."""
+    head = find_head(model)
     queries = list(queries)
     if not queries:
-        return np.zeros((0, model.get_embedding_dimension()), np.float32), np.zeros((0, find_head(model).num_params))
+        return np.zeros((0, model.get_embedding_dimension()), np.float32), np.zeros((0, head.num_params))
     outputs = model.encode_query(queries, batch_size=batch_size, output_value=None, show_progress_bar=show_progress_bar)
     embeddings = torch.stack([o["sentence_embedding"] for o in outputs]).float().cpu().numpy()
     params = torch.stack([o[OUTPUT_KEY] for o in outputs]).double().cpu().numpy()
@@ -63,8 +59,7 @@ def encode_queries(
 
 def distribution_from_params(params: np.ndarray, family: Family, dim: int | None = None) -> ExpCosine | BetaCosine:
     """The relevant-item law for params ``(Q, k)`` of ``family``: ExpCosine(tau_q); BetaCosine(1 / tau_q, 1) (Eq. 3);
-    ``beta_mle``: BetaCosine(alpha+, beta+) (Sec. 3.1).
-    """
+    ``beta_mle``: BetaCosine(alpha+, beta+) (Sec. 3.1)."""
     params = np.asarray(params, dtype=np.float64)
     if params.ndim != 2:
         raise ValueError(f"params must have shape (queries, k), got {params.shape}")
@@ -83,7 +78,6 @@ def query_distribution(
     model: SentenceTransformer, queries: Sequence[str], dim: int | None = None, batch_size: int = 32
 ) -> ExpCosine | BetaCosine:
     """The per-query relevant-item law (ExpCosine / BetaCosine, one parameter per query) a pEBR model predicts for
-    ``queries``: ``dim=None`` the 1-D law of Sec. 3.2, else Appendix A's; ``.cutoff(p)`` gives each threshold.
-    """
+    ``queries``: ``dim=None`` the 1-D law of Sec. 3.2, else Appendix A's; ``.cutoff(p)`` gives each threshold."""
     _, params = encode_queries(model, queries, batch_size=batch_size)
     return distribution_from_params(params, find_head(model).family, dim=dim)

@@ -1,9 +1,6 @@
-"""Query-balanced batches for the sentence-transformers trainer: distinct queries, relevant documents cycled.
-
-Uniform training pairs let broad queries dominate (on nfcorpus/train 56% of the pairs come from the broadest 10% of
-the queries) and put a query beside itself in a batch. :class:`QueryBalancedBatchSampler` makes every epoch one pass
-over the queries: one row each, its next relevant document (cycled across epochs in a seeded order), the queries
-shuffled and cut into batches of distinct queries.
+"""Query-balanced batches for the sentence-transformers trainer: every epoch one pass over the distinct queries, one
+row each with its next relevant document (cycled across epochs), so that broad queries do not dominate and a batch
+never holds a query twice (``docs/recipes.md``).
 """
 
 from __future__ import annotations
@@ -22,9 +19,8 @@ __all__ = ["QueryBalancedBatchSampler", "query_groups"]
 
 
 def query_groups(dataset: Dataset) -> list[list[int]]:
-    """Row indices of ``dataset`` grouped by query, in first-appearance order: by the ``label`` column's first
-    entry (the query key of :func:`st_extensions.judged.pair_labels`) when there is one, else by the first
-    column's text."""
+    """Row indices of ``dataset`` grouped by query, in first-appearance order: by the ``label`` column's first entry
+    (the query key of :func:`st_extensions.judged.pair_labels`) when there is one, else by the first column's text."""
     if "label" in dataset.column_names and isinstance(dataset[0]["label"], (list, tuple)):
         keys = [row[0] for row in dataset["label"]]
     else:
@@ -36,16 +32,14 @@ def query_groups(dataset: Dataset) -> list[list[int]]:
 
 
 class QueryBalancedBatchSampler(DefaultBatchSampler):
-    """Batches of distinct queries; one row per query per epoch, each query's rows cycled across epochs (order by
-    ``seed``).
+    """Batches of distinct queries; one row per query per epoch, its rows cycled across epochs (order by ``seed``).
 
     Use as ``SentenceTransformerTrainingArguments(batch_sampler=QueryBalancedBatchSampler)``. One process: an epoch has
     ``n_queries // batch_size`` batches (+1 partial without ``drop_last``); W processes (``world_size``, default
     :func:`st_extensions.distributed.data_parallel_world_size`): ``(n_queries // (W * batch_size)) * W``, so a global
     batch's queries stay distinct. The epoch is the trainer's (:meth:`set_epoch`), else each ``__iter__`` starts the
     next. ``valid_label_columns`` and ``generator`` are unused. ValueError: fewer queries than ``world_size *
-    batch_size``.
-    """
+    batch_size``."""
 
     def __init__(
         self,

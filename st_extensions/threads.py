@@ -1,12 +1,6 @@
-"""Thread counts that follow the CPUs a process may use, for shared machines and cluster jobs.
-
-:func:`available_cpus` reads ``OMP_NUM_THREADS``, else the CPU affinity (``taskset``, a scheduler's cpuset) capped by
-the cgroup's CPU quota; :func:`configure_threads` sets torch's, faiss's and the tokenizers' thread counts to it (or to
-a given count) once at a run's start. :func:`torch_threads` narrows torch's count for a block of small-model work
-(heads on cached features), which gains little from more threads and loses much when the CPUs are shared: on 2 cores,
-``pyterrier-prob unierf``'s frozen-head training ran at 93 steps/s on 2 threads and 82 on one alone, but at 2.1 on 2
-threads and 21 on one beside other work (``benchmarks/contention.py``). :func:`batch_scheduling` marks a run as a
-batch job with long time slices, so that jobs sharing a core switch rarely and keep their caches.
+"""Thread counts that follow the CPUs a process may use (:func:`available_cpus`, :func:`configure_threads`), fewer
+threads for small-model work (:func:`torch_threads`) and batch scheduling (:func:`batch_scheduling`), for shared
+machines and cluster jobs; why, and the measurements: ``docs/cluster.md``.
 """
 
 from __future__ import annotations
@@ -22,18 +16,12 @@ from pathlib import Path
 
 import torch
 
-from st_extensions.checks import positive_int
+from st_extensions.checks import positive_float, positive_int
 
 __all__ = [
-    "BATCH_SLICE_MS",
-    "SMALL_MODEL_THREADS",
-    "available_cpus",
-    "batch_scheduling",
-    "configure_threads",
-    "is_batch_scheduled",
-    "thread_count",
-    "torch_threads",
-]
+    "BATCH_SLICE_MS", "SMALL_MODEL_THREADS", "available_cpus", "batch_scheduling", "configure_threads",
+    "is_batch_scheduled", "thread_count", "torch_threads",
+]  # fmt: skip
 
 #: Threads of small-model work (:func:`torch_threads`): heads on cached features (``benchmarks/contention.py``).
 SMALL_MODEL_THREADS = 1
@@ -124,18 +112,14 @@ def torch_threads(n: int | None = None) -> Iterator[int]:
 
 
 def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
-    """Schedule every thread of this process as a batch job: ``SCHED_BATCH`` (sched(7): CPU-bound, not interactive)
-    with a time slice of ``slice_ms`` (``sched_setattr(2)``'s ``sched_runtime``, the per-task slice of Linux >= 6.12's
-    EEVDF scheduler, which clamps it to 0.1-100 ms; threads started later inherit it). Two such jobs on one core then
-    take turns every ``slice_ms`` instead of every tick (1.4 ms slices, 4 ms ticks) and keep their caches warm between
-    turns; tasks that wake with shorter slices (a shell, an editor) still preempt them, and beside a busy task with
-    the default slice the turns are the default ones (``benchmarks/turns.py``). The nice value is kept.
-    ``None`` or 0: leave the scheduling as it is. Returns whether every thread was changed (False where the syscall
-    is not known or refused: nothing else changes)."""
+    """Schedule every thread of this process as a batch job: ``SCHED_BATCH`` with a time slice of ``slice_ms``
+    (``sched_setattr(2)``'s ``sched_runtime``, honoured by Linux >= 6.12 between 0.1 and 100 ms; threads started later
+    inherit it), so that jobs sharing a core take long turns (``docs/cluster.md``). The nice value is kept. ``None`` or
+    0: leave the scheduling as it is. Returns whether every thread was changed (False where the syscall is not known
+    or refused: nothing else changes)."""
     if not slice_ms:
         return False
-    if not (math.isfinite(slice_ms) and slice_ms > 0):
-        raise ValueError(f"slice_ms must be a finite number of milliseconds > 0, got {slice_ms!r}")
+    positive_float("slice_ms", slice_ms)
     number = _SCHED_SETATTR.get(platform.machine())
     if number is None or not Path("/proc/self/task").is_dir():
         return False
@@ -145,8 +129,7 @@ def batch_scheduling(slice_ms: float | None = BATCH_SLICE_MS) -> bool:
     attr = ctypes.create_string_buffer(
         struct.pack("IIQiIQQQII", 56, _SCHED_BATCH, 0, nice, 0, int(slice_ms * 1e6), 0, 0, 0, 0), 56
     )
-    done = [libc.syscall(number, int(tid), attr, 0) == 0 for tid in os.listdir("/proc/self/task")]
-    return all(done)
+    return all([libc.syscall(number, int(tid), attr, 0) == 0 for tid in os.listdir("/proc/self/task")])
 
 
 def is_batch_scheduled() -> bool:

@@ -1,10 +1,7 @@
-"""UniERF models: several retrieval branches on one encoder, their input texts, their embeddings, their data.
-
-UniERF (Jiang et al., KDD'25, ``../shared/papers/unierf.md``, Sec. 4): one query tower with a head per branch
-(:class:`~st_extensions.modules.MultiBranchQueryEncoder`, Sec. 4.1) reading the branch's own input text
-(:func:`branch_text`: ``semantic`` the query, ``trigger`` the query and a trigger document, ``context`` the query and
-other fields), one shared document tower (Sec. 4.2), differentiated training rows (:func:`build_unierf_dataset`,
-Sec. 4.3) and the loss of Eq. 28-32 (:class:`~st_extensions.losses.UniERFLoss`); more in ``docs/unierf.md``.
+"""UniERF models (Jiang et al., KDD'25, ``../shared/papers/unierf.md``, Sec. 4): several retrieval branches on one
+encoder (:class:`~st_extensions.modules.MultiBranchQueryEncoder`, Sec. 4.1), their input texts (:func:`branch_text`),
+their embeddings and their differentiated training rows (:func:`build_unierf_dataset`, Sec. 4.3); the loss is
+:class:`~st_extensions.losses.UniERFLoss`, more in ``docs/unierf.md``.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from st_extensions.checks import positive_int, probability
 from st_extensions.defaults import base_modules, find_module
 from st_extensions.modules.branches import MultiBranchQueryEncoder, check_branch_names
 
-#: Separator between the parts of a branch's input text: BERT-like tokenizers read ``[SEP]`` as their special
-#: separator token, so ``query [SEP] document`` is encoded like a text pair.
+#: Separator between the parts of a branch's input text (BERT-like tokenizers read ``[SEP]`` as a text pair's).
 SEP = " [SEP] "
 #: Column of the positive document in UniERF training rows.
 POSITIVE_COLUMN = "positive_doc"
@@ -56,9 +52,7 @@ def build_unierf_model(
 
     ``base_model`` (name, path or model, deep-copied; default the packaged all-MiniLM-L6-v2) is the shared encoder of
     every branch and the document tower (Sec. 4.2); each branch head starts as the identity plus ``init_std`` noise
-    (seeded by ``seed``) to break the symmetry. ``encode_query(texts, branch=b)`` gives branch b's normalised
-    embeddings.
-    """
+    (seeded by ``seed``). ``encode_query(texts, branch=b)`` gives branch b's normalised embeddings."""
     names = check_branch_names(branches)
     modules, dim, device = base_modules(base_model, device, MultiBranchQueryEncoder)
     head = MultiBranchQueryEncoder(dim, names, init_std=init_std, seed=seed, residual=True)
@@ -79,9 +73,8 @@ def encode_branches(
     batch_size: int = 32,
     show_progress_bar: bool | None = None,
 ) -> dict[str, np.ndarray]:
-    """Each branch's query embeddings ``H^b`` (Eq. 5) of its own input texts (:func:`branch_text`; a subset of the
-    branches, any counts): branch -> ``(len(texts), dim)`` float32 unit rows. ValueError: unknown branch / no encoder.
-    """
+    """Each branch's query embeddings ``H^b`` (Eq. 5) of its own input texts (:func:`branch_text`; any subset of the
+    branches): branch -> ``(len(texts), dim)`` float32 unit rows. ValueError: unknown branch / no encoder."""
     head = find_branches(model)
     positive_int("batch_size", batch_size)
     for branch in branch_texts:
@@ -105,8 +98,7 @@ def unierf_columns(
 ) -> list[str]:
     """The column layout of UniERF rows as :class:`~st_extensions.losses.UniERFLoss` reads it: ``anchor_<b>`` per
     branch, ``positive_doc``, ``negative_random`` if ``random_negative``, ``negative_<b>`` for b in ``hard_negatives``
-    (True: all).
-    """
+    (True: all)."""
     names = check_branch_names(branches)
     hard = hard_negative_branches(names, hard_negatives)
     return [
@@ -132,8 +124,7 @@ def parse_unierf_columns(columns: Sequence[str], branches: Sequence[str]) -> tup
     """Read a UniERF column layout (``anchor_<b>``..., one ``positive*``, then ``negative*`` columns).
 
     Returns ``(anchor branches in column order, negative tags)``: ``negative_<b>`` is branch b's hard negative (tag b),
-    any other ``negative*`` is shared (``None``). ValueError: unknown column or branch, repeated anchor, wrong order.
-    """
+    any other ``negative*`` is shared (``None``). ValueError: unknown column or branch, repeated anchor, wrong order."""
     columns = list(columns)
     i = next((i for i, c in enumerate(columns) if not c.startswith("anchor_")), len(columns))
     anchors = [c.removeprefix("anchor_") for c in columns[:i]]

@@ -10,13 +10,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 from torch import Tensor
 
 from st_extensions.distributed import global_batch
-from st_extensions.judged import JudgedPairs, masked_logits
+from st_extensions.judged import JudgedPairs, judged_cross_entropy
 from st_extensions.losses._checks import check_not_empty
 
 __all__ = ["MaskedMultipleNegativesRankingLoss"]
@@ -28,8 +27,7 @@ class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
     L = -1/B sum_i log( exp(s cos(q_i, d_i+)) / sum_{j not judged for q_i} exp(s cos(q_i, d_j)) ).
 
     Without ``judged`` (rows with ``label`` of :func:`st_extensions.judged.pair_labels`) it is exactly MNRL;
-    ``gather_across_devices`` masks over the DDP global batch, as MNRL's option.
-    """
+    ``gather_across_devices`` masks over the DDP global batch, as MNRL's option."""
 
     def __init__(
         self,
@@ -55,8 +53,7 @@ class MaskedMultipleNegativesRankingLoss(MultipleNegativesRankingLoss):
             # MultipleNegativesRankingLoss's own formula ("query_to_doc", "joint"), term for term
             positives = logits[torch.arange(len(logits), device=logits.device), targets]
             return -(positives - torch.logsumexp(logits, dim=1)).mean()
-        logits = masked_logits(logits, self.judged, batch.labels(labels), offset=batch.offset)
-        return F.cross_entropy(logits, targets)
+        return judged_cross_entropy(logits, self.judged, labels, batch)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), "judged_pairs": len(self.judged) if self.judged is not None else 0}

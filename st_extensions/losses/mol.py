@@ -7,14 +7,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.losses.merged_forward import merge_feature_batches
 from torch import Tensor, nn
 
 from st_extensions.checks import finite_float, positive_float
 from st_extensions.distributed import global_batch
-from st_extensions.judged import JudgedPairs, masked_logits
+from st_extensions.judged import JudgedPairs, judged_cross_entropy
 from st_extensions.losses._checks import check_not_empty
 from st_extensions.modules.mol import COMPONENTS_KEY, FEATURES_KEY, mutual_information_loss
 from st_extensions.mol import find_mol
@@ -85,9 +84,7 @@ class MoLLoss(nn.Module):
     def forward(self, sentence_features: Iterable[dict[str, Tensor]], labels: Tensor | None) -> Tensor:
         scores, gates = self.scores_and_gates(sentence_features)
         batch = global_batch(len(scores), self.gather_across_devices)
-        labels = batch.labels(labels) if self.judged is not None else labels
-        logits = masked_logits(self.scale * scores, self.judged, labels, offset=batch.offset)
-        loss = F.cross_entropy(logits, batch.targets(scores.device))
+        loss = judged_cross_entropy(self.scale * scores, self.judged, labels, batch)
         return loss + self.alpha * mutual_information_loss(gates, eps=self.eps, batch=batch) if self.alpha else loss
 
     def get_config_dict(self) -> dict[str, Any]:

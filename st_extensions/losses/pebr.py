@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from st_extensions.checks import finite_float
 from st_extensions.distributed import global_batch
-from st_extensions.judged import JudgedPairs, masked_logits
+from st_extensions.judged import JudgedPairs, judged_cross_entropy
 from st_extensions.losses._checks import check_not_empty
 from st_extensions.pebr import find_head
 
@@ -58,9 +58,7 @@ class _PEBRLoss(nn.Module):
 
     def cosines_and_params(self, sentence_features: Iterable[dict[str, Tensor]]) -> tuple[Tensor, Tensor]:
         """``cos (B, B * (1 + n_neg))`` between each anchor and every candidate (anchor i's positive is candidate i;
-        under DDP with ``gather_across_devices`` the global batch's, positive at ``rank * B + i``) and the anchors'
-        params ``(B, k)``.
-        """
+        with ``gather_across_devices`` the global batch's, at ``rank * B + i``) and the anchors' params ``(B, k)``."""
         name = type(self).__name__
         embeddings = embed_columns(self.model, check_not_empty(name, sentence_features))
         if len(embeddings) < 2:
@@ -76,25 +74,19 @@ class _PEBRLoss(nn.Module):
 
     def nce(self, logits: Tensor, labels: Tensor | None) -> Tensor:
         """Cross-entropy of each anchor's positive among ``logits`` (judged negatives masked), global batch aware."""
-        batch = global_batch(len(logits), self.gather_across_devices)
-        labels = batch.labels(labels) if self.judged is not None else labels
-        return F.cross_entropy(masked_logits(logits, self.judged, labels, batch.offset), batch.targets(logits.device))
+        return judged_cross_entropy(logits, self.judged, labels, global_batch(len(logits), self.gather_across_devices))
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"family": self.family, "eps": self.eps, "gather_across_devices": self.gather_across_devices}
 
 
 class ExpNCELoss(_PEBRLoss):
-    """ExpNCE (pEBR Sec. 3.2.1): InfoNCE on ``cos(q_i, d_j) / tau_{q_i}`` with tau_q from the model's head (family
-    "exp").
+    """ExpNCE (pEBR Sec. 3.2.1): InfoNCE on ``cos(q_i, d_j) / tau_{q_i}``, tau_q from the model's head (family "exp").
 
     L = -1/B sum_i log( exp(cos(q_i, d_i+) / tau_i) / sum_j exp(cos(q_i, d_j) / tau_i) ): the relevant items of q follow
-    :class:`~st_extensions.distributions.ExpCosine`; with a constant tau it is
-    ``MultipleNegativesRankingLoss(scale=1/tau)``. Inputs: (anchor, positive[, negative_1, ...]) columns, no labels.
-    ``judged`` (:class:`st_extensions.judged.JudgedPairs`, rows with a ``label`` column) leaves judged-relevant in-batch
-    negatives out of the softmax; ``gather_across_devices`` contrasts with the whole DDP global batch, as MNRL's option.
-    Example in ``docs/pebr.md``.
-    """
+    :class:`~st_extensions.distributions.ExpCosine`; a constant tau gives ``MultipleNegativesRankingLoss(scale=1/tau)``.
+    Inputs: (anchor, positive[, negative_1, ...]) columns, no labels. ``judged`` (judged-relevant in-batch negatives
+    left out of the softmax), ``gather_across_devices`` (the DDP global batch) and an example: ``docs/pebr.md``."""
 
     family = "exp"
 
@@ -115,8 +107,7 @@ class BetaNCELoss(_PEBRLoss):
     """BetaNCE (pEBR Sec. 3.2.2): InfoNCE on log z / tau_q, z = (1 + cos) / 2 clamped to ``[eps, 1]``.
 
     After training the relevant items of q follow Beta(1 / tau_q, 1) in z (Eq. 3,
-    :class:`~st_extensions.distributions.BetaCosine`). Head family "beta"; inputs and options as :class:`ExpNCELoss`.
-    """
+    :class:`~st_extensions.distributions.BetaCosine`). Head family "beta"; inputs and options as :class:`ExpNCELoss`."""
 
     family = "beta"
 
@@ -126,9 +117,7 @@ class BetaNCELoss(_PEBRLoss):
 
 
 def beta_log_density(cos: Tensor, alpha: Tensor, beta: Tensor, eps: float) -> Tensor:
-    """log of the Beta(alpha, beta) density of the cosine on [-1, 1] (pEBR Sec. 3.2.2), z = (1 + cos) / 2 in [eps, 1 -
-    eps].
-    """
+    """log of the Beta(alpha, beta) density of the cosine (pEBR Sec. 3.2.2), z = (1 + cos) / 2 in [eps, 1 - eps]."""
     z = ((1.0 + cos) * 0.5).clamp(eps, 1.0 - eps)
     log_beta_fn = torch.lgamma(alpha) + torch.lgamma(beta) - torch.lgamma(alpha + beta)
     return (alpha - 1.0) * torch.log(z) + (beta - 1.0) * torch.log1p(-z) - log_beta_fn - math.log(2.0)
@@ -140,8 +129,7 @@ class BetaMLELoss(_PEBRLoss):
     L = -[ mean_i log f_i(cos(q_i, d_i+)) + w * mean_{i, j != i} log h_i(cos(q_i, d_ij)) ], f and h the Beta densities
     (:func:`beta_log_density`) of the relevant / irrelevant cosines, ``w = negative_weight``; every non-positive
     candidate is irrelevant (``judged`` removes judged-relevant ones). Point-wise, so it ranks worse than the NCE losses
-    (the paper). Needs batch size > 1 or hard negatives; inputs as :class:`ExpNCELoss`.
-    """
+    (the paper). Needs batch size > 1 or hard negatives; inputs as :class:`ExpNCELoss`."""
 
     family = "beta_mle"
 
@@ -170,8 +158,7 @@ class BetaMLELoss(_PEBRLoss):
             irrelevant &= ~judged.to(cos.device)
         log_f = beta_log_density(cos, a_pos, b_pos, self.eps)[positive]
         log_h = beta_log_density(cos, a_neg, b_neg, self.eps)[irrelevant]
-        # every rank has B anchors (one positive each), but the judged mask leaves each a different number of
-        # irrelevant pairs: their mean is over the global count (GlobalBatch.mean)
+        # the judged mask leaves each rank a different number of irrelevant pairs: mean over the global count
         return -(log_f.mean() + self.negative_weight * batch.mean(log_h))
 
     def get_config_dict(self) -> dict[str, Any]:

@@ -68,8 +68,7 @@ class FrozenDocumentTower:
 
     A frozen deep copy of ``model`` (eval, no gradient, not a submodule of the loss) embeds the loss's document columns;
     with ``cache`` each document's vector is kept by its token ids, and :meth:`prime` fills the cache from precomputed
-    vectors (``docs/unierf.md``).
-    """
+    vectors (``docs/unierf.md``)."""
 
     def __init__(self, model: SentenceTransformer, cache: bool = True) -> None:
         if not isinstance(model, nn.Module):
@@ -124,8 +123,7 @@ class FrozenDocumentTower:
         """Cache precomputed embeddings of ``texts``, tokenised as the trainer's collator does; returns how many.
 
         The first ``check`` texts are re-embedded and must agree within ``atol`` (else ``ValueError``: another model or
-        ``max_seq_length``).
-        """
+        ``max_seq_length``)."""
         texts = [str(t) for t in texts]
         vecs = torch.as_tensor(np.asarray(vectors, dtype=np.float32))
         if vecs.ndim != 2 or vecs.shape[0] != len(texts):
@@ -196,8 +194,7 @@ class UniERFLoss(nn.Module):
     (:func:`st_extensions.unierf_columns` layout; inferred for B + 1, 2B + 1, 2B + 2 columns); ``ignore_columns`` are
     dropped before embedding; ``document_tower``: a :class:`FrozenDocumentTower` (else ``model`` embeds the documents);
     ``judged`` removes judged-relevant in-batch negatives; ``gather_across_devices``: DDP global batch. Terms, defaults
-    and an example: ``docs/unierf.md``.
-    """
+    and an example: ``docs/unierf.md``."""
 
     citation = UNIERF_CITATION
 
@@ -287,8 +284,7 @@ class UniERFLoss(nn.Module):
         target = batch.targets(positives.device)
         positives = batch.candidates(positives)
         negatives = [batch.candidates(n) for n in negatives]
-        if self.judged is not None:
-            labels = batch.labels(labels)
+        labels = batch.labels(labels) if self.judged is not None else labels
         out = dict.fromkeys(("positive", "triplet", "infonce"), positives.new_zeros(()))
         for branch, h in branch_emb.items():
             cands = torch.cat([positives, *(n for n, t in zip(negatives, tags) if t is None or t == branch)], dim=0)

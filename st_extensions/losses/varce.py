@@ -58,8 +58,7 @@ class VariationalBCELoss(_VarCELoss):
 
     Draws ``num_samples`` latents z = mu + Sigma^(1/2) eps (Eq. 5) per (query, document) pair, scores them with the
     head's decoder s = z^T W + b (Eq. 8) and averages BCEWithLogits(s, y) (``pos_weight`` as in torch) + beta * mean KL.
-    Labels: 1 relevant, 0 not, or a probability. Beta range and an example: ``docs/varce.md``.
-    """
+    Labels: 1 relevant, 0 not, or a probability. Beta range and an example: ``docs/varce.md``."""
 
     def __init__(
         self, model: CrossEncoder, beta: float = 1e-7, num_samples: int = 1, pos_weight: Tensor | None = None
@@ -135,8 +134,7 @@ class VariationalMarginMSELoss(_VarCELoss):
     With E[s_j] = mu_j^T W + b, Var[s_j] = W^T Sigma_j W (Eq. 22-23) and teacher scores t_j of row (q, d_0, ..., d_n):
     mean_j (E[s_0] - E[s_j] - (t_0 - t_j))^2 + nll_weight * mean_j NLL(t_0 - t_j | N(E[s_0] - E[s_j], Var[s_0] +
     Var[s_j])) + beta * mean KL (Eq. 10, 17). The NLL has the mean and W detached, so it trains only the variance (grows
-    where the student misses the teacher); why not Eq. 10's sampled BCE: ``docs/varce.md``.
-    """
+    where the student misses the teacher); why not Eq. 10's sampled BCE: ``docs/varce.md``."""
 
     def __init__(self, model: CrossEncoder, beta: float = 1e-7, nll_weight: float = 1.0) -> None:
         super().__init__(model, beta)
