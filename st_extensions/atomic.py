@@ -29,9 +29,17 @@ except ImportError:  # pragma: no cover - not on POSIX
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "DIR_MODE", "FILE_MODE", "atomic_directory", "atomic_write", "CorruptFileError", "read_checked",
-    "clean_stale_temporaries", "locked", "make_dirs", "recover_directory",
-]  # fmt: skip
+    "DIR_MODE",
+    "FILE_MODE",
+    "atomic_directory",
+    "atomic_write",
+    "CorruptFileError",
+    "read_checked",
+    "clean_stale_temporaries",
+    "locked",
+    "make_dirs",
+    "recover_directory",
+]
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755

@@ -18,9 +18,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
-    "GlobalBatch", "all_gather_no_grad", "all_gather_with_grad", "all_reduce_sum", "data_parallel_world_size",
-    "global_batch", "rank", "world_size",
-]  # fmt: skip
+    "GlobalBatch",
+    "all_gather_no_grad",
+    "all_gather_with_grad",
+    "all_reduce_sum",
+    "data_parallel_world_size",
+    "global_batch",
+    "rank",
+    "world_size",
+]
 
 
 def _initialised() -> bool:

@@ -24,9 +24,14 @@ from st_extensions.defaults import base_modules
 from st_extensions.modules.adapter import LinearAdapter
 
 __all__ = [
-    "CachedEmbeddings", "build_adapter_model", "cached_model", "encode_prefix", "evaluating", "frozen_prefix_length",
+    "CachedEmbeddings",
+    "build_adapter_model",
+    "cached_model",
+    "encode_prefix",
+    "evaluating",
+    "frozen_prefix_length",
     "prefix_model",
-]  # fmt: skip
+]
 
 
 class CachedEmbeddings(InputModule):

@@ -19,9 +19,15 @@ import torch
 from st_extensions.checks import positive_float, positive_int
 
 __all__ = [
-    "BATCH_SLICE_MS", "SMALL_MODEL_THREADS", "available_cpus", "batch_scheduling", "configure_threads",
-    "is_batch_scheduled", "thread_count", "torch_threads",
-]  # fmt: skip
+    "BATCH_SLICE_MS",
+    "SMALL_MODEL_THREADS",
+    "available_cpus",
+    "batch_scheduling",
+    "configure_threads",
+    "is_batch_scheduled",
+    "thread_count",
+    "torch_threads",
+]
 
 #: Threads of small-model work (:func:`torch_threads`): heads on cached features (``benchmarks/contention.py``).
 SMALL_MODEL_THREADS = 1

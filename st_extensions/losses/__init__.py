@@ -7,6 +7,12 @@ from st_extensions.losses.unierf import UniERFLoss
 from st_extensions.losses.varce import VariationalBCELoss, VariationalMarginMSELoss
 
 __all__ = [
-    "BetaMLELoss", "BetaNCELoss", "ExpNCELoss", "MaskedMultipleNegativesRankingLoss", "MoLLoss", "UniERFLoss",
-    "VariationalBCELoss", "VariationalMarginMSELoss",
-]  # fmt: skip
+    "BetaMLELoss",
+    "BetaNCELoss",
+    "ExpNCELoss",
+    "MaskedMultipleNegativesRankingLoss",
+    "MoLLoss",
+    "UniERFLoss",
+    "VariationalBCELoss",
+    "VariationalMarginMSELoss",
+]
