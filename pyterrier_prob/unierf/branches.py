@@ -1,11 +1,7 @@
-"""Multi-branch (UniERF) retrieval for PyTerrier: branch inputs, branch encoders, merged retrieval, training data.
-
-UniERF (Jiang et al., KDD'25, ``shared/papers/unierf.md``) serves several retrieval branches from one jointly trained
-query tower and merges their candidate sets (Sec. 4; Alg. 1 lines 27-30). Model side: :mod:`st_extensions.unierf`. Here:
-branch input texts from query-frame columns (:data:`DEFAULT_BRANCH_INPUTS`, :class:`TriggerText`), one
-``query_vec_<branch>`` per branch (:class:`UniERFEncoder`; one shared document index), the merge into a budget with
-per-branch quotas (:class:`MultiBranchRetriever`) and the negatives of Sec. 4.3 (:func:`unierf_training_data`). Usage:
-``docs/unierf.md``."""
+"""Multi-branch (UniERF, Jiang et al., KDD'25, ``shared/papers/unierf.md``) retrieval for PyTerrier: branch inputs
+(:class:`TriggerText`), one ``query_vec_<branch>`` per branch (:class:`UniERFEncoder`), the merge of the branches'
+candidates under quotas (:class:`MultiBranchRetriever`, Sec. 4, Alg. 1 lines 27-30) and the negatives of Sec. 4.3
+(:func:`unierf_training_data`). Model side: :mod:`st_extensions.unierf`; usage: ``docs/unierf.md``."""
 
 from __future__ import annotations
 
@@ -80,8 +76,7 @@ def query_vec_column(branch: str) -> str:
 def _branch_inputs(branches: Sequence[str], inputs: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str, ...]]:
     """branch -> input columns, from ``inputs`` or :data:`DEFAULT_BRANCH_INPUTS`; a clear error for the rest."""
     inputs = dict(inputs or {})
-    unknown = [b for b in inputs if b not in branches]
-    if unknown:
+    if unknown := [b for b in inputs if b not in branches]:
         raise ValueError(f"inputs given for unknown branches {unknown}: the branches are {list(branches)}")
     out: dict[str, tuple[str, ...]] = {}
     for b in branches:
@@ -119,8 +114,7 @@ def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.nd
     or a mapping branch -> weight (missing ones 1)."""
     if branches is not None:
         if weights is None or isinstance(weights, Mapping):
-            unknown = [b for b in weights or {} if b not in branches]
-            if unknown:
+            if unknown := [b for b in weights or {} if b not in branches]:
                 raise ValueError(f"weights for unknown branches {unknown}: the branches are {branches}")
             weights = [(weights or {}).get(b, 1.0) for b in branches]
         elif len(weights := list(weights)) != len(branches):
@@ -136,10 +130,8 @@ def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.nd
 
 class TriggerText(pt.Transformer):
     """``(qid, query)`` -> adds ``trigger_docno`` and ``column`` (``trigger_text``): the document ``retriever`` ranks at
-    ``rank`` (from 0), the stand-in for UniERF's trigger items (Sec. 4.1.3); no result: None and an empty text.
-
-    ``texts``: a mapping docno -> text, or a transformer adding ``text_field`` (e.g. ``pt.text.get_text(dataset,
-    "text")``)."""
+    ``rank`` (from 0), the stand-in for UniERF's trigger items (Sec. 4.1.3; no result: None and ""). ``texts``: a
+    mapping docno -> text, or a transformer adding ``text_field`` (e.g. ``pt.text.get_text(dataset, "text")``)."""
 
     def __init__(
         self,
@@ -184,10 +176,9 @@ class UniERFEncoder:
     """Encodes queries into one vector per UniERF branch, and documents once for all branches (a factory).
 
     :meth:`query_encoder` adds ``query_vec_<branch>`` (float32, unit) per branch from the branches' ``inputs`` columns
-    (default :data:`DEFAULT_BRANCH_INPUTS`, joined by ``sep``); :meth:`doc_encoder` adds the shared tower's ``doc_vec``,
-    so one :class:`~pyterrier_prob.DenseIndex` serves every branch. ``model``: a SentenceTransformer with a
-    MultiBranchQueryEncoder, or its path. Pipeline: ``TriggerText(bm25, texts) >> encoder.query_encoder() >>
-    MultiBranchRetriever(index, encoder.branches)`` (``docs/unierf.md``)."""
+    (default :data:`DEFAULT_BRANCH_INPUTS`, joined by ``sep``); :meth:`doc_encoder` adds the shared tower's ``doc_vec``
+    (one :class:`~pyterrier_prob.DenseIndex` for every branch). ``model``: a SentenceTransformer with a
+    MultiBranchQueryEncoder, or its path. Pipeline: ``docs/unierf.md``."""
 
     def __init__(
         self,
@@ -296,52 +287,38 @@ def merge_branch_lists(
     n = len(lists)
     if len(quotas) != n:
         raise ValueError(f"need one quota per branch ({n}), got {len(quotas)}")
-    walk = _BranchWalk(lists, quotas)
-    rounds = 0
-    for lifted in (False, True):
-        while len(walk.selected) < budget:
-            walking = [b for b in range(n) if walk.can_step(b, lifted)]
-            if not walking:
-                break
-            start = rounds % n
-            rounds += 1
-            for b in sorted(walking, key=lambda b: (b - start) % n):
-                if len(walk.selected) >= budget:
-                    break
-                if walk.can_step(b, lifted):
-                    walk.step(b)
-    for b in range(n):  # the documents right after a branch's walk that are already selected cost it nothing
-        while walk.can_step(b, True) and walk.docs[b][walk.pos[b]] in walk.selected:
-            walk.step(b)
-    return [(d, e[0], sorted(e[1]), e[2]) for d, e in walk.selected.items()]
+    docs = [np.asarray(d).tolist() for d, _ in lists]
+    scores = [np.asarray(s, dtype=np.float64).tolist() for _, s in lists]
+    selected: dict[int, list] = {}  # docid -> [best score, finders set, claimer]
+    claimed, pos = [0] * n, [0] * n
 
+    def can_step(b: int, lifted: bool) -> bool:  # candidates left and, unless quotas are lifted, quota left
+        return pos[b] < len(docs[b]) and (lifted or claimed[b] < quotas[b])
 
-class _BranchWalk:
-    """The walk of :func:`merge_branch_lists`: each branch's position and claims, and the selected documents."""
-
-    def __init__(self, lists: Sequence[tuple[np.ndarray, np.ndarray]], quotas: Sequence[int]) -> None:
-        self.docs = [np.asarray(d).tolist() for d, _ in lists]
-        self.scores = [np.asarray(s, dtype=np.float64).tolist() for _, s in lists]
-        self.quotas = list(quotas)
-        self.selected: dict[int, list] = {}  # docid -> [best score, finders set, claimer]
-        self.claimed = [0] * len(lists)
-        self.pos = [0] * len(lists)
-
-    def can_step(self, b: int, lifted: bool) -> bool:
-        """Branch ``b`` has candidates left and, unless quotas are lifted, quota left."""
-        return self.pos[b] < len(self.docs[b]) and (lifted or self.claimed[b] < self.quotas[b])
-
-    def step(self, b: int) -> None:
-        """Branch ``b`` meets its next document: claims it if new, else joins its finders."""
-        d, s = self.docs[b][self.pos[b]], self.scores[b][self.pos[b]]
-        self.pos[b] += 1
-        entry = self.selected.get(d)
-        if entry is None:
-            self.selected[d] = [s, {b}, b]
-            self.claimed[b] += 1
+    def step(b: int) -> None:  # branch b meets its next document: claims it if new, else joins its finders
+        d, s = docs[b][pos[b]], scores[b][pos[b]]
+        pos[b] += 1
+        if (entry := selected.get(d)) is None:
+            selected[d] = [s, {b}, b]
+            claimed[b] += 1
         else:
             entry[1].add(b)
             entry[0] = max(entry[0], s)
+
+    rounds = 0
+    for lifted in (False, True):
+        while len(selected) < budget and (walking := [b for b in range(n) if can_step(b, lifted)]):
+            start = rounds % n
+            rounds += 1
+            for b in sorted(walking, key=lambda b: (b - start) % n):
+                if len(selected) >= budget:
+                    break
+                if can_step(b, lifted):
+                    step(b)
+    for b in range(n):  # the documents right after a branch's walk that are already selected cost it nothing
+        while can_step(b, True) and docs[b][pos[b]] in selected:
+            step(b)
+    return [(d, e[0], sorted(e[1]), e[2]) for d, e in selected.items()]
 
 
 class MultiBranchRetriever(Capped):
@@ -417,17 +394,13 @@ class MultiBranchRetriever(Capped):
         base = inp.drop(columns=cols) if self.drop_query_vec else inp
         if not len(inp):
             return empty_results(base, branch=object)
-        budget = self.num_results
-        quotas = branch_quotas(budget, self.weights)
+        budget, quotas = self.num_results, branch_quotas(self.num_results, self.weights)
         search = {"num_results": budget, "batch_size": self.batch_size, "verbose": self.verbose}
-        hits = [
-            threshold_search(self.index, inp[query_vec_column(b)].tolist(), -np.inf, **search) for b in self.branches
-        ]
+        hits = [threshold_search(self.index, inp[c].tolist(), -np.inf, **search) for c in cols]
         rows: list[tuple[int, int, float, int, str]] = []
         for qi in range(len(inp)):
-            lists = [
-                (h.docids[h.offsets[qi] : h.offsets[qi + 1]], h.scores[h.offsets[qi] : h.offsets[qi + 1]]) for h in hits
-            ]
+            spans = [slice(h.offsets[qi], h.offsets[qi + 1]) for h in hits]
+            lists = [(h.docids[span], h.scores[span]) for h, span in zip(hits, spans)]
             merged = sorted(merge_branch_lists(lists, budget, quotas), key=lambda m: (-m[1], m[0]))
             rows += [
                 (qi, d, s, r, "|".join(self.branches[f] for f in found)) for r, (d, s, found, _) in enumerate(merged)

@@ -58,8 +58,7 @@ class VarCrossEncoderReranker(pt.Transformer):
                 )
         else:
             options = (("backend", backend), ("precision", precision), ("backend_options", backend_options))
-            given = [name for name, value in options if value is not None]
-            if given:
+            if given := [name for name, value in options if value is not None]:
                 raise ValueError(
                     f"{', '.join(given)} apply to a model given by path; this model is already loaded: pass its path, "
                     "or load it with st_extensions.cross_encoder.load_cross_encoder(path, backend=..., precision=...)"

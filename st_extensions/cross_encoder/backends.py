@@ -482,8 +482,7 @@ class RuntimeBackbone(nn.Module):
             self.input_names = tuple(p.get_any_name() for p in compiled.inputs)
         else:
             raise ValueError(f"backend must be 'onnx' or 'openvino', got {backend!r}")
-        unknown = sorted(set(self.input_names) - set(INPUT_NAMES))
-        if unknown:
+        if unknown := sorted(set(self.input_names) - set(INPUT_NAMES)):
             raise ValueError(f"{file} takes inputs {unknown} that a cross-encoder's tokenizer does not give")
 
     @property
@@ -498,8 +497,7 @@ class RuntimeBackbone(nn.Module):
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
-        missing = [name for name in self.input_names if given[name] is None]
-        if missing:
+        if missing := [name for name in self.input_names if given[name] is None]:
             raise ValueError(f"{self.file} needs the input {missing[0]!r}, which the tokenizer did not give")
         feeds = {n: np.ascontiguousarray(given[n].detach().cpu().numpy(), dtype=np.int64) for n in self.input_names}
         if self.backend == "onnx":

@@ -182,8 +182,7 @@ def predict_sharing_layers(
     num_layers = len(check_partial_transformer(transformers[0]).encoder.layer)
     frozen = check_layers("frozen_layers", frozen_layers, 0, num_layers - 1, num_layers)
     prints = [state_fingerprint(t, frozen) for t in transformers]  # also checks every model can be split
-    differ = [i for i, p in enumerate(prints) if p != prints[0]]
-    if differ:
+    if differ := [i for i, p in enumerate(prints) if p != prints[0]]:
         raise ValueError(
             f"models {differ} do not share the embeddings, lower {frozen} layers, tokenizer or settings of model 0: "
             "score them separately"

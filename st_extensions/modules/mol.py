@@ -405,8 +405,7 @@ class MixtureOfLogits(SafetensorsModule):
             raise ValueError(f"x_components has {x.shape[0]} queries' candidates, q_components {q.shape[0]} queries")
         if not self.gate_features:
             return q, x, None, None
-        missing = [name for name, v in (("q_features", q_features), ("x_features", x_features)) if v is None]
-        if missing:
+        if missing := [name for name, v in (("q_features", q_features), ("x_features", x_features)) if v is None]:
             raise ValueError(
                 f"this MoL gate uses query- and document-side features (gate_features=True): pass {missing[0]} "
                 "(encode_components(..., return_features=True))"
