@@ -2,8 +2,7 @@
 (:func:`fit_platt`; for a VarCrossEncoder the Gaussian score integrated out with the probit approximation
 ``sigmoid((a mu + b) / sqrt(1 + pi a^2 sigma^2 / 8))``, MacKay 1992), the expected calibration error over equal-mass
 bins and the reliability curve (Guo et al., ICML 2017). The spread of std[s] and whether uncertain queries are hard:
-:func:`pyterrier_prob.varce.analysis.uncertainty_stats`.
-"""
+:func:`pyterrier_prob.varce.analysis.uncertainty_stats`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The teacher is a fine-tuned bi-encoder fused with BM25 by per-query z-scores, ``alpha * z(cos) + (1 - alpha) *
 z(BM25)`` (alpha chosen on dev, :func:`choose_teacher`); :func:`distillation_rows` train a cross-encoder with
 ``MarginMSELoss`` (Hofstätter et al., 2020) or a VarCrossEncoder with ``VariationalMarginMSELoss``. Plain frames in
-and out; docs/varce.md ("Cross-encoders distilled ...") describes the setup.
-"""
+and out; docs/varce.md ("Cross-encoders distilled ...") describes the setup."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 document in the top 10 (:func:`percent_no`), and the bottom 50 % of queries by a baseline's effectiveness (Bigdeli et
 al., :func:`hard_queries`), on which systems are compared (:func:`hard_query_table`). Inputs are PyTerrier result
 frames and qrels; measures come from ``ir_measures`` (a query a run returned nothing for scores 0); the evaluated
-queries are those with a qrel of label >= ``min_label``, restricted to ``topics`` when given.
-"""
+queries are those with a qrel of label >= ``min_label``, restricted to ``topics`` when given."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ def hard_query_table(
     """Table 8 of the paper: one row per system of ``runs`` (``{name: result frame}``) with ``name, n_queries,
     n_hard``, per measure ``<measure>`` (all evaluated queries) and ``<measure> hard``, ``%no`` and ``%no hard``
     (depth ``k``). ``baseline``: a name in ``runs`` or a result frame, whose first measure picks the hard queries
-    (the ``fraction`` worst); ``topics``, ``min_label``: the evaluated queries (a qrel of label >= ``min_label``).
-    """
+    (the ``fraction`` worst); ``topics``, ``min_label``: the evaluated queries (a qrel of label >= ``min_label``)."""
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError("runs must be a non-empty mapping of name -> result frame")
     if isinstance(baseline, str):

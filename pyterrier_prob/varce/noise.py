@@ -1,12 +1,7 @@
-"""Query-noise injection: the six one-word perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4).
-
-:class:`QueryNoise` applies one (``RD``, ``RS``, ``SE``, ``SR``, ``WEI``, ``WES``: :data:`NOISE_DESCRIPTIONS`) to a
-query frame, keeping the original in ``query_0``, e.g. ``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker``;
-each query's perturbation is seeded by ``(seed, type, qid, query)``. The resources are offline: NLPaug's misspelling
-dictionary (SE), a model's input token embeddings (WEI, WES) and the WordNet database (SR, optional:
-:func:`wordnet_available`). docs/varce.md ("Query perturbations") says how words are picked and where each resource
-comes from.
-"""
+"""Query-noise injection: the six one-word perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4), e.g.
+``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker`` (the original query kept in ``query_0``). The resources
+are offline: NLPaug's misspelling dictionary (SE), a model's input token embeddings (WEI, WES) and WordNet (SR,
+optional: :func:`wordnet_available`); docs/varce.md ("Query perturbations") says how words are picked."""
 
 from __future__ import annotations
 
@@ -123,8 +118,7 @@ def _nlpaug_spelling_file() -> Path:
 def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
     """``{word: misspellings}`` from a file of ``word misspelling1 misspelling2 ...`` lines (default: NLPaug's).
 
-    Only the forward direction (correct word -> its misspellings): queries are assumed spelled correctly.
-    """
+    Only the forward direction (correct word -> its misspellings): queries are assumed spelled correctly."""
     file = Path(path) if path is not None else _nlpaug_spelling_file()
     if not file.is_file():
         raise FileNotFoundError(f"no misspelling dictionary at {str(file)!r}")
@@ -187,8 +181,7 @@ class WordNet:
     """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms.
 
     Reads ``index.<pos>`` (lemma -> synset offsets), ``data.<pos>`` (synset -> its words, looked up by byte
-    offset) and ``<pos>.exc`` (irregular forms) for pos in noun, verb, adj, adv.
-    """
+    offset) and ``<pos>.exc`` (irregular forms) for pos in noun, verb, adj, adv."""
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = find_wordnet(root)
@@ -222,8 +215,7 @@ class WordNet:
     def synonyms(self, word: str, multiword: bool = False) -> list[str]:
         """WordNet synonyms of ``word`` (every sense, every part of speech), without the word and its base forms.
 
-        Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces).
-        """
+        Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces)."""
         exclude, found = {word.lower()}, []
         for pos in _POS:
             lemmas = self.lemmas(word, pos)
@@ -311,8 +303,7 @@ class QueryNoise(pt.Transformer):
     qid and query seeds each query. WEI/WES draw among the ``top_k`` neighbours in ``embedding_model`` (a model, its
     path or an :class:`EmbeddingNeighbours`; default the packaged all-MiniLM-L6-v2); SR reads ``wordnet_dir``
     (:func:`find_wordnet`); SE reads ``spelling_path`` (default NLPaug's) and, with ``spelling_fallback``, swaps two
-    inner letters when no word has a misspelling. ``stopwords`` are picked only when no other word can be.
-    """
+    inner letters when no word has a misspelling. ``stopwords`` are picked only when no other word can be."""
 
     def __init__(
         self,
@@ -377,13 +368,12 @@ class QueryNoise(pt.Transformer):
         rng = self.rng(str(qid), str(query))
         if not tokens:
             return str(query)
-        kind = self.kind
-        if kind == "random_delete":
+        if self.kind == "random_delete":
             if len(tokens) < 2:
                 return str(query)
             i = (self._pick(tokens, rng, lambda w: True) or rng.permutation(len(tokens)).tolist())[0]
             return " ".join(tokens[:i] + tokens[i + 1 :])
-        if kind == "random_swap":
+        if self.kind == "random_swap":
             pairs = [(i, j) for i in range(len(tokens)) for j in range(i + 1, len(tokens)) if tokens[i] != tokens[j]]
             if not pairs:
                 return str(query)
@@ -395,9 +385,9 @@ class QueryNoise(pt.Transformer):
             if not options:
                 continue
             new = options[int(rng.integers(len(options)))]
-            new = f"{tokens[i]} {new}" if kind == "wordemb_insert" else _recased(tokens[i], new)  # WEI: after the word
+            new = f"{tokens[i]} {new}" if self.kind == "wordemb_insert" else _recased(tokens[i], new)  # WEI: after it
             return self._replace(tokens, i, new)
-        if kind == "spelling" and self.spelling_fallback:
+        if self.kind == "spelling" and self.spelling_fallback:
             for i in self._pick(tokens, rng, lambda w: len(w) >= 4):
                 typo = _typo(_core(tokens[i]), rng)
                 if typo is not None:
@@ -406,9 +396,7 @@ class QueryNoise(pt.Transformer):
 
     def _has_options(self, word: str) -> bool:
         """Whether ``word`` may be picked: in the misspelling dictionary (SE) or the vocabulary (WEI/WES)."""
-        if self.kind == "synonym":
-            return True
-        return word.lower() in self._resource if self.kind == "spelling" else word in self._resource
+        return self.kind == "synonym" or word.lower() in self._resource
 
     def _options(self, word: str) -> list[str] | tuple[str, ...]:
         """The words that may replace (or, for WEI, follow) ``word``."""

@@ -35,8 +35,7 @@ class VarCrossEncoderReranker(pt.Transformer):
     ``model``: a VarCrossEncoder or its path; for a path, ``backend`` (``"torch"``, ``"onnx"``, ``"openvino"``),
     ``precision`` (``"fp32"``, ``"int8"``) and ``backend_options`` (``num_threads``, ``calibration_pairs``) go to
     :func:`st_extensions.cross_encoder.load_cross_encoder` (docs/varce.md, "Fast CPU inference"); given with an
-    already loaded model they are a ValueError.
-    """
+    already loaded model they are a ValueError."""
 
     def __init__(
         self,

@@ -35,8 +35,7 @@ class PairScorer:
 
     ``cache_path``: a TSV the scores are appended to, read back when its first line holds the same ``fingerprint``
     (None: memory only); ``fresh``: start it afresh (a run without ``--reuse``); ``progress``: ``(iterable, desc,
-    total, unit) -> iterable`` (e.g. ``Harness.progress``).
-    """
+    total, unit) -> iterable`` (e.g. ``Harness.progress``)."""
 
     def __init__(
         self,

@@ -4,8 +4,7 @@
 CrossEncoder that holds it (``predict(..., return_std=True)``), :func:`build_var_cross_encoder` builds one; the loss is
 :class:`st_extensions.losses.VariationalBCELoss` (Sec. 3.3). :func:`load_cross_encoder` loads a saved cross-encoder
 with its backbone on ONNX Runtime or OpenVINO (:mod:`~st_extensions.cross_encoder.backends`). Importing this package
-registers its modules with :func:`st_extensions.loading.load_model`.
-"""
+registers its modules with :func:`st_extensions.loading.load_model`."""
 
 from st_extensions.cross_encoder.backends import load_cross_encoder
 from st_extensions.cross_encoder.head import VARIANTS, VariationalHead

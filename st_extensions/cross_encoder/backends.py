@@ -3,8 +3,7 @@
 :func:`load_cross_encoder` runs the feature-extraction ``Transformer`` on the runtime while pooling and head stay in
 torch, so ``predict(pairs, return_std=True)`` gives E[s] and sqrt(W^T Sigma W) (VarCE Eq. 22-23) on every backend.
 Exports are made once, atomically, in the model folder (``onnx/``, ``openvino/``, sentence-transformers' layout) and
-anew when the torch weights change; details and why not Optimum: ``docs/varce.md`` (fast CPU inference).
-"""
+anew when the torch weights change; details and why not Optimum: ``docs/varce.md`` (fast CPU inference)."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ def _check_choices(backend: Any, precision: Any) -> tuple[str, str]:
 
 
 def _require(backend: str, precision: str, packages: Sequence[str]) -> None:
-    """An ImportError naming the extra to install when one of ``packages`` (what ``backend`` needs to run, or to
-    make its export) is missing."""
+    """An ImportError naming the extra to install when one of ``packages`` is missing."""
     for name in packages:
         try:
             __import__(name)
@@ -123,8 +121,7 @@ def _backbone(model: CrossEncoder) -> Transformer:
 
 
 def _example_inputs(model: CrossEncoder) -> dict[str, torch.Tensor]:
-    """Two tokenised pairs of different lengths (the shorter one padded), as ``predict`` tokenises them: an example
-    with padding, so that the export traces the attention-mask path."""
+    """Two pairs tokenised as ``predict`` does, the shorter padded: the export traces the attention-mask path."""
     features = model.preprocess([("query one two", "a document of some words"), ("query", "document")])
     names = [n for n in INPUT_NAMES if n in features]
     if "input_ids" not in names or "attention_mask" not in names:
@@ -147,12 +144,10 @@ def _quiet_exporter() -> Iterator[None]:
     logging.getLogger().addFilter(_drop_quantizer_advice)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            # the TorchScript tracer's notes on BERT's mask code: the padding branch it freezes is never taken for an
-            # encoder (key length = mask length), and the index op's negative indices do not occur; the tests check
-            # the export against torch on batches with padding
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            # the tracer's notes on BERT's mask code: the padding branch it freezes is never taken for an encoder (key
+            # length = mask length), the index op's negative indices do not occur (tests compare on padded batches)
+            for category in (FutureWarning, DeprecationWarning, torch.jit.TracerWarning):
+                warnings.simplefilter("ignore", category)
             warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
             yield
     finally:
@@ -163,8 +158,7 @@ def _quiet_exporter() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _eager_attention(encoder: nn.Module) -> Iterator[None]:
-    """Run the encoder with the eager attention while it is exported: its MatMul-Softmax-MatMul graph is the pattern
-    ONNX Runtime's BERT optimiser fuses into one ``Attention`` op (SDPA exports into a masked softmax it does not)."""
+    """Eager attention while exporting: its MatMul-Softmax-MatMul is what ONNX Runtime fuses (SDPA's graph is not)."""
     before = getattr(getattr(encoder, "config", None), "_attn_implementation", None)
     setter = getattr(encoder, "set_attn_implementation", None)
     if setter is None or before in (None, "eager"):
@@ -211,8 +205,7 @@ def _read_info(folder: str) -> dict[str, Any]:
 
 
 def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
-    """Whether the export ``rel`` exists and was made from the current torch weights. An export with no record
-    (put there by another tool, e.g. Optimum) is trusted as it is."""
+    """Whether the export ``rel`` exists and was made from the current weights (one without a record is trusted)."""
     file = os.path.join(path, rel)
     if not os.path.isfile(file) or (file.endswith(".xml") and not os.path.isfile(file[:-4] + ".bin")):
         return False
@@ -228,8 +221,7 @@ def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
 
 @contextlib.contextmanager
 def _locked(folder: str, shared: bool = False) -> Iterator[None]:
-    """The flock of ``folder/.export.lock``: exclusive for a writer, which creates the folder; shared for a reader
-    while it loads the files (so that it never reads an OpenVINO ``.xml`` with another export's ``.bin``)."""
+    """Flock ``folder/.export.lock``: exclusive to write (makes the folder); shared to read (no .xml + new .bin)."""
     if not shared:
         try:
             os.makedirs(folder, exist_ok=True)
@@ -244,8 +236,7 @@ def _locked(folder: str, shared: bool = False) -> Iterator[None]:
 
 
 def _install(tmp: str, folder: str, main: str) -> None:
-    """Move every file written into ``tmp`` into ``folder`` (fsync, 0644, ``os.replace``), ``main`` last: a reader
-    that finds ``main`` finds its companions (an OpenVINO ``.bin``, an ONNX external-data file) complete."""
+    """Move ``tmp``'s files into ``folder`` (fsync, 0644, ``os.replace``), ``main`` last: its companions come first."""
     names = sorted(os.listdir(tmp), key=lambda n: (n == main, n))
     if main not in names:
         raise RuntimeError(f"the exporter wrote no {main!r} (wrote {names})")
@@ -259,15 +250,11 @@ def _install(tmp: str, folder: str, main: str) -> None:
         os.replace(src, os.path.join(folder, name))
 
 
-def _record(path: str, rel: str, extra: dict[str, Any] | None = None) -> None:
+def _record(path: str, rel: str, extra: dict[str, Any]) -> None:
     folder, name = os.path.split(os.path.join(path, rel))
     info = _read_info(folder)
-    info[name] = {
-        "weights_sha256": _weights_sha256(path),
-        "weights_stat": _weights_stat(path),
-        "torch": torch.__version__,
-        **(extra or {}),
-    }
+    stamp = {"weights_sha256": _weights_sha256(path), "weights_stat": _weights_stat(path), "torch": torch.__version__}
+    info[name] = {**stamp, **extra}
     atomic_write(os.path.join(folder, INFO_FILE), lambda f: f.write(json.dumps(info, indent=2).encode("utf8")))
 
 
@@ -334,13 +321,12 @@ def _export_openvino_fp32(path: str, model: Any, tmp: str, main: str, pairs: Any
 
 
 def _calibration_items(model: CrossEncoder, pairs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray]]:
-    items = []
-    for pair in list(pairs)[:MAX_CALIBRATION_PAIRS]:
+    pairs = list(pairs)[:MAX_CALIBRATION_PAIRS]
+    for pair in pairs:
         if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
             raise ValueError(f"calibration_pairs must be (query, document) pairs of str, got {pair!r:.80}")
-        features = model.preprocess([tuple(pair)])
-        items.append({n: features[n].numpy() for n in INPUT_NAMES if n in features})
-    return items
+    features = [model.preprocess([tuple(pair)]) for pair in pairs]
+    return [{n: f[n].numpy() for n in INPUT_NAMES if n in f} for f in features]
 
 
 def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
@@ -382,9 +368,8 @@ def _export_openvino_int8(
     }
 
 
-#: per export: the export it is made from (None: the torch encoder, exported to ONNX once), what making it needs (the
-#: ONNX export runs torch's exporter, which needs onnxscript) and how it is made (``(model folder, torch model,
-#: temporary folder, file name, calibration pairs) -> record``)
+#: per export: the export it is made from (None: the torch encoder), the packages making it needs and how it is made
+#: (``(model folder, torch model, temporary folder, file name, calibration pairs) -> record``)
 _STEPS: dict[tuple[str, str], tuple[tuple[str, str] | None, tuple[str, ...], Callable[..., dict[str, Any]]]] = {
     ("onnx", "fp32"): (None, ("onnx", "onnxscript"), _export_onnx_fp32),
     ("onnx", "int8"): (("onnx", "fp32"), ("onnxruntime", "onnx"), _export_onnx_int8),
@@ -403,18 +388,16 @@ def export_backbone(
 ) -> str:
     """Make the export that :func:`load_cross_encoder` runs (``backend`` onnx / openvino, ``precision``) once; its path.
 
-    A fresh export (made from the current torch weights) is kept, a missing or stale one written atomically, the chain
-    torch -> ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``).
-    ``model``: ``path``'s model on torch (else loaded); ``calibration_pairs``: (query, document) pairs (first 300),
-    needed when OpenVINO int8 is made. ValueError for bad choices or torch; ImportError naming the extra to install.
-    """
+    A fresh export (of the current torch weights) is kept, a missing or stale one written atomically, the chain torch
+    -> ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``). ``model``:
+    ``path``'s model on torch (else loaded); ``calibration_pairs``: (query, document) pairs (first 300), needed when
+    OpenVINO int8 is made. ValueError for bad choices or torch; ImportError naming the extra to install."""
     path = os.path.abspath(os.fspath(path))
     backend, precision = _check_choices(backend, precision)
     if backend == "torch":
         raise ValueError("backend='torch' needs no export: pass backend='onnx' or 'openvino'")
-    rel = FILES[backend, precision]
+    rel, sha = FILES[backend, precision], {}
     target = os.path.join(path, rel)
-    sha: dict[str, str] = {}
     folder, main = os.path.split(target)
     if _is_fresh(path, rel, sha):
         recorded = (_read_info(folder).get(main) or {}).get("calibration_sha256")  # openvino int8 only
@@ -455,9 +438,7 @@ def export_backbone(
 
 class RuntimeBackbone(nn.Module):
     """Stands in for the Hugging Face encoder in a ``Transformer``: runs an ONNX Runtime session or OpenVINO compiled
-    model on ``file`` and returns ``{"last_hidden_state": float32 CPU tensor}``; ``config`` is the encoder's. Cannot be
-    saved.
-    """
+    model on ``file`` returning ``{"last_hidden_state": float32 CPU tensor}``; ``config``: the encoder's. Unsaveable."""
 
     def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
         super().__init__()
@@ -540,9 +521,8 @@ def load_cross_encoder(
     dynamic, openvino static on ``calibration_pairs``). Pooling and head stay in torch, so ``predict(pairs,
     return_std=True)`` (Eq. 22-23) works on every backend. The first load exports the backbone into the (writable) model
     folder (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval
-    mode; one with a runtime backbone cannot be saved. ValueError / ImportError as :func:`export_backbone`, or a non-CPU
-    device.
-    """
+    mode; one with a runtime backbone cannot be saved. ValueError / ImportError as :func:`export_backbone`, or a
+    non-CPU device."""
     backend, precision = _check_choices(backend, precision)
     path = os.path.abspath(os.fspath(path))
     positive_int("num_threads", num_threads, allow_none=True)

@@ -1,7 +1,6 @@
 """Frozen-backbone training of a cross-encoder's head on cached [CLS] features, each (query, document) pair through
 the backbone once: :func:`cached_cross_encoder` returns a CrossEncoder of :class:`CachedPairFeatures` and the very
-same head (shared), so training it trains the full model's head in place.
-"""
+same head (shared), so training it trains the full model's head in place."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class CachedPairFeatures(CachedEmbeddings):
 
 def pair_prefix_length(model: BaseModel) -> int:
     """Number of leading modules of cross-encoder ``model`` (a ``Transformer`` through the first ``Pooling``) making the
-    features its head reads; ValueError without such a pooling or a head after it (use :func:`build_cross_encoder`).
-    """
+    features its head reads; ValueError without such a pooling or a head after it (use :func:`build_cross_encoder`)."""
     modules = list(model)
     k = next((i + 1 for i, m in enumerate(modules) if isinstance(m, Pooling)), None)
     if k is None or not isinstance(modules[0], Transformer) or k == len(modules):
@@ -74,8 +72,7 @@ def encode_pairs(
     model: BaseModel, pairs: Sequence[Any], batch_size: int = 64, show_progress_bar: bool = False
 ) -> Tensor:
     """The pooled [CLS] vectors of ``pairs`` under ``model``'s frozen prefix in eval mode, tokenised as ``predict`` does
-    and batched longest first: ``(len(pairs), dim)`` float32 on CPU, in order.
-    """
+    and batched longest first: ``(len(pairs), dim)`` float32 on CPU, in order."""
     prefix = list(model)[: pair_prefix_length(model)]
     pairs = [pair_key(p) for p in pairs]
     if not pairs:
@@ -103,8 +100,7 @@ def cached_cross_encoder(
 
     ``cache``: one of the same frozen backbone and ``max_seq_length`` to reuse and extend (another gives wrong
     features). Unseen pairs go through ``model``'s prefix on first use; ``predict`` gives ``model.predict``'s scores and
-    training updates ``model``'s head only.
-    """
+    training updates ``model``'s head only."""
     k = pair_prefix_length(model)
     cache = CachedPairFeatures([], torch.zeros(0), encoder=model) if cache is None else cache
     if cache.encoder[0] is None:
@@ -121,8 +117,7 @@ def build_cross_encoder(
     """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` writing ``"scores"``.
 
     The same ``Transformer`` + ``Pooling`` as :func:`~st_extensions.cross_encoder.build_var_cross_encoder` (same
-    arguments), so both train on the same cached features; a plain ``CrossEncoder`` (sigmoid in ``predict``).
-    """
+    arguments), so both train on the same cached features; a plain ``CrossEncoder`` (sigmoid in ``predict``)."""
     backbone = build_var_cross_encoder(base_model, variant="VAR", max_seq_length=max_seq_length, device=device)
     transformer, pooling = backbone[0], backbone[1]
     dim = pooling.get_embedding_dimension()

@@ -4,8 +4,7 @@ VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3.2) maps t to a G
 (Eq. 3) with one of three modules: ``VAR`` (mu = [CLS], a learned diag Sigma), ``MEANVAR`` (both learned, K free)
 or ``MEAN`` (Sigma read off [CLS], a learned mu). A linear decoder scores a latent, s = z^T W (+ b) (Eq. 7-8): a
 reparameterised sample in training (Eq. 5-6), and at inference E[s] = mu^T W (+ b) and Var[s] = W^T Sigma W in
-closed form (Eq. 22-23).
-"""
+closed form (Eq. 22-23)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class VariationalHead(SafetensorsModule):
     Eq. 22) and ``score_var`` (``W^T Sigma W``, Eq. 23). log Sigma (in ``MEAN`` the embedding itself) is clamped to
     ``[min_log_var, max_log_var]``; the variance branch starts at zero weights and bias ``init_log_var`` (Sigma = I).
     ``variant``: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"``; ``latent_dim`` K must equal ``in_features`` except for
-    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate).
-    """
+    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate)."""
 
     config_keys: list[str] = [
         "in_features", "variant", "latent_dim", "bias", "init_log_var", "min_log_var", "max_log_var",

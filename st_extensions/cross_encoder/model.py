@@ -2,8 +2,7 @@
 
 ``[CLS] q [SEP] d [SEP]`` -> backbone (Eq. 1-2) -> CLS pooling -> :class:`VariationalHead` (Eq. 3-8), from stock
 sentence-transformers modules plus our head, so trainer, losses, ``predict`` and ``rank`` work as for any
-CrossEncoder; :meth:`VarCrossEncoder.predict` adds ``return_std=True``.
-"""
+CrossEncoder; :meth:`VarCrossEncoder.predict` adds ``return_std=True``."""
 
 from __future__ import annotations
 
@@ -49,8 +48,7 @@ class VarCrossEncoder(CrossEncoder):
 
     Build with :func:`build_var_cross_encoder`, load with :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``
     (no ``trust_remote_code`` for our head). Scores are logits (identity ``activation_fn``); ``predict`` returns
-    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23).
-    """
+    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23)."""
 
     _module_classes = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VariationalHead}
 
@@ -69,8 +67,7 @@ class VarCrossEncoder(CrossEncoder):
     def predict(self, inputs: Sequence[Any] | Any, *args: Any, return_std: bool = False, **kwargs: Any) -> Any:
         """:meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`; with ``return_std`` ``(scores,
         stds)`` (Eq. 22-23, logit scale; floats for one pair), refused with a non-identity ``activation_fn``, ``pool``
-        or devices.
-        """
+        or devices."""
         if not return_std:
             return super().predict(inputs, *args, **kwargs)
         call = inspect.signature(CrossEncoder.predict).bind(self, inputs, *args, **kwargs)
@@ -132,8 +129,7 @@ def build_var_cross_encoder(
 
     ``base_model``: an encoder name / path, a sentence-transformers folder (default the packaged all-MiniLM-L6-v2) or a
     loaded model (copied); ``latent_dim`` K (``MEANVAR`` only); ``max_seq_length`` of query + document;
-    ``**head_kwargs`` go to the head. The head is new, the backbone pre-trained.
-    """
+    ``**head_kwargs`` go to the head. The head is new, the backbone pre-trained."""
     base_model = default_model_path() if base_model is None else base_model
     if isinstance(base_model, str):
         transformer = Transformer(base_model, transformer_task="feature-extraction", max_seq_length=max_seq_length)
@@ -172,8 +168,7 @@ def predict_sharing_layers(
     """Score ``pairs`` with cross-encoders sharing their embeddings and lower ``frozen_layers`` layers (same
     :func:`state_fingerprint`, e.g. partial-recipe models of one backbone): each batch runs the shared layers once,
     then each model's top layers and head. Per model ``(scores, stds)`` float32 in pair order (``stds`` None without a
-    score variance), equal to its ``predict`` logits up to float rounding.
-    """
+    score variance), equal to its ``predict`` logits up to float rounding."""
     models = list(models)
     if not models:
         raise ValueError("predict_sharing_layers needs at least one model")

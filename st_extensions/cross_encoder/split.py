@@ -2,8 +2,7 @@
 
 The lower ``L - joint_layers`` layers read query and document apart (cacheable per text), the top ``joint_layers``
 read them together; :class:`SegmentInteraction`'s feature sums to their cosine, so a head of weights
-``scale / hidden`` starts as ``scale * cos``, close to the bi-encoder (``docs/varce.md``).
-"""
+``scale / hidden`` starts as ``scale * cos``, close to the bi-encoder (``docs/varce.md``)."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ class SplitTransformer(Transformer):
 
     ``forward`` runs (or reads from ``state_cache``, set by :func:`split_state_cache`, not saved) each side's lower
     layers, joins them and writes ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask``. Single
-    texts run the plain ``Transformer`` forward.
-    """
+    texts run the plain ``Transformer`` forward."""
 
     config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias"]
 
@@ -167,8 +165,7 @@ class SplitTransformer(Transformer):
 @register_module
 class SegmentInteraction(Module):
     """Pair feature ``hidden * normalize(mean_q) * normalize(mean_d)`` of a :class:`SplitTransformer`'s output (its sum
-    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``.
-    """
+    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``."""
 
     config_keys: list[str] = ["embedding_dimension"]
 
@@ -211,8 +208,7 @@ def build_split_cross_encoder(
 
     ``base_model``: a bi-encoder (mean pooling) or BERT folder (default the packaged all-MiniLM-L6-v2); ``variant``:
     ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts as ``scale * cos(query, document)``; ``init_log_var``
-    sets the starting score std ``scale * exp(init_log_var / 2) / sqrt(d)``; ``max_seq_length`` per text.
-    """
+    sets the starting score std ``scale * exp(init_log_var / 2) / sqrt(d)``; ``max_seq_length`` per text."""
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
         path, joint_layers=joint_layers, init_cross_bias=init_cross_bias, max_seq_length=max_seq_length

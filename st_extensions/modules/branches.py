@@ -50,8 +50,7 @@ class MultiBranchQueryEncoder(SafetensorsModule):
     document index), ``W_b`` starting at the identity plus noise of std ``init_std`` (seeded by ``seed``;
     ``residual``: ``W_b = I + V_b``, ``docs/unierf.md``). The query path writes ``features["branch_embeddings"]``
     ``(batch, n_branches, dim)``; with ``branch="<name>"`` (``model.encode_query(texts, branch="trigger")``) it also
-    replaces ``sentence_embedding`` by that branch's. The document path is unchanged.
-    """
+    replaces ``sentence_embedding`` by that branch's. The document path is unchanged."""
 
     config_keys: list[str] = ["in_features", "branches", "init_std", "seed", "residual"]
     forward_kwargs = {"task", "branch"}

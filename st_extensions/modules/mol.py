@@ -212,9 +212,7 @@ class MixtureOfLogits(SafetensorsModule):
 
     Components (Sec. 2.2, App. A.2) come from aggregation tokens (``component_source="tokens"``) or linear heads on
     the pooled embedding (``"heads"``); the gate is :class:`MoLGate` (App. A.3). With ``task`` the module writes
-    ``features["mol_components"]`` ((B, P_q, d_P) or (B, P_x, d_P)). Arguments: the fields of :class:`MoLConfig`.
-    Details: ``docs/mol.md``.
-    """
+    ``features["mol_components"]`` ((B, P_q, d_P) or (B, P_x, d_P)). Arguments: :class:`MoLConfig`'s fields."""
 
     config_keys: list[str] = [f.name for f in fields(MoLConfig)]
     forward_kwargs = {"task"}
@@ -292,8 +290,7 @@ class MixtureOfLogits(SafetensorsModule):
             self._install_token_shift(model[0])
 
     def _install_token_shift(self, transformer: Any) -> None:
-        """Hook :meth:`_shift_tokens` before encoder layer ``token_layer`` of ``transformer``'s BERT backbone (or of
-        the Transformer a partial-training stand-in runs); once per backbone."""
+        """Hook :meth:`_shift_tokens` once before layer ``token_layer`` of the (stand-in's) BERT backbone."""
         backbone = getattr(transformer, "auto_model", None) or getattr(transformer.transformer, "auto_model", None)
         layers = getattr(getattr(backbone, "encoder", None), "layer", None)
         if layers is None or self.token_layer >= len(layers):
@@ -306,9 +303,8 @@ class MixtureOfLogits(SafetensorsModule):
             layer.register_forward_pre_hook(self._shift_tokens, with_kwargs=True)
 
     def _shift_tokens(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Add ``token_shift`` to the aggregation tokens' states entering the hooked layer (positions
-        ``token_offset...``): their trainable input, above the layers whose states a partial recipe caches (the
-        cache holds every position's states, which an input embedding would change through attention)."""
+        """Add ``token_shift`` to the aggregation tokens' states entering the hooked layer: a trainable input above the
+        layers a partial recipe caches (an input embedding would change every cached state through attention)."""
         hidden = args[0] if args else kwargs["hidden_states"]
         start, stop = self.token_offset, self.token_offset + len(self.token_shift)
         if hidden.shape[1] < stop:
@@ -394,9 +390,7 @@ class MixtureOfLogits(SafetensorsModule):
         return value.to(device=w.device, dtype=w.dtype)
 
     def _inputs(self, shared: bool, check_finite: bool, *inputs: Any) -> tuple[Tensor | None, ...]:
-        """Checked ``(q_components, x_components, q_features, x_features)`` and the gate's feature parts:
-        ``(q, x, q_hidden, x_hidden)``. x holds each query's own candidates ``(B, C, P_x, d_P)``, or (``shared``)
-        one set of documents ``(N, P_x, d_P)`` for every query."""
+        """Checked ``(q, x, q_hidden, x_hidden)``; x: each query's candidates, or (``shared``) documents for all."""
         q_components, x_components, q_features, x_features = inputs
         pq, px, d = self.num_query_components, self.num_doc_components, self.component_dim
         q = self._input("q_components", q_components, ("B", pq, d), check_finite)
