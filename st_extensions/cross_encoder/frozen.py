@@ -24,10 +24,8 @@ __all__ = ["CachedPairFeatures", "build_cross_encoder", "cached_cross_encoder", 
 
 class CachedPairFeatures(CachedEmbeddings):
     """:class:`~st_extensions.frozen.CachedEmbeddings` keyed by (query, document) pairs (tuples or lists): writes each
-    pair's cached [CLS] vector as ``sentence_embedding``; ``encoder`` computes missing ones (else ``KeyError``).
-
-    Single texts (the model card's per-column measure) preprocess to no features and cannot be scored. Cannot be saved.
-    """
+    pair's cached [CLS] vector as ``sentence_embedding``; ``encoder`` computes missing ones (else ``KeyError``). Single
+    texts (the model card's per-column measure) preprocess to no features and cannot be scored. Cannot be saved."""
 
     def __init__(self, pairs: Sequence[Any], embeddings: Tensor, encoder: CrossEncoder | None = None) -> None:
         super().__init__([pair_key(p) for p in pairs], embeddings, encoder)
@@ -95,18 +93,14 @@ def cached_cross_encoder(
     batch_size: int = 64,
     show_progress_bar: bool = False,
 ) -> CrossEncoder:
-    """A CrossEncoder of ``model``'s class made of :class:`CachedPairFeatures` for ``pairs`` and ``model``'s head
-    (shared).
-
-    ``cache``: one of the same frozen backbone and ``max_seq_length`` to reuse and extend (another gives wrong
-    features). Unseen pairs go through ``model``'s prefix on first use; ``predict`` gives ``model.predict``'s scores and
-    training updates ``model``'s head only."""
+    """A CrossEncoder of ``model``'s class made of :class:`CachedPairFeatures` for ``pairs`` and ``model``'s (shared)
+    head. ``cache``: one of the same frozen backbone and ``max_seq_length`` to reuse and extend. Unseen pairs go through
+    ``model``'s prefix on first use; ``predict`` gives ``model.predict``'s scores, training updates ``model``'s head."""
     k = pair_prefix_length(model)
     cache = CachedPairFeatures([], torch.zeros(0), encoder=model) if cache is None else cache
     if cache.encoder[0] is None:
         cache.encoder[0] = model
-    new = cache.missing([pair_key(p) for p in pairs])
-    if new:
+    if new := cache.missing([pair_key(p) for p in pairs]):
         cache.extend(new, encode_pairs(model, new, batch_size=batch_size, show_progress_bar=show_progress_bar))
     return type(model)(modules=[cache, *list(model)[k:]], device=str(model.device), activation_fn=model.activation_fn)
 
@@ -114,12 +108,10 @@ def cached_cross_encoder(
 def build_cross_encoder(
     base_model: str | BaseModel | None = None, max_seq_length: int | None = None, device: str | None = None
 ) -> CrossEncoder:
-    """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` writing ``"scores"``.
-
-    The same ``Transformer`` + ``Pooling`` as :func:`~st_extensions.cross_encoder.build_var_cross_encoder` (same
-    arguments), so both train on the same cached features; a plain ``CrossEncoder`` (sigmoid in ``predict``)."""
+    """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` writing ``"scores"``, a ``CrossEncoder``
+    (sigmoid in ``predict``) of the same ``Transformer`` + ``Pooling`` as :func:`build_var_cross_encoder` (same
+    arguments), so both train on the same cached features."""
     backbone = build_var_cross_encoder(base_model, variant="VAR", max_seq_length=max_seq_length, device=device)
     transformer, pooling = backbone[0], backbone[1]
-    dim = pooling.get_embedding_dimension()
-    head = Dense(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
+    head = Dense(pooling.get_embedding_dimension(), 1, activation_function=nn.Identity(), module_output_name="scores")
     return CrossEncoder(modules=[transformer, pooling, head], device=str(backbone.device))

@@ -1,10 +1,6 @@
-"""The VarCrossEncoder head: the [CLS] embedding t -> a diagonal Gaussian N(mu(t), Sigma(t)) -> a relevance score.
-
-VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3.2) maps t to a Gaussian over a K-dimensional latent
-(Eq. 3) with one of three modules: ``VAR`` (mu = [CLS], a learned diag Sigma), ``MEANVAR`` (both learned, K free)
-or ``MEAN`` (Sigma read off [CLS], a learned mu). A linear decoder scores a latent, s = z^T W (+ b) (Eq. 7-8): a
-reparameterised sample in training (Eq. 5-6), and at inference E[s] = mu^T W (+ b) and Var[s] = W^T Sigma W in
-closed form (Eq. 22-23)."""
+"""The VarCrossEncoder head (``shared/papers/var-cross-encoder.md``, Sec. 3.2): the [CLS] embedding t -> a diagonal
+Gaussian over a K-dimensional latent (Eq. 3; modules ``VAR``: mu = [CLS], ``MEANVAR``: both learned, ``MEAN``: Sigma
+read off [CLS]) -> a linear score s = z^T W (+ b) (Eq. 7-8), sampled in training, in closed form at inference."""
 
 from __future__ import annotations
 
@@ -82,12 +78,7 @@ class VariationalHead(SafetensorsModule):
 
     def distribution(self, cls_embedding: Tensor) -> tuple[Tensor, Tensor]:
         """``(mu, diag Sigma)``, each ``(batch, K)``, of p(z | t) (Eq. 3) for [CLS] embeddings ``(batch, d)``."""
-        if cls_embedding.ndim != 2 or cls_embedding.shape[-1] != self.in_features:
-            raise ValueError(
-                f"VariationalHead expects [CLS] embeddings of shape (batch, {self.in_features}), got "
-                f"{tuple(cls_embedding.shape)}: the head was built for another hidden size"
-            )
-        t = cls_embedding.to(self.decoder.weight.dtype)
+        t = self._checked_embeddings(cls_embedding, self.in_features, "[CLS] embeddings")
         mean = t if self.mean_branch is None else self.mean_branch(t)
         log_var = t if self.var_branch is None else self.var_branch(t)
         return mean, torch.exp(log_var.clamp(self.min_log_var, self.max_log_var))

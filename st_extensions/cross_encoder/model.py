@@ -1,8 +1,6 @@
-"""VarCrossEncoder: a CrossEncoder whose score is a Gaussian (``shared/papers/var-cross-encoder.md``, Sec. 3).
-
-``[CLS] q [SEP] d [SEP]`` -> backbone (Eq. 1-2) -> CLS pooling -> :class:`VariationalHead` (Eq. 3-8), from stock
-sentence-transformers modules plus our head, so trainer, losses, ``predict`` and ``rank`` work as for any
-CrossEncoder; :meth:`VarCrossEncoder.predict` adds ``return_std=True``."""
+"""VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3): ``[CLS] q [SEP] d [SEP]`` -> backbone (Eq. 1-2) ->
+CLS pooling -> :class:`VariationalHead` (Eq. 3-8): stock sentence-transformers modules plus our head, so trainer,
+losses, ``predict`` and ``rank`` work as for any CrossEncoder; ``predict`` adds ``return_std=True``."""
 
 from __future__ import annotations
 

@@ -80,19 +80,10 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         except ValueError:
             raise ValueError(f"unknown branch {branch!r}: this model's branches are {self.branches}") from None
 
-    def _check(self, embeddings: Tensor) -> Tensor:
-        if not isinstance(embeddings, Tensor) or embeddings.ndim != 2 or embeddings.shape[-1] != self.in_features:
-            shape = tuple(embeddings.shape) if isinstance(embeddings, Tensor) else type(embeddings).__name__
-            raise ValueError(
-                f"MultiBranchQueryEncoder expects pooled embeddings of shape (batch, {self.in_features}), got "
-                f"{shape}: the branch heads were built for another embedding dimension"
-            )
-        return embeddings.to(next(iter(self.heads.values())).weight.dtype)
-
     def embed(self, embeddings: Tensor, branch: str | None = None) -> Tensor:
         """``H^b = l2_norm(W_b e + c_b)`` (Eq. 5) of pooled embeddings ``(batch, dim)``: ``(batch, dim)`` for one
         ``branch``, ``(batch, n_branches, dim)`` for all (``None``)."""
-        e = self._check(embeddings)
+        e = self._checked_embeddings(embeddings, self.in_features, "pooled embeddings")
         if branch is not None:
             self.branch_index(branch)
             return F.normalize(self._map(branch, e), dim=-1)

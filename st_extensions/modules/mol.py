@@ -360,14 +360,9 @@ class MixtureOfLogits(SafetensorsModule):
         if self.component_source == "tokens":
             out = (self.query_proj if task == "query" else self.doc_proj)(self._pool(features, task)[0])
         else:
-            emb = features.get(FEATURES_KEY)
-            if not isinstance(emb, Tensor) or emb.ndim != 2 or emb.shape[1] != self.embedding_dim:
-                shape = tuple(emb.shape) if isinstance(emb, Tensor) else None
-                raise ValueError(
-                    f"MixtureOfLogits heads need 'sentence_embedding' of shape (B, {self.embedding_dim}), got {shape}"
-                )
+            emb = self._checked_embeddings(features.get(FEATURES_KEY), self.embedding_dim, "'sentence_embedding'")
             heads = self.query_heads if task == "query" else self.doc_heads
-            out = heads(emb.to(heads.weight.dtype)).view(len(emb), -1, self.component_dim)
+            out = heads(emb).view(len(emb), -1, self.component_dim)
         return F.normalize(out, dim=-1)
 
     def forward(self, features: dict[str, Any], task: str | None = None, **kwargs) -> dict[str, Any]:

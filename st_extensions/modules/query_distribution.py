@@ -67,12 +67,7 @@ class QueryDistributionHead(SafetensorsModule):
 
     def distribution_params(self, embeddings: Tensor) -> Tensor:
         """Distribution parameters, shape ``(batch, num_params)``, for pooled query embeddings ``(batch, dim)``."""
-        if embeddings.ndim != 2 or embeddings.shape[-1] != self.in_features:
-            raise ValueError(
-                f"QueryDistributionHead expects embeddings of shape (batch, {self.in_features}), "
-                f"got {tuple(embeddings.shape)}: the head was built for another embedding dimension"
-            )
-        pre = self.scale * self.linear(embeddings.to(self.linear.weight.dtype))
+        pre = self.scale * self.linear(self._checked_embeddings(embeddings, self.in_features))
         return torch.exp(self.log_lo + (self.log_hi - self.log_lo) * torch.sigmoid(pre))
 
     def temperature(self, embeddings: Tensor) -> Tensor:

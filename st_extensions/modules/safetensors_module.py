@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Any
 
 from safetensors.torch import load_file
 from sentence_transformers.base.modules import Module
+from torch import Tensor
 
 from st_extensions.atomic import CorruptFileError
 
@@ -60,6 +62,16 @@ class SafetensorsModule(Module):
     #: learning rate of the module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
     #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
     learning_rate: float = 3e-4
+
+    def _checked_embeddings(self, x: Any, dim: int, what: str = "embeddings") -> Tensor:
+        """``x`` as a ``(batch, dim)`` tensor in the dtype of the module's weights; else a ValueError naming it."""
+        if not isinstance(x, Tensor) or x.ndim != 2 or x.shape[-1] != dim:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"{type(self).__name__} expects {what} of shape (batch, {dim}), got {shape}: it was built for another "
+                "embedding dimension"
+            )
+        return x.to(next(self.parameters()).dtype)
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         self.save_config(output_path)
