@@ -1,9 +1,7 @@
-"""Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8.
-
-:func:`load_cross_encoder` runs the feature-extraction ``Transformer`` on the runtime while pooling and head stay in
-torch, so ``predict(pairs, return_std=True)`` gives E[s] and sqrt(W^T Sigma W) (VarCE Eq. 22-23) on every backend.
-Exports are made once, atomically, in the model folder (``onnx/``, ``openvino/``, sentence-transformers' layout) and
-anew when the torch weights change; details and why not Optimum: ``docs/varce.md`` (fast CPU inference)."""
+"""Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8, while pooling and
+head stay in torch (so ``predict(pairs, return_std=True)``, VarCE Eq. 22-23, works on every backend). Exports are made
+once, atomically, in the model folder (sentence-transformers' layout), anew when the torch weights change; details
+and why not Optimum: ``docs/varce.md`` (fast CPU inference)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,8 @@ SCORE_VAR_KEY = "score_var"
 
 
 class VariationalHead(SafetensorsModule):
-    """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23).
-
-    Reads the [CLS] embedding t and writes ``latent_mean`` / ``latent_var`` (mu(t), diag Sigma(t), ``(batch, K)``),
+    """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23): reads the [CLS]
+    embedding t and writes ``latent_mean`` / ``latent_var`` (mu(t), diag Sigma(t), ``(batch, K)``),
     ``scores`` (training: a reparameterised sample ``(mu + Sigma^(1/2) eps)^T W + b``, Eq. 5, 8; eval: ``mu^T W + b``,
     Eq. 22) and ``score_var`` (``W^T Sigma W``, Eq. 23). log Sigma (in ``MEAN`` the embedding itself) is clamped to
     ``[min_log_var, max_log_var]``; the variance branch starts at zero weights and bias ``init_log_var`` (Sigma = I).

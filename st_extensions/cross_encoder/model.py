@@ -42,11 +42,10 @@ def find_var_head(model: torch.nn.Module) -> VariationalHead:
 
 
 class VarCrossEncoder(CrossEncoder):
-    """A :class:`~sentence_transformers.CrossEncoder` ending in a :class:`VariationalHead` (VarCrossEncoder, Sec. 3).
-
-    Build with :func:`build_var_cross_encoder`, load with :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``
-    (no ``trust_remote_code`` for our head). Scores are logits (identity ``activation_fn``); ``predict`` returns
-    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23)."""
+    """A :class:`~sentence_transformers.CrossEncoder` ending in a :class:`VariationalHead` (VarCrossEncoder, Sec. 3),
+    built by :func:`build_var_cross_encoder`, loaded by :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``
+    (no ``trust_remote_code``). Scores are logits (identity ``activation_fn``); ``predict`` returns E[s] = mu^T W + b
+    (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23)."""
 
     _module_classes = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VariationalHead}
 
@@ -123,11 +122,10 @@ def build_var_cross_encoder(
     device: str | None = None,
     **head_kwargs: Any,
 ) -> VarCrossEncoder:
-    """A VarCrossEncoder: backbone -> [CLS] -> :class:`VariationalHead` (``variant`` ``VAR``, ``MEANVAR`` or ``MEAN``).
-
-    ``base_model``: an encoder name / path, a sentence-transformers folder (default the packaged all-MiniLM-L6-v2) or a
-    loaded model (copied); ``latent_dim`` K (``MEANVAR`` only); ``max_seq_length`` of query + document;
-    ``**head_kwargs`` go to the head. The head is new, the backbone pre-trained."""
+    """A VarCrossEncoder: backbone -> [CLS] -> a new :class:`VariationalHead` (``variant`` VAR, MEANVAR or MEAN;
+    ``latent_dim`` K for MEANVAR; ``**head_kwargs``). ``base_model``: an encoder name / path, a sentence-transformers
+    folder (default the packaged all-MiniLM-L6-v2) or a loaded model (copied); ``max_seq_length``: of query +
+    document."""
     base_model = default_model_path() if base_model is None else base_model
     if isinstance(base_model, str):
         transformer = Transformer(base_model, transformer_task="feature-extraction", max_seq_length=max_seq_length)

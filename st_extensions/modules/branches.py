@@ -44,13 +44,12 @@ def check_branch_names(branches: Sequence[str]) -> list[str]:
 
 
 class MultiBranchQueryEncoder(SafetensorsModule):
-    """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5).
-
-    Branch b maps the pooled embedding e of its own input text to ``H^b = l2_norm(W_b e + c_b)`` (dim -> dim: one
-    document index), ``W_b`` starting at the identity plus noise of std ``init_std`` (seeded by ``seed``;
-    ``residual``: ``W_b = I + V_b``, ``docs/unierf.md``). The query path writes ``features["branch_embeddings"]``
-    ``(batch, n_branches, dim)``; with ``branch="<name>"`` (``model.encode_query(texts, branch="trigger")``) it also
-    replaces ``sentence_embedding`` by that branch's. The document path is unchanged."""
+    """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5): branch
+    b maps the pooled embedding e of its own input text to ``H^b = l2_norm(W_b e + c_b)`` (dim -> dim: one document
+    index), ``W_b`` starting at the identity plus noise of std ``init_std`` (seeded by ``seed``; ``residual``:
+    ``W_b = I + V_b``, ``docs/unierf.md``). The query path writes ``features["branch_embeddings"]`` ``(batch,
+    n_branches, dim)``; ``branch="<name>"`` (``model.encode_query(texts, branch="trigger")``) also replaces
+    ``sentence_embedding`` by that branch's. The document path is unchanged."""
 
     config_keys: list[str] = ["in_features", "branches", "init_std", "seed", "residual"]
     forward_kwargs = {"task", "branch"}
