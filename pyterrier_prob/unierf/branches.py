@@ -174,7 +174,6 @@ class TriggerText(pt.Transformer):
 
 class UniERFEncoder:
     """Encodes queries into one vector per UniERF branch, and documents once for all branches (a factory).
-
     :meth:`query_encoder` adds ``query_vec_<branch>`` (float32, unit) per branch from the branches' ``inputs`` columns
     (default :data:`DEFAULT_BRANCH_INPUTS`, joined by ``sep``); :meth:`doc_encoder` adds the shared tower's ``doc_vec``
     (one :class:`~pyterrier_prob.DenseIndex` for every branch). ``model``: a SentenceTransformer with a
@@ -322,13 +321,12 @@ def merge_branch_lists(
 
 
 class MultiBranchRetriever(Capped):
-    """Searches every UniERF branch against one shared index and merges the candidate sets into a budget of B.
-
-    The union of every branch's top-B (Alg. 1 lines 27-30; ``query_vec_<branch>`` columns) is merged by
-    :func:`merge_branch_lists` into B = ``num_results`` documents with quotas by ``weights`` (a mapping or one per
-    branch; :func:`branch_quotas`). Output: ``qid, docno, docid, score`` (best cosine), ``rank`` (ties: lower docid),
-    ``branch`` (the finders, e.g. ``"semantic|trigger"``) and the query columns (without the vectors if
-    ``drop_query_vec``). ``retriever % k`` recomputes the quotas on budget ``min(k, B)`` (``docs/unierf.md``)."""
+    """Searches every UniERF branch against one shared index and merges the candidate sets into a budget of B. The union
+    of every branch's top-B (Alg. 1 lines 27-30; ``query_vec_<branch>`` columns) is merged by :func:`merge_branch_lists`
+    into B = ``num_results`` documents with quotas by ``weights`` (a mapping or one per branch; :func:`branch_quotas`).
+    Output: ``qid, docno, docid, score`` (best cosine), ``rank`` (ties: lower docid), ``branch`` (the finders, e.g.
+    ``"semantic|trigger"``) and the query columns (without the vectors if ``drop_query_vec``). ``retriever % k``
+    recomputes the quotas on budget ``min(k, B)`` (``docs/unierf.md``)."""
 
     def __init__(
         self,
@@ -539,11 +537,10 @@ def unierf_training_data(
     config: UniERFDataConfig | None = None,
     **options: Any,
 ) -> Dataset:
-    """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier.
-
-    One row per judged-relevant (query, document) pair of ``topics`` / ``qrels``: every branch's input text, the
-    document as positive (Eq. 20) and the negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom
-    ``tail`` of the ``retriever``'s top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25; needs
+    """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier. One row per
+    judged-relevant (query, document) pair of ``topics`` / ``qrels``: every branch's input text, the document as
+    positive (Eq. 20) and the negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom ``tail`` of
+    the ``retriever``'s top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25; needs
     ``trigger_docno`` and ``index``), lowest scored otherwise (Eq. 24; ``docs/unierf.md``, Training rows). Options: a
     :class:`UniERFDataConfig` or its fields as keywords. Returns a :class:`datasets.Dataset` for ``UniERFLoss``."""
     if config is not None and options:

@@ -116,9 +116,8 @@ def _nlpaug_spelling_file() -> Path:
 
 @lru_cache(maxsize=4)
 def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
-    """``{word: misspellings}`` from a file of ``word misspelling1 misspelling2 ...`` lines (default: NLPaug's).
-
-    Only the forward direction (correct word -> its misspellings): queries are assumed spelled correctly."""
+    """``{word: misspellings}`` from a file of ``word misspelling1 misspelling2 ...`` lines (default: NLPaug's). Only
+    the forward direction (correct word -> its misspellings): queries are assumed spelled correctly."""
     file = Path(path) if path is not None else _nlpaug_spelling_file()
     if not file.is_file():
         raise FileNotFoundError(f"no misspelling dictionary at {str(file)!r}")
@@ -178,10 +177,9 @@ def _split_lines(path: Path) -> list[list[str]]:
 
 
 class WordNet:
-    """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms.
-
-    Reads ``index.<pos>`` (lemma -> synset offsets), ``data.<pos>`` (synset -> its words, looked up by byte
-    offset) and ``<pos>.exc`` (irregular forms) for pos in noun, verb, adj, adv."""
+    """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms. Reads ``index.<pos>``
+    (lemma -> synset offsets), ``data.<pos>`` (synset -> its words, looked up by byte offset) and ``<pos>.exc``
+    (irregular forms) for pos in noun, verb, adj, adv."""
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = find_wordnet(root)
@@ -214,7 +212,6 @@ class WordNet:
 
     def synonyms(self, word: str, multiword: bool = False) -> list[str]:
         """WordNet synonyms of ``word`` (every sense, every part of speech), without the word and its base forms.
-
         Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces)."""
         exclude, found = {word.lower()}, []
         for pos in _POS:
@@ -297,13 +294,12 @@ def _typo(word: str, rng: np.random.Generator) -> str | None:
 
 class QueryNoise(pt.Transformer):
     """Perturbs one word of every query (Sec. 4.5.2); ``query_0`` keeps the original (an existing ``query_0`` moves to
-    ``query_1``, as :func:`pyterrier.model.push_queries` does).
-
-    ``kind``: one of :data:`NOISE_TYPES` or the paper's abbreviation (SE/SP, WEI, WES, SR, RS, RD); ``seed`` with the
-    qid and query seeds each query. WEI/WES draw among the ``top_k`` neighbours in ``embedding_model`` (a model, its
-    path or an :class:`EmbeddingNeighbours`; default the packaged all-MiniLM-L6-v2); SR reads ``wordnet_dir``
-    (:func:`find_wordnet`); SE reads ``spelling_path`` (default NLPaug's) and, with ``spelling_fallback``, swaps two
-    inner letters when no word has a misspelling. ``stopwords`` are picked only when no other word can be."""
+    ``query_1``, as :func:`pyterrier.model.push_queries` does). ``kind``: one of :data:`NOISE_TYPES` or the paper's
+    abbreviation (SE/SP, WEI, WES, SR, RS, RD); ``seed`` with the qid and query seeds each query. WEI/WES draw among the
+    ``top_k`` neighbours in ``embedding_model`` (a model, its path or an :class:`EmbeddingNeighbours`; default the
+    packaged all-MiniLM-L6-v2); SR reads ``wordnet_dir`` (:func:`find_wordnet`); SE reads ``spelling_path`` (default
+    NLPaug's) and, with ``spelling_fallback``, swaps two inner letters when no word has a misspelling. ``stopwords`` are
+    picked only when no other word can be."""
 
     def __init__(
         self,

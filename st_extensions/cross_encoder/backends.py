@@ -385,9 +385,8 @@ def export_backbone(
     calibration_pairs: Sequence[Sequence[str]] | None = None,
 ) -> str:
     """Make the export that :func:`load_cross_encoder` runs (``backend`` onnx / openvino, ``precision``) once; its path.
-
-    A fresh export (of the current torch weights) is kept, a missing or stale one written atomically, the chain torch
-    -> ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``). ``model``:
+    A fresh export (of the current torch weights) is kept, a missing or stale one written atomically, the chain torch ->
+    ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``). ``model``:
     ``path``'s model on torch (else loaded); ``calibration_pairs``: (query, document) pairs (first 300), needed when
     OpenVINO int8 is made. ValueError for bad choices or torch; ImportError naming the extra to install."""
     path = os.path.abspath(os.fspath(path))

@@ -1,8 +1,7 @@
-"""A split-attention cross-encoder (PreTTR, MacAvaney et al., SIGIR 2020) started from a bi-encoder.
-
-The lower ``L - joint_layers`` layers read query and document apart (cacheable per text), the top ``joint_layers``
-read them together; :class:`SegmentInteraction`'s feature sums to their cosine, so a head of weights
-``scale / hidden`` starts as ``scale * cos``, close to the bi-encoder (``docs/varce.md``)."""
+"""A split-attention cross-encoder (PreTTR, MacAvaney et al., SIGIR 2020) started from a bi-encoder. The lower ``L -
+joint_layers`` layers read query and document apart (cacheable per text), the top ``joint_layers`` read them together;
+:class:`SegmentInteraction`'s feature sums to their cosine, so a head of weights ``scale / hidden`` starts as ``scale *
+cos``, close to the bi-encoder (``docs/varce.md``)."""
 
 from __future__ import annotations
 
@@ -68,11 +67,10 @@ class LinearScoreHead(Dense):
 @register_module
 class SplitTransformer(Transformer):
     """A BERT ``Transformer`` whose lower layers read query and document apart and whose top ``joint_layers`` read them
-    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0).
-
-    ``forward`` runs (or reads from ``state_cache``, set by :func:`split_state_cache`, not saved) each side's lower
-    layers, joins them and writes ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask``. Single
-    texts run the plain ``Transformer`` forward."""
+    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0). ``forward``
+    runs (or reads from ``state_cache``, set by :func:`split_state_cache`, not saved) each side's lower layers, joins
+    them and writes ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask``. Single texts run the
+    plain ``Transformer`` forward."""
 
     config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias"]
 
@@ -204,11 +202,10 @@ def build_split_cross_encoder(
     device: str | None = None,
 ) -> CrossEncoder:
     """A split-attention cross-encoder (:class:`SplitTransformer` -> :class:`SegmentInteraction` -> head) that saves and
-    loads as ours (:func:`st_extensions.load_model`).
-
-    ``base_model``: a bi-encoder (mean pooling) or BERT folder (default the packaged all-MiniLM-L6-v2); ``variant``:
-    ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts as ``scale * cos(query, document)``; ``init_log_var``
-    sets the starting score std ``scale * exp(init_log_var / 2) / sqrt(d)``; ``max_seq_length`` per text."""
+    loads as ours (:func:`st_extensions.load_model`). ``base_model``: a bi-encoder (mean pooling) or BERT folder
+    (default the packaged all-MiniLM-L6-v2); ``variant``: ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts
+    as ``scale * cos(query, document)``; ``init_log_var`` sets the starting score std ``scale * exp(init_log_var / 2) /
+    sqrt(d)``; ``max_seq_length`` per text."""
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
         path, joint_layers=joint_layers, init_cross_bias=init_cross_bias, max_seq_length=max_seq_length

@@ -208,10 +208,9 @@ class MoLConfig:
 
 
 class MixtureOfLogits(SafetensorsModule):
-    """Mixture-of-Logits head: P_q query and P_x document component embeddings and the gate pi (Eq. 1-2).
-
-    Components (Sec. 2.2, App. A.2) come from aggregation tokens (``component_source="tokens"``) or linear heads on
-    the pooled embedding (``"heads"``); the gate is :class:`MoLGate` (App. A.3). With ``task`` the module writes
+    """Mixture-of-Logits head: P_q query and P_x document component embeddings and the gate pi (Eq. 1-2). Components
+    (Sec. 2.2, App. A.2) come from aggregation tokens (``component_source="tokens"``) or linear heads on the pooled
+    embedding (``"heads"``); the gate is :class:`MoLGate` (App. A.3). With ``task`` the module writes
     ``features["mol_components"]`` ((B, P_q, d_P) or (B, P_x, d_P)). Arguments: :class:`MoLConfig`'s fields."""
 
     config_keys: list[str] = [f.name for f in fields(MoLConfig)]
