@@ -1,7 +1,6 @@
-"""The UniERF experiment's instruments: a loss that records per step what the report shows (batch fingerprints,
-branch cosines); and its analyses of branch candidate lists: each branch's top-k lists, merging them into a
-total budget B (equal quotas, dedup, refill, as :class:`~pyterrier_prob.MultiBranchRetriever`) and the branches'
-overlap (:mod:`pyterrier_prob.experiments.unierf`)."""
+"""The UniERF experiment's instruments (:mod:`pyterrier_prob.experiments.unierf`): a loss recording per step what the
+report shows (batch fingerprints, branch cosines), and analyses of branch candidate lists: each branch's top-k, their
+merge into a budget B (as :class:`~pyterrier_prob.MultiBranchRetriever`) and the branches' overlap."""
 
 from __future__ import annotations
 

@@ -362,8 +362,7 @@ class MultiBranchRetriever(Capped):
         )
 
     def __mod__(self, k: int) -> MultiBranchRetriever:
-        # Cutting the merged list of a larger budget is not the merge at a smaller budget: fold the cutoff here
-        # (the same retriever with budget min(k, num_results), quotas recomputed).
+        """The merge at budget ``min(k, num_results)`` (quotas recomputed), not a cut of the larger merge."""
         return self.fuse_rank_cutoff(k)
 
     def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:

@@ -1,8 +1,6 @@
 """Hard-query analysis of VarCrossEncoder Sec. 5 (Table 8): Voorhees' %no, the percentage of queries with no relevant
-document in the top 10 (:func:`percent_no`), and the bottom 50 % of queries by a baseline's effectiveness (Bigdeli et
-al., :func:`hard_queries`), on which systems are compared (:func:`hard_query_table`). Inputs are PyTerrier result
-frames and qrels; measures come from ``ir_measures`` (a query a run returned nothing for scores 0); the evaluated
-queries are those with a qrel of label >= ``min_label``, restricted to ``topics`` when given."""
+document in the top 10 (:func:`percent_no`), and the bottom 50 % of queries by a baseline (Bigdeli et al.,
+:func:`hard_queries`), on which systems are compared (:func:`hard_query_table`); measures by ``ir_measures``."""
 
 from __future__ import annotations
 

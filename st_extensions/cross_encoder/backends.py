@@ -269,8 +269,7 @@ def _export_onnx_fp32(path: str, model: CrossEncoder, tmp: str, main: str, pairs
         open(os.devnull, "w") as null,
         contextlib.redirect_stdout(null),
     ):
-        # the TorchScript exporter: its graph of BERT is the one ONNX Runtime's optimiser and quantiser know
-        # (fused attention, GELU and skip layer norms at load time), 1.2-1.4x the dynamo export's speed on CPU
+        # the TorchScript exporter: its BERT graph is the one ONNX Runtime fuses and quantises (docs/varce.md)
         torch.onnx.export(
             _EncoderFunction(encoder),
             (),
@@ -292,9 +291,7 @@ def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) ->
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
     source = os.path.join(path, FILES["onnx", "fp32"])
-    # signed int8 weights, per output channel, uint8 activations quantised at run time: ONNX Runtime's u8s8 integer
-    # GEMM, the fast one on AVX2 without VNNI (Optimum's avx2 config, uint8 weights, runs the u8u8 kernel: 1.3-1.7x
-    # torch fp32 on 2 AVX2 cores against 2.5-2.9x here)
+    # signed int8 weights per channel, uint8 activations at run time: the fast u8s8 kernels on AVX2 (docs/varce.md)
     with _quiet_exporter():
         quantize_dynamic(
             source,
