@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
-from pyterrier_prob.dense import Capped, ProbBiEncoder
+from pyterrier_prob.dense import Capped, ProbBiEncoder, validate_columns
 from pyterrier_prob.index.dense import as_dense_index
 from pyterrier_prob.index.exact import QUERY_BATCH, docnos_of, threshold_search
 from pyterrier_prob.validation import (
@@ -97,16 +97,6 @@ def _frame_branch_texts(frame: pd.DataFrame, inputs: Mapping[str, Sequence[str]]
     return {
         b: [branch_text(parts, sep) for parts in zip(*(frame[c].tolist() for c in cols))] for b, cols in inputs.items()
     }
-
-
-def _frame_error(
-    e: pt.validate.InputValidationError, inp: pd.DataFrame, who: str, cols: list[str], hint: str
-) -> pt.validate.InputValidationError:
-    """``e`` again, naming the columns ``who`` needs and those ``inp`` lacks."""
-    missing = [c for c in ["qid", *cols] if c not in inp.columns]
-    return pt.validate.InputValidationError(
-        f"{who} needs a query frame with columns {['qid', *cols]}; missing {missing}{hint}", e.modes
-    )
 
 
 def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.ndarray:
@@ -247,9 +237,12 @@ class UniERFQueryEncoder(pt.Transformer):
                 v.query_frame(extra_columns=cols)
                 v.columns(includes=["qid", *cols])
         except pt.validate.InputValidationError as e:
-            trigger = "trigger_text" in cols and "trigger_text" not in inp.columns
+            missing = [c for c in ["qid", *cols] if c not in inp.columns]
+            trigger = "trigger_text" in missing
             hint = " (add trigger_text with TriggerText(bm25, texts) >> encoder.query_encoder())" if trigger else ""
-            raise _frame_error(e, inp, repr(self), cols, hint) from e
+            raise pt.validate.InputValidationError(
+                f"{self!r} needs a query frame with columns {['qid', *cols]}; missing {missing}{hint}", e.modes
+            ) from e
         if not len(inp):
             return inp.assign(**{c: pd.Series(dtype=object) for c in self.encoder.vector_columns})
         vecs = self.encoder.encode(inp, batch_size=self.batch_size)
@@ -381,12 +374,9 @@ class MultiBranchRetriever(Capped):
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         cols = self.vector_columns
-        try:
-            pt.validate.query_frame(inp, extra_columns=cols)
-        except pt.validate.InputValidationError as e:
-            extra = " (MultiBranchRetriever is a first-stage retriever: drop docno)" if "docno" in inp.columns else ""
-            hint = f"{extra}: add the branch vectors with UniERFEncoder(model).query_encoder()"
-            raise _frame_error(e, inp, "MultiBranchRetriever", cols, hint) from e
+        drop = "it is a first-stage retriever: drop docno; " if "docno" in inp.columns else ""
+        hint = f"{drop}add the branch vectors with UniERFEncoder(model).query_encoder()"
+        validate_columns(self, inp, cols, hint, rerank=False)
         inp = self._one_row_per_query(inp.reset_index(drop=True))
         base = inp.drop(columns=cols) if self.drop_query_vec else inp
         if not len(inp):

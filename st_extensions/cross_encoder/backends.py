@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -420,13 +419,10 @@ def export_backbone(
         if os.path.exists(target):
             logger.warning("%s was made from other torch weights than %s's: exporting it anew", rel, path)
         logger.info("exporting the backbone of %s to %s (%s)", path, rel, precision)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=folder)
-        try:
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=folder, ignore_cleanup_errors=True) as tmp:
             extra = make(path, model, tmp, main, calibration_pairs)
             _install(tmp, folder, main)
             _record(path, rel, extra)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
