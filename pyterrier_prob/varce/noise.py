@@ -20,6 +20,7 @@ import pandas as pd
 import pyterrier as pt
 import torch
 
+from pyterrier_prob.dense import validate_columns
 from st_extensions import default_model_path, load_model
 from st_extensions.checks import choice, non_negative_int, positive_int
 
@@ -408,15 +409,10 @@ class QueryNoise(pt.Transformer):
 
     # ---- a frame ------------------------------------------------------------------------------------------
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        try:
-            pt.validate.query_frame(inp, extra_columns=["query"])
-        except pt.validate.InputValidationError as e:
-            raise pt.validate.InputValidationError(
-                "QueryNoise perturbs topics before retrieval: it needs a query frame with columns ['qid', 'query'] "
-                f"and no docno (got {list(inp.columns)}); apply it to the topics, e.g. "
-                "QueryNoise('SR') >> bm25.",
-                e.modes,
-            ) from e
+        hint = (
+            "it perturbs topics before retrieval: apply it to a query frame (no docno), e.g. QueryNoise('SR') >> bm25"
+        )
+        validate_columns(self, inp, ["query"], hint, rerank=False)
         out = pt.model.push_queries(inp.reset_index(drop=True))
         out["query"] = [self.perturb(q, qid) for qid, q in zip(out["qid"].astype(str), out["query_0"])]
         return out

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
+from pyterrier_prob.dense import validate_columns
 from pyterrier_prob.validation import check_ids, check_texts
 from st_extensions import load_model
 from st_extensions.checks import finite_float, positive_int
@@ -87,17 +88,8 @@ class VarCrossEncoderReranker(pt.Transformer):
         return {}
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        cols = ["query", self.text_field]
-        try:
-            pt.validate.result_frame(inp, extra_columns=cols)
-        except pt.validate.InputValidationError as e:
-            missing = sorted({c for m in e.modes for c in m.missing_columns})
-            raise pt.validate.InputValidationError(
-                f"VarCrossEncoderReranker needs a candidate frame with columns ['qid', 'docno', 'query', "
-                f"{self.text_field!r}]; missing {missing}: add the document text with dataset.text_loader() "
-                f"(or pt.text.get_text(dataset, {self.text_field!r})) before the re-ranker.",
-                e.modes,
-            ) from e
+        how = f"dataset.text_loader() (or pt.text.get_text(dataset, {self.text_field!r}))"
+        validate_columns(self, inp, ["query", self.text_field], f"add the document text with {how} before it", True)
         inp = inp.reset_index(drop=True)
         base = inp.drop(columns=["score", "rank", "score_mean", "score_std"], errors="ignore")
         check_ids(inp, ["qid", "docno"], "VarCrossEncoderReranker")
