@@ -163,11 +163,10 @@ class TriggerText(pt.Transformer):
 
 
 class UniERFEncoder:
-    """Encodes queries into one vector per UniERF branch, and documents once for all branches (a factory).
-    :meth:`query_encoder` adds ``query_vec_<branch>`` (float32, unit) per branch from the branches' ``inputs`` columns
-    (default :data:`DEFAULT_BRANCH_INPUTS`, joined by ``sep``); :meth:`doc_encoder` adds the shared tower's ``doc_vec``
-    (one :class:`~pyterrier_prob.DenseIndex` for every branch). ``model``: a SentenceTransformer with a
-    MultiBranchQueryEncoder, or its path. Pipeline: ``docs/unierf.md``."""
+    """Encodes queries into one vector per UniERF branch, and documents once for all branches: :meth:`query_encoder`
+    adds ``query_vec_<branch>`` per branch from its ``inputs`` columns (default :data:`DEFAULT_BRANCH_INPUTS`, joined by
+    ``sep``), :meth:`doc_encoder` the shared tower's ``doc_vec``. ``model``: a SentenceTransformer with a
+    MultiBranchQueryEncoder, or its path (``docs/unierf.md``)."""
 
     def __init__(
         self,
@@ -314,12 +313,10 @@ def merge_branch_lists(
 
 
 class MultiBranchRetriever(Capped):
-    """Searches every UniERF branch against one shared index and merges the candidate sets into a budget of B. The union
-    of every branch's top-B (Alg. 1 lines 27-30; ``query_vec_<branch>`` columns) is merged by :func:`merge_branch_lists`
-    into B = ``num_results`` documents with quotas by ``weights`` (a mapping or one per branch; :func:`branch_quotas`).
+    """Searches every UniERF branch against one shared index and merges the branches' top-B (Alg. 1 lines 27-30) with
+    :func:`merge_branch_lists` into B = ``num_results`` documents, quotas by ``weights`` (a mapping or one per branch).
     Output: ``qid, docno, docid, score`` (best cosine), ``rank`` (ties: lower docid), ``branch`` (the finders, e.g.
-    ``"semantic|trigger"``) and the query columns (without the vectors if ``drop_query_vec``). ``retriever % k``
-    recomputes the quotas on budget ``min(k, B)`` (``docs/unierf.md``)."""
+    ``"semantic|trigger"``) and the query columns (no vectors if ``drop_query_vec``; ``docs/unierf.md``)."""
 
     def __init__(
         self,
@@ -526,12 +523,12 @@ def unierf_training_data(
     config: UniERFDataConfig | None = None,
     **options: Any,
 ) -> Dataset:
-    """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier. One row per
-    judged-relevant (query, document) pair of ``topics`` / ``qrels``: every branch's input text, the document as
-    positive (Eq. 20) and the negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom ``tail`` of
-    the ``retriever``'s top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25; needs
-    ``trigger_docno`` and ``index``), lowest scored otherwise (Eq. 24; ``docs/unierf.md``, Training rows). Options: a
-    :class:`UniERFDataConfig` or its fields as keywords. Returns a :class:`datasets.Dataset` for ``UniERFLoss``."""
+    """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier: per
+    judged-relevant (query, document) pair every branch's input text, the document as positive (Eq. 20) and the
+    negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom ``tail`` of the ``retriever``'s
+    top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25), lowest scored otherwise (Eq. 24;
+    ``docs/unierf.md``). Options: a :class:`UniERFDataConfig` or its fields as keywords; a :class:`datasets.Dataset` for
+    ``UniERFLoss``."""
     if config is not None and options:
         raise TypeError(f"pass either config or keyword options, not both (got {sorted(options)})")
     cfg = config if config is not None else UniERFDataConfig(**options)

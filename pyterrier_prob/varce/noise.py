@@ -294,13 +294,12 @@ def _typo(word: str, rng: np.random.Generator) -> str | None:
 
 
 class QueryNoise(pt.Transformer):
-    """Perturbs one word of every query (Sec. 4.5.2); ``query_0`` keeps the original (an existing ``query_0`` moves to
-    ``query_1``, as :func:`pyterrier.model.push_queries` does). ``kind``: one of :data:`NOISE_TYPES` or the paper's
-    abbreviation (SE/SP, WEI, WES, SR, RS, RD); ``seed`` with the qid and query seeds each query. WEI/WES draw among the
-    ``top_k`` neighbours in ``embedding_model`` (a model, its path or an :class:`EmbeddingNeighbours`; default the
-    packaged all-MiniLM-L6-v2); SR reads ``wordnet_dir`` (:func:`find_wordnet`); SE reads ``spelling_path`` (default
-    NLPaug's) and, with ``spelling_fallback``, swaps two inner letters when no word has a misspelling. ``stopwords`` are
-    picked only when no other word can be."""
+    """Perturbs one word of every query (Sec. 4.5.2); ``query_0`` keeps the original (as
+    :func:`pyterrier.model.push_queries`). ``kind``: one of :data:`NOISE_TYPES` or the paper's abbreviation; ``seed``
+    with the qid and query seeds each query. WEI/WES draw among the ``top_k`` neighbours in ``embedding_model`` (a
+    model, its path or an :class:`EmbeddingNeighbours`; default all-MiniLM-L6-v2); SR reads ``wordnet_dir``; SE reads
+    ``spelling_path`` (default NLPaug's), with ``spelling_fallback`` swapping two inner letters when no word has a
+    misspelling. ``stopwords`` are picked only when no other word can be."""
 
     def __init__(
         self,

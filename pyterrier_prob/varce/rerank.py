@@ -30,12 +30,9 @@ def risk_adjusted(mean: np.ndarray, std: np.ndarray, risk: float) -> np.ndarray:
 class VarCrossEncoderReranker(pt.Transformer):
     """Re-scores a result frame (``qid, query, docno`` and ``text_field``) with a VarCrossEncoder, each query's best
     first: ``score_mean`` = E[s] (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk *
-    score_std (logits) and ``rank`` (from 0; ties keep the input order). A missing or non-str query / text is a
-    ValueError naming the column, row and qid / docno (never scored as an empty text). ``model``: a VarCrossEncoder or
-    its path; for a path, ``backend`` (``"torch"``, ``"onnx"``, ``"openvino"``), ``precision`` (``"fp32"``, ``"int8"``)
-    and ``backend_options`` (``num_threads``, ``calibration_pairs``) go to
-    :func:`st_extensions.cross_encoder.load_cross_encoder` (docs/varce.md, "Fast CPU inference"); given with an already
-    loaded model they are a ValueError."""
+    score_std and ``rank`` (from 0; ties keep the input order); a missing or non-str query / text is a ValueError.
+    ``model``: a VarCrossEncoder or its path, loaded by :func:`st_extensions.cross_encoder.load_cross_encoder` with
+    ``backend``, ``precision`` and ``backend_options`` (docs/varce.md, "Fast CPU inference")."""
 
     def __init__(
         self,

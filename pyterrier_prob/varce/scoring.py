@@ -29,11 +29,10 @@ def _no_bar(iterable: Iterable[Any], desc: str, total: int | None = None, unit: 
 
 
 class PairScorer:
-    """Scores (query, document) pairs with one re-ranker, each distinct (collection, query, docno) once: a
-    VarCrossEncoder through :class:`~pyterrier_prob.varce.VarCrossEncoderReranker` (E[s], Eq. 22; std[s], Eq. 23), any
-    other CrossEncoder through ``predict`` as logits (std NaN). ``cache_path``: a TSV the scores are appended to, read
-    back when its first line holds the same ``fingerprint`` (None: memory only); ``fresh``: start it afresh (a run
-    without ``--reuse``); ``progress``: ``(iterable, desc, total, unit) -> iterable`` (e.g. ``Harness.progress``)."""
+    """Scores (query, document) pairs with one re-ranker, each distinct (collection, query, docno) once: E[s] and std[s]
+    (Eq. 22-23) of a VarCrossEncoder, logits (std NaN) of another CrossEncoder. ``cache_path``: a TSV of the scores,
+    read back when its first line holds the same ``fingerprint`` (``fresh``: started afresh); ``progress``: ``(iterable,
+    desc, total, unit) -> iterable``."""
 
     def __init__(
         self,

@@ -508,11 +508,10 @@ def load_cross_encoder(
 ) -> CrossEncoder:
     """Load a saved cross-encoder (plain or :class:`~st_extensions.cross_encoder.VarCrossEncoder`) with its backbone on
     ``backend`` (``"torch"``, or ``"onnx"`` / ``"openvino"`` on CPU) in ``precision`` (``"fp32"``; ``"int8"``: onnx
-    dynamic, openvino static on ``calibration_pairs``). Pooling and head stay in torch, so ``predict(pairs,
-    return_std=True)`` (Eq. 22-23) works on every backend. The first load exports the backbone into the (writable) model
-    folder (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval
-    mode; one with a runtime backbone cannot be saved. ValueError / ImportError as :func:`export_backbone`, or a
-    non-CPU device."""
+    dynamic, openvino static on ``calibration_pairs``); pooling and head stay in torch (``predict(pairs,
+    return_std=True)``, Eq. 22-23). The first load exports the backbone into the (writable) model folder
+    (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval mode
+    (not saveable with a runtime backbone)."""
     backend, precision = _check_choices(backend, precision)
     path = os.path.abspath(os.fspath(path))
     positive_int("num_threads", num_threads, allow_none=True)

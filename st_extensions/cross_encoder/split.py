@@ -67,10 +67,9 @@ class LinearScoreHead(Dense):
 @register_module
 class SplitTransformer(Transformer):
     """A BERT ``Transformer`` whose lower layers read query and document apart and whose top ``joint_layers`` read them
-    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0). ``forward``
-    runs (or reads from ``state_cache``, set by :func:`split_state_cache`, not saved) each side's lower layers, joins
-    them and writes ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask``. Single texts run the
-    plain ``Transformer`` forward."""
+    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0); it writes
+    ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask`` (lower layers from ``state_cache`` when
+    :func:`split_state_cache` set one). Single texts run the plain ``Transformer`` forward."""
 
     config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias"]
 
@@ -231,10 +230,9 @@ def build_split_cross_encoder(
 def split_state_cache(
     model: CrossEncoder, folder: str | None, texts: Sequence[str] = (), *, show_progress_bar: bool = False
 ) -> LayerStateCache:
-    """Attach a per-text cache of the lower layers' states to ``model``'s :class:`SplitTransformer` (``texts``
-    computed now, others on first use; ``folder`` reused when it holds the same states, ``None``: a temporary one)
-    and freeze those layers: training then updates the joint layers and the head only, and scoring runs each text's
-    lower layers once."""
+    """Attach a per-text cache of the lower layers' states to ``model``'s :class:`SplitTransformer` (``texts`` now,
+    others on first use; ``folder`` reused when it holds the same states, ``None``: a temporary one) and freeze those
+    layers."""
     split = model[0]
     if not isinstance(split, SplitTransformer):
         raise ValueError(f"split_state_cache needs a model whose first module is a SplitTransformer, got {split!r:.80}")

@@ -44,12 +44,11 @@ def check_branch_names(branches: Sequence[str]) -> list[str]:
 
 
 class MultiBranchQueryEncoder(SafetensorsModule):
-    """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5): branch
-    b maps the pooled embedding e of its own input text to ``H^b = l2_norm(W_b e + c_b)`` (dim -> dim: one document
-    index), ``W_b`` starting at the identity plus noise of std ``init_std`` (seeded by ``seed``; ``residual``:
-    ``W_b = I + V_b``, ``docs/unierf.md``). The query path writes ``features["branch_embeddings"]`` ``(batch,
-    n_branches, dim)``; ``branch="<name>"`` (``model.encode_query(texts, branch="trigger")``) also replaces
-    ``sentence_embedding`` by that branch's. The document path is unchanged."""
+    """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5): ``H^b =
+    l2_norm(W_b e + c_b)`` of the pooled embedding e of branch b's input text, ``W_b`` starting at the identity plus
+    noise of std ``init_std`` (seeded; ``residual``: ``W_b = I + V_b``). The query path writes
+    ``features["branch_embeddings"]`` ``(batch, n_branches, dim)``, or with ``branch="<name>"`` replaces
+    ``sentence_embedding`` by that branch's; the document path is unchanged (``docs/unierf.md``)."""
 
     config_keys: list[str] = ["in_features", "branches", "init_std", "seed", "residual"]
     forward_kwargs = {"task", "branch"}
