@@ -144,7 +144,7 @@ class TriggerText(pt.Transformer):
         if not len(inp):
             return inp.assign(trigger_docno=pd.Series(dtype=object), **{self.column: pd.Series(dtype=object)})
         top = _top_depth(self.retriever, inp[["qid", "query"]].drop_duplicates("qid"), self.rank + 1)
-        docnos = {q: d[self.rank] for q, (d, _) in top.items() if len(d) > self.rank}
+        docnos = {q: d[self.rank] for q, d in top.items() if len(d) > self.rank}
         if isinstance(self.texts, Mapping) or not docnos:
             texts = {q: self.texts.get(d, "") for q, d in docnos.items()}
         else:
@@ -403,10 +403,8 @@ def _lexical_query(text: str) -> str:
     return " ".join(re.sub(r"[^\w]+", " ", text.replace("[SEP]", " ")).split())
 
 
-def _top_depth(
-    retriever: pt.Transformer, queries: pd.DataFrame, depth: int
-) -> dict[str, tuple[list[str], list[float]]]:
-    """qid -> (docnos, scores) of the retriever's top ``depth``, best first."""
+def _top_depth(retriever: pt.Transformer, queries: pd.DataFrame, depth: int) -> dict[str, list[str]]:
+    """qid -> the docnos of the retriever's top ``depth``, best first."""
     queries = queries[queries["query"].str.len() > 0]
     if not len(queries):
         return {}
@@ -414,10 +412,7 @@ def _top_depth(
     if not len(res):
         return {}
     res = res.sort_values(["qid", "score"], ascending=[True, False], kind="stable")
-    return {
-        str(qid): (g["docno"].astype(str).tolist()[:depth], g["score"].astype(float).tolist()[:depth])
-        for qid, g in res.groupby("qid", sort=False)
-    }
+    return {str(qid): g["docno"].astype(str).tolist()[:depth] for qid, g in res.groupby("qid", sort=False)}
 
 
 def _tail(docnos: Sequence[str], share: float) -> list[str]:
@@ -488,7 +483,7 @@ def _lexical_candidates(
     """qid -> the retriever's top-``depth`` for ``texts`` as bags of words, without the query's relevant documents."""
     queries = pd.DataFrame({"qid": qids, "query": [_lexical_query(str(t)) for t in texts]})
     top = _top_depth(cfg.retriever, queries, cfg.depth)
-    return {q: [d for d in top.get(q, ([], []))[0] if d not in relevant.get(q, ())] for q in qids}
+    return {q: [d for d in top.get(q, []) if d not in relevant.get(q, ())] for q in qids}
 
 
 def _trigger_candidates(topics: pd.DataFrame, top: dict[str, list[str]], cfg: UniERFDataConfig) -> dict[str, list[str]]:
@@ -546,10 +541,8 @@ def unierf_training_data(
     qids = topics["qid"].tolist()
     for b in hard:  # the trigger branch's candidates are the query's, the others' those of their own text
         top = _lexical_candidates(qids, topics["query"] if b == "trigger" else texts[b], relevant, cfg)
-        if b == "trigger":
-            candidates[b] = _trigger_candidates(topics, top, cfg)
-        else:
-            candidates[b] = {q: _tail(d, cfg.tail) for q, d in top.items()}
+        tails = {q: _tail(d, cfg.tail) for q, d in top.items()}
+        candidates[b] = _trigger_candidates(topics, top, cfg) if b == "trigger" else tails
     row_of = {q: i for i, q in enumerate(topics["qid"])}
     return build_unierf_dataset(
         anchors={b: [texts[b][row_of[q]] for q, _ in examples] for b in names},

@@ -223,10 +223,7 @@ class WordNet:
         return [w for w in out if w.lower().replace(" ", "_") not in exclude]
 
 
-@lru_cache(maxsize=2)
-def _wordnet(root: str) -> WordNet:
-    """The reader of the WordNet database in ``root`` (a directory :func:`find_wordnet` found), read once."""
-    return WordNet(root)
+_wordnet = lru_cache(maxsize=2)(WordNet)  # the reader of a WordNet directory find_wordnet found, read once
 
 
 class EmbeddingNeighbours:
