@@ -468,9 +468,7 @@ def _training_examples(
     pos = qrels[keep & qrels["docno"].isin(doc_texts)]
     examples = list(zip(pos["qid"], pos["docno"]))
     if not examples:
-        raise ValueError(
-            f"no judged-relevant (query, document) pairs with label >= {cfg.min_relevance} for these topics"
-        )
+        raise ValueError(f"no judged-relevant (query, document) pairs of label >= {cfg.min_relevance} for these topics")
     random.Random(cfg.seed).shuffle(examples)
     examples = examples[: cfg.max_examples]
     used = sorted({q for q, _ in examples})

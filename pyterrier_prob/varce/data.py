@@ -85,9 +85,7 @@ def cross_encoder_training_data(
     from_stage, corpus, n_random = [0] * len(stages), [], 0
     groups: list[tuple[str, str, list[str]]] = []
     for q in picked:
-        negs = _draw_negatives(
-            rng, [pools[n].get(q, [])[:pool_depth] for n in stages], judged[q], negatives, from_stage
-        )
+        negs = _draw_negatives(rng, [pools[n].get(q, [])[:pool_depth] for n in pools], judged[q], negatives, from_stage)
         if len(negs) < negatives:  # random unjudged documents fill in
             corpus = corpus or sorted(d["docno"] for d in collection.corpus_iter())
             n_random += _fill_in(rng, corpus, judged[q], negs, negatives, f"{collection.name} query {q!r}")

@@ -405,9 +405,7 @@ class QueryNoise(pt.Transformer):
 
     # ---- a frame ------------------------------------------------------------------------------------------
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        hint = (
-            "it perturbs topics before retrieval: apply it to a query frame (no docno), e.g. QueryNoise('SR') >> bm25"
-        )
+        hint = "apply it to topics (a query frame, no docno) before retrieval, e.g. QueryNoise('SR') >> bm25"
         validate_columns(self, inp, ["query"], hint, rerank=False)
         out = pt.model.push_queries(inp.reset_index(drop=True))
         out["query"] = [self.perturb(q, qid) for qid, q in zip(out["qid"].astype(str), out["query_0"])]

@@ -308,9 +308,8 @@ def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) ->
 def _export_openvino_fp32(path: str, model: Any, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
     import openvino as ov
 
-    ov.save_model(
-        ov.convert_model(os.path.join(path, FILES["onnx", "fp32"])), os.path.join(tmp, main), compress_to_fp16=False
-    )
+    converted = ov.convert_model(os.path.join(path, FILES["onnx", "fp32"]))
+    ov.save_model(converted, os.path.join(tmp, main), compress_to_fp16=False)
     return {"exporter": f"openvino.convert_model({FILES['onnx', 'fp32']})"}
 
 
