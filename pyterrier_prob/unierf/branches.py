@@ -115,9 +115,6 @@ def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.nd
     return w
 
 
-# --- branch inputs and encoders ---------------------------------------------------------------------------------
-
-
 class TriggerText(pt.Transformer):
     """``(qid, query)`` -> adds ``trigger_docno`` and ``column`` (``trigger_text``): the document ``retriever`` ranks at
     ``rank`` (from 0), the stand-in for UniERF's trigger items (Sec. 4.1.3; no result: None and ""). ``texts``: a
@@ -252,9 +249,6 @@ class UniERFQueryEncoder(pt.Transformer):
 
     def subtransformers(self) -> dict:
         return {}
-
-
-# --- merging the branches ---------------------------------------------------------------------------------------
 
 
 def branch_quotas(budget: int, weights: Sequence[float]) -> np.ndarray:

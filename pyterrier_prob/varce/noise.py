@@ -102,9 +102,6 @@ def _canonical_type(kind: str) -> str:
     return key
 
 
-# --- resources ------------------------------------------------------------------------------------------------------
-
-
 def _nlpaug_spelling_file() -> Path:
     spec = importlib.util.find_spec("nlpaug")
     if spec is None or not spec.submodule_search_locations:
@@ -265,9 +262,6 @@ def _default_neighbours(top_k: int) -> EmbeddingNeighbours:
     return EmbeddingNeighbours(None, top_k=top_k)
 
 
-# --- the perturbations ---------------------------------------------------------------------------------------------
-
-
 def _core(token: str) -> str:
     """The word of a token, without its leading and trailing punctuation."""
     return _WORD.match(token).group(2)
@@ -343,7 +337,6 @@ class QueryNoise(pt.Transformer):
     def subtransformers(self) -> dict:
         return {}
 
-    # ---- one query ----------------------------------------------------------------------------------------
     def rng(self, qid: str, query: str) -> np.random.Generator:
         """The generator of one query: a function of (seed, type, qid, query) only."""
         digest = hashlib.sha256(f"{self.kind}\x00{qid}\x00{query}".encode()).digest()
@@ -403,7 +396,6 @@ class QueryNoise(pt.Transformer):
     def _replace(tokens: list[str], i: int, new: str) -> str:
         return " ".join(tokens[:i] + [new] + tokens[i + 1 :])
 
-    # ---- a frame ------------------------------------------------------------------------------------------
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         hint = "apply it to topics (a query frame, no docno) before retrieval, e.g. QueryNoise('SR') >> bm25"
         validate_columns(self, inp, ["query"], hint, rerank=False)

@@ -138,7 +138,6 @@ class MoLGate(nn.Module):
         return torch.softmax(self.out(F.silu(h)), dim=-1)
 
 
-# ---- The module
 @dataclass
 class MoLConfig:
     """The settings of a :class:`MixtureOfLogits`, checked; saved flat in the module's ``config.json``. ``"tokens"``
