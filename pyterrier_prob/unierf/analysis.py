@@ -56,9 +56,8 @@ def alone_run(lists: BranchLists, budget: int) -> pd.DataFrame:
 def merged_run(
     per_branch: Sequence[BranchLists], budget: int, weights: Sequence[float] | None = None
 ) -> tuple[pd.DataFrame, float]:
-    """The branches' lists merged into ``budget`` documents with quotas by ``weights`` (default: equal; dedup,
-    refill: :func:`~pyterrier_prob.merge_branch_lists`, as :class:`~pyterrier_prob.MultiBranchRetriever` merges), and
-    the mean share of the merged set that more than one branch found."""
+    """The branches' lists merged into ``budget`` documents, quotas by ``weights`` (default: equal), as
+    :class:`~pyterrier_prob.MultiBranchRetriever` does; and the mean share of the merged set several branches found."""
     quotas = branch_quotas(budget, [1.0] * len(per_branch) if weights is None else weights)
     empty = (np.empty(0, dtype=object), np.empty(0))
     qids = list(dict.fromkeys(q for b in per_branch for q in b))

@@ -177,9 +177,8 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
 
 
 class DevRerank:
-    """``model -> mean nDCG@10`` of ``model`` re-ranking fixed candidates (``qid, docno, query, text``) by E[s]: the
-    ``evaluate`` of a :class:`~pyterrier_prob.curves.DevCurve`. ``qids``: the evaluated queries (default: those of
-    ``cand``; a query with no candidate or no judged-relevant document scores 0)."""
+    """``model -> mean nDCG@10`` re-ranking fixed candidates (``qid, docno, query, text``) by E[s] (a
+    :class:`~pyterrier_prob.curves.DevCurve`'s ``evaluate``); ``qids``: the evaluated ones (default: ``cand``'s)."""
 
     def __init__(
         self, cand: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str] | None = None, batch_size: int = 64

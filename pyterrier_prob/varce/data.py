@@ -28,9 +28,8 @@ def normalise_query(text: str) -> str:
 def evaluated_queries(
     topics: pd.DataFrame, qrels: pd.DataFrame, cap: int | None, seed: int
 ) -> tuple[pd.DataFrame, pd.DataFrame, int]:
-    """The evaluated queries: those with a judged-relevant document (whitespace-normalised, at most ``cap``, seeded,
-    sorted by qid) and the qrels with negative labels (cranfield's -1) counted as 0.
-    Returns ``(topics, qrels, number of queries with a relevant document)``."""
+    """``(topics, qrels, number of queries with a relevant document)``: the queries with a judged-relevant document
+    (whitespace-normalised, at most ``cap``, seeded, sorted by qid) and their qrels, negative labels counted as 0."""
     qrels = qrels.assign(qid=qrels["qid"].astype(str), label=qrels["label"].clip(lower=0))
     relevant = set(qrels.loc[qrels["label"] >= 1, "qid"])
     t = topics.assign(qid=topics["qid"].astype(str), query=topics["query"].map(normalise_query))

@@ -61,9 +61,8 @@ def dense_run(
 
 
 def candidate_pool(bm25: pd.DataFrame, dense: pd.DataFrame, depth: int) -> pd.DataFrame:
-    """The union of BM25's and the dense model's top ``depth`` per query: ``qid, docno, bm25``. ``bm25`` should reach
-    deeper than ``depth`` so a dense-only candidate has its BM25 score (0 when BM25 does not retrieve it at all: it
-    matches no query term)."""
+    """The union of BM25's and the dense model's top ``depth`` per query: ``qid, docno, bm25`` (0 for a candidate BM25
+    does not retrieve: ``bm25`` should reach deeper than ``depth``)."""
     b = bm25.rename(columns={"score": "bm25"})[["qid", "docno", "bm25"]]
     top_b = b[b.groupby("qid").cumcount() < depth]
     top_d = dense[dense.groupby("qid").cumcount() < depth][["qid", "docno"]]

@@ -175,9 +175,8 @@ def _split_lines(path: Path) -> list[list[str]]:
 
 
 class WordNet:
-    """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms. Reads ``index.<pos>``
-    (lemma -> synset offsets), ``data.<pos>`` (synset -> its words, looked up by byte offset) and ``<pos>.exc``
-    (irregular forms) for pos in noun, verb, adj, adv."""
+    """A minimal reader of the Princeton WordNet database files (``index.<pos>``, ``data.<pos>``, ``<pos>.exc`` for pos
+    in noun, verb, adj, adv): lemmas -> synsets (by byte offset) -> synonyms."""
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = find_wordnet(root)

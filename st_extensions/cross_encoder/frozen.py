@@ -108,9 +108,8 @@ def cached_cross_encoder(
 def build_cross_encoder(
     base_model: str | BaseModel | None = None, max_seq_length: int | None = None, device: str | None = None
 ) -> CrossEncoder:
-    """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` writing ``"scores"``, a ``CrossEncoder``
-    (sigmoid in ``predict``) of the same ``Transformer`` + ``Pooling`` as :func:`build_var_cross_encoder` (same
-    arguments), so both train on the same cached features."""
+    """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` (a ``CrossEncoder``, sigmoid in
+    ``predict``), of the same backbone as :func:`build_var_cross_encoder` (same arguments): both train on one cache."""
     backbone = build_var_cross_encoder(base_model, variant="VAR", max_seq_length=max_seq_length, device=device)
     transformer, pooling = backbone[0], backbone[1]
     head = Dense(pooling.get_embedding_dimension(), 1, activation_function=nn.Identity(), module_output_name="scores")

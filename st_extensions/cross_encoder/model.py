@@ -62,9 +62,9 @@ class VarCrossEncoder(CrossEncoder):
         return find_var_head(self)
 
     def predict(self, inputs: Sequence[Any] | Any, *args: Any, return_std: bool = False, **kwargs: Any) -> Any:
-        """:meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`; with ``return_std`` ``(scores,
-        stds)`` (Eq. 22-23, logit scale; floats for one pair), refused with a non-identity ``activation_fn``, ``pool``
-        or devices."""
+        """As :meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`; ``return_std``: ``(scores,
+        stds)`` (Eq. 22-23, logits; floats for one pair), refused with a non-identity ``activation_fn``, pool or
+        devices."""
         if not return_std:
             return super().predict(inputs, *args, **kwargs)
         call = inspect.signature(CrossEncoder.predict).bind(self, inputs, *args, **kwargs)

@@ -230,9 +230,8 @@ def build_split_cross_encoder(
 def split_state_cache(
     model: CrossEncoder, folder: str | None, texts: Sequence[str] = (), *, show_progress_bar: bool = False
 ) -> LayerStateCache:
-    """Attach a per-text cache of the lower layers' states to ``model``'s :class:`SplitTransformer` (``texts`` now,
-    others on first use; ``folder`` reused when it holds the same states, ``None``: a temporary one) and freeze those
-    layers."""
+    """Attach a cache of the lower layers' states per text to ``model``'s :class:`SplitTransformer` (``texts`` now, the
+    rest on first use; ``folder`` reused when it holds the same states, ``None``: temporary) and freeze those layers."""
     split = model[0]
     if not isinstance(split, SplitTransformer):
         raise ValueError(f"split_state_cache needs a model whose first module is a SplitTransformer, got {split!r:.80}")

@@ -1,6 +1,5 @@
 """UniERF's multi-branch query tower (Jiang et al., KDD'25, ``../shared/papers/unierf.md``, Sec. 4.1, Eqs. 4-5): one
-head ``H^branch = l2_norm(f(e))`` per retrieval branch on a shared encoder, saved inside the model
-(``docs/unierf.md``)."""
+head ``H^branch = l2_norm(f(e))`` per retrieval branch on a shared encoder, saved inside the model."""
 
 from __future__ import annotations
 

@@ -117,9 +117,8 @@ def install_aggregation_tokens(tokenizer: Any, tokens: Sequence[str]) -> int:
 
 # ---- Gating (App. A.3)
 class MoLGate(nn.Module):
-    """pi(q, x) = softmax(W_2 SiLU(W_d dots + W_q u(q) + W_x v(x) + b_1) + b_2) (App. A.3), the output layer zero
-    at the start (uniform 1 / P); the first layer is split by input so the feature parts are computed once per query
-    and once per document, not once per pair."""
+    """pi(q, x) = softmax(W_2 SiLU(W_d dots + W_q u(q) + W_x v(x) + b_1) + b_2) (App. A.3), uniform at the start (zero
+    output layer); the feature parts are computed once per query and once per document, not once per pair."""
 
     def __init__(self, num_logits: int, hidden_dim: int, feature_dim: int | None = None) -> None:
         super().__init__()

@@ -22,9 +22,8 @@ REMEDY = "delete the model folder and save, download or train the model again"
 
 
 def check_safetensors_file(path: str | os.PathLike, remedy: str = REMEDY) -> dict[str, tuple[int, ...]]:
-    """Read a safetensors file's header and check that the file holds every tensor it lists (a truncated or
-    corrupt file raises :class:`~st_extensions.atomic.CorruptFileError` naming it and ``remedy``); returns ``{tensor
-    name: shape}``. Reads the header only."""
+    """``{tensor name: shape}`` from a safetensors file's header, checking that the file holds every tensor it lists
+    (else a :class:`~st_extensions.atomic.CorruptFileError` naming it and ``remedy``). Reads the header only."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -55,8 +54,7 @@ def check_safetensors_file(path: str | os.PathLike, remedy: str = REMEDY) -> dic
 
 class SafetensorsModule(Module):
     """A :class:`~sentence_transformers.base.modules.Module` saved as ``config.json`` + ``model.safetensors``;
-    :meth:`load` refuses a directory without safetensors weights (no pickled ``.bin`` fallback) or weights whose
-    names or shapes do not match the config."""
+    :meth:`load` refuses pickled ``.bin`` weights and weights whose names or shapes do not match the config."""
 
     config_file_name = "config.json"
     #: learning rate of the module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
