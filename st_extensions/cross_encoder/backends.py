@@ -329,13 +329,6 @@ def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
     return digest.hexdigest()
 
 
-_NO_CALIBRATION = (
-    "backend='openvino', precision='int8' quantises statically and needs calibration data the first time: pass "
-    "calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score; sentence-transformers' "
-    "static export would download GLUE/SST-2 instead: offline unreachable, and single sentences)"
-)
-
-
 def _export_openvino_int8(
     path: str, model: CrossEncoder, tmp: str, main: str, pairs: Sequence[Sequence[str]] | None
 ) -> dict[str, Any]:
@@ -401,7 +394,12 @@ def export_backbone(
             )
         return target
     if (backend, precision) == ("openvino", "int8") and not calibration_pairs:
-        raise ValueError(_NO_CALIBRATION)  # before exporting anything
+        raise ValueError(  # before exporting anything
+            "backend='openvino', precision='int8' quantises statically and needs calibration data the first time: "
+            "pass calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score; "
+            "sentence-transformers' static export would download GLUE/SST-2 instead: offline unreachable, and single "
+            "sentences)"
+        )
     steps, step = [], (backend, precision)
     while step is not None and (step == (backend, precision) or not _is_fresh(path, FILES[step], {})):
         steps.append(step)

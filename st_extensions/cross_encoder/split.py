@@ -211,7 +211,6 @@ def build_split_cross_encoder(
     )
     dim = transformer.get_embedding_dimension()
     transformer.auto_model.config.num_labels = 1
-    pool = SegmentInteraction(dim)
     if variant is None:
         head = LinearScoreHead(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
         decoder, mean_branch, model_class = head.linear, None, CrossEncoder
@@ -224,7 +223,7 @@ def build_split_cross_encoder(
         if mean_branch is not None:
             mean_branch.weight.copy_(torch.eye(dim))
             mean_branch.bias.zero_()
-    return model_class(modules=[transformer, pool, head], device=device, activation_fn=nn.Identity())
+    return model_class(modules=[transformer, SegmentInteraction(dim), head], device=device, activation_fn=nn.Identity())
 
 
 def split_state_cache(
