@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from pyterrier_prob.dense import TopKRetriever
-from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists
+from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists, query_vec_column
 from st_extensions.losses import UniERFLoss
 from st_extensions.losses.unierf import FrozenDocumentTower
 
@@ -36,7 +36,7 @@ BranchLists = dict[str, tuple[np.ndarray, np.ndarray]]
 
 def branch_lists(frame: pd.DataFrame, index: Any, branch: str, k: int) -> BranchLists:
     """qid -> (docnos, scores) of branch ``branch``'s top-``k`` cosine search, best first."""
-    col = f"query_vec_{branch}"
+    col = query_vec_column(branch)
     queries = frame[["qid", col]].rename(columns={col: "query_vec"})
     res = TopKRetriever(index, num_results=k)(queries).sort_values(["qid", "rank"], kind="stable")
     return {
