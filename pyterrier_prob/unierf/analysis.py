@@ -83,10 +83,9 @@ def mean_jaccard(a: BranchLists, b: BranchLists, k: int) -> float:
 
 
 class RecordedUniERFLoss(UniERFLoss):
-    """:class:`~st_extensions.losses.UniERFLoss` that also records, per step, a fingerprint of the batch (its anchor
-    and positive token ids: equal fingerprints, identical batches; ``digest``), and in ``stats`` the mean cosine of
-    a row's two branch embeddings, the share of rows above alpha (the rows Eq. 31 acts on) and the diversity term.
-    ``resumed``: the training continues from a checkpoint, so the batches seen are its last ones only."""
+    """``UniERFLoss`` that also records per step a fingerprint of the batch (``digest`` of its anchor and positive token
+    ids) and in ``stats`` the mean cosine of a row's two branch embeddings, the share of rows above alpha (those Eq. 31
+    acts on) and the diversity term. ``resumed``: continued from a checkpoint (only its last batches are seen)."""
 
     def __init__(self, model: Any, columns: Sequence[str], resumed: bool = False, **kwargs: Any) -> None:
         super().__init__(model, columns=list(columns), **kwargs)

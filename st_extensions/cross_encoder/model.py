@@ -43,9 +43,8 @@ def find_var_head(model: torch.nn.Module) -> VariationalHead:
 
 class VarCrossEncoder(CrossEncoder):
     """A :class:`~sentence_transformers.CrossEncoder` ending in a :class:`VariationalHead` (VarCrossEncoder, Sec. 3),
-    built by :func:`build_var_cross_encoder`, loaded by :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``
-    (no ``trust_remote_code``). Scores are logits (identity ``activation_fn``); ``predict`` returns E[s] = mu^T W + b
-    (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23)."""
+    loaded by :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``. Its scores are logits; ``predict`` returns
+    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23)."""
 
     _module_classes = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VariationalHead}
 
@@ -122,10 +121,9 @@ def build_var_cross_encoder(
     device: str | None = None,
     **head_kwargs: Any,
 ) -> VarCrossEncoder:
-    """A VarCrossEncoder: backbone -> [CLS] -> a new :class:`VariationalHead` (``variant`` VAR, MEANVAR or MEAN;
-    ``latent_dim`` K for MEANVAR; ``**head_kwargs``). ``base_model``: an encoder name / path, a sentence-transformers
-    folder (default the packaged all-MiniLM-L6-v2) or a loaded model (copied); ``max_seq_length``: of query +
-    document."""
+    """A VarCrossEncoder: backbone -> [CLS] -> a new :class:`VariationalHead` (``variant``, ``latent_dim`` K for
+    MEANVAR, ``**head_kwargs``); ``base_model``: an encoder name / path, a sentence-transformers folder (default the
+    packaged all-MiniLM-L6-v2) or a loaded model (copied); ``max_seq_length``: of query + document."""
     base_model = default_model_path() if base_model is None else base_model
     if isinstance(base_model, str):
         transformer = Transformer(base_model, transformer_task="feature-extraction", max_seq_length=max_seq_length)
@@ -162,9 +160,8 @@ def predict_sharing_layers(
     show_progress_bar: bool = False,
 ) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """Score ``pairs`` with cross-encoders sharing their embeddings and lower ``frozen_layers`` layers (same
-    :func:`state_fingerprint`, e.g. partial-recipe models of one backbone): each batch runs the shared layers once,
-    then each model's top layers and head. Per model ``(scores, stds)`` float32 in pair order (``stds`` None without a
-    score variance), equal to its ``predict`` logits up to float rounding."""
+    :func:`state_fingerprint`), running the shared layers once per batch: per model ``(scores, stds)`` float32 in pair
+    order (``stds`` None without a score variance), its ``predict`` logits up to float rounding."""
     models = list(models)
     if not models:
         raise ValueError("predict_sharing_layers needs at least one model")
