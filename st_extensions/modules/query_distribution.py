@@ -18,12 +18,11 @@ OUTPUT_KEY = "query_distribution"
 
 
 class QueryDistributionHead(SafetensorsModule):
-    """Maps a query's pooled embedding to the parameters of its relevant-item cosine distribution, each
-    ``log theta = log lo + (log hi - log lo) * sigmoid(scale * (w . e + b))``, inside
-    ``[tau_min, tau_max]`` (``family`` ``"exp"`` / ``"beta"``: tau_q) or ``[param_min, param_max]`` (``"beta_mle"``:
-    alpha+, beta+, alpha-, beta-); w starts at zero and b at ``tau_init`` (0.05 = InfoNCE's scale 20), resp.
-    (1 / tau_init, 1, 1, 1). ``scale`` multiplies the pre-activation so the head still moves under Adam's small
-    steps. Writes ``features["query_distribution"]`` ``(batch, k)`` on the query path only."""
+    """Maps a query's pooled embedding to the parameters of its relevant-item cosine distribution, each ``log theta =
+    log lo + (log hi - log lo) * sigmoid(scale * (w . e + b))`` in ``[tau_min, tau_max]`` (``family`` ``"exp"`` /
+    ``"beta"``: tau_q) or ``[param_min, param_max]`` (``"beta_mle"``: alpha+, beta+, alpha-, beta-); w starts at zero, b
+    at ``tau_init`` (0.05 = InfoNCE's scale 20), resp. (1 / tau_init, 1, 1, 1); ``scale`` keeps the head moving under
+    Adam's small steps. Writes ``features["query_distribution"]`` ``(batch, k)`` on the query path."""
 
     config_keys: list[str] = "in_features family tau_init tau_min tau_max param_min param_max scale".split()
     forward_kwargs = {"task"}
