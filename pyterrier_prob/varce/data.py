@@ -55,8 +55,8 @@ def cross_encoder_training_data(
     """``(dataset, info)``: ``query, document, label`` rows, per group one judged-relevant document (1.0, first) and
     ``negatives`` (0.0) from the query's first-stage top ``pool_depth`` minus its judged documents. ``first_stage``:
     topics -> a ranked frame (``qid, docno, rank``), or ``{name: first_stage}`` giving a group's negatives in turn;
-    ``positive_depth`` keeps only positives some first stage ranks that high. How queries, positives and fill-ins are
-    drawn: docs/varce.md ("The experiment")."""
+    ``positive_depth`` keeps only positives some first stage ranks that high; random unjudged documents fill short pools
+    (queries shuffled by ``seed``; docs/varce.md, "The experiment")."""
     sizes = [("n_groups", n_groups), ("negatives", negatives), ("pool_depth", pool_depth)]
     for name, value in sizes + ([("positive_depth", positive_depth)] if positive_depth is not None else []):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
