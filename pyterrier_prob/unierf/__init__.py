@@ -1,7 +1,5 @@
-"""UniERF's PyTerrier side (``shared/papers/unierf.md``): the branch encoder, trigger text, the multi-branch
-retriever with quota merging, and the training-data builder.
-
-The experiment is :mod:`pyterrier_prob.experiments.unierf`."""
+"""UniERF's PyTerrier side (``shared/papers/unierf.md``): the branch encoder, trigger text, the multi-branch retriever
+with quota merging, and the training-data builder. The experiment is :mod:`pyterrier_prob.experiments.unierf`."""
 
 from pyterrier_prob.unierf.branches import (
     MultiBranchRetriever,

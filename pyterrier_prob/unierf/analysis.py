@@ -1,7 +1,6 @@
-"""The UniERF experiment's instruments: a loss that records per step what the report shows (batch fingerprints,
-branch cosines); and its analyses of branch candidate lists: each branch's top-k lists, merging them into a
-total budget B (equal quotas, dedup, refill, as :class:`~pyterrier_prob.MultiBranchRetriever`) and the branches'
-overlap (:mod:`pyterrier_prob.experiments.unierf`)."""
+"""The UniERF experiment's instruments (:mod:`pyterrier_prob.experiments.unierf`): a loss recording per step what the
+report shows (batch fingerprints, branch cosines), and analyses of branch candidate lists: each branch's top-k, their
+merge into a budget B (as :class:`~pyterrier_prob.MultiBranchRetriever`) and the branches' overlap."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from pyterrier_prob.dense import TopKRetriever
-from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists
+from pyterrier_prob.unierf.branches import branch_quotas, merge_branch_lists, query_vec_column
 from st_extensions.losses import UniERFLoss
 from st_extensions.losses.unierf import FrozenDocumentTower
 
@@ -37,7 +36,7 @@ BranchLists = dict[str, tuple[np.ndarray, np.ndarray]]
 
 def branch_lists(frame: pd.DataFrame, index: Any, branch: str, k: int) -> BranchLists:
     """qid -> (docnos, scores) of branch ``branch``'s top-``k`` cosine search, best first."""
-    col = f"query_vec_{branch}"
+    col = query_vec_column(branch)
     queries = frame[["qid", col]].rename(columns={col: "query_vec"})
     res = TopKRetriever(index, num_results=k)(queries).sort_values(["qid", "rank"], kind="stable")
     return {
@@ -57,9 +56,8 @@ def alone_run(lists: BranchLists, budget: int) -> pd.DataFrame:
 def merged_run(
     per_branch: Sequence[BranchLists], budget: int, weights: Sequence[float] | None = None
 ) -> tuple[pd.DataFrame, float]:
-    """The branches' lists merged into ``budget`` documents with quotas by ``weights`` (default: equal; dedup,
-    refill: :func:`~pyterrier_prob.merge_branch_lists`, as :class:`~pyterrier_prob.MultiBranchRetriever` merges), and
-    the mean share of the merged set that more than one branch found."""
+    """The branches' lists merged into ``budget`` documents, quotas by ``weights`` (default: equal), as
+    :class:`~pyterrier_prob.MultiBranchRetriever` does; and the mean share of the merged set several branches found."""
     quotas = branch_quotas(budget, [1.0] * len(per_branch) if weights is None else weights)
     empty = (np.empty(0, dtype=object), np.empty(0))
     qids = list(dict.fromkeys(q for b in per_branch for q in b))
@@ -85,10 +83,9 @@ def mean_jaccard(a: BranchLists, b: BranchLists, k: int) -> float:
 
 
 class RecordedUniERFLoss(UniERFLoss):
-    """:class:`~st_extensions.losses.UniERFLoss` that also records, per step, a fingerprint of the batch (its anchor
-    and positive token ids: equal fingerprints, identical batches; ``digest``), and in ``stats`` the mean cosine of
-    a row's two branch embeddings, the share of rows above alpha (the rows Eq. 31 acts on) and the diversity term.
-    ``resumed``: the training continues from a checkpoint, so the batches seen are its last ones only."""
+    """``UniERFLoss`` that also records per step a fingerprint of the batch (``digest`` of its anchor and positive token
+    ids) and in ``stats`` the mean cosine of a row's two branch embeddings, the share of rows above alpha (those Eq. 31
+    acts on) and the diversity term. ``resumed``: continued from a checkpoint (only its last batches are seen)."""
 
     def __init__(self, model: Any, columns: Sequence[str], resumed: bool = False, **kwargs: Any) -> None:
         super().__init__(model, columns=list(columns), **kwargs)

@@ -1,11 +1,7 @@
-"""Multi-branch (UniERF) retrieval for PyTerrier: branch inputs, branch encoders, merged retrieval, training data.
-
-UniERF (Jiang et al., KDD'25, ``shared/papers/unierf.md``) serves several retrieval branches from one jointly trained
-query tower and merges their candidate sets (Sec. 4; Alg. 1 lines 27-30). Model side: :mod:`st_extensions.unierf`. Here:
-branch input texts from query-frame columns (:data:`DEFAULT_BRANCH_INPUTS`, :class:`TriggerText`), one
-``query_vec_<branch>`` per branch (:class:`UniERFEncoder`; one shared document index), the merge into a budget with
-per-branch quotas (:class:`MultiBranchRetriever`) and the negatives of Sec. 4.3 (:func:`unierf_training_data`). Usage:
-``docs/unierf.md``."""
+"""Multi-branch (UniERF, Jiang et al., KDD'25, ``shared/papers/unierf.md``) retrieval for PyTerrier: branch inputs
+(:class:`TriggerText`), one ``query_vec_<branch>`` per branch (:class:`UniERFEncoder`), the merge of the branches'
+candidates under quotas (:class:`MultiBranchRetriever`, Sec. 4, Alg. 1 lines 27-30) and the negatives of Sec. 4.3
+(:func:`unierf_training_data`). Model side: :mod:`st_extensions.unierf`; usage: ``docs/unierf.md``."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
-from pyterrier_prob.dense import Capped, ProbBiEncoder
+from pyterrier_prob.dense import Capped, ProbBiEncoder, validate_columns
 from pyterrier_prob.index.dense import as_dense_index
 from pyterrier_prob.index.exact import QUERY_BATCH, docnos_of, threshold_search
 from pyterrier_prob.validation import (
@@ -80,8 +76,7 @@ def query_vec_column(branch: str) -> str:
 def _branch_inputs(branches: Sequence[str], inputs: Mapping[str, Sequence[str]] | None) -> dict[str, tuple[str, ...]]:
     """branch -> input columns, from ``inputs`` or :data:`DEFAULT_BRANCH_INPUTS`; a clear error for the rest."""
     inputs = dict(inputs or {})
-    unknown = [b for b in inputs if b not in branches]
-    if unknown:
+    if unknown := [b for b in inputs if b not in branches]:
         raise ValueError(f"inputs given for unknown branches {unknown}: the branches are {list(branches)}")
     out: dict[str, tuple[str, ...]] = {}
     for b in branches:
@@ -104,23 +99,12 @@ def _frame_branch_texts(frame: pd.DataFrame, inputs: Mapping[str, Sequence[str]]
     }
 
 
-def _frame_error(
-    e: pt.validate.InputValidationError, inp: pd.DataFrame, who: str, cols: list[str], hint: str
-) -> pt.validate.InputValidationError:
-    """``e`` again, naming the columns ``who`` needs and those ``inp`` lacks."""
-    missing = [c for c in ["qid", *cols] if c not in inp.columns]
-    return pt.validate.InputValidationError(
-        f"{who} needs a query frame with columns {['qid', *cols]}; missing {missing}{hint}", e.modes
-    )
-
-
 def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.ndarray:
     """Per-branch quota weights as float64, each finite and > 0; with ``branches``, ``weights`` may be None (all 1)
     or a mapping branch -> weight (missing ones 1)."""
     if branches is not None:
         if weights is None or isinstance(weights, Mapping):
-            unknown = [b for b in weights or {} if b not in branches]
-            if unknown:
+            if unknown := [b for b in weights or {} if b not in branches]:
                 raise ValueError(f"weights for unknown branches {unknown}: the branches are {branches}")
             weights = [(weights or {}).get(b, 1.0) for b in branches]
         elif len(weights := list(weights)) != len(branches):
@@ -131,15 +115,10 @@ def _quota_weights(weights: Any, branches: Sequence[str] | None = None) -> np.nd
     return w
 
 
-# --- branch inputs and encoders ---------------------------------------------------------------------------------
-
-
 class TriggerText(pt.Transformer):
     """``(qid, query)`` -> adds ``trigger_docno`` and ``column`` (``trigger_text``): the document ``retriever`` ranks at
-    ``rank`` (from 0), the stand-in for UniERF's trigger items (Sec. 4.1.3); no result: None and an empty text.
-
-    ``texts``: a mapping docno -> text, or a transformer adding ``text_field`` (e.g. ``pt.text.get_text(dataset,
-    "text")``)."""
+    ``rank`` (from 0), the stand-in for UniERF's trigger items (Sec. 4.1.3; no result: None and ""). ``texts``: a
+    mapping docno -> text, or a transformer adding ``text_field`` (e.g. ``pt.text.get_text(dataset, "text")``)."""
 
     def __init__(
         self,
@@ -162,7 +141,7 @@ class TriggerText(pt.Transformer):
         if not len(inp):
             return inp.assign(trigger_docno=pd.Series(dtype=object), **{self.column: pd.Series(dtype=object)})
         top = _top_depth(self.retriever, inp[["qid", "query"]].drop_duplicates("qid"), self.rank + 1)
-        docnos = {q: d[self.rank] for q, (d, _) in top.items() if len(d) > self.rank}
+        docnos = {q: d[self.rank] for q, d in top.items() if len(d) > self.rank}
         if isinstance(self.texts, Mapping) or not docnos:
             texts = {q: self.texts.get(d, "") for q, d in docnos.items()}
         else:
@@ -181,13 +160,10 @@ class TriggerText(pt.Transformer):
 
 
 class UniERFEncoder:
-    """Encodes queries into one vector per UniERF branch, and documents once for all branches (a factory).
-
-    :meth:`query_encoder` adds ``query_vec_<branch>`` (float32, unit) per branch from the branches' ``inputs`` columns
-    (default :data:`DEFAULT_BRANCH_INPUTS`, joined by ``sep``); :meth:`doc_encoder` adds the shared tower's ``doc_vec``,
-    so one :class:`~pyterrier_prob.DenseIndex` serves every branch. ``model``: a SentenceTransformer with a
-    MultiBranchQueryEncoder, or its path. Pipeline: ``TriggerText(bm25, texts) >> encoder.query_encoder() >>
-    MultiBranchRetriever(index, encoder.branches)`` (``docs/unierf.md``)."""
+    """Encodes queries into one vector per UniERF branch, and documents once for all branches: :meth:`query_encoder`
+    adds ``query_vec_<branch>`` per branch from its ``inputs`` columns (default :data:`DEFAULT_BRANCH_INPUTS`, joined by
+    ``sep``), :meth:`doc_encoder` the shared tower's ``doc_vec``. ``model``: a SentenceTransformer with a
+    MultiBranchQueryEncoder, or its path (``docs/unierf.md``)."""
 
     def __init__(
         self,
@@ -257,9 +233,12 @@ class UniERFQueryEncoder(pt.Transformer):
                 v.query_frame(extra_columns=cols)
                 v.columns(includes=["qid", *cols])
         except pt.validate.InputValidationError as e:
-            trigger = "trigger_text" in cols and "trigger_text" not in inp.columns
+            missing = [c for c in ["qid", *cols] if c not in inp.columns]
+            trigger = "trigger_text" in missing
             hint = " (add trigger_text with TriggerText(bm25, texts) >> encoder.query_encoder())" if trigger else ""
-            raise _frame_error(e, inp, repr(self), cols, hint) from e
+            raise pt.validate.InputValidationError(
+                f"{self!r} needs a query frame with columns {['qid', *cols]}; missing {missing}{hint}", e.modes
+            ) from e
         if not len(inp):
             return inp.assign(**{c: pd.Series(dtype=object) for c in self.encoder.vector_columns})
         vecs = self.encoder.encode(inp, batch_size=self.batch_size)
@@ -270,9 +249,6 @@ class UniERFQueryEncoder(pt.Transformer):
 
     def subtransformers(self) -> dict:
         return {}
-
-
-# --- merging the branches ---------------------------------------------------------------------------------------
 
 
 def branch_quotas(budget: int, weights: Sequence[float]) -> np.ndarray:
@@ -296,62 +272,45 @@ def merge_branch_lists(
     n = len(lists)
     if len(quotas) != n:
         raise ValueError(f"need one quota per branch ({n}), got {len(quotas)}")
-    walk = _BranchWalk(lists, quotas)
-    rounds = 0
-    for lifted in (False, True):
-        while len(walk.selected) < budget:
-            walking = [b for b in range(n) if walk.can_step(b, lifted)]
-            if not walking:
-                break
-            start = rounds % n
-            rounds += 1
-            for b in sorted(walking, key=lambda b: (b - start) % n):
-                if len(walk.selected) >= budget:
-                    break
-                if walk.can_step(b, lifted):
-                    walk.step(b)
-    for b in range(n):  # the documents right after a branch's walk that are already selected cost it nothing
-        while walk.can_step(b, True) and walk.docs[b][walk.pos[b]] in walk.selected:
-            walk.step(b)
-    return [(d, e[0], sorted(e[1]), e[2]) for d, e in walk.selected.items()]
+    docs = [np.asarray(d).tolist() for d, _ in lists]
+    scores = [np.asarray(s, dtype=np.float64).tolist() for _, s in lists]
+    selected: dict[int, list] = {}  # docid -> [best score, finders set, claimer]
+    claimed, pos = [0] * n, [0] * n
 
+    def can_step(b: int, lifted: bool) -> bool:  # candidates left and, unless quotas are lifted, quota left
+        return pos[b] < len(docs[b]) and (lifted or claimed[b] < quotas[b])
 
-class _BranchWalk:
-    """The walk of :func:`merge_branch_lists`: each branch's position and claims, and the selected documents."""
-
-    def __init__(self, lists: Sequence[tuple[np.ndarray, np.ndarray]], quotas: Sequence[int]) -> None:
-        self.docs = [np.asarray(d).tolist() for d, _ in lists]
-        self.scores = [np.asarray(s, dtype=np.float64).tolist() for _, s in lists]
-        self.quotas = list(quotas)
-        self.selected: dict[int, list] = {}  # docid -> [best score, finders set, claimer]
-        self.claimed = [0] * len(lists)
-        self.pos = [0] * len(lists)
-
-    def can_step(self, b: int, lifted: bool) -> bool:
-        """Branch ``b`` has candidates left and, unless quotas are lifted, quota left."""
-        return self.pos[b] < len(self.docs[b]) and (lifted or self.claimed[b] < self.quotas[b])
-
-    def step(self, b: int) -> None:
-        """Branch ``b`` meets its next document: claims it if new, else joins its finders."""
-        d, s = self.docs[b][self.pos[b]], self.scores[b][self.pos[b]]
-        self.pos[b] += 1
-        entry = self.selected.get(d)
-        if entry is None:
-            self.selected[d] = [s, {b}, b]
-            self.claimed[b] += 1
+    def step(b: int) -> None:  # branch b meets its next document: claims it if new, else joins its finders
+        d, s = docs[b][pos[b]], scores[b][pos[b]]
+        pos[b] += 1
+        if (entry := selected.get(d)) is None:
+            selected[d] = [s, {b}, b]
+            claimed[b] += 1
         else:
             entry[1].add(b)
             entry[0] = max(entry[0], s)
 
+    rounds = 0
+    for lifted in (False, True):
+        while len(selected) < budget and (walking := [b for b in range(n) if can_step(b, lifted)]):
+            start = rounds % n
+            rounds += 1
+            for b in sorted(walking, key=lambda b: (b - start) % n):
+                if len(selected) >= budget:
+                    break
+                if can_step(b, lifted):
+                    step(b)
+    for b in range(n):  # the documents right after a branch's walk that are already selected cost it nothing
+        while can_step(b, True) and docs[b][pos[b]] in selected:
+            step(b)
+    return [(d, e[0], sorted(e[1]), e[2]) for d, e in selected.items()]
+
 
 class MultiBranchRetriever(Capped):
-    """Searches every UniERF branch against one shared index and merges the candidate sets into a budget of B.
-
-    The union of every branch's top-B (Alg. 1 lines 27-30; ``query_vec_<branch>`` columns) is merged by
-    :func:`merge_branch_lists` into B = ``num_results`` documents with quotas by ``weights`` (a mapping or one per
-    branch; :func:`branch_quotas`). Output: ``qid, docno, docid, score`` (best cosine), ``rank`` (ties: lower docid),
-    ``branch`` (the finders, e.g. ``"semantic|trigger"``) and the query columns (without the vectors if
-    ``drop_query_vec``). ``retriever % k`` recomputes the quotas on budget ``min(k, B)`` (``docs/unierf.md``)."""
+    """Searches every UniERF branch against one shared index and merges the branches' top-B (Alg. 1 lines 27-30) with
+    :func:`merge_branch_lists` into B = ``num_results`` documents, quotas by ``weights`` (a mapping or one per branch).
+    Output: ``qid, docno, docid, score`` (best cosine), ``rank`` (ties: lower docid), ``branch`` (the finders, e.g.
+    ``"semantic|trigger"``) and the query columns (no vectors if ``drop_query_vec``; ``docs/unierf.md``)."""
 
     def __init__(
         self,
@@ -387,8 +346,7 @@ class MultiBranchRetriever(Capped):
         )
 
     def __mod__(self, k: int) -> MultiBranchRetriever:
-        # Cutting the merged list of a larger budget is not the merge at a smaller budget: fold the cutoff here
-        # (the same retriever with budget min(k, num_results), quotas recomputed).
+        """The merge at budget ``min(k, num_results)`` (quotas recomputed), not a cut of the larger merge."""
         return self.fuse_rank_cutoff(k)
 
     def _one_row_per_query(self, inp: pd.DataFrame) -> pd.DataFrame:
@@ -407,27 +365,20 @@ class MultiBranchRetriever(Capped):
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
         cols = self.vector_columns
-        try:
-            pt.validate.query_frame(inp, extra_columns=cols)
-        except pt.validate.InputValidationError as e:
-            extra = " (MultiBranchRetriever is a first-stage retriever: drop docno)" if "docno" in inp.columns else ""
-            hint = f"{extra}: add the branch vectors with UniERFEncoder(model).query_encoder()"
-            raise _frame_error(e, inp, "MultiBranchRetriever", cols, hint) from e
+        drop = "it is a first-stage retriever: drop docno; " if "docno" in inp.columns else ""
+        hint = f"{drop}add the branch vectors with UniERFEncoder(model).query_encoder()"
+        validate_columns(self, inp, cols, hint, rerank=False)
         inp = self._one_row_per_query(inp.reset_index(drop=True))
         base = inp.drop(columns=cols) if self.drop_query_vec else inp
         if not len(inp):
             return empty_results(base, branch=object)
-        budget = self.num_results
-        quotas = branch_quotas(budget, self.weights)
+        budget, quotas = self.num_results, branch_quotas(self.num_results, self.weights)
         search = {"num_results": budget, "batch_size": self.batch_size, "verbose": self.verbose}
-        hits = [
-            threshold_search(self.index, inp[query_vec_column(b)].tolist(), -np.inf, **search) for b in self.branches
-        ]
+        hits = [threshold_search(self.index, inp[c].tolist(), -np.inf, **search) for c in cols]
         rows: list[tuple[int, int, float, int, str]] = []
         for qi in range(len(inp)):
-            lists = [
-                (h.docids[h.offsets[qi] : h.offsets[qi + 1]], h.scores[h.offsets[qi] : h.offsets[qi + 1]]) for h in hits
-            ]
+            spans = [slice(h.offsets[qi], h.offsets[qi + 1]) for h in hits]
+            lists = [(h.docids[span], h.scores[span]) for h, span in zip(hits, spans)]
             merged = sorted(merge_branch_lists(lists, budget, quotas), key=lambda m: (-m[1], m[0]))
             rows += [
                 (qi, d, s, r, "|".join(self.branches[f] for f in found)) for r, (d, s, found, _) in enumerate(merged)
@@ -446,10 +397,8 @@ def _lexical_query(text: str) -> str:
     return " ".join(re.sub(r"[^\w]+", " ", text.replace("[SEP]", " ")).split())
 
 
-def _top_depth(
-    retriever: pt.Transformer, queries: pd.DataFrame, depth: int
-) -> dict[str, tuple[list[str], list[float]]]:
-    """qid -> (docnos, scores) of the retriever's top ``depth``, best first."""
+def _top_depth(retriever: pt.Transformer, queries: pd.DataFrame, depth: int) -> dict[str, list[str]]:
+    """qid -> the docnos of the retriever's top ``depth``, best first."""
     queries = queries[queries["query"].str.len() > 0]
     if not len(queries):
         return {}
@@ -457,10 +406,7 @@ def _top_depth(
     if not len(res):
         return {}
     res = res.sort_values(["qid", "score"], ascending=[True, False], kind="stable")
-    return {
-        str(qid): (g["docno"].astype(str).tolist()[:depth], g["score"].astype(float).tolist()[:depth])
-        for qid, g in res.groupby("qid", sort=False)
-    }
+    return {str(qid): g["docno"].astype(str).tolist()[:depth] for qid, g in res.groupby("qid", sort=False)}
 
 
 def _tail(docnos: Sequence[str], share: float) -> list[str]:
@@ -516,9 +462,7 @@ def _training_examples(
     pos = qrels[keep & qrels["docno"].isin(doc_texts)]
     examples = list(zip(pos["qid"], pos["docno"]))
     if not examples:
-        raise ValueError(
-            f"no judged-relevant (query, document) pairs with label >= {cfg.min_relevance} for these topics"
-        )
+        raise ValueError(f"no judged-relevant (query, document) pairs of label >= {cfg.min_relevance} for these topics")
     random.Random(cfg.seed).shuffle(examples)
     examples = examples[: cfg.max_examples]
     used = sorted({q for q, _ in examples})
@@ -531,7 +475,7 @@ def _lexical_candidates(
     """qid -> the retriever's top-``depth`` for ``texts`` as bags of words, without the query's relevant documents."""
     queries = pd.DataFrame({"qid": qids, "query": [_lexical_query(str(t)) for t in texts]})
     top = _top_depth(cfg.retriever, queries, cfg.depth)
-    return {q: [d for d in top.get(q, ([], []))[0] if d not in relevant.get(q, ())] for q in qids}
+    return {q: [d for d in top.get(q, []) if d not in relevant.get(q, ())] for q in qids}
 
 
 def _trigger_candidates(topics: pd.DataFrame, top: dict[str, list[str]], cfg: UniERFDataConfig) -> dict[str, list[str]]:
@@ -566,13 +510,12 @@ def unierf_training_data(
     config: UniERFDataConfig | None = None,
     **options: Any,
 ) -> Dataset:
-    """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier.
-
-    One row per judged-relevant (query, document) pair of ``topics`` / ``qrels``: every branch's input text, the
-    document as positive (Eq. 20) and the negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom
-    ``tail`` of the ``retriever``'s top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25; needs
-    ``trigger_docno`` and ``index``), lowest scored otherwise (Eq. 24; ``docs/unierf.md``, Training rows). Options: a
-    :class:`UniERFDataConfig` or its fields as keywords. Returns a :class:`datasets.Dataset` for ``UniERFLoss``."""
+    """UniERF training rows with differentiated negatives per branch (Sec. 4.3), mined with PyTerrier: per
+    judged-relevant (query, document) pair every branch's input text, the document as positive (Eq. 20) and the
+    negatives of :func:`st_extensions.build_unierf_dataset`, hard ones the bottom ``tail`` of the ``retriever``'s
+    top-``depth``: least similar to the trigger document for ``trigger`` (Eq. 25), lowest scored otherwise (Eq. 24;
+    ``docs/unierf.md``). Options: a :class:`UniERFDataConfig` or its fields as keywords; a :class:`datasets.Dataset` for
+    ``UniERFLoss``."""
     if config is not None and options:
         raise TypeError(f"pass either config or keyword options, not both (got {sorted(options)})")
     cfg = config if config is not None else UniERFDataConfig(**options)
@@ -590,10 +533,8 @@ def unierf_training_data(
     qids = topics["qid"].tolist()
     for b in hard:  # the trigger branch's candidates are the query's, the others' those of their own text
         top = _lexical_candidates(qids, topics["query"] if b == "trigger" else texts[b], relevant, cfg)
-        if b == "trigger":
-            candidates[b] = _trigger_candidates(topics, top, cfg)
-        else:
-            candidates[b] = {q: _tail(d, cfg.tail) for q, d in top.items()}
+        tails = {q: _tail(d, cfg.tail) for q, d in top.items()}
+        candidates[b] = _trigger_candidates(topics, top, cfg) if b == "trigger" else tails
     row_of = {q: i for i, q in enumerate(topics["qid"])}
     return build_unierf_dataset(
         anchors={b: [texts[b][row_of[q]] for q, _ in examples] for b in names},

@@ -157,8 +157,7 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
     r_std, p_std = _rho(u[ok], ndcg[ok])
     r_mean, p_mean = _rho(m[ok], ndcg[ok])
     within = run.groupby("qid")["score_std"].agg(lambda s: s.std(ddof=0) / s.mean() if s.mean() > 0 else math.nan)
-    # the spread between queries (SD of the per-query means) and between the pairs of a query (mean within-query
-    # SD), and the between-query share of the variance over all pairs
+    # the spread between queries, within them, and the between-query share of the variance over all pairs
     by_query = run.groupby("qid")["score_std"]
     total_var = float(run["score_std"].var(ddof=0))
     between_var = float(((by_query.transform("mean") - run["score_std"].mean()) ** 2).mean())
@@ -178,9 +177,8 @@ def uncertainty_stats(run: pd.DataFrame, ndcg: pd.Series) -> dict[str, Any]:
 
 
 class DevRerank:
-    """``model -> mean nDCG@10`` of ``model`` re-ranking fixed candidates (``qid, docno, query, text``) by E[s]: the
-    ``evaluate`` of a :class:`~pyterrier_prob.curves.DevCurve`. ``qids``: the evaluated queries (default: those of
-    ``cand``; a query with no candidate or no judged-relevant document scores 0)."""
+    """``model -> mean nDCG@10`` re-ranking fixed candidates (``qid, docno, query, text``) by E[s] (a
+    :class:`~pyterrier_prob.curves.DevCurve`'s ``evaluate``); ``qids``: the evaluated ones (default: ``cand``'s)."""
 
     def __init__(
         self, cand: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str] | None = None, batch_size: int = 64

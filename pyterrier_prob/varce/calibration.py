@@ -1,9 +1,6 @@
-"""How far a re-ranker's scores are probabilities, and whether its uncertainty is used: a Platt map fitted on dev pairs
-(:func:`fit_platt`; for a VarCrossEncoder the Gaussian score integrated out with the probit approximation
-``sigmoid((a mu + b) / sqrt(1 + pi a^2 sigma^2 / 8))``, MacKay 1992), the expected calibration error over equal-mass
-bins and the reliability curve (Guo et al., ICML 2017). The spread of std[s] and whether uncertain queries are hard:
-:func:`pyterrier_prob.varce.analysis.uncertainty_stats`.
-"""
+"""How far a re-ranker's scores are probabilities: a Platt map fitted on dev pairs (:func:`fit_platt`; for a
+VarCrossEncoder the Gaussian score integrated out by the probit approximation, MacKay 1992), the expected calibration
+error over equal-mass bins and the reliability curve (Guo et al., ICML 2017)."""
 
 from __future__ import annotations
 
@@ -13,13 +10,7 @@ import numpy as np
 import pandas as pd
 from scipy import optimize
 
-__all__ = [
-    "expected_calibration_error",
-    "fit_platt",
-    "relevance_labels",
-    "relevance_probability",
-    "reliability_curve",
-]
+__all__ = ["expected_calibration_error", "fit_platt", "relevance_labels", "relevance_probability", "reliability_curve"]
 
 
 def relevance_labels(pairs: pd.DataFrame, qrels: pd.DataFrame) -> np.ndarray:

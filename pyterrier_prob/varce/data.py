@@ -28,9 +28,8 @@ def normalise_query(text: str) -> str:
 def evaluated_queries(
     topics: pd.DataFrame, qrels: pd.DataFrame, cap: int | None, seed: int
 ) -> tuple[pd.DataFrame, pd.DataFrame, int]:
-    """The evaluated queries: those with a judged-relevant document (whitespace-normalised, at most ``cap``, seeded,
-    sorted by qid) and the qrels with negative labels (cranfield's -1) counted as 0.
-    Returns ``(topics, qrels, number of queries with a relevant document)``."""
+    """``(topics, qrels, number of queries with a relevant document)``: the queries with a judged-relevant document
+    (whitespace-normalised, at most ``cap``, seeded, sorted by qid) and their qrels, negative labels counted as 0."""
     qrels = qrels.assign(qid=qrels["qid"].astype(str), label=qrels["label"].clip(lower=0))
     relevant = set(qrels.loc[qrels["label"] >= 1, "qid"])
     t = topics.assign(qid=topics["qid"].astype(str), query=topics["query"].map(normalise_query))
@@ -53,14 +52,11 @@ def cross_encoder_training_data(
     min_relevance: int = 1,
     positive_depth: int | None = None,
 ) -> tuple[Dataset, dict[str, Any]]:
-    """``(dataset, info)``: ``query, document, label`` rows, per group one judged-relevant document (label 1.0, first)
-    and ``negatives`` documents (0.0) from the query's first-stage top ``pool_depth`` minus its judged documents.
-
-    ``first_stage``: topics (``qid, query``) -> a ranked frame (``qid, docno, rank``), or ``{name: first_stage}``
-    giving a group's negatives in turn. Queries are shuffled (``seed``), their relevant documents cycled; random
-    unjudged documents fill in short pools; ``positive_depth`` keeps only positives some first stage ranks that
-    high (docs/varce.md, "The experiment"). ``info`` describes what was built.
-    """
+    """``(dataset, info)``: ``query, document, label`` rows, per group one judged-relevant document (1.0, first) and
+    ``negatives`` (0.0) from the query's first-stage top ``pool_depth`` minus its judged documents. ``first_stage``:
+    topics -> a ranked frame (``qid, docno, rank``), or ``{name: first_stage}`` giving a group's negatives in turn;
+    ``positive_depth`` keeps only positives some first stage ranks that high; random unjudged documents fill short pools
+    (queries shuffled by ``seed``; docs/varce.md, "The experiment")."""
     sizes = [("n_groups", n_groups), ("negatives", negatives), ("pool_depth", pool_depth)]
     for name, value in sizes + ([("positive_depth", positive_depth)] if positive_depth is not None else []):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -87,9 +83,7 @@ def cross_encoder_training_data(
     from_stage, corpus, n_random = [0] * len(stages), [], 0
     groups: list[tuple[str, str, list[str]]] = []
     for q in picked:
-        negs = _draw_negatives(
-            rng, [pools[n].get(q, [])[:pool_depth] for n in stages], judged[q], negatives, from_stage
-        )
+        negs = _draw_negatives(rng, [pools[n].get(q, [])[:pool_depth] for n in pools], judged[q], negatives, from_stage)
         if len(negs) < negatives:  # random unjudged documents fill in
             corpus = corpus or sorted(d["docno"] for d in collection.corpus_iter())
             n_random += _fill_in(rng, corpus, judged[q], negs, negatives, f"{collection.name} query {q!r}")

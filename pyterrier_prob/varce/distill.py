@@ -1,10 +1,8 @@
-"""Distilling a strong ranker into cross-encoders: candidate pools, teacher scores, Margin-MSE rows, scoring.
-
-The teacher is a fine-tuned bi-encoder fused with BM25 by per-query z-scores, ``alpha * z(cos) + (1 - alpha) *
-z(BM25)`` (alpha chosen on dev, :func:`choose_teacher`); :func:`distillation_rows` train a cross-encoder with
-``MarginMSELoss`` (Hofstätter et al., 2020) or a VarCrossEncoder with ``VariationalMarginMSELoss``. Plain frames in
-and out; docs/varce.md ("Cross-encoders distilled ...") describes the setup.
-"""
+"""Distilling a strong ranker into cross-encoders: candidate pools, teacher scores, Margin-MSE rows, scoring. The
+teacher is a fine-tuned bi-encoder fused with BM25 by per-query z-scores, ``alpha * z(cos) + (1 - alpha) * z(BM25)``
+(alpha chosen on dev, :func:`choose_teacher`); :func:`distillation_rows` train a cross-encoder with ``MarginMSELoss``
+(Hofstätter et al., 2020) or a VarCrossEncoder with ``VariationalMarginMSELoss``. Plain frames in and out; docs/varce.md
+("Cross-encoders distilled ...") describes the setup."""
 
 from __future__ import annotations
 
@@ -63,10 +61,8 @@ def dense_run(
 
 
 def candidate_pool(bm25: pd.DataFrame, dense: pd.DataFrame, depth: int) -> pd.DataFrame:
-    """The union of BM25's and the dense model's top ``depth`` per query: ``qid, docno, bm25``.
-
-    ``bm25`` should reach deeper than ``depth`` so a dense-only candidate has its BM25 score (0 when BM25 does not
-    retrieve it at all: it matches no query term)."""
+    """The union of BM25's and the dense model's top ``depth`` per query: ``qid, docno, bm25`` (0 for a candidate BM25
+    does not retrieve: ``bm25`` should reach deeper than ``depth``)."""
     b = bm25.rename(columns={"score": "bm25"})[["qid", "docno", "bm25"]]
     top_b = b[b.groupby("qid").cumcount() < depth]
     top_d = dense[dense.groupby("qid").cumcount() < depth][["qid", "docno"]]
@@ -126,10 +122,9 @@ def distillation_rows(
     top: int = 10,
     seed: int = 0,
 ) -> Dataset:
-    """Margin-MSE rows ``query, document_0, ..., document_<negatives>, label`` (label: the teacher's scores).
-
-    Rounds of shuffled passes over the pool's queries; ``document_0`` from the query's ``top`` candidates by teacher
-    score, the others from the rest of its pool (``pool``: ``qid, docno, teacher``)."""
+    """Margin-MSE rows ``query, document_0, ..., document_<negatives>, label`` (label: the teacher's scores). Rounds of
+    shuffled passes over the pool's queries; ``document_0`` from the query's ``top`` candidates by teacher score, the
+    others from the rest of its pool (``pool``: ``qid, docno, teacher``)."""
     if n_rows < 1 or negatives < 1 or top < 1:
         raise ValueError(f"n_rows, negatives and top must be >= 1, got {n_rows}, {negatives}, {top}")
     rng = np.random.default_rng(seed)

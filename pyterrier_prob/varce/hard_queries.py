@@ -1,9 +1,6 @@
 """Hard-query analysis of VarCrossEncoder Sec. 5 (Table 8): Voorhees' %no, the percentage of queries with no relevant
-document in the top 10 (:func:`percent_no`), and the bottom 50 % of queries by a baseline's effectiveness (Bigdeli et
-al., :func:`hard_queries`), on which systems are compared (:func:`hard_query_table`). Inputs are PyTerrier result
-frames and qrels; measures come from ``ir_measures`` (a query a run returned nothing for scores 0); the evaluated
-queries are those with a qrel of label >= ``min_label``, restricted to ``topics`` when given.
-"""
+document in the top 10 (:func:`percent_no`), and the bottom 50 % of queries by a baseline (Bigdeli et al.,
+:func:`hard_queries`), on which systems are compared (:func:`hard_query_table`); measures by ``ir_measures``."""
 
 from __future__ import annotations
 
@@ -83,11 +80,9 @@ def hard_query_table(
     topics: pd.DataFrame | Iterable[str] | None = None,
     min_label: int = 1,
 ) -> pd.DataFrame:
-    """Table 8 of the paper: one row per system of ``runs`` (``{name: result frame}``) with ``name, n_queries,
-    n_hard``, per measure ``<measure>`` (all evaluated queries) and ``<measure> hard``, ``%no`` and ``%no hard``
-    (depth ``k``). ``baseline``: a name in ``runs`` or a result frame, whose first measure picks the hard queries
-    (the ``fraction`` worst); ``topics``, ``min_label``: the evaluated queries (a qrel of label >= ``min_label``).
-    """
+    """Table 8 of the paper: per system of ``runs`` (``{name: result frame}``) ``name, n_queries, n_hard``, per measure
+    ``<measure>`` and ``<measure> hard``, ``%no`` and ``%no hard`` (depth ``k``). ``baseline`` (a name in ``runs`` or a
+    result frame) picks the hard queries by the first measure; ``topics``, ``min_label``: the evaluated queries."""
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError("runs must be a non-empty mapping of name -> result frame")
     if isinstance(baseline, str):

@@ -1,12 +1,7 @@
-"""Query-noise injection: the six one-word perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4).
-
-:class:`QueryNoise` applies one (``RD``, ``RS``, ``SE``, ``SR``, ``WEI``, ``WES``: :data:`NOISE_DESCRIPTIONS`) to a
-query frame, keeping the original in ``query_0``, e.g. ``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker``;
-each query's perturbation is seeded by ``(seed, type, qid, query)``. The resources are offline: NLPaug's misspelling
-dictionary (SE), a model's input token embeddings (WEI, WES) and the WordNet database (SR, optional:
-:func:`wordnet_available`). docs/varce.md ("Query perturbations") says how words are picked and where each resource
-comes from.
-"""
+"""Query-noise injection: the six one-word perturbations of VarCrossEncoder Sec. 4.5.2 (Table 4), e.g.
+``QueryNoise("SR", seed=1) >> bm25 % 100 >> text >> reranker`` (the original query kept in ``query_0``). The resources
+are offline: NLPaug's misspelling dictionary (SE), a model's input token embeddings (WEI, WES) and WordNet (SR,
+optional: :func:`wordnet_available`); docs/varce.md ("Query perturbations") says how words are picked."""
 
 from __future__ import annotations
 
@@ -25,6 +20,7 @@ import pandas as pd
 import pyterrier as pt
 import torch
 
+from pyterrier_prob.dense import validate_columns
 from st_extensions import default_model_path, load_model
 from st_extensions.checks import choice, non_negative_int, positive_int
 
@@ -106,9 +102,6 @@ def _canonical_type(kind: str) -> str:
     return key
 
 
-# --- resources ------------------------------------------------------------------------------------------------------
-
-
 def _nlpaug_spelling_file() -> Path:
     spec = importlib.util.find_spec("nlpaug")
     if spec is None or not spec.submodule_search_locations:
@@ -121,10 +114,8 @@ def _nlpaug_spelling_file() -> Path:
 
 @lru_cache(maxsize=4)
 def spelling_dictionary(path: str | None = None) -> dict[str, tuple[str, ...]]:
-    """``{word: misspellings}`` from a file of ``word misspelling1 misspelling2 ...`` lines (default: NLPaug's).
-
-    Only the forward direction (correct word -> its misspellings): queries are assumed spelled correctly.
-    """
+    """``{word: misspellings}`` from a file of ``word misspelling1 misspelling2 ...`` lines (default: NLPaug's). Only
+    the forward direction (correct word -> its misspellings): queries are assumed spelled correctly."""
     file = Path(path) if path is not None else _nlpaug_spelling_file()
     if not file.is_file():
         raise FileNotFoundError(f"no misspelling dictionary at {str(file)!r}")
@@ -184,11 +175,8 @@ def _split_lines(path: Path) -> list[list[str]]:
 
 
 class WordNet:
-    """A minimal reader of the Princeton WordNet database files: lemmas -> synsets -> synonyms.
-
-    Reads ``index.<pos>`` (lemma -> synset offsets), ``data.<pos>`` (synset -> its words, looked up by byte
-    offset) and ``<pos>.exc`` (irregular forms) for pos in noun, verb, adj, adv.
-    """
+    """A minimal reader of the Princeton WordNet database files (``index.<pos>``, ``data.<pos>``, ``<pos>.exc`` for pos
+    in noun, verb, adj, adv): lemmas -> synsets (by byte offset) -> synonyms."""
 
     def __init__(self, root: str | os.PathLike | None = None) -> None:
         self.root = find_wordnet(root)
@@ -221,9 +209,7 @@ class WordNet:
 
     def synonyms(self, word: str, multiword: bool = False) -> list[str]:
         """WordNet synonyms of ``word`` (every sense, every part of speech), without the word and its base forms.
-
-        Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces).
-        """
+        Multi-word lemmas (``"heart_attack"``) are left out unless ``multiword`` (then with spaces)."""
         exclude, found = {word.lower()}, []
         for pos in _POS:
             lemmas = self.lemmas(word, pos)
@@ -233,10 +219,7 @@ class WordNet:
         return [w for w in out if w.lower().replace(" ", "_") not in exclude]
 
 
-@lru_cache(maxsize=2)
-def _wordnet(root: str) -> WordNet:
-    """The reader of the WordNet database in ``root`` (a directory :func:`find_wordnet` found), read once."""
-    return WordNet(root)
+_wordnet = lru_cache(maxsize=2)(WordNet)  # the reader of a WordNet directory find_wordnet found, read once
 
 
 class EmbeddingNeighbours:
@@ -278,9 +261,6 @@ def _default_neighbours(top_k: int) -> EmbeddingNeighbours:
     return EmbeddingNeighbours(None, top_k=top_k)
 
 
-# --- the perturbations ---------------------------------------------------------------------------------------------
-
-
 def _core(token: str) -> str:
     """The word of a token, without its leading and trailing punctuation."""
     return _WORD.match(token).group(2)
@@ -304,15 +284,12 @@ def _typo(word: str, rng: np.random.Generator) -> str | None:
 
 
 class QueryNoise(pt.Transformer):
-    """Perturbs one word of every query (Sec. 4.5.2); ``query_0`` keeps the original (an existing ``query_0`` moves to
-    ``query_1``, as :func:`pyterrier.model.push_queries` does).
-
-    ``kind``: one of :data:`NOISE_TYPES` or the paper's abbreviation (SE/SP, WEI, WES, SR, RS, RD); ``seed`` with the
-    qid and query seeds each query. WEI/WES draw among the ``top_k`` neighbours in ``embedding_model`` (a model, its
-    path or an :class:`EmbeddingNeighbours`; default the packaged all-MiniLM-L6-v2); SR reads ``wordnet_dir``
-    (:func:`find_wordnet`); SE reads ``spelling_path`` (default NLPaug's) and, with ``spelling_fallback``, swaps two
-    inner letters when no word has a misspelling. ``stopwords`` are picked only when no other word can be.
-    """
+    """Perturbs one word of every query (Sec. 4.5.2); ``query_0`` keeps the original (as
+    :func:`pyterrier.model.push_queries`). ``kind``: one of :data:`NOISE_TYPES` or the paper's abbreviation; ``seed``
+    with the qid and query seeds each query. WEI/WES draw among the ``top_k`` neighbours in ``embedding_model`` (a
+    model, its path or an :class:`EmbeddingNeighbours`; default all-MiniLM-L6-v2); SR reads ``wordnet_dir``; SE reads
+    ``spelling_path`` (default NLPaug's), with ``spelling_fallback`` swapping two inner letters when no word has a
+    misspelling. ``stopwords`` are picked only when no other word can be."""
 
     def __init__(
         self,
@@ -359,7 +336,6 @@ class QueryNoise(pt.Transformer):
     def subtransformers(self) -> dict:
         return {}
 
-    # ---- one query ----------------------------------------------------------------------------------------
     def rng(self, qid: str, query: str) -> np.random.Generator:
         """The generator of one query: a function of (seed, type, qid, query) only."""
         digest = hashlib.sha256(f"{self.kind}\x00{qid}\x00{query}".encode()).digest()
@@ -377,13 +353,12 @@ class QueryNoise(pt.Transformer):
         rng = self.rng(str(qid), str(query))
         if not tokens:
             return str(query)
-        kind = self.kind
-        if kind == "random_delete":
+        if self.kind == "random_delete":
             if len(tokens) < 2:
                 return str(query)
             i = (self._pick(tokens, rng, lambda w: True) or rng.permutation(len(tokens)).tolist())[0]
             return " ".join(tokens[:i] + tokens[i + 1 :])
-        if kind == "random_swap":
+        if self.kind == "random_swap":
             pairs = [(i, j) for i in range(len(tokens)) for j in range(i + 1, len(tokens)) if tokens[i] != tokens[j]]
             if not pairs:
                 return str(query)
@@ -395,9 +370,9 @@ class QueryNoise(pt.Transformer):
             if not options:
                 continue
             new = options[int(rng.integers(len(options)))]
-            new = f"{tokens[i]} {new}" if kind == "wordemb_insert" else _recased(tokens[i], new)  # WEI: after the word
+            new = f"{tokens[i]} {new}" if self.kind == "wordemb_insert" else _recased(tokens[i], new)  # WEI: after it
             return self._replace(tokens, i, new)
-        if kind == "spelling" and self.spelling_fallback:
+        if self.kind == "spelling" and self.spelling_fallback:
             for i in self._pick(tokens, rng, lambda w: len(w) >= 4):
                 typo = _typo(_core(tokens[i]), rng)
                 if typo is not None:
@@ -406,9 +381,7 @@ class QueryNoise(pt.Transformer):
 
     def _has_options(self, word: str) -> bool:
         """Whether ``word`` may be picked: in the misspelling dictionary (SE) or the vocabulary (WEI/WES)."""
-        if self.kind == "synonym":
-            return True
-        return word.lower() in self._resource if self.kind == "spelling" else word in self._resource
+        return self.kind == "synonym" or word.lower() in self._resource
 
     def _options(self, word: str) -> list[str] | tuple[str, ...]:
         """The words that may replace (or, for WEI, follow) ``word``."""
@@ -422,17 +395,9 @@ class QueryNoise(pt.Transformer):
     def _replace(tokens: list[str], i: int, new: str) -> str:
         return " ".join(tokens[:i] + [new] + tokens[i + 1 :])
 
-    # ---- a frame ------------------------------------------------------------------------------------------
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        try:
-            pt.validate.query_frame(inp, extra_columns=["query"])
-        except pt.validate.InputValidationError as e:
-            raise pt.validate.InputValidationError(
-                "QueryNoise perturbs topics before retrieval: it needs a query frame with columns ['qid', 'query'] "
-                f"and no docno (got {list(inp.columns)}); apply it to the topics, e.g. "
-                "QueryNoise('SR') >> bm25.",
-                e.modes,
-            ) from e
+        hint = "apply it to topics (a query frame, no docno) before retrieval, e.g. QueryNoise('SR') >> bm25"
+        validate_columns(self, inp, ["query"], hint, rerank=False)
         out = pt.model.push_queries(inp.reset_index(drop=True))
         out["query"] = [self.perturb(q, qid) for qid, q in zip(out["qid"].astype(str), out["query_0"])]
         return out

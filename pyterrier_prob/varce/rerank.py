@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pyterrier as pt
 
+from pyterrier_prob.dense import validate_columns
 from pyterrier_prob.validation import check_ids, check_texts
 from st_extensions import load_model
 from st_extensions.checks import finite_float, positive_int
@@ -28,15 +29,10 @@ def risk_adjusted(mean: np.ndarray, std: np.ndarray, risk: float) -> np.ndarray:
 
 class VarCrossEncoderReranker(pt.Transformer):
     """Re-scores a result frame (``qid, query, docno`` and ``text_field``) with a VarCrossEncoder, each query's best
-    first: ``score_mean`` = E[s] (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk
-    * score_std (logits) and ``rank`` (from 0; ties keep the input order). A missing or non-str query / text is a
-    ValueError naming the column, row and qid / docno (never scored as an empty text).
-
-    ``model``: a VarCrossEncoder or its path; for a path, ``backend`` (``"torch"``, ``"onnx"``, ``"openvino"``),
-    ``precision`` (``"fp32"``, ``"int8"``) and ``backend_options`` (``num_threads``, ``calibration_pairs``) go to
-    :func:`st_extensions.cross_encoder.load_cross_encoder` (docs/varce.md, "Fast CPU inference"); given with an
-    already loaded model they are a ValueError.
-    """
+    first: ``score_mean`` = E[s] (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk *
+    score_std and ``rank`` (from 0; ties keep the input order); a missing or non-str query / text is a ValueError.
+    ``model``: a VarCrossEncoder or its path, loaded by :func:`st_extensions.cross_encoder.load_cross_encoder` with
+    ``backend``, ``precision`` and ``backend_options`` (docs/varce.md, "Fast CPU inference")."""
 
     def __init__(
         self,
@@ -58,8 +54,7 @@ class VarCrossEncoderReranker(pt.Transformer):
                 )
         else:
             options = (("backend", backend), ("precision", precision), ("backend_options", backend_options))
-            given = [name for name, value in options if value is not None]
-            if given:
+            if given := [name for name, value in options if value is not None]:
                 raise ValueError(
                     f"{', '.join(given)} apply to a model given by path; this model is already loaded: pass its path, "
                     "or load it with st_extensions.cross_encoder.load_cross_encoder(path, backend=..., precision=...)"
@@ -90,17 +85,8 @@ class VarCrossEncoderReranker(pt.Transformer):
         return {}
 
     def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        cols = ["query", self.text_field]
-        try:
-            pt.validate.result_frame(inp, extra_columns=cols)
-        except pt.validate.InputValidationError as e:
-            missing = sorted({c for m in e.modes for c in m.missing_columns})
-            raise pt.validate.InputValidationError(
-                f"VarCrossEncoderReranker needs a candidate frame with columns ['qid', 'docno', 'query', "
-                f"{self.text_field!r}]; missing {missing}: add the document text with dataset.text_loader() "
-                f"(or pt.text.get_text(dataset, {self.text_field!r})) before the re-ranker.",
-                e.modes,
-            ) from e
+        how = f"dataset.text_loader() (or pt.text.get_text(dataset, {self.text_field!r}))"
+        validate_columns(self, inp, ["query", self.text_field], f"add the document text with {how} before it", True)
         inp = inp.reset_index(drop=True)
         base = inp.drop(columns=["score", "rank", "score_mean", "score_std"], errors="ignore")
         check_ids(inp, ["qid", "docno"], "VarCrossEncoderReranker")

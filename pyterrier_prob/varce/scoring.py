@@ -29,14 +29,10 @@ def _no_bar(iterable: Iterable[Any], desc: str, total: int | None = None, unit: 
 
 
 class PairScorer:
-    """Scores (query, document) pairs with one re-ranker, each distinct (collection, query, docno) once: a
-    VarCrossEncoder through :class:`~pyterrier_prob.varce.VarCrossEncoderReranker` (E[s], Eq. 22; std[s], Eq. 23),
-    any other CrossEncoder through ``predict`` as logits (std NaN).
-
-    ``cache_path``: a TSV the scores are appended to, read back when its first line holds the same ``fingerprint``
-    (None: memory only); ``fresh``: start it afresh (a run without ``--reuse``); ``progress``: ``(iterable, desc,
-    total, unit) -> iterable`` (e.g. ``Harness.progress``).
-    """
+    """Scores (query, document) pairs with one re-ranker, each distinct (collection, query, docno) once: E[s] and std[s]
+    (Eq. 22-23) of a VarCrossEncoder, logits (std NaN) of another CrossEncoder. ``cache_path``: a TSV of the scores,
+    read back when its first line holds the same ``fingerprint`` (``fresh``: started afresh); ``progress``: ``(iterable,
+    desc, total, unit) -> iterable``."""
 
     def __init__(
         self,
@@ -144,15 +140,14 @@ class SharedLayers:
         """Score, in one pass for all re-rankers, the candidate pairs that some scorer has not scored yet."""
         part = unscored(collection, cand, scorers.values())
         names = [n for n in scorers if n in self.models]
+        models = [self.models[n] for n in names]
         starts = range(0, len(part), SCORE_CHUNK * 4)
         bar = self.progress(starts, f"scoring {', '.join(names)} (shared lower layers)", len(starts), "chunk")
         for start in bar if len(part) else ():
             p = part.iloc[start : start + SCORE_CHUNK * 4]
             t0 = time.perf_counter()
             pairs = list(zip(p["query"], p["text"]))
-            out = predict_sharing_layers(
-                [self.models[n] for n in names], pairs, self.frozen, batch_size=self.batch_size
-            )
+            out = predict_sharing_layers(models, pairs, self.frozen, batch_size=self.batch_size)
             seconds = (time.perf_counter() - t0) / len(names)
             for n, (mean, std) in zip(names, out):
                 std = np.full(len(p), math.nan) if std is None else std

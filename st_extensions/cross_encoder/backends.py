@@ -1,10 +1,7 @@
-"""Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8.
-
-:func:`load_cross_encoder` runs the feature-extraction ``Transformer`` on the runtime while pooling and head stay in
-torch, so ``predict(pairs, return_std=True)`` gives E[s] and sqrt(W^T Sigma W) (VarCE Eq. 22-23) on every backend.
-Exports are made once, atomically, in the model folder (``onnx/``, ``openvino/``, sentence-transformers' layout) and
-anew when the torch weights change; details and why not Optimum: ``docs/varce.md`` (fast CPU inference).
-"""
+"""Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8, while pooling and
+head stay in torch (so ``predict(pairs, return_std=True)``, VarCE Eq. 22-23, works on every backend). Exports are made
+once, atomically, in the model folder (sentence-transformers' layout), anew when the torch weights change; details
+and why not Optimum: ``docs/varce.md`` (fast CPU inference)."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -76,8 +72,7 @@ def _check_choices(backend: Any, precision: Any) -> tuple[str, str]:
 
 
 def _require(backend: str, precision: str, packages: Sequence[str]) -> None:
-    """An ImportError naming the extra to install when one of ``packages`` (what ``backend`` needs to run, or to
-    make its export) is missing."""
+    """An ImportError naming the extra to install when one of ``packages`` is missing."""
     for name in packages:
         try:
             __import__(name)
@@ -123,8 +118,7 @@ def _backbone(model: CrossEncoder) -> Transformer:
 
 
 def _example_inputs(model: CrossEncoder) -> dict[str, torch.Tensor]:
-    """Two tokenised pairs of different lengths (the shorter one padded), as ``predict`` tokenises them: an example
-    with padding, so that the export traces the attention-mask path."""
+    """Two pairs tokenised as ``predict`` does, the shorter padded: the export traces the attention-mask path."""
     features = model.preprocess([("query one two", "a document of some words"), ("query", "document")])
     names = [n for n in INPUT_NAMES if n in features]
     if "input_ids" not in names or "attention_mask" not in names:
@@ -147,12 +141,10 @@ def _quiet_exporter() -> Iterator[None]:
     logging.getLogger().addFilter(_drop_quantizer_advice)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            # the TorchScript tracer's notes on BERT's mask code: the padding branch it freezes is never taken for an
-            # encoder (key length = mask length), and the index op's negative indices do not occur; the tests check
-            # the export against torch on batches with padding
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            # the tracer's notes on BERT's mask code: the padding branch it freezes is never taken for an encoder (key
+            # length = mask length), the index op's negative indices do not occur (tests compare on padded batches)
+            for category in (FutureWarning, DeprecationWarning, torch.jit.TracerWarning):
+                warnings.simplefilter("ignore", category)
             warnings.filterwarnings("ignore", message="Exporting aten::index operator", category=UserWarning)
             yield
     finally:
@@ -163,8 +155,7 @@ def _quiet_exporter() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _eager_attention(encoder: nn.Module) -> Iterator[None]:
-    """Run the encoder with the eager attention while it is exported: its MatMul-Softmax-MatMul graph is the pattern
-    ONNX Runtime's BERT optimiser fuses into one ``Attention`` op (SDPA exports into a masked softmax it does not)."""
+    """Eager attention while exporting: its MatMul-Softmax-MatMul is what ONNX Runtime fuses (SDPA's graph is not)."""
     before = getattr(getattr(encoder, "config", None), "_attn_implementation", None)
     setter = getattr(encoder, "set_attn_implementation", None)
     if setter is None or before in (None, "eager"):
@@ -211,8 +202,7 @@ def _read_info(folder: str) -> dict[str, Any]:
 
 
 def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
-    """Whether the export ``rel`` exists and was made from the current torch weights. An export with no record
-    (put there by another tool, e.g. Optimum) is trusted as it is."""
+    """Whether the export ``rel`` exists and was made from the current weights (one without a record is trusted)."""
     file = os.path.join(path, rel)
     if not os.path.isfile(file) or (file.endswith(".xml") and not os.path.isfile(file[:-4] + ".bin")):
         return False
@@ -228,8 +218,7 @@ def _is_fresh(path: str, rel: str, sha: dict[str, str]) -> bool:
 
 @contextlib.contextmanager
 def _locked(folder: str, shared: bool = False) -> Iterator[None]:
-    """The flock of ``folder/.export.lock``: exclusive for a writer, which creates the folder; shared for a reader
-    while it loads the files (so that it never reads an OpenVINO ``.xml`` with another export's ``.bin``)."""
+    """Flock ``folder/.export.lock``: exclusive to write (makes the folder); shared to read (no .xml + new .bin)."""
     if not shared:
         try:
             os.makedirs(folder, exist_ok=True)
@@ -244,8 +233,7 @@ def _locked(folder: str, shared: bool = False) -> Iterator[None]:
 
 
 def _install(tmp: str, folder: str, main: str) -> None:
-    """Move every file written into ``tmp`` into ``folder`` (fsync, 0644, ``os.replace``), ``main`` last: a reader
-    that finds ``main`` finds its companions (an OpenVINO ``.bin``, an ONNX external-data file) complete."""
+    """Move ``tmp``'s files into ``folder`` (fsync, 0644, ``os.replace``), ``main`` last: its companions come first."""
     names = sorted(os.listdir(tmp), key=lambda n: (n == main, n))
     if main not in names:
         raise RuntimeError(f"the exporter wrote no {main!r} (wrote {names})")
@@ -259,15 +247,11 @@ def _install(tmp: str, folder: str, main: str) -> None:
         os.replace(src, os.path.join(folder, name))
 
 
-def _record(path: str, rel: str, extra: dict[str, Any] | None = None) -> None:
+def _record(path: str, rel: str, extra: dict[str, Any]) -> None:
     folder, name = os.path.split(os.path.join(path, rel))
     info = _read_info(folder)
-    info[name] = {
-        "weights_sha256": _weights_sha256(path),
-        "weights_stat": _weights_stat(path),
-        "torch": torch.__version__,
-        **(extra or {}),
-    }
+    stamp = {"weights_sha256": _weights_sha256(path), "weights_stat": _weights_stat(path), "torch": torch.__version__}
+    info[name] = {**stamp, **extra}
     atomic_write(os.path.join(folder, INFO_FILE), lambda f: f.write(json.dumps(info, indent=2).encode("utf8")))
 
 
@@ -284,8 +268,7 @@ def _export_onnx_fp32(path: str, model: CrossEncoder, tmp: str, main: str, pairs
         open(os.devnull, "w") as null,
         contextlib.redirect_stdout(null),
     ):
-        # the TorchScript exporter: its graph of BERT is the one ONNX Runtime's optimiser and quantiser know
-        # (fused attention, GELU and skip layer norms at load time), 1.2-1.4x the dynamo export's speed on CPU
+        # the TorchScript exporter: its BERT graph is the one ONNX Runtime fuses and quantises (docs/varce.md)
         torch.onnx.export(
             _EncoderFunction(encoder),
             (),
@@ -307,9 +290,7 @@ def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) ->
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
     source = os.path.join(path, FILES["onnx", "fp32"])
-    # signed int8 weights, per output channel, uint8 activations quantised at run time: ONNX Runtime's u8s8 integer
-    # GEMM, the fast one on AVX2 without VNNI (Optimum's avx2 config, uint8 weights, runs the u8u8 kernel: 1.3-1.7x
-    # torch fp32 on 2 AVX2 cores against 2.5-2.9x here)
+    # signed int8 weights per channel, uint8 activations at run time: the fast u8s8 kernels on AVX2 (docs/varce.md)
     with _quiet_exporter():
         quantize_dynamic(
             source,
@@ -327,20 +308,18 @@ def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) ->
 def _export_openvino_fp32(path: str, model: Any, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
     import openvino as ov
 
-    ov.save_model(
-        ov.convert_model(os.path.join(path, FILES["onnx", "fp32"])), os.path.join(tmp, main), compress_to_fp16=False
-    )
+    converted = ov.convert_model(os.path.join(path, FILES["onnx", "fp32"]))
+    ov.save_model(converted, os.path.join(tmp, main), compress_to_fp16=False)
     return {"exporter": f"openvino.convert_model({FILES['onnx', 'fp32']})"}
 
 
 def _calibration_items(model: CrossEncoder, pairs: Sequence[Sequence[str]]) -> list[dict[str, np.ndarray]]:
-    items = []
-    for pair in list(pairs)[:MAX_CALIBRATION_PAIRS]:
+    pairs = list(pairs)[:MAX_CALIBRATION_PAIRS]
+    for pair in pairs:
         if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
             raise ValueError(f"calibration_pairs must be (query, document) pairs of str, got {pair!r:.80}")
-        features = model.preprocess([tuple(pair)])
-        items.append({n: features[n].numpy() for n in INPUT_NAMES if n in features})
-    return items
+    features = [model.preprocess([tuple(pair)]) for pair in pairs]
+    return [{n: f[n].numpy() for n in INPUT_NAMES if n in f} for f in features]
 
 
 def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
@@ -348,13 +327,6 @@ def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
     for q, d in list(pairs)[:MAX_CALIBRATION_PAIRS]:
         digest.update(q.encode() + b"\0" + d.encode() + b"\0")
     return digest.hexdigest()
-
-
-_NO_CALIBRATION = (
-    "backend='openvino', precision='int8' quantises statically and needs calibration data the first time: pass "
-    "calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score; sentence-transformers' "
-    "static export would download GLUE/SST-2 instead: offline unreachable, and single sentences)"
-)
 
 
 def _export_openvino_int8(
@@ -382,9 +354,8 @@ def _export_openvino_int8(
     }
 
 
-#: per export: the export it is made from (None: the torch encoder, exported to ONNX once), what making it needs (the
-#: ONNX export runs torch's exporter, which needs onnxscript) and how it is made (``(model folder, torch model,
-#: temporary folder, file name, calibration pairs) -> record``)
+#: per export: the export it is made from (None: the torch encoder), the packages making it needs and how it is made
+#: (``(model folder, torch model, temporary folder, file name, calibration pairs) -> record``)
 _STEPS: dict[tuple[str, str], tuple[tuple[str, str] | None, tuple[str, ...], Callable[..., dict[str, Any]]]] = {
     ("onnx", "fp32"): (None, ("onnx", "onnxscript"), _export_onnx_fp32),
     ("onnx", "int8"): (("onnx", "fp32"), ("onnxruntime", "onnx"), _export_onnx_int8),
@@ -402,19 +373,16 @@ def export_backbone(
     calibration_pairs: Sequence[Sequence[str]] | None = None,
 ) -> str:
     """Make the export that :func:`load_cross_encoder` runs (``backend`` onnx / openvino, ``precision``) once; its path.
-
-    A fresh export (made from the current torch weights) is kept, a missing or stale one written atomically, the chain
-    torch -> ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``).
-    ``model``: ``path``'s model on torch (else loaded); ``calibration_pairs``: (query, document) pairs (first 300),
-    needed when OpenVINO int8 is made. ValueError for bad choices or torch; ImportError naming the extra to install.
-    """
+    A fresh export (of the current torch weights) is kept, a missing or stale one written atomically, the chain torch ->
+    ONNX fp32 -> {ONNX int8, OpenVINO fp32 -> OpenVINO int8} made as far as needed (``docs/varce.md``). ``model``:
+    ``path``'s model on torch (else loaded); ``calibration_pairs``: (query, document) pairs (first 300), needed when
+    OpenVINO int8 is made. ValueError for bad choices or torch; ImportError naming the extra to install."""
     path = os.path.abspath(os.fspath(path))
     backend, precision = _check_choices(backend, precision)
     if backend == "torch":
         raise ValueError("backend='torch' needs no export: pass backend='onnx' or 'openvino'")
-    rel = FILES[backend, precision]
+    rel, sha = FILES[backend, precision], {}
     target = os.path.join(path, rel)
-    sha: dict[str, str] = {}
     folder, main = os.path.split(target)
     if _is_fresh(path, rel, sha):
         recorded = (_read_info(folder).get(main) or {}).get("calibration_sha256")  # openvino int8 only
@@ -426,7 +394,12 @@ def export_backbone(
             )
         return target
     if (backend, precision) == ("openvino", "int8") and not calibration_pairs:
-        raise ValueError(_NO_CALIBRATION)  # before exporting anything
+        raise ValueError(  # before exporting anything
+            "backend='openvino', precision='int8' quantises statically and needs calibration data the first time: "
+            "pass calibration_pairs=[(query, document), ...] (up to 300 pairs like those you will score; "
+            "sentence-transformers' static export would download GLUE/SST-2 instead: offline unreachable, and single "
+            "sentences)"
+        )
     steps, step = [], (backend, precision)
     while step is not None and (step == (backend, precision) or not _is_fresh(path, FILES[step], {})):
         steps.append(step)
@@ -443,21 +416,16 @@ def export_backbone(
         if os.path.exists(target):
             logger.warning("%s was made from other torch weights than %s's: exporting it anew", rel, path)
         logger.info("exporting the backbone of %s to %s (%s)", path, rel, precision)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=folder)
-        try:
+        with tempfile.TemporaryDirectory(prefix=".export-", dir=folder, ignore_cleanup_errors=True) as tmp:
             extra = make(path, model, tmp, main, calibration_pairs)
             _install(tmp, folder, main)
             _record(path, rel, extra)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
 class RuntimeBackbone(nn.Module):
     """Stands in for the Hugging Face encoder in a ``Transformer``: runs an ONNX Runtime session or OpenVINO compiled
-    model on ``file`` and returns ``{"last_hidden_state": float32 CPU tensor}``; ``config`` is the encoder's. Cannot be
-    saved.
-    """
+    model on ``file`` returning ``{"last_hidden_state": float32 CPU tensor}``; ``config``: the encoder's. Unsaveable."""
 
     def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
         super().__init__()
@@ -482,8 +450,7 @@ class RuntimeBackbone(nn.Module):
             self.input_names = tuple(p.get_any_name() for p in compiled.inputs)
         else:
             raise ValueError(f"backend must be 'onnx' or 'openvino', got {backend!r}")
-        unknown = sorted(set(self.input_names) - set(INPUT_NAMES))
-        if unknown:
+        if unknown := sorted(set(self.input_names) - set(INPUT_NAMES)):
             raise ValueError(f"{file} takes inputs {unknown} that a cross-encoder's tokenizer does not give")
 
     @property
@@ -498,8 +465,7 @@ class RuntimeBackbone(nn.Module):
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
-        missing = [name for name in self.input_names if given[name] is None]
-        if missing:
+        if missing := [name for name in self.input_names if given[name] is None]:
             raise ValueError(f"{self.file} needs the input {missing[0]!r}, which the tokenizer did not give")
         feeds = {n: np.ascontiguousarray(given[n].detach().cpu().numpy(), dtype=np.int64) for n in self.input_names}
         if self.backend == "onnx":
@@ -539,12 +505,10 @@ def load_cross_encoder(
 ) -> CrossEncoder:
     """Load a saved cross-encoder (plain or :class:`~st_extensions.cross_encoder.VarCrossEncoder`) with its backbone on
     ``backend`` (``"torch"``, or ``"onnx"`` / ``"openvino"`` on CPU) in ``precision`` (``"fp32"``; ``"int8"``: onnx
-    dynamic, openvino static on ``calibration_pairs``). Pooling and head stay in torch, so ``predict(pairs,
-    return_std=True)`` (Eq. 22-23) works on every backend. The first load exports the backbone into the (writable) model
-    folder (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval
-    mode; one with a runtime backbone cannot be saved. ValueError / ImportError as :func:`export_backbone`, or a non-CPU
-    device.
-    """
+    dynamic, openvino static on ``calibration_pairs``); pooling and head stay in torch (``predict(pairs,
+    return_std=True)``, Eq. 22-23). The first load exports the backbone into the (writable) model folder
+    (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval mode
+    (not saveable with a runtime backbone)."""
     backend, precision = _check_choices(backend, precision)
     path = os.path.abspath(os.fspath(path))
     positive_int("num_threads", num_threads, allow_none=True)

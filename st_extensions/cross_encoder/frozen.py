@@ -1,7 +1,6 @@
 """Frozen-backbone training of a cross-encoder's head on cached [CLS] features, each (query, document) pair through
 the backbone once: :func:`cached_cross_encoder` returns a CrossEncoder of :class:`CachedPairFeatures` and the very
-same head (shared), so training it trains the full model's head in place.
-"""
+same head (shared), so training it trains the full model's head in place."""
 
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ __all__ = ["CachedPairFeatures", "build_cross_encoder", "cached_cross_encoder", 
 
 class CachedPairFeatures(CachedEmbeddings):
     """:class:`~st_extensions.frozen.CachedEmbeddings` keyed by (query, document) pairs (tuples or lists): writes each
-    pair's cached [CLS] vector as ``sentence_embedding``; ``encoder`` computes missing ones (else ``KeyError``).
-
-    Single texts (the model card's per-column measure) preprocess to no features and cannot be scored. Cannot be saved.
-    """
+    pair's cached [CLS] vector as ``sentence_embedding``; ``encoder`` computes missing ones (else ``KeyError``). Single
+    texts (the model card's per-column measure) preprocess to no features and cannot be scored. Cannot be saved."""
 
     def __init__(self, pairs: Sequence[Any], embeddings: Tensor, encoder: CrossEncoder | None = None) -> None:
         super().__init__([pair_key(p) for p in pairs], embeddings, encoder)
@@ -56,8 +53,7 @@ class CachedPairFeatures(CachedEmbeddings):
 
 def pair_prefix_length(model: BaseModel) -> int:
     """Number of leading modules of cross-encoder ``model`` (a ``Transformer`` through the first ``Pooling``) making the
-    features its head reads; ValueError without such a pooling or a head after it (use :func:`build_cross_encoder`).
-    """
+    features its head reads; ValueError without such a pooling or a head after it (use :func:`build_cross_encoder`)."""
     modules = list(model)
     k = next((i + 1 for i, m in enumerate(modules) if isinstance(m, Pooling)), None)
     if k is None or not isinstance(modules[0], Transformer) or k == len(modules):
@@ -74,8 +70,7 @@ def encode_pairs(
     model: BaseModel, pairs: Sequence[Any], batch_size: int = 64, show_progress_bar: bool = False
 ) -> Tensor:
     """The pooled [CLS] vectors of ``pairs`` under ``model``'s frozen prefix in eval mode, tokenised as ``predict`` does
-    and batched longest first: ``(len(pairs), dim)`` float32 on CPU, in order.
-    """
+    and batched longest first: ``(len(pairs), dim)`` float32 on CPU, in order."""
     prefix = list(model)[: pair_prefix_length(model)]
     pairs = [pair_key(p) for p in pairs]
     if not pairs:
@@ -98,19 +93,14 @@ def cached_cross_encoder(
     batch_size: int = 64,
     show_progress_bar: bool = False,
 ) -> CrossEncoder:
-    """A CrossEncoder of ``model``'s class made of :class:`CachedPairFeatures` for ``pairs`` and ``model``'s head
-    (shared).
-
-    ``cache``: one of the same frozen backbone and ``max_seq_length`` to reuse and extend (another gives wrong
-    features). Unseen pairs go through ``model``'s prefix on first use; ``predict`` gives ``model.predict``'s scores and
-    training updates ``model``'s head only.
-    """
+    """A CrossEncoder of ``model``'s class made of :class:`CachedPairFeatures` for ``pairs`` and ``model``'s (shared)
+    head. ``cache``: one of the same frozen backbone and ``max_seq_length`` to reuse and extend. Unseen pairs go through
+    ``model``'s prefix on first use; ``predict`` gives ``model.predict``'s scores, training updates ``model``'s head."""
     k = pair_prefix_length(model)
     cache = CachedPairFeatures([], torch.zeros(0), encoder=model) if cache is None else cache
     if cache.encoder[0] is None:
         cache.encoder[0] = model
-    new = cache.missing([pair_key(p) for p in pairs])
-    if new:
+    if new := cache.missing([pair_key(p) for p in pairs]):
         cache.extend(new, encode_pairs(model, new, batch_size=batch_size, show_progress_bar=show_progress_bar))
     return type(model)(modules=[cache, *list(model)[k:]], device=str(model.device), activation_fn=model.activation_fn)
 
@@ -118,13 +108,9 @@ def cached_cross_encoder(
 def build_cross_encoder(
     base_model: str | BaseModel | None = None, max_seq_length: int | None = None, device: str | None = None
 ) -> CrossEncoder:
-    """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` writing ``"scores"``.
-
-    The same ``Transformer`` + ``Pooling`` as :func:`~st_extensions.cross_encoder.build_var_cross_encoder` (same
-    arguments), so both train on the same cached features; a plain ``CrossEncoder`` (sigmoid in ``predict``).
-    """
+    """The plain cross-encoder baseline: backbone -> [CLS] -> ``Dense(d, 1)`` (a ``CrossEncoder``, sigmoid in
+    ``predict``), of the same backbone as :func:`build_var_cross_encoder` (same arguments): both train on one cache."""
     backbone = build_var_cross_encoder(base_model, variant="VAR", max_seq_length=max_seq_length, device=device)
     transformer, pooling = backbone[0], backbone[1]
-    dim = pooling.get_embedding_dimension()
-    head = Dense(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
+    head = Dense(pooling.get_embedding_dimension(), 1, activation_function=nn.Identity(), module_output_name="scores")
     return CrossEncoder(modules=[transformer, pooling, head], device=str(backbone.device))

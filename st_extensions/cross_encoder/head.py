@@ -1,11 +1,6 @@
-"""The VarCrossEncoder head: the [CLS] embedding t -> a diagonal Gaussian N(mu(t), Sigma(t)) -> a relevance score.
-
-VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3.2) maps t to a Gaussian over a K-dimensional latent
-(Eq. 3) with one of three modules: ``VAR`` (mu = [CLS], a learned diag Sigma), ``MEANVAR`` (both learned, K free)
-or ``MEAN`` (Sigma read off [CLS], a learned mu). A linear decoder scores a latent, s = z^T W (+ b) (Eq. 7-8): a
-reparameterised sample in training (Eq. 5-6), and at inference E[s] = mu^T W (+ b) and Var[s] = W^T Sigma W in
-closed form (Eq. 22-23).
-"""
+"""The VarCrossEncoder head (``shared/papers/var-cross-encoder.md``, Sec. 3.2): the [CLS] embedding t -> a diagonal
+Gaussian over a K-dimensional latent (Eq. 3; modules ``VAR``: mu = [CLS], ``MEANVAR``: both learned, ``MEAN``: Sigma
+read off [CLS]) -> a linear score s = z^T W (+ b) (Eq. 7-8), sampled in training, in closed form at inference."""
 
 from __future__ import annotations
 
@@ -25,15 +20,13 @@ SCORE_VAR_KEY = "score_var"
 
 
 class VariationalHead(SafetensorsModule):
-    """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23).
-
-    Reads the [CLS] embedding t and writes ``latent_mean`` / ``latent_var`` (mu(t), diag Sigma(t), ``(batch, K)``),
+    """Probabilistic module + linear ranker of VarCrossEncoder (Sec. 3.2.1-3.2.2, Eq. 3-8, 22-23): reads the [CLS]
+    embedding t and writes ``latent_mean`` / ``latent_var`` (mu(t), diag Sigma(t), ``(batch, K)``),
     ``scores`` (training: a reparameterised sample ``(mu + Sigma^(1/2) eps)^T W + b``, Eq. 5, 8; eval: ``mu^T W + b``,
     Eq. 22) and ``score_var`` (``W^T Sigma W``, Eq. 23). log Sigma (in ``MEAN`` the embedding itself) is clamped to
     ``[min_log_var, max_log_var]``; the variance branch starts at zero weights and bias ``init_log_var`` (Sigma = I).
     ``variant``: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"``; ``latent_dim`` K must equal ``in_features`` except for
-    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate).
-    """
+    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate)."""
 
     config_keys: list[str] = [
         "in_features", "variant", "latent_dim", "bias", "init_log_var", "min_log_var", "max_log_var",
@@ -84,12 +77,7 @@ class VariationalHead(SafetensorsModule):
 
     def distribution(self, cls_embedding: Tensor) -> tuple[Tensor, Tensor]:
         """``(mu, diag Sigma)``, each ``(batch, K)``, of p(z | t) (Eq. 3) for [CLS] embeddings ``(batch, d)``."""
-        if cls_embedding.ndim != 2 or cls_embedding.shape[-1] != self.in_features:
-            raise ValueError(
-                f"VariationalHead expects [CLS] embeddings of shape (batch, {self.in_features}), got "
-                f"{tuple(cls_embedding.shape)}: the head was built for another hidden size"
-            )
-        t = cls_embedding.to(self.decoder.weight.dtype)
+        t = self._checked_embeddings(cls_embedding, self.in_features, "[CLS] embeddings")
         mean = t if self.mean_branch is None else self.mean_branch(t)
         log_var = t if self.var_branch is None else self.var_branch(t)
         return mean, torch.exp(log_var.clamp(self.min_log_var, self.max_log_var))

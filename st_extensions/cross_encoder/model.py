@@ -1,9 +1,6 @@
-"""VarCrossEncoder: a CrossEncoder whose score is a Gaussian (``shared/papers/var-cross-encoder.md``, Sec. 3).
-
-``[CLS] q [SEP] d [SEP]`` -> backbone (Eq. 1-2) -> CLS pooling -> :class:`VariationalHead` (Eq. 3-8), from stock
-sentence-transformers modules plus our head, so trainer, losses, ``predict`` and ``rank`` work as for any
-CrossEncoder; :meth:`VarCrossEncoder.predict` adds ``return_std=True``.
-"""
+"""VarCrossEncoder (``shared/papers/var-cross-encoder.md``, Sec. 3): ``[CLS] q [SEP] d [SEP]`` -> backbone (Eq. 1-2) ->
+CLS pooling -> :class:`VariationalHead` (Eq. 3-8): stock sentence-transformers modules plus our head, so trainer,
+losses, ``predict`` and ``rank`` work as for any CrossEncoder; ``predict`` adds ``return_std=True``."""
 
 from __future__ import annotations
 
@@ -45,12 +42,9 @@ def find_var_head(model: torch.nn.Module) -> VariationalHead:
 
 
 class VarCrossEncoder(CrossEncoder):
-    """A :class:`~sentence_transformers.CrossEncoder` ending in a :class:`VariationalHead` (VarCrossEncoder, Sec. 3).
-
-    Build with :func:`build_var_cross_encoder`, load with :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``
-    (no ``trust_remote_code`` for our head). Scores are logits (identity ``activation_fn``); ``predict`` returns
-    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23).
-    """
+    """A :class:`~sentence_transformers.CrossEncoder` ending in a :class:`VariationalHead` (VarCrossEncoder, Sec. 3),
+    loaded by :func:`st_extensions.load_model` or ``VarCrossEncoder(path)``. Its scores are logits; ``predict`` returns
+    E[s] = mu^T W + b (Eq. 22), with ``return_std=True`` also sqrt(W^T Sigma W) (Eq. 23)."""
 
     _module_classes = {f"{VariationalHead.__module__}.{VariationalHead.__name__}": VariationalHead}
 
@@ -67,10 +61,9 @@ class VarCrossEncoder(CrossEncoder):
         return find_var_head(self)
 
     def predict(self, inputs: Sequence[Any] | Any, *args: Any, return_std: bool = False, **kwargs: Any) -> Any:
-        """:meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`; with ``return_std`` ``(scores,
-        stds)`` (Eq. 22-23, logit scale; floats for one pair), refused with a non-identity ``activation_fn``, ``pool``
-        or devices.
-        """
+        """As :meth:`CrossEncoder.predict <sentence_transformers.CrossEncoder.predict>`; ``return_std``: ``(scores,
+        stds)`` (Eq. 22-23, logits; floats for one pair), refused with a non-identity ``activation_fn``, pool or
+        devices."""
         if not return_std:
             return super().predict(inputs, *args, **kwargs)
         call = inspect.signature(CrossEncoder.predict).bind(self, inputs, *args, **kwargs)
@@ -128,12 +121,9 @@ def build_var_cross_encoder(
     device: str | None = None,
     **head_kwargs: Any,
 ) -> VarCrossEncoder:
-    """A VarCrossEncoder: backbone -> [CLS] -> :class:`VariationalHead` (``variant`` ``VAR``, ``MEANVAR`` or ``MEAN``).
-
-    ``base_model``: an encoder name / path, a sentence-transformers folder (default the packaged all-MiniLM-L6-v2) or a
-    loaded model (copied); ``latent_dim`` K (``MEANVAR`` only); ``max_seq_length`` of query + document;
-    ``**head_kwargs`` go to the head. The head is new, the backbone pre-trained.
-    """
+    """A VarCrossEncoder: backbone -> [CLS] -> a new :class:`VariationalHead` (``variant``, ``latent_dim`` K for
+    MEANVAR, ``**head_kwargs``); ``base_model``: an encoder name / path, a sentence-transformers folder (default the
+    packaged all-MiniLM-L6-v2) or a loaded model (copied); ``max_seq_length``: of query + document."""
     base_model = default_model_path() if base_model is None else base_model
     if isinstance(base_model, str):
         transformer = Transformer(base_model, transformer_task="feature-extraction", max_seq_length=max_seq_length)
@@ -170,10 +160,8 @@ def predict_sharing_layers(
     show_progress_bar: bool = False,
 ) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """Score ``pairs`` with cross-encoders sharing their embeddings and lower ``frozen_layers`` layers (same
-    :func:`state_fingerprint`, e.g. partial-recipe models of one backbone): each batch runs the shared layers once,
-    then each model's top layers and head. Per model ``(scores, stds)`` float32 in pair order (``stds`` None without a
-    score variance), equal to its ``predict`` logits up to float rounding.
-    """
+    :func:`state_fingerprint`), running the shared layers once per batch: per model ``(scores, stds)`` float32 in pair
+    order (``stds`` None without a score variance), its ``predict`` logits up to float rounding."""
     models = list(models)
     if not models:
         raise ValueError("predict_sharing_layers needs at least one model")
@@ -182,8 +170,7 @@ def predict_sharing_layers(
     num_layers = len(check_partial_transformer(transformers[0]).encoder.layer)
     frozen = check_layers("frozen_layers", frozen_layers, 0, num_layers - 1, num_layers)
     prints = [state_fingerprint(t, frozen) for t in transformers]  # also checks every model can be split
-    differ = [i for i, p in enumerate(prints) if p != prints[0]]
-    if differ:
+    if differ := [i for i, p in enumerate(prints) if p != prints[0]]:
         raise ValueError(
             f"models {differ} do not share the embeddings, lower {frozen} layers, tokenizer or settings of model 0: "
             "score them separately"

@@ -1,9 +1,7 @@
-"""A split-attention cross-encoder (PreTTR, MacAvaney et al., SIGIR 2020) started from a bi-encoder.
-
-The lower ``L - joint_layers`` layers read query and document apart (cacheable per text), the top ``joint_layers``
-read them together; :class:`SegmentInteraction`'s feature sums to their cosine, so a head of weights
-``scale / hidden`` starts as ``scale * cos``, close to the bi-encoder (``docs/varce.md``).
-"""
+"""A split-attention cross-encoder (PreTTR, MacAvaney et al., SIGIR 2020) started from a bi-encoder. The lower ``L -
+joint_layers`` layers read query and document apart (cacheable per text), the top ``joint_layers`` read them together;
+:class:`SegmentInteraction`'s feature sums to their cosine, so a head of weights ``scale / hidden`` starts as ``scale *
+cos``, close to the bi-encoder (``docs/varce.md``)."""
 
 from __future__ import annotations
 
@@ -69,12 +67,9 @@ class LinearScoreHead(Dense):
 @register_module
 class SplitTransformer(Transformer):
     """A BERT ``Transformer`` whose lower layers read query and document apart and whose top ``joint_layers`` read them
-    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0).
-
-    ``forward`` runs (or reads from ``state_cache``, set by :func:`split_state_cache`, not saved) each side's lower
-    layers, joins them and writes ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask``. Single
-    texts run the plain ``Transformer`` forward.
-    """
+    together (PreTTR), with a learned query-document attention logit starting at ``init_cross_bias`` (<= 0); it writes
+    ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask`` (lower layers from ``state_cache`` when
+    :func:`split_state_cache` set one). Single texts run the plain ``Transformer`` forward."""
 
     config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias"]
 
@@ -167,8 +162,7 @@ class SplitTransformer(Transformer):
 @register_module
 class SegmentInteraction(Module):
     """Pair feature ``hidden * normalize(mean_q) * normalize(mean_d)`` of a :class:`SplitTransformer`'s output (its sum
-    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``.
-    """
+    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``."""
 
     config_keys: list[str] = ["embedding_dimension"]
 
@@ -207,19 +201,16 @@ def build_split_cross_encoder(
     device: str | None = None,
 ) -> CrossEncoder:
     """A split-attention cross-encoder (:class:`SplitTransformer` -> :class:`SegmentInteraction` -> head) that saves and
-    loads as ours (:func:`st_extensions.load_model`).
-
-    ``base_model``: a bi-encoder (mean pooling) or BERT folder (default the packaged all-MiniLM-L6-v2); ``variant``:
-    ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts as ``scale * cos(query, document)``; ``init_log_var``
-    sets the starting score std ``scale * exp(init_log_var / 2) / sqrt(d)``; ``max_seq_length`` per text.
-    """
+    loads as ours (:func:`st_extensions.load_model`). ``base_model``: a bi-encoder (mean pooling) or BERT folder
+    (default the packaged all-MiniLM-L6-v2); ``variant``: ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts
+    as ``scale * cos(query, document)``; ``init_log_var`` sets the starting score std ``scale * exp(init_log_var / 2) /
+    sqrt(d)``; ``max_seq_length`` per text."""
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
         path, joint_layers=joint_layers, init_cross_bias=init_cross_bias, max_seq_length=max_seq_length
     )
     dim = transformer.get_embedding_dimension()
     transformer.auto_model.config.num_labels = 1
-    pool = SegmentInteraction(dim)
     if variant is None:
         head = LinearScoreHead(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
         decoder, mean_branch, model_class = head.linear, None, CrossEncoder
@@ -232,16 +223,14 @@ def build_split_cross_encoder(
         if mean_branch is not None:
             mean_branch.weight.copy_(torch.eye(dim))
             mean_branch.bias.zero_()
-    return model_class(modules=[transformer, pool, head], device=device, activation_fn=nn.Identity())
+    return model_class(modules=[transformer, SegmentInteraction(dim), head], device=device, activation_fn=nn.Identity())
 
 
 def split_state_cache(
     model: CrossEncoder, folder: str | None, texts: Sequence[str] = (), *, show_progress_bar: bool = False
 ) -> LayerStateCache:
-    """Attach a per-text cache of the lower layers' states to ``model``'s :class:`SplitTransformer` (``texts``
-    computed now, others on first use; ``folder`` reused when it holds the same states, ``None``: a temporary one)
-    and freeze those layers: training then updates the joint layers and the head only, and scoring runs each text's
-    lower layers once."""
+    """Attach a cache of the lower layers' states per text to ``model``'s :class:`SplitTransformer` (``texts`` now, the
+    rest on first use; ``folder`` reused when it holds the same states, ``None``: temporary) and freeze those layers."""
     split = model[0]
     if not isinstance(split, SplitTransformer):
         raise ValueError(f"split_state_cache needs a model whose first module is a SplitTransformer, got {split!r:.80}")

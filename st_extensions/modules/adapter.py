@@ -27,12 +27,7 @@ class LinearAdapter(SafetensorsModule):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, features: dict[str, Tensor | Any], **kwargs) -> dict[str, Any]:
-        e = features["sentence_embedding"]
-        if e.ndim != 2 or e.shape[-1] != self.in_features:
-            raise ValueError(
-                f"LinearAdapter expects embeddings of shape (batch, {self.in_features}), got {tuple(e.shape)}"
-            )
-        e = e.to(self.linear.weight.dtype)
+        e = self._checked_embeddings(features["sentence_embedding"], self.in_features)
         features["sentence_embedding"] = nn.functional.normalize(e + self.linear(e), dim=-1)
         return features
 

@@ -1,6 +1,5 @@
 """UniERF's multi-branch query tower (Jiang et al., KDD'25, ``../shared/papers/unierf.md``, Sec. 4.1, Eqs. 4-5): one
-head ``H^branch = l2_norm(f(e))`` per retrieval branch on a shared encoder, saved inside the model
-(``docs/unierf.md``)."""
+head ``H^branch = l2_norm(f(e))`` per retrieval branch on a shared encoder, saved inside the model."""
 
 from __future__ import annotations
 
@@ -44,14 +43,11 @@ def check_branch_names(branches: Sequence[str]) -> list[str]:
 
 
 class MultiBranchQueryEncoder(SafetensorsModule):
-    """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5).
-
-    Branch b maps the pooled embedding e of its own input text to ``H^b = l2_norm(W_b e + c_b)`` (dim -> dim: one
-    document index), ``W_b`` starting at the identity plus noise of std ``init_std`` (seeded by ``seed``;
-    ``residual``: ``W_b = I + V_b``, ``docs/unierf.md``). The query path writes ``features["branch_embeddings"]``
-    ``(batch, n_branches, dim)``; with ``branch="<name>"`` (``model.encode_query(texts, branch="trigger")``) it also
-    replaces ``sentence_embedding`` by that branch's. The document path is unchanged.
-    """
+    """One head per UniERF retrieval branch on the shared encoder's pooled query embedding (Sec. 4.1, Eq. 4-5): ``H^b =
+    l2_norm(W_b e + c_b)`` of the pooled embedding e of branch b's input text, ``W_b`` starting at the identity plus
+    noise of std ``init_std`` (seeded; ``residual``: ``W_b = I + V_b``). The query path writes
+    ``features["branch_embeddings"]`` ``(batch, n_branches, dim)``, or with ``branch="<name>"`` replaces
+    ``sentence_embedding`` by that branch's; the document path is unchanged (``docs/unierf.md``)."""
 
     config_keys: list[str] = ["in_features", "branches", "init_std", "seed", "residual"]
     forward_kwargs = {"task", "branch"}
@@ -81,19 +77,10 @@ class MultiBranchQueryEncoder(SafetensorsModule):
         except ValueError:
             raise ValueError(f"unknown branch {branch!r}: this model's branches are {self.branches}") from None
 
-    def _check(self, embeddings: Tensor) -> Tensor:
-        if not isinstance(embeddings, Tensor) or embeddings.ndim != 2 or embeddings.shape[-1] != self.in_features:
-            shape = tuple(embeddings.shape) if isinstance(embeddings, Tensor) else type(embeddings).__name__
-            raise ValueError(
-                f"MultiBranchQueryEncoder expects pooled embeddings of shape (batch, {self.in_features}), got "
-                f"{shape}: the branch heads were built for another embedding dimension"
-            )
-        return embeddings.to(next(iter(self.heads.values())).weight.dtype)
-
     def embed(self, embeddings: Tensor, branch: str | None = None) -> Tensor:
         """``H^b = l2_norm(W_b e + c_b)`` (Eq. 5) of pooled embeddings ``(batch, dim)``: ``(batch, dim)`` for one
         ``branch``, ``(batch, n_branches, dim)`` for all (``None``)."""
-        e = self._check(embeddings)
+        e = self._checked_embeddings(embeddings, self.in_features, "pooled embeddings")
         if branch is not None:
             self.branch_index(branch)
             return F.normalize(self._map(branch, e), dim=-1)

@@ -117,9 +117,8 @@ def install_aggregation_tokens(tokenizer: Any, tokens: Sequence[str]) -> int:
 
 # ---- Gating (App. A.3)
 class MoLGate(nn.Module):
-    """pi(q, x) = softmax(W_2 SiLU(W_d dots + W_q u(q) + W_x v(x) + b_1) + b_2) (App. A.3), the output layer zero
-    at the start (uniform 1 / P); the first layer is split by input so the feature parts are computed once per query
-    and once per document, not once per pair."""
+    """pi(q, x) = softmax(W_2 SiLU(W_d dots + W_q u(q) + W_x v(x) + b_1) + b_2) (App. A.3), uniform at the start (zero
+    output layer); the feature parts are computed once per query and once per document, not once per pair."""
 
     def __init__(self, num_logits: int, hidden_dim: int, feature_dim: int | None = None) -> None:
         super().__init__()
@@ -138,7 +137,6 @@ class MoLGate(nn.Module):
         return torch.softmax(self.out(F.silu(h)), dim=-1)
 
 
-# ---- The module
 @dataclass
 class MoLConfig:
     """The settings of a :class:`MixtureOfLogits`, checked; saved flat in the module's ``config.json``. ``"tokens"``
@@ -208,13 +206,10 @@ class MoLConfig:
 
 
 class MixtureOfLogits(SafetensorsModule):
-    """Mixture-of-Logits head: P_q query and P_x document component embeddings and the gate pi (Eq. 1-2).
-
-    Components (Sec. 2.2, App. A.2) come from aggregation tokens (``component_source="tokens"``) or linear heads on
-    the pooled embedding (``"heads"``); the gate is :class:`MoLGate` (App. A.3). With ``task`` the module writes
-    ``features["mol_components"]`` ((B, P_q, d_P) or (B, P_x, d_P)). Arguments: the fields of :class:`MoLConfig`.
-    Details: ``docs/mol.md``.
-    """
+    """Mixture-of-Logits head: P_q query and P_x document component embeddings and the gate pi (Eq. 1-2). Components
+    (Sec. 2.2, App. A.2) come from aggregation tokens (``component_source="tokens"``) or linear heads on the pooled
+    embedding (``"heads"``); the gate is :class:`MoLGate` (App. A.3). With ``task`` the module writes
+    ``features["mol_components"]`` ((B, P_q, d_P) or (B, P_x, d_P)). Arguments: :class:`MoLConfig`'s fields."""
 
     config_keys: list[str] = [f.name for f in fields(MoLConfig)]
     forward_kwargs = {"task"}
@@ -292,8 +287,7 @@ class MixtureOfLogits(SafetensorsModule):
             self._install_token_shift(model[0])
 
     def _install_token_shift(self, transformer: Any) -> None:
-        """Hook :meth:`_shift_tokens` before encoder layer ``token_layer`` of ``transformer``'s BERT backbone (or of
-        the Transformer a partial-training stand-in runs); once per backbone."""
+        """Hook :meth:`_shift_tokens` once before layer ``token_layer`` of the (stand-in's) BERT backbone."""
         backbone = getattr(transformer, "auto_model", None) or getattr(transformer.transformer, "auto_model", None)
         layers = getattr(getattr(backbone, "encoder", None), "layer", None)
         if layers is None or self.token_layer >= len(layers):
@@ -306,9 +300,8 @@ class MixtureOfLogits(SafetensorsModule):
             layer.register_forward_pre_hook(self._shift_tokens, with_kwargs=True)
 
     def _shift_tokens(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Add ``token_shift`` to the aggregation tokens' states entering the hooked layer (positions
-        ``token_offset...``): their trainable input, above the layers whose states a partial recipe caches (the
-        cache holds every position's states, which an input embedding would change through attention)."""
+        """Add ``token_shift`` to the aggregation tokens' states entering the hooked layer: a trainable input above the
+        layers a partial recipe caches (an input embedding would change every cached state through attention)."""
         hidden = args[0] if args else kwargs["hidden_states"]
         start, stop = self.token_offset, self.token_offset + len(self.token_shift)
         if hidden.shape[1] < stop:
@@ -364,14 +357,9 @@ class MixtureOfLogits(SafetensorsModule):
         if self.component_source == "tokens":
             out = (self.query_proj if task == "query" else self.doc_proj)(self._pool(features, task)[0])
         else:
-            emb = features.get(FEATURES_KEY)
-            if not isinstance(emb, Tensor) or emb.ndim != 2 or emb.shape[1] != self.embedding_dim:
-                shape = tuple(emb.shape) if isinstance(emb, Tensor) else None
-                raise ValueError(
-                    f"MixtureOfLogits heads need 'sentence_embedding' of shape (B, {self.embedding_dim}), got {shape}"
-                )
+            emb = self._checked_embeddings(features.get(FEATURES_KEY), self.embedding_dim, "'sentence_embedding'")
             heads = self.query_heads if task == "query" else self.doc_heads
-            out = heads(emb.to(heads.weight.dtype)).view(len(emb), -1, self.component_dim)
+            out = heads(emb).view(len(emb), -1, self.component_dim)
         return F.normalize(out, dim=-1)
 
     def forward(self, features: dict[str, Any], task: str | None = None, **kwargs) -> dict[str, Any]:
@@ -394,9 +382,7 @@ class MixtureOfLogits(SafetensorsModule):
         return value.to(device=w.device, dtype=w.dtype)
 
     def _inputs(self, shared: bool, check_finite: bool, *inputs: Any) -> tuple[Tensor | None, ...]:
-        """Checked ``(q_components, x_components, q_features, x_features)`` and the gate's feature parts:
-        ``(q, x, q_hidden, x_hidden)``. x holds each query's own candidates ``(B, C, P_x, d_P)``, or (``shared``)
-        one set of documents ``(N, P_x, d_P)`` for every query."""
+        """Checked ``(q, x, q_hidden, x_hidden)``; x: each query's candidates, or (``shared``) documents for all."""
         q_components, x_components, q_features, x_features = inputs
         pq, px, d = self.num_query_components, self.num_doc_components, self.component_dim
         q = self._input("q_components", q_components, ("B", pq, d), check_finite)
@@ -405,8 +391,7 @@ class MixtureOfLogits(SafetensorsModule):
             raise ValueError(f"x_components has {x.shape[0]} queries' candidates, q_components {q.shape[0]} queries")
         if not self.gate_features:
             return q, x, None, None
-        missing = [name for name, v in (("q_features", q_features), ("x_features", x_features)) if v is None]
-        if missing:
+        if missing := [name for name, v in (("q_features", q_features), ("x_features", x_features)) if v is None]:
             raise ValueError(
                 f"this MoL gate uses query- and document-side features (gate_features=True): pass {missing[0]} "
                 "(encode_components(..., return_features=True))"

@@ -18,13 +18,11 @@ OUTPUT_KEY = "query_distribution"
 
 
 class QueryDistributionHead(SafetensorsModule):
-    """Maps a query's pooled embedding to the parameters of its relevant-item cosine distribution.
-
-    Each parameter is ``log theta = log lo + (log hi - log lo) * sigmoid(scale * (w . e + b))``, inside
-    ``[tau_min, tau_max]`` (``family`` ``"exp"`` / ``"beta"``: tau_q) or ``[param_min, param_max]`` (``"beta_mle"``:
-    alpha+, beta+, alpha-, beta-); w starts at zero and b at ``tau_init`` (0.05 = InfoNCE's scale 20), resp.
-    (1 / tau_init, 1, 1, 1). ``scale`` multiplies the pre-activation so the head still moves under Adam's small
-    steps. Writes ``features["query_distribution"]`` ``(batch, k)`` on the query path only."""
+    """Maps a query's pooled embedding to the parameters of its relevant-item cosine distribution, each ``log theta =
+    log lo + (log hi - log lo) * sigmoid(scale * (w . e + b))`` in ``[tau_min, tau_max]`` (``family`` ``"exp"`` /
+    ``"beta"``: tau_q) or ``[param_min, param_max]`` (``"beta_mle"``: alpha+, beta+, alpha-, beta-); w starts at zero, b
+    at ``tau_init`` (0.05 = InfoNCE's scale 20), resp. (1 / tau_init, 1, 1, 1); ``scale`` keeps the head moving under
+    Adam's small steps. Writes ``features["query_distribution"]`` ``(batch, k)`` on the query path."""
 
     config_keys: list[str] = "in_features family tau_init tau_min tau_max param_min param_max scale".split()
     forward_kwargs = {"task"}
@@ -67,12 +65,7 @@ class QueryDistributionHead(SafetensorsModule):
 
     def distribution_params(self, embeddings: Tensor) -> Tensor:
         """Distribution parameters, shape ``(batch, num_params)``, for pooled query embeddings ``(batch, dim)``."""
-        if embeddings.ndim != 2 or embeddings.shape[-1] != self.in_features:
-            raise ValueError(
-                f"QueryDistributionHead expects embeddings of shape (batch, {self.in_features}), "
-                f"got {tuple(embeddings.shape)}: the head was built for another embedding dimension"
-            )
-        pre = self.scale * self.linear(embeddings.to(self.linear.weight.dtype))
+        pre = self.scale * self.linear(self._checked_embeddings(embeddings, self.in_features))
         return torch.exp(self.log_lo + (self.log_hi - self.log_lo) * torch.sigmoid(pre))
 
     def temperature(self, embeddings: Tensor) -> Tensor:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import Any
 
 from safetensors.torch import load_file
 from sentence_transformers.base.modules import Module
+from torch import Tensor
 
 from st_extensions.atomic import CorruptFileError
 
@@ -20,9 +22,8 @@ REMEDY = "delete the model folder and save, download or train the model again"
 
 
 def check_safetensors_file(path: str | os.PathLike, remedy: str = REMEDY) -> dict[str, tuple[int, ...]]:
-    """Read a safetensors file's header and check that the file holds every tensor it lists (a truncated or
-    corrupt file raises :class:`~st_extensions.atomic.CorruptFileError` naming it and ``remedy``); returns ``{tensor
-    name: shape}``. Reads the header only."""
+    """``{tensor name: shape}`` from a safetensors file's header, checking that the file holds every tensor it lists
+    (else a :class:`~st_extensions.atomic.CorruptFileError` naming it and ``remedy``). Reads the header only."""
     path = os.fspath(path)
     try:
         size = os.path.getsize(path)
@@ -53,13 +54,22 @@ def check_safetensors_file(path: str | os.PathLike, remedy: str = REMEDY) -> dic
 
 class SafetensorsModule(Module):
     """A :class:`~sentence_transformers.base.modules.Module` saved as ``config.json`` + ``model.safetensors``;
-    :meth:`load` refuses a directory without safetensors weights (no pickled ``.bin`` fallback) or weights whose
-    names or shapes do not match the config."""
+    :meth:`load` refuses pickled ``.bin`` weights and weights whose names or shapes do not match the config."""
 
     config_file_name = "config.json"
     #: learning rate of the module's parameters under :func:`pyterrier_prob.training.fine_tune` (the encoder keeps
     #: the trainer's); chosen on nfcorpus train/dev by ``benchmarks/recipe_search.py`` (README, training recipes)
     learning_rate: float = 3e-4
+
+    def _checked_embeddings(self, x: Any, dim: int, what: str = "embeddings") -> Tensor:
+        """``x`` as a ``(batch, dim)`` tensor in the dtype of the module's weights; else a ValueError naming it."""
+        if not isinstance(x, Tensor) or x.ndim != 2 or x.shape[-1] != dim:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"{type(self).__name__} expects {what} of shape (batch, {dim}), got {shape}: it was built for another "
+                "embedding dimension"
+            )
+        return x.to(next(self.parameters()).dtype)
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         self.save_config(output_path)
