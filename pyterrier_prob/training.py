@@ -426,7 +426,9 @@ def _stand_in(model: nn.Module, train: Dataset, recipe: Recipe, folder: str, cac
     return model
 
 
-def _trainer(model: nn.Module, trained: nn.Module, loss: nn.Module, train: Dataset, recipe: Recipe, run_dir: str):
+def _trainer(
+    model: nn.Module, trained: nn.Module, loss: nn.Module, train: Dataset, recipe: Recipe, run_dir: str
+) -> Any:
     """The trainer of :func:`fine_tune`: ``trained`` under ``recipe``, saving ``model`` itself in its checkpoints."""
     if isinstance(model, CrossEncoder):  # its rows as given, shuffled
         trainer_class, arguments_class, sampler = CrossEncoderTrainer, CrossEncoderTrainingArguments, {}

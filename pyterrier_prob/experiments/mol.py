@@ -216,7 +216,9 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     return report(cfg, h, data, rows, experiment, info, gate, given_is_mol, baseline)
 
 
-def train_system(cfg: MolJobConfig, h: Harness, data: Data, s: _System, pairs: TrainingPairs) -> tuple[Any, dict]:
+def train_system(
+    cfg: MolJobConfig, h: Harness, data: Data, s: _System, pairs: TrainingPairs
+) -> tuple[Any, dict[str, Any]]:
     """Fine-tune (or build) one system's model; returns it and its summary entry (loss, rates, training loss)."""
     entry: dict[str, Any] = {"similarity": "MoL (Eq. 1-2)" if s.kind == "mol" else "cosine"}
     mol_settings = {"pq": cfg.pq, "px": cfg.px, "component_dim": cfg.component_dim, "source": cfg.component_source}
@@ -265,7 +267,9 @@ def retrieve_dense(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model:
     return run[["qid", "docno", "score", "rank"]]
 
 
-def retrieve_mol(cfg: MolJobConfig, h: Harness, data: Data, s: _System, model: Any) -> tuple[pd.DataFrame, dict]:
+def retrieve_mol(
+    cfg: MolJobConfig, h: Harness, data: Data, s: _System, model: Any
+) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Index with a MoL system, retrieve the top ``k`` by brute force (Sec. 3.1) and summarise its gate."""
     topics, qrels, coll = data.test_topics, data.test_qrels, data.test_collection
     encoder = MoLEncoder(h.encoding_model(model), batch_size=ENCODE_BATCH)

@@ -230,7 +230,9 @@ def encode(cfg: PebrJobConfig, h: Harness, data: Data, models: dict[str, Any]) -
     return Encoded(cfg, encoders, indexes, queries, encoders["pebr"].dim if cfg.geometry == "sphere" else None)
 
 
-def _calibrated(run, k: int, lo: float, hi: float, increasing: bool, topics: pd.DataFrame) -> tuple[Calibration, bool]:
+def _calibrated(
+    run: Any, k: int, lo: float, hi: float, increasing: bool, topics: pd.DataFrame
+) -> tuple[Calibration, bool]:
     """:func:`calibrate_mean_k` of one rule and False, or its deepest setting and True when ``k`` is out of reach."""
     try:
         return calibrate_mean_k(run, k, lo, hi, increasing=increasing, topics=topics, max_iter=80), False
@@ -242,7 +244,9 @@ def _calibrated(run, k: int, lo: float, hi: float, increasing: bool, topics: pd.
     return Calibration(value=edge, mean_k=mean_k, target_k=k, iterations=1, achieved=False), True
 
 
-def calibrate(cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded) -> tuple[pd.DataFrame, dict[int, dict]]:
+def calibrate(
+    cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded
+) -> tuple[pd.DataFrame, dict[int, dict[str, float]]]:
     """On the calibration queries only, each variable-depth rule's setting (p, cosine threshold) for a mean depth of k
     (Sec. 4.1.3); returns the calibration table and ``k -> system -> setting``."""
     rules = (
