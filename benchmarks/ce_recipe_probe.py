@@ -184,8 +184,8 @@ def references(a: argparse.Namespace) -> None:
     from sentence_transformers import SentenceTransformer
 
     from pyterrier_prob.collections import load_collection
-    from pyterrier_prob.experiments.varce import _eval_queries
     from pyterrier_prob.varce import per_query
+    from pyterrier_prob.varce.data import evaluated_queries as _eval_queries
     from st_extensions import default_model_path
 
     coll = load_collection("irds:beir/nfcorpus")
