@@ -664,6 +664,7 @@ def partial_model(
     frozen part, else one in ``cache_dir`` (``None``: temporary) with ``dtype`` / ``overwrite`` as in the cache. Returns
     a model of ``model``'s class (a CrossEncoder keeps its ``activation_fn``) giving its outputs up to the storage
     rounding."""
+    positive_int("batch_size", batch_size)
     modules = list(model)
     if not modules:
         raise ValueError("partial training needs a model with modules")

@@ -235,6 +235,9 @@ def test_refused_models_and_arguments(model, tmp_path):
     for bad in (0, 7, -1, True, 2.0):
         with pytest.raises(ValueError, match=r"train_layers.*L=6"):
             partial_model(model, bad)
+    for bad in (0, -2, 1.5, True):  # given a cache or not, a bad batch size is named before any work
+        with pytest.raises(ValueError, match=r"batch_size must be a positive int"):
+            partial_model(model, 1, batch_size=bad)
     with pytest.raises(ValueError, match="sentence-transformers Transformer"):
         check_partial_transformer(model[1])
     stand_in = partial_model(model, 1, TEXTS[:1])
