@@ -344,11 +344,7 @@ class DenseRetriever(Capped):
         """``(codes, first, Q)``: each row's query number, each query's first row and the unit query vectors; every
         row of a qid must carry its first row's ``query_vec`` and threshold parameters (errors name row and qid)."""
         codes, first = first_rows(inp["qid"])
-        namer, owner = row_namer(inp), type(self).__name__
-
-        def name(i: int) -> str:  # the i-th query's first row
-            return namer(int(first[i]))
-
+        name, owner = row_namer(inp, rows=first), type(self).__name__  # name(i): the i-th query's first row
         raw = stack_arrays(inp["query_vec"].to_numpy()[first], "query_vec", name, owner, ndim=1)
         if len(first) < len(inp):
             params = {col: float_column(inp, col, owner) for col in self._columns() if col != "query_vec"}

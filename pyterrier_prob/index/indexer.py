@@ -278,8 +278,7 @@ class AtomicIndexer(pt.Indexer):
         """``(docnos, vectors, optional column or None)`` per batch of :data:`_BATCH` records."""
         need, opt = ("docno", self.VECTOR), self.OPTIONAL
         if isinstance(inp, pd.DataFrame):  # its rows as records
-            missing = [c for c in need if c not in inp.columns]
-            if missing:
+            if missing := [c for c in need if c not in inp.columns]:
                 raise self._missing(missing, list(inp.columns))
             cols = [c for c in (*need, opt) if c is not None and c in inp.columns]
             inp = (dict(zip(cols, row)) for row in zip(*(inp[c].tolist() for c in cols)))

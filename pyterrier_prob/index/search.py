@@ -123,8 +123,7 @@ class SearchSettings:
 
 
 def _settings(settings: SearchSettings | None, params: dict[str, Any], names: Sequence[str]) -> SearchSettings:
-    unknown = sorted(set(params) - set(names))
-    if unknown:
+    if unknown := sorted(set(params) - set(names)):
         raise ValueError(f"unknown search parameter {unknown[0]!r} ({', '.join(names)})")
     return dataclasses.replace(settings or SearchSettings(), **params)
 
@@ -391,8 +390,7 @@ class FaissSearcher(Searcher):
         return qi, ids, np.concatenate([p[0] for p in parts])
 
     def _adaptive_range(self, Q: np.ndarray, t: np.ndarray, radius: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """IVF range search probing, per query, every list whose centroid scores ``>= t_q - probe_margin`` (at least
-        ``nprobe``)."""
+        """IVF range search probing every list whose centroid scores ``>= t_q - probe_margin`` (at least ``nprobe``)."""
         index = self.cpu_index
         nlist = int(index.nlist)
         Dc, Ic = index.quantizer.search(Q, nlist)
@@ -584,8 +582,7 @@ def merge_runs(runs: Sequence[pd.DataFrame], num_results: int | None = None) -> 
     if not len(runs):
         raise ValueError("merge_runs needs at least one run")
     for i, r in enumerate(runs):
-        missing = [c for c in ("qid", "docno", "score") if c not in r.columns]
-        if missing:
+        if missing := [c for c in ("qid", "docno", "score") if c not in r.columns]:
             raise ValueError(f"run {i} has no column(s) {missing} (columns: {list(r.columns)})")
     k = positive_int("num_results", num_results, allow_none=True)
     frames = [r.drop(columns=["rank", "docid"], errors="ignore").assign(_shard=i) for i, r in enumerate(runs)]

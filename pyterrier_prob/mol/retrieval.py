@@ -109,8 +109,7 @@ def _part_searchers(index: MoLIndex, searcher: Any, parts: list[int | str]) -> d
             "searcher must be a dict with 'backend' and its parameters, e.g. {'backend': 'ivf_flat', 'nlist': 4096, "
             f"'nprobe': 64}}, or {{part: Searcher}} (index.searcher(part, ...)), got {searcher!r}"
         )
-    missing = [p for p in parts if p not in searcher]
-    if missing:
+    if missing := [p for p in parts if p not in searcher]:
         raise ValueError(
             f"searcher has no Searcher for the parts {missing} this method searches (index.searcher(part))"
         )

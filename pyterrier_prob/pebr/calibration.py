@@ -39,11 +39,9 @@ __all__ = [
 Family = Literal["exp", "beta", "beta_mle"]
 Weighting = Literal["query", "pair"]
 
-#: Relevant cosines may exceed [-1, 1] by this much (float32 rounding of unit-vector dot products); they are
-#: clipped to [-1, 1]. Anything further out is an error.
+#: Relevant cosines may exceed [-1, 1] by this much (float32 rounding) and are clipped; further out is an error.
 COSINE_TOLERANCE = 1e-4
-#: In the likelihood, z = (1 + cos) / 2 is clipped to [Z_EPS, 1 - Z_EPS], so a cosine of exactly +-1 (a duplicate
-#: document) has a finite log density.
+#: z = (1 + cos) / 2 is clipped to [Z_EPS, 1 - Z_EPS]: a cosine of +-1 (a duplicate document) has a finite density.
 Z_EPS = 1e-12
 _ETA_CLIP = 25.0  # log-parameters are clipped to [-25, 25]: Beta parameters in [1.4e-11, 7.2e10]
 _PAIR_BLOCK = 1 << 20  # padded (queries x K) cells evaluated at once by pit_values / mean_log_density
@@ -76,8 +74,7 @@ def _param_matrix(params: Any, family: str) -> NDArray[np.float64]:
     """The head's parameters as a float array (Q, k), checked finite and > 0."""
     cols = PARAM_COLUMNS[family]
     if isinstance(params, pd.DataFrame):
-        missing = [c for c in cols if c not in params.columns]
-        if missing:
+        if missing := [c for c in cols if c not in params.columns]:
             raise ValueError(f"params frame lacks the {family!r} parameter column(s) {missing}; it has {list(params)}")
         arr = params[list(cols)].to_numpy(dtype=np.float64)
     else:
@@ -203,8 +200,7 @@ def _suff_stats(lists: list[NDArray[np.float64]]) -> tuple[NDArray, NDArray, NDA
 
 
 def _standardise(design: NDArray[np.float64]) -> tuple[NDArray, NDArray, NDArray]:
-    """``(xs, const, t_map)``: the design with non-constant features standardised and constant ones dropped, the
-    constant mask, and the map raw = ``t_map @`` standardised."""
+    """``(xs, const, t_map)``: the standardised design without constant features, their mask, raw = ``t_map @ xs``."""
     mu, sd = design[:, 1:].mean(axis=0), design[:, 1:].std(axis=0)
     const = sd <= 1e-12 * np.maximum(1.0, np.abs(mu))
     keep = np.flatnonzero(np.concatenate([[True], ~const]))
@@ -465,8 +461,7 @@ def take_queries(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosin
 
 
 def _per_pair(law: ExpCosine | BetaCosine, lists: list[NDArray[np.float64]], method: str) -> NDArray[np.float64]:
-    """``law.<method>`` (``"cdf"`` or ``"logpdf"``) of every relevant cosine, with query q's law for query q's list,
-    concatenated in query order. Queries are evaluated in blocks of similar list length (padded (rows, K) arrays)."""
+    """``law.<method>`` (``"cdf"``/``"logpdf"``) of each query's cosines under its law, in blocks of padded lists."""
     flat = np.concatenate(lists)
     if law.n_queries is None:
         return np.asarray(getattr(law, method)(flat), dtype=np.float64)

@@ -242,8 +242,7 @@ Statistic = Callable[[pd.DataFrame], np.ndarray]
 
 def _sorted_run(run: pd.DataFrame) -> pd.DataFrame:
     """``run`` with str qids and docnos, each query's rows together in rank order (queries as they first appear)."""
-    missing = [c for c in ("qid", "docno", "score", "rank") if c not in run.columns]
-    if missing:
+    if missing := [c for c in ("qid", "docno", "score", "rank") if c not in run.columns]:
         raise ValueError(f"a ranked run needs the columns qid, docno, score, rank; missing {missing}")
     run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
     return run.assign(_o=pd.factorize(run["qid"])[0]).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
