@@ -207,8 +207,7 @@ class BeirCollection(Collection):
         for f in ("corpus.jsonl", "queries.jsonl"):
             if not (self.folder / f).is_file():
                 raise ValueError(f"{self.folder} is not a BEIR folder: {f} is missing")
-        qrels = sorted((self.folder / "qrels").glob("*.tsv")) if (self.folder / "qrels").is_dir() else []
-        if not qrels:
+        if not (qrels := sorted((self.folder / "qrels").glob("*.tsv"))):
             raise ValueError(f"{self.folder} is not a BEIR folder: no qrels/<split>.tsv")
         self._qrels_files = {p.stem: p for p in qrels}
         self.splits = tuple(self._qrels_files)

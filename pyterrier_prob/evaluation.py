@@ -50,8 +50,8 @@ QRELS_COLUMNS = ["qid", "docno", "label"]
 def _topic_qids(topics: pd.DataFrame | Iterable[str]) -> pd.Index:
     if isinstance(topics, pd.DataFrame):
         require_columns(topics, ["qid"], "topics")
-    qids = topics["qid"] if isinstance(topics, pd.DataFrame) else pd.Series(list(topics))
-    return pd.Index(qids.astype(str).drop_duplicates(), name="qid")
+        topics = topics["qid"]
+    return pd.Index(pd.Series(list(topics)).astype(str).drop_duplicates(), name="qid")
 
 
 def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Series:
@@ -138,12 +138,10 @@ def _strata_series(strata: StrataLike) -> pd.Series:
     s = s.astype(object)
     if s.isna().any():
         raise ValueError(f"strata has no stratum for qid(s) {list(s.index[s.isna()][:5])}")
-    if s.index.duplicated().any():
-        dup = s.index[s.index.duplicated()].unique()
-        if (s.groupby(level=0).nunique() > 1).any():
-            raise ValueError(f"strata gives qid(s) {list(dup[:5])} more than one stratum")
-        s = s[~s.index.duplicated()]
-    return s.rename("stratum").rename_axis("qid")
+    if (s.groupby(level=0).nunique() > 1).any():
+        dup = list(s.index[s.index.duplicated()].unique()[:5])
+        raise ValueError(f"strata gives qid(s) {dup} more than one stratum")
+    return s[~s.index.duplicated()].rename("stratum").rename_axis("qid")
 
 
 def _stratum_order(labels: Iterable[Any]) -> list[Any]:

@@ -1,9 +1,7 @@
 """Score interpolation of a re-ranker with its first stage: ``alpha * z(re-ranker) + (1 - alpha) * z(first stage)``.
 
-A re-ranker trained on little data often orders a first stage's candidates worse than the first stage itself, yet
-carries a signal the first stage lacks; the usual remedy is to interpolate the two scores, each standardised within
-its query (z-scores), so that ``alpha`` means the same for every query and model (1: the re-ranker alone, 0: the
-first stage's order). ``alpha`` is a hyperparameter: choose it on dev queries (:func:`choose_alpha`)::
+Each score is standardised within its query (z-scores), so that ``alpha`` means the same for every query and model
+(1: the re-ranker alone, 0: the first stage's order); choose it on dev queries (:func:`choose_alpha`)::
 
     pipeline = bm25 % 100 >> text_loader >> ScoreInterpolation(reranker, alpha=0.3)
 """

@@ -68,8 +68,7 @@ class DenseIndex(IndexArtifact, FlexIndex):
 
     def vectors(self) -> np.memmap:
         """The indexed vectors, a read-only float32 memmap of shape ``(len(self), self.dim)``."""
-        dvecs, _ = self.payload(return_docnos=False)
-        return dvecs
+        return self.payload(return_docnos=False)[0]
 
     # ---- indexing ----------------------------------------------------------------------------------------
     def indexer(  # type: ignore[override]
