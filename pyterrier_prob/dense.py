@@ -213,6 +213,10 @@ class TextEncoderStage(pt.Transformer):
     def subtransformers(self) -> dict:
         return {}
 
+    def fuse_rank_cutoff(self, k: int) -> pt.Transformer | None:
+        """``stage % k`` of a document stage: the cutoff first, so fewer documents are encoded (none for queries)."""
+        return pt.RankCutoff(k) >> self if self.frame == "document_frame" else None
+
 
 class ProbQueryEncoder(TextEncoderStage):
     """``(qid, query)`` -> adds ``query_vec`` and the per-query distribution parameters; made by
@@ -238,9 +242,6 @@ class ProbDocEncoder(TextEncoderStage):
     def _encode(self, texts: list[str]) -> dict[str, Any]:
         show = self.verbose and len(texts) > self.batch_size
         return {"doc_vec": list(self.encoder.encode_docs(texts, self.batch_size, show_progress_bar=show))}
-
-    def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
-        return pt.RankCutoff(k) >> self
 
 
 class Capped(pt.Transformer):
