@@ -16,7 +16,7 @@ from scipy import stats
 
 from pyterrier_prob.dense import TopKRetriever
 from pyterrier_prob.pebr.calibration import pit_values
-from pyterrier_prob.validation import finite_float, positive_int
+from pyterrier_prob.validation import positive_int
 
 __all__ = [
     "RecallTargetCutoff",
@@ -258,11 +258,13 @@ class RecallTargetCutoff(pt.Transformer):
     """
 
     def __init__(self, target: float, statistic: str | Statistic = "score") -> None:
-        self.target = finite_float("target (a recall)", target, low=0.0, high=1.0, low_open=True, high_open=True)
+        if not (isinstance(target, (int, float)) and 0.0 < target < 1.0):
+            raise ValueError(f"target must be a recall in (0, 1), got {target!r}")
         named = {"score": lambda r: r["score"].to_numpy(dtype=np.float64), "zscore": zscore_stat}
         named["rank"] = lambda r: -r["rank"].to_numpy(dtype=np.float64)
         if isinstance(statistic, str) and statistic not in named:
             raise ValueError(f"statistic must be one of {sorted(named)} or a callable, got {statistic!r}")
+        self.target = float(target)
         self.statistic = named[statistic] if isinstance(statistic, str) else statistic
         self.level_: float | None = None
         self.reachable_: bool | None = None
