@@ -370,8 +370,7 @@ def assign_strata(
     else:
         basis = NUM_REL_BASIS
         qids, vals = _num_relevant(topics, qrels, min_label)
-    n = len(qids)
-    if n == 0:
+    if (n := len(qids)) == 0:
         raise ValueError("assign_strata: no queries to stratify")
     if ties == "group":
         pos = pd.Series(vals).rank(method="average", ascending=False).to_numpy() - 1.0

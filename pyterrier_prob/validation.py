@@ -54,18 +54,13 @@ def row_namer(
 
 
 def _missing(v: Any) -> bool:
-    if v is None or v is pd.NA or v is pd.NaT:
-        return True
-    return isinstance(v, float | np.floating) and bool(np.isnan(v))
+    return v is None or v is pd.NA or v is pd.NaT or (isinstance(v, float | np.floating) and bool(np.isnan(v)))
 
 
 def check_ids(frame: pd.DataFrame, columns: Iterable[str], owner: str) -> None:
     """No missing (None / NaN) value in the id columns (``qid``, ``docno``) of ``frame``."""
     for col in columns:
-        if col not in frame.columns or not len(frame):
-            continue
-        bad = frame[col].isna().to_numpy()
-        if bad.any():
+        if col in frame.columns and (bad := frame[col].isna().to_numpy()).any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"{owner}: {col!r} is missing ({frame[col].iat[i]!r}) in {row_namer(frame)(i)}"
