@@ -1,11 +1,8 @@
 """The base of the on-disk indexes (:class:`IndexArtifact`) and of their writers (:class:`AtomicIndexer`).
 
-An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory`: into a hidden sibling,
-``pt_meta.json`` last, renamed into place only when complete, so an interrupted run never leaves a directory that
-loads and replacing an index never leaves its path without one. Loading checks the files against ``pt_meta.json``
-(type, sizes, the docno store, non-finite rows) and raises a clear error naming the file; the checks of input frames
-are in :mod:`pyterrier_prob.validation`.
-"""
+An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory` (``pt_meta.json`` last, renamed
+into place only when complete); loading checks the files against ``pt_meta.json`` (type, sizes, the docno store,
+non-finite rows) and raises a clear error naming the file."""
 
 from __future__ import annotations
 
