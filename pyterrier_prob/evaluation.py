@@ -78,8 +78,7 @@ def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Se
 
 def _check_counts(values: np.ndarray, qids: Any = None, raw: Any = None, call: str = "") -> None:
     """Counts must be finite numbers: a nan (a missing count) or inf is an error naming the query, not a 0."""
-    bad = ~np.isfinite(values)
-    if bad.any():
+    if (bad := ~np.isfinite(values)).any():
         i = int(np.flatnonzero(bad)[0])
         where = f"qid {qids[i]!r}" if qids is not None else f"position {i}"
         shown = raw[i] if raw is not None else values[i]

@@ -30,8 +30,7 @@ def zscore_per_query(qids: QidsLike, scores: ScoresLike) -> np.ndarray:
     q = pd.Series(np.asarray(qids, dtype=object))
     if len(q) != len(s):
         raise ValueError(f"qids and scores differ in length: {len(q)} != {len(s)}")
-    bad = np.flatnonzero(~np.isfinite(s))
-    if len(bad):
+    if len(bad := np.flatnonzero(~np.isfinite(s))):
         raise ValueError(f"score of row {int(bad[0])} (qid {q.iloc[bad[0]]!r}) is {s[bad[0]]}: scores must be finite")
     g = pd.Series(s).groupby(q.to_numpy())
     sd = g.transform("std", ddof=0).to_numpy()

@@ -96,8 +96,7 @@ class DenseIndexer(AtomicIndexer):
         arr = self._stack(shapes, vecs, "doc_vec", offset, docnos, 1, "vector dimensions")
         if self.normalize:
             norms = np.linalg.norm(arr.astype(np.float64), axis=1)
-            zero = np.flatnonzero(norms == 0)
-            if zero.size:
+            if (zero := np.flatnonzero(norms == 0)).size:
                 raise ValueError(
                     f"doc_vec of record #{offset + zero[0]} (docno {docnos[zero[0]]!r}) is all zeros: it "
                     "has no direction and cannot be normalised for cosine retrieval"

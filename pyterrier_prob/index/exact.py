@@ -209,8 +209,7 @@ def _search_block(
         S = _scores(Qb, vecs, scale, c0, c1)
         if k is not None and c0 == 0 and C > k:
             # first chunk: queries keeping more than k here start from their k-th best score in the chunk
-            rows = np.flatnonzero(masker(S, eff, count=True) > k)
-            if rows.size:
+            if (rows := np.flatnonzero(masker(S, eff, count=True) > k)).size:
                 kth = np.partition(S[rows], C - k, axis=1)[:, C - k]
                 eff[rows] = np.maximum(eff[rows], kth)
         flat = masker(S, eff)

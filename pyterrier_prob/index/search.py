@@ -137,20 +137,15 @@ def import_faiss() -> Any:
             'faiss is not installed: pip install "pyterrier-prob[cpu]" (faiss-cpu) or "pyterrier-prob[gpu]" '
             "(faiss-gpu, for a CUDA machine); install one of them, not both"
         ) from e
-    builds = []
-    for name in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11"):
-        try:
-            importlib.metadata.version(name)
-            builds.append(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    if len(builds) > 1 and not getattr(import_faiss, "_warned", False):
-        import_faiss._warned = True  # type: ignore[attr-defined]
-        warnings.warn(
-            f"several faiss builds are installed ({', '.join(builds)}): they write the same 'faiss' package over "
-            "each other; uninstall all of them and install one (pyterrier-prob[cpu] or pyterrier-prob[gpu])",
-            stacklevel=2,
-        )
+    if not getattr(import_faiss, "_checked", False):  # once per process: the distributions that installed 'faiss'
+        import_faiss._checked = True  # type: ignore[attr-defined]
+        builds = sorted(set(importlib.metadata.packages_distributions().get("faiss", [])))
+        if len(builds) > 1:
+            warnings.warn(
+                f"several faiss builds are installed ({', '.join(builds)}): they write the same 'faiss' package over "
+                "each other; uninstall all of them and install one (pyterrier-prob[cpu] or pyterrier-prob[gpu])",
+                stacklevel=2,
+            )
     return faiss
 
 
@@ -585,8 +580,7 @@ def merge_runs(runs: Sequence[pd.DataFrame], num_results: int | None = None) -> 
     k = positive_int("num_results", num_results, allow_none=True)
     frames = [r.drop(columns=["rank", "docid"], errors="ignore").assign(_shard=i) for i, r in enumerate(runs)]
     allr = pd.concat(frames, ignore_index=True)
-    dup = allr.duplicated(["qid", "docno"], keep=False)
-    if dup.any():
+    if (dup := allr.duplicated(["qid", "docno"], keep=False)).any():
         row = allr[dup].iloc[0]
         shards = sorted(allr[dup & (allr["qid"] == row["qid"]) & (allr["docno"] == row["docno"])]["_shard"])
         raise ValueError(

@@ -81,8 +81,7 @@ def _param_matrix(params: Any, family: str) -> NDArray[np.float64]:
                 f"params of a {family!r} head must have shape (queries, {len(cols)}) ({', '.join(cols)}), "
                 f"got {np.shape(params)}"
             )
-    bad = ~(np.isfinite(arr) & (arr > 0))
-    if bad.any():
+    if (bad := ~(np.isfinite(arr) & (arr > 0))).any():
         r, c = (int(v[0]) for v in np.nonzero(bad))
         raise ValueError(
             f"params must be finite and > 0: {int(bad.sum())} bad value(s), first {arr[r, c]!r} (query {r}, {cols[c]})"
