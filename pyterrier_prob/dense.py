@@ -73,14 +73,9 @@ class ProbBiEncoder(BiEncoder):
     """A pyterrier-dr bi-encoder over a SentenceTransformer (or a path to one), adding pEBR's per-query law.
 
     :meth:`query_encoder` adds ``query_vec`` and the :data:`PARAM_COLUMNS` of the head's family (none without a
-    head), :meth:`doc_encoder` adds ``doc_vec`` (L2-normalised)::
-
-        encoder = ProbBiEncoder(st_extensions.build_pebr_model(family="beta"))
-        (encoder.doc_encoder() >> index.indexer()).index(docs)
-        pipeline = encoder.query_encoder() >> CDFCutoffRetriever(index, p=0.5, family=encoder.family)
-
-    ``devices``: encode documents over one process per device (``["cuda:0", "cuda:1"]``), sentence-transformers'
-    multi-process encoding; queries are encoded in this process.
+    head), :meth:`doc_encoder` adds ``doc_vec`` (L2-normalised); usage: :class:`~pyterrier_prob.index.DenseIndex`,
+    :class:`~pyterrier_prob.pebr.CDFCutoffRetriever`. ``devices``: encode documents over one process per device
+    (``["cuda:0", "cuda:1"]``, sentence-transformers' multi-process encoding); queries are encoded in this process.
     """
 
     def __init__(
