@@ -1,10 +1,7 @@
-"""Plain dense retrieval that every paper's PyTerrier side uses: a bi-encoder and the exact / approximate retrievers.
-
-* :class:`ProbBiEncoder`: a pyterrier-dr bi-encoder; with pEBR's ``QueryDistributionHead`` (Sec. 3.1-3.2) its query
-  encoder also writes the per-query law's parameters (:data:`PARAM_COLUMNS`);
-* :class:`DenseRetriever`: ``S_{t,K}(q) = Top_K({d : cos(q, d) >= t_q})`` (pEBR Appendix A), exact or on a
-  ``searcher=``; :class:`TopKRetriever` is DSSM-topk, :mod:`pyterrier_prob.pebr.cutoff` the cutoffs. ``docs/pebr.md``.
-"""
+"""Plain dense retrieval that every paper's PyTerrier side uses: :class:`ProbBiEncoder` (with pEBR's
+``QueryDistributionHead``, Sec. 3.1-3.2, it also writes :data:`PARAM_COLUMNS`), :class:`DenseRetriever` (``S_{t,K}``,
+pEBR Appendix A, exact or on a ``searcher=``) and :class:`TopKRetriever` (DSSM-topk); the cutoffs are in
+:mod:`pyterrier_prob.pebr.cutoff`. See ``docs/pebr.md``."""
 
 from __future__ import annotations
 
