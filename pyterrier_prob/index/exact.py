@@ -210,8 +210,7 @@ def _search_block(
         if k is not None and c0 == 0 and C > k:
             # first chunk: queries keeping more than k here start from their k-th best score in the chunk
             if (rows := np.flatnonzero(masker(S, eff, count=True) > k)).size:
-                kth = np.partition(S[rows], C - k, axis=1)[:, C - k]
-                eff[rows] = np.maximum(eff[rows], kth)
+                eff[rows] = np.maximum(eff[rows], np.partition(S[rows], C - k, axis=1)[:, C - k])
         flat = masker(S, eff)
         qi = flat // C
         sc = S.reshape(-1)[flat]

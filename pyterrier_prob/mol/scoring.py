@@ -278,9 +278,8 @@ class MoLReranker(Capped):
         if len(inp):
             check_ids(inp, ["qid", "docno"], type(self).__name__)
             codes, _, Q, Qf = query_rows(inp, self.shapes, type(self).__name__)
-            docs = self._docs(inp)
             with inference(self.mol):
-                scores = score_pairs(self.mol, self.shapes, Q, Qf, codes.astype(np.int64), docs)
+                scores = score_pairs(self.mol, self.shapes, Q, Qf, codes.astype(np.int64), self._docs(inp))
             # ties keep the input order (the row number breaks them)
             order, rank = top_per_query(codes, np.arange(len(codes)), scores, self.num_results)
             out = out.iloc[order].reset_index(drop=True).assign(score=scores[order], rank=rank)

@@ -219,8 +219,7 @@ def row_relevance(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]
     """(query index per row, relevant flag per row, number of judged-relevant documents per query)."""
     rel = qrels[qrels["label"] > 0]
     pairs = set(zip(rel["qid"].astype(str), rel["docno"].astype(str)))
-    pos = {q: i for i, q in enumerate(qids)}
-    qidx = ranked["qid"].map(pos).to_numpy()
+    qidx = ranked["qid"].map({q: i for i, q in enumerate(qids)}).to_numpy()
     is_rel = np.fromiter((p in pairs for p in zip(ranked["qid"], ranked["docno"])), bool, len(ranked))
     counts = rel.groupby(rel["qid"].astype(str)).size()
     return qidx, is_rel, np.array([int(counts.get(q, 0)) for q in qids])
@@ -272,8 +271,7 @@ class RecallTargetCutoff(pt.Transformer):
     def fit(self, run: pd.DataFrame, qrels: pd.DataFrame) -> RecallTargetCutoff:
         """Choose the level on a ranked run of calibration queries and their qrels (``qid, docno, label``)."""
         run = _sorted_run(run)
-        qids = list(dict.fromkeys(run["qid"]))
-        qidx, is_rel, n_rel = row_relevance(run, qrels, qids)
+        qidx, is_rel, n_rel = row_relevance(run, qrels, list(dict.fromkeys(run["qid"])))
         self.level_, self.reachable_ = conformal_recall_level(self.statistic(run), qidx, is_rel, n_rel, self.target)
         return self
 
