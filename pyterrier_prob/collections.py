@@ -89,9 +89,6 @@ class Collection:
         return f"{type(self).__name__}({self.name!r}, splits={list(self.splits)})"
 
 
-# --- ir_datasets ------------------------------------------------------------------------------------------------
-
-
 class IrdsCollection(Collection):
     """An ir_datasets dataset and its judged sub-datasets (module docstring)."""
 
@@ -145,9 +142,6 @@ class IrdsCollection(Collection):
 
 def _judged(ds) -> bool:
     return ds.has_queries() and ds.has_qrels()
-
-
-# --- local folders ----------------------------------------------------------------------------------------------
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -207,8 +201,7 @@ class BeirCollection(Collection):
         for f in ("corpus.jsonl", "queries.jsonl"):
             if not (self.folder / f).is_file():
                 raise ValueError(f"{self.folder} is not a BEIR folder: {f} is missing")
-        qrels = sorted((self.folder / "qrels").glob("*.tsv")) if (self.folder / "qrels").is_dir() else []
-        if not qrels:
+        if not (qrels := sorted((self.folder / "qrels").glob("*.tsv"))):
             raise ValueError(f"{self.folder} is not a BEIR folder: no qrels/<split>.tsv")
         self._qrels_files = {p.stem: p for p in qrels}
         self.splits = tuple(self._qrels_files)
@@ -343,9 +336,6 @@ def load_collection(spec: str | os.PathLike | Collection) -> Collection:
     if str(spec).startswith("irds:") or not path.exists():
         return IrdsCollection(str(spec))
     raise ValueError(f"{spec!r} is neither an ir_datasets id nor a folder (BEIR or TREC layout)")
-
-
-# --- splits of an experiment ------------------------------------------------------------------------------------
 
 
 def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> tuple[pd.DataFrame, pd.DataFrame]:

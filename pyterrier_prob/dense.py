@@ -1,10 +1,7 @@
-"""Plain dense retrieval that every paper's PyTerrier side uses: a bi-encoder and the exact / approximate retrievers.
-
-* :class:`ProbBiEncoder`: a pyterrier-dr bi-encoder; with pEBR's ``QueryDistributionHead`` (Sec. 3.1-3.2) its query
-  encoder also writes the per-query law's parameters (:data:`PARAM_COLUMNS`);
-* :class:`DenseRetriever`: ``S_{t,K}(q) = Top_K({d : cos(q, d) >= t_q})`` (pEBR Appendix A), exact or on a
-  ``searcher=``; :class:`TopKRetriever` is DSSM-topk, :mod:`pyterrier_prob.pebr.cutoff` the cutoffs. ``docs/pebr.md``.
-"""
+"""Plain dense retrieval that every paper's PyTerrier side uses: :class:`ProbBiEncoder` (with pEBR's
+``QueryDistributionHead``, Sec. 3.1-3.2, it also writes :data:`PARAM_COLUMNS`), :class:`DenseRetriever` (``S_{t,K}``,
+pEBR Appendix A, exact or on a ``searcher=``) and :class:`TopKRetriever` (DSSM-topk); the cutoffs are in
+:mod:`pyterrier_prob.pebr.cutoff`. See ``docs/pebr.md``."""
 
 from __future__ import annotations
 
@@ -73,14 +70,9 @@ class ProbBiEncoder(BiEncoder):
     """A pyterrier-dr bi-encoder over a SentenceTransformer (or a path to one), adding pEBR's per-query law.
 
     :meth:`query_encoder` adds ``query_vec`` and the :data:`PARAM_COLUMNS` of the head's family (none without a
-    head), :meth:`doc_encoder` adds ``doc_vec`` (L2-normalised)::
-
-        encoder = ProbBiEncoder(st_extensions.build_pebr_model(family="beta"))
-        (encoder.doc_encoder() >> index.indexer()).index(docs)
-        pipeline = encoder.query_encoder() >> CDFCutoffRetriever(index, p=0.5, family=encoder.family)
-
-    ``devices``: encode documents over one process per device (``["cuda:0", "cuda:1"]``), sentence-transformers'
-    multi-process encoding; queries are encoded in this process.
+    head), :meth:`doc_encoder` adds ``doc_vec`` (L2-normalised); usage: :class:`~pyterrier_prob.index.DenseIndex`,
+    :class:`~pyterrier_prob.pebr.CDFCutoffRetriever`. ``devices``: encode documents over one process per device
+    (``["cuda:0", "cuda:1"]``, sentence-transformers' multi-process encoding); queries are encoded in this process.
     """
 
     def __init__(
@@ -127,7 +119,6 @@ class ProbBiEncoder(BiEncoder):
         """The distribution-parameter columns :meth:`query_encoder` adds (empty without a head)."""
         return () if self.family is None else PARAM_COLUMNS[self.family]
 
-    # ---- encoding ------------------------------------------------------------------------------------------
     def encode_queries_with_params(
         self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -160,7 +151,6 @@ class ProbBiEncoder(BiEncoder):
             self.model.encode_document(texts, convert_to_numpy=True, normalize_embeddings=True, **kw), dtype=np.float32
         )
 
-    # ---- transformers --------------------------------------------------------------------------------------
     def query_encoder(self, verbose: bool | None = None, batch_size: int | None = None) -> ProbQueryEncoder:
         """Transformer adding ``query_vec`` and the distribution-parameter columns to a query frame."""
         return ProbQueryEncoder(self, verbose=verbose, batch_size=batch_size)
@@ -215,6 +205,10 @@ class TextEncoderStage(pt.Transformer):
     def subtransformers(self) -> dict:
         return {}
 
+    def fuse_rank_cutoff(self, k: int) -> pt.Transformer | None:
+        """``stage % k`` of a document stage: the cutoff first, so fewer documents are encoded (none for queries)."""
+        return pt.RankCutoff(k) >> self if self.frame == "document_frame" else None
+
 
 class ProbQueryEncoder(TextEncoderStage):
     """``(qid, query)`` -> adds ``query_vec`` and the per-query distribution parameters; made by
@@ -240,9 +234,6 @@ class ProbDocEncoder(TextEncoderStage):
     def _encode(self, texts: list[str]) -> dict[str, Any]:
         show = self.verbose and len(texts) > self.batch_size
         return {"doc_vec": list(self.encoder.encode_docs(texts, self.batch_size, show_progress_bar=show))}
-
-    def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
-        return pt.RankCutoff(k) >> self
 
 
 class Capped(pt.Transformer):
@@ -290,7 +281,6 @@ class DenseRetriever(Capped):
         self.drop_query_vec = bool(drop_query_vec)
         self.verbose = bool(verbose)
 
-    # ---- to implement ----------------------------------------------------------------------------------------
     def _columns(self) -> list[str]:
         """Input columns needed besides qid (and docno when re-ranking)."""
         return ["query_vec"]
@@ -306,7 +296,6 @@ class DenseRetriever(Capped):
         """The subclass' parameters for ``repr``, each followed by ``", "``."""
         return ""
 
-    # ---- shared --------------------------------------------------------------------------------------------
     def __repr__(self) -> str:
         extra = "" if self.searcher is None else f", searcher={self.searcher.backend}[{self.searcher.setting()}]"
         return f"{type(self).__name__}({self.index!r}, {self._params()}num_results={self.num_results}{extra})"
@@ -339,16 +328,11 @@ class DenseRetriever(Capped):
     def _check_counts(self, counts: np.ndarray) -> None:
         """A look at the per-query result counts of one first-stage call (nothing here; see CDFCutoffRetriever)."""
 
-    # ---- the query side of the input frame -------------------------------------------------------------------
     def _queries(self, inp: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(codes, first, Q)``: each row's query number, each query's first row and the unit query vectors; every
         row of a qid must carry its first row's ``query_vec`` and threshold parameters (errors name row and qid)."""
         codes, first = first_rows(inp["qid"])
-        namer, owner = row_namer(inp), type(self).__name__
-
-        def name(i: int) -> str:  # the i-th query's first row
-            return namer(int(first[i]))
-
+        name, owner = row_namer(inp, rows=first), type(self).__name__  # name(i): the i-th query's first row
         raw = stack_arrays(inp["query_vec"].to_numpy()[first], "query_vec", name, owner, ndim=1)
         if len(first) < len(inp):
             params = {col: float_column(inp, col, owner) for col in self._columns() if col != "query_vec"}

@@ -44,14 +44,11 @@ StrataLike = pd.DataFrame | pd.Series | Mapping[str, str]
 QRELS_COLUMNS = ["qid", "docno", "label"]
 
 
-# --- counts per query ---------------------------------------------------------------------------------------------
-
-
 def _topic_qids(topics: pd.DataFrame | Iterable[str]) -> pd.Index:
     if isinstance(topics, pd.DataFrame):
         require_columns(topics, ["qid"], "topics")
-    qids = topics["qid"] if isinstance(topics, pd.DataFrame) else pd.Series(list(topics))
-    return pd.Index(qids.astype(str).drop_duplicates(), name="qid")
+        topics = topics["qid"]
+    return pd.Index(pd.Series(list(topics)).astype(str).drop_duplicates(), name="qid")
 
 
 def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Series:
@@ -81,8 +78,7 @@ def retrieved_counts(result: Counts, qids: Iterable[str] | None = None) -> pd.Se
 
 def _check_counts(values: np.ndarray, qids: Any = None, raw: Any = None, call: str = "") -> None:
     """Counts must be finite numbers: a nan (a missing count) or inf is an error naming the query, not a 0."""
-    bad = ~np.isfinite(values)
-    if bad.any():
+    if (bad := ~np.isfinite(values)).any():
         i = int(np.flatnonzero(bad)[0])
         where = f"qid {qids[i]!r}" if qids is not None else f"position {i}"
         shown = raw[i] if raw is not None else values[i]
@@ -138,20 +134,15 @@ def _strata_series(strata: StrataLike) -> pd.Series:
     s = s.astype(object)
     if s.isna().any():
         raise ValueError(f"strata has no stratum for qid(s) {list(s.index[s.isna()][:5])}")
-    if s.index.duplicated().any():
-        dup = s.index[s.index.duplicated()].unique()
-        if (s.groupby(level=0).nunique() > 1).any():
-            raise ValueError(f"strata gives qid(s) {list(dup[:5])} more than one stratum")
-        s = s[~s.index.duplicated()]
-    return s.rename("stratum").rename_axis("qid")
+    if (s.groupby(level=0).nunique() > 1).any():
+        dup = list(s.index[s.index.duplicated()].unique()[:5])
+        raise ValueError(f"strata gives qid(s) {dup} more than one stratum")
+    return s[~s.index.duplicated()].rename("stratum").rename_axis("qid")
 
 
 def _stratum_order(labels: Iterable[Any]) -> list[Any]:
     present = list(dict.fromkeys(labels))
     return [s for s in STRATA if s in present] + sorted((s for s in present if s not in STRATA), key=str)
-
-
-# --- 1. matched average k (Sec. 4.1.3) ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -314,9 +305,6 @@ def calibrate_mean_k(
     return Calibration(best, mean_k, target, search.calls, achieved, frame, search.series(best), history)
 
 
-# --- 2. head / torso / tail strata (Sec. 4.2) ---------------------------------------------------------------------
-
-
 def _popularity(topics: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(qids, values, labels)`` of a popularity column: ``labels`` when it holds head/torso/tail, else None."""
     frame = topics[["qid", column]].assign(qid=topics["qid"].astype(str)).drop_duplicates("qid")
@@ -381,8 +369,7 @@ def assign_strata(
     else:
         basis = NUM_REL_BASIS
         qids, vals = _num_relevant(topics, qrels, min_label)
-    n = len(qids)
-    if n == 0:
+    if (n := len(qids)) == 0:
         raise ValueError("assign_strata: no queries to stratify")
     if ties == "group":
         pos = pd.Series(vals).rank(method="average", ascending=False).to_numpy() - 1.0
@@ -403,9 +390,6 @@ def _finish_strata(out: pd.DataFrame, basis: str) -> pd.DataFrame:
             f"assign_strata ({basis}): stratum(s) {empty} are empty: too few queries or too many ties", stacklevel=3
         )
     return out
-
-
-# --- 3. set measures per stratum (Sec. 4.1.3, Table 1) ------------------------------------------------------------
 
 
 def _parse_measures(measures: Sequence[Any] | str | Any) -> list[Any]:
@@ -546,9 +530,6 @@ def evaluate_set_measures(
                     row[f"{m} p-value"] = math.nan if name == baseline else _paired_p(sel[m], base[m])
             rows.append(row)
     return pd.DataFrame(rows)
-
-
-# --- 4. Table 3: mean retrieved count per stratum against the CDF value (Sec. 4.4.2) -----------------------------
 
 
 def table3_grid(

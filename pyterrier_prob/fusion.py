@@ -1,9 +1,7 @@
 """Score interpolation of a re-ranker with its first stage: ``alpha * z(re-ranker) + (1 - alpha) * z(first stage)``.
 
-A re-ranker trained on little data often orders a first stage's candidates worse than the first stage itself, yet
-carries a signal the first stage lacks; the usual remedy is to interpolate the two scores, each standardised within
-its query (z-scores), so that ``alpha`` means the same for every query and model (1: the re-ranker alone, 0: the
-first stage's order). ``alpha`` is a hyperparameter: choose it on dev queries (:func:`choose_alpha`)::
+Each score is standardised within its query (z-scores), so that ``alpha`` means the same for every query and model
+(1: the re-ranker alone, 0: the first stage's order); choose it on dev queries (:func:`choose_alpha`)::
 
     pipeline = bm25 % 100 >> text_loader >> ScoreInterpolation(reranker, alpha=0.3)
 """
@@ -32,8 +30,7 @@ def zscore_per_query(qids: QidsLike, scores: ScoresLike) -> np.ndarray:
     q = pd.Series(np.asarray(qids, dtype=object))
     if len(q) != len(s):
         raise ValueError(f"qids and scores differ in length: {len(q)} != {len(s)}")
-    bad = np.flatnonzero(~np.isfinite(s))
-    if len(bad):
+    if len(bad := np.flatnonzero(~np.isfinite(s))):
         raise ValueError(f"score of row {int(bad[0])} (qid {q.iloc[bad[0]]!r}) is {s[bad[0]]}: scores must be finite")
     g = pd.Series(s).groupby(q.to_numpy())
     sd = g.transform("std", ddof=0).to_numpy()

@@ -38,11 +38,15 @@ def require_columns(frame: Any, columns: Iterable[str], what: str, hint: str = "
         raise ValueError(f"{what} lacks column(s) {missing}; it has {list(frame.columns)}{hint}")
 
 
-def row_namer(frame: pd.DataFrame, keys: tuple[str, ...] = _KEY_COLUMNS) -> Callable[[int], str]:
-    """``i -> "row i (qid='q1', docno='d3')"`` for positional rows of ``frame`` (the key columns it has)."""
+def row_namer(
+    frame: pd.DataFrame, keys: tuple[str, ...] = _KEY_COLUMNS, rows: Sequence[int] | None = None
+) -> Callable[[int], str]:
+    """``i -> "row i (qid='q1', docno='d3')"`` for positional rows of ``frame`` (the key columns it has); with
+    ``rows``, ``i`` names the frame's row ``rows[i]``."""
     cols = [c for c in keys if c in frame.columns]
 
     def name(i: int) -> str:
+        i = int(i if rows is None else rows[i])
         keys_ = ", ".join(f"{c}={frame[c].iat[i]!r}" for c in cols)
         return f"row {i} ({keys_})" if keys_ else f"row {i}"
 
@@ -50,18 +54,13 @@ def row_namer(frame: pd.DataFrame, keys: tuple[str, ...] = _KEY_COLUMNS) -> Call
 
 
 def _missing(v: Any) -> bool:
-    if v is None or v is pd.NA or v is pd.NaT:
-        return True
-    return isinstance(v, float | np.floating) and bool(np.isnan(v))
+    return v is None or v is pd.NA or v is pd.NaT or (isinstance(v, float | np.floating) and bool(np.isnan(v)))
 
 
 def check_ids(frame: pd.DataFrame, columns: Iterable[str], owner: str) -> None:
     """No missing (None / NaN) value in the id columns (``qid``, ``docno``) of ``frame``."""
     for col in columns:
-        if col not in frame.columns or not len(frame):
-            continue
-        bad = frame[col].isna().to_numpy()
-        if bad.any():
+        if col in frame.columns and (bad := frame[col].isna().to_numpy()).any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(
                 f"{owner}: {col!r} is missing ({frame[col].iat[i]!r}) in {row_namer(frame)(i)}"
@@ -224,14 +223,11 @@ def check_rows_match_query(
     values = frame[column].to_numpy()
     same_object = np.frompyfunc(operator.is_, 2, 1)(values[rest], values[first[codes[rest]]]).astype(bool)
     rest = rest[~same_object]
-    namer, shape, kind = row_namer(frame), reference.shape[1:], f"{column} shapes within a query"
+    shape, kind = reference.shape[1:], f"{column} shapes within a query"
     for a in range(0, rest.size, _CHECK_ROWS):
         rows = rest[a : a + _CHECK_ROWS]
-        vals = stack_arrays(values[rows], column, lambda i, r=rows: namer(int(r[i])), owner, ndim, shape, kind)
+        vals = stack_arrays(values[rows], column, row_namer(frame, rows=rows), owner, ndim, shape, kind)
         check_same_per_query(frame, codes, first, column, vals, reference, owner, rows=rows)
-
-
-# --- results ----------------------------------------------------------------------------------------------------
 
 
 def empty_results(frame: pd.DataFrame, **columns: Any) -> pd.DataFrame:

@@ -41,7 +41,6 @@ class DenseIndex(IndexArtifact, FlexIndex):
     def __init__(self, path: str | os.PathLike, *, verbose: bool = False) -> None:
         super().__init__(str(path), sim_fn=SimFn.dot, verbose=verbose)
 
-    # ---- loading -----------------------------------------------------------------------------------------
     def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         return [("vecs.f4", (meta["doc_count"], meta["vec_size"]))]
 
@@ -68,10 +67,8 @@ class DenseIndex(IndexArtifact, FlexIndex):
 
     def vectors(self) -> np.memmap:
         """The indexed vectors, a read-only float32 memmap of shape ``(len(self), self.dim)``."""
-        dvecs, _ = self.payload(return_docnos=False)
-        return dvecs
+        return self.payload(return_docnos=False)[0]
 
-    # ---- indexing ----------------------------------------------------------------------------------------
     def indexer(  # type: ignore[override]
         self, *, mode: IndexingMode | str = IndexingMode.create, normalize: bool = True
     ) -> DenseIndexer:
@@ -99,8 +96,7 @@ class DenseIndexer(AtomicIndexer):
         arr = self._stack(shapes, vecs, "doc_vec", offset, docnos, 1, "vector dimensions")
         if self.normalize:
             norms = np.linalg.norm(arr.astype(np.float64), axis=1)
-            zero = np.flatnonzero(norms == 0)
-            if zero.size:
+            if (zero := np.flatnonzero(norms == 0)).size:
                 raise ValueError(
                     f"doc_vec of record #{offset + zero[0]} (docno {docnos[zero[0]]!r}) is all zeros: it "
                     "has no direction and cannot be normalised for cosine retrieval"

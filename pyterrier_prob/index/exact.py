@@ -63,8 +63,7 @@ class CutoffHits:
     @classmethod
     def from_parts(cls, counts: np.ndarray, docids: list[np.ndarray], scores: list[np.ndarray]) -> CutoffHits:
         """Hits from the per-query counts and the docid / score arrays in query order."""
-        offsets = np.zeros(len(counts) + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
+        offsets = np.r_[0, np.cumsum(counts)].astype(np.int64)
         d = np.concatenate(docids).astype(np.int64) if docids else np.zeros(0, np.int64)
         return cls(offsets, d, np.concatenate(scores).astype(np.float32) if scores else np.zeros(0, np.float32))
 
@@ -79,10 +78,7 @@ def f32_ceil(t: np.ndarray) -> np.ndarray:
     """The smallest float32 >= t, elementwise: for float32 scores s, ``s >= result`` iff ``s >= t``."""
     t = np.asarray(t, dtype=np.float64)
     t32 = t.astype(np.float32)
-    up = t32.astype(np.float64) < t
-    if up.any():
-        t32[up] = np.nextafter(t32[up], np.float32(np.inf))
-    return t32
+    return np.where(t32 < t, np.nextafter(t32, np.float32(np.inf)), t32)
 
 
 def query_matrix(vecs: Sequence[Any] | np.ndarray, dim: int) -> np.ndarray:
@@ -182,8 +178,7 @@ def _scores(Qb: np.ndarray, vecs: np.ndarray, scale: np.ndarray | None, c0: int,
 def _prune(
     qi: np.ndarray, di: np.ndarray, sc: np.ndarray, eff: np.ndarray, k: int, grouped: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Raise eff[q] to the k-th best score of every query with more than k candidates (a lower bound of its final
-    k-th best) and keep the candidates at or above it."""
+    """Raise eff[q] to the k-th best score of each query with more than k candidates; keep those at or above it."""
     counts = np.bincount(qi, minlength=eff.shape[0])
     order = None if grouped else np.argsort(qi, kind="stable")  # grouped: candidates already sorted by query
     ends = np.cumsum(counts)
@@ -214,10 +209,8 @@ def _search_block(
         S = _scores(Qb, vecs, scale, c0, c1)
         if k is not None and c0 == 0 and C > k:
             # first chunk: queries keeping more than k here start from their k-th best score in the chunk
-            rows = np.flatnonzero(masker(S, eff, count=True) > k)
-            if rows.size:
-                kth = np.partition(S[rows], C - k, axis=1)[:, C - k]
-                eff[rows] = np.maximum(eff[rows], kth)
+            if (rows := np.flatnonzero(masker(S, eff, count=True) > k)).size:
+                eff[rows] = np.maximum(eff[rows], np.partition(S[rows], C - k, axis=1)[:, C - k])
         flat = masker(S, eff)
         qi = flat // C
         sc = S.reshape(-1)[flat]

@@ -1,11 +1,8 @@
 """The base of the on-disk indexes (:class:`IndexArtifact`) and of their writers (:class:`AtomicIndexer`).
 
-An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory`: into a hidden sibling,
-``pt_meta.json`` last, renamed into place only when complete, so an interrupted run never leaves a directory that
-loads and replacing an index never leaves its path without one. Loading checks the files against ``pt_meta.json``
-(type, sizes, the docno store, non-finite rows) and raises a clear error naming the file; the checks of input frames
-are in :mod:`pyterrier_prob.validation`.
-"""
+An index directory is written through :func:`pyterrier_prob.atomic.atomic_directory` (``pt_meta.json`` last, renamed
+into place only when complete); loading checks the files against ``pt_meta.json`` (type, sizes, the docno store,
+non-finite rows) and raises a clear error naming the file."""
 
 from __future__ import annotations
 
@@ -278,8 +275,7 @@ class AtomicIndexer(pt.Indexer):
         """``(docnos, vectors, optional column or None)`` per batch of :data:`_BATCH` records."""
         need, opt = ("docno", self.VECTOR), self.OPTIONAL
         if isinstance(inp, pd.DataFrame):  # its rows as records
-            missing = [c for c in need if c not in inp.columns]
-            if missing:
+            if missing := [c for c in need if c not in inp.columns]:
                 raise self._missing(missing, list(inp.columns))
             cols = [c for c in (*need, opt) if c is not None and c in inp.columns]
             inp = (dict(zip(cols, row)) for row in zip(*(inp[c].tolist() for c in cols)))
@@ -344,9 +340,6 @@ class AtomicIndexer(pt.Indexer):
         arr = stack_arrays(values, column, name, type(self).__name__, ndim=ndim, shape=shapes.get(column), kind=kind)
         shapes[column] = arr.shape[1:]
         return arr
-
-
-# ---- index files ------------------------------------------------------------------------------------------------
 
 
 def check_docnos(docnos: list, offset: int, seen: set[str]) -> None:

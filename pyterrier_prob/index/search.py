@@ -123,8 +123,7 @@ class SearchSettings:
 
 
 def _settings(settings: SearchSettings | None, params: dict[str, Any], names: Sequence[str]) -> SearchSettings:
-    unknown = sorted(set(params) - set(names))
-    if unknown:
+    if unknown := sorted(set(params) - set(names)):
         raise ValueError(f"unknown search parameter {unknown[0]!r} ({', '.join(names)})")
     return dataclasses.replace(settings or SearchSettings(), **params)
 
@@ -138,20 +137,15 @@ def import_faiss() -> Any:
             'faiss is not installed: pip install "pyterrier-prob[cpu]" (faiss-cpu) or "pyterrier-prob[gpu]" '
             "(faiss-gpu, for a CUDA machine); install one of them, not both"
         ) from e
-    builds = []
-    for name in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11"):
-        try:
-            importlib.metadata.version(name)
-            builds.append(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    if len(builds) > 1 and not getattr(import_faiss, "_warned", False):
-        import_faiss._warned = True  # type: ignore[attr-defined]
-        warnings.warn(
-            f"several faiss builds are installed ({', '.join(builds)}): they write the same 'faiss' package over "
-            "each other; uninstall all of them and install one (pyterrier-prob[cpu] or pyterrier-prob[gpu])",
-            stacklevel=2,
-        )
+    if not getattr(import_faiss, "_checked", False):  # once per process: the distributions that installed 'faiss'
+        import_faiss._checked = True  # type: ignore[attr-defined]
+        builds = sorted(set(importlib.metadata.packages_distributions().get("faiss", [])))
+        if len(builds) > 1:
+            warnings.warn(
+                f"several faiss builds are installed ({', '.join(builds)}): they write the same 'faiss' package over "
+                "each other; uninstall all of them and install one (pyterrier-prob[cpu] or pyterrier-prob[gpu])",
+                stacklevel=2,
+            )
     return faiss
 
 
@@ -331,7 +325,6 @@ class FaissSearcher(Searcher):
         ]
         return ",".join(p for p in parts if p) or "-"
 
-    # ---- parameters ------------------------------------------------------------------------------------------
     def _nprobe(self) -> int:  # the settings' values are positive ints or None
         return int(self.settings.nprobe or self.cpu_index.nprobe)
 
@@ -344,7 +337,6 @@ class FaissSearcher(Searcher):
         if self._backend == "hnsw":
             self.cpu_index.hnsw.efSearch = max(self._ef(), k)
 
-    # ---- search ------------------------------------------------------------------------------------------------
     def _knn(self, Q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, self.n_docs)
         self._apply(k)
@@ -391,8 +383,7 @@ class FaissSearcher(Searcher):
         return qi, ids, np.concatenate([p[0] for p in parts])
 
     def _adaptive_range(self, Q: np.ndarray, t: np.ndarray, radius: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """IVF range search probing, per query, every list whose centroid scores ``>= t_q - probe_margin`` (at least
-        ``nprobe``)."""
+        """IVF range search probing every list whose centroid scores ``>= t_q - probe_margin`` (at least ``nprobe``)."""
         index = self.cpu_index
         nlist = int(index.nlist)
         Dc, Ic = index.quantizer.search(Q, nlist)
@@ -584,14 +575,12 @@ def merge_runs(runs: Sequence[pd.DataFrame], num_results: int | None = None) -> 
     if not len(runs):
         raise ValueError("merge_runs needs at least one run")
     for i, r in enumerate(runs):
-        missing = [c for c in ("qid", "docno", "score") if c not in r.columns]
-        if missing:
+        if missing := [c for c in ("qid", "docno", "score") if c not in r.columns]:
             raise ValueError(f"run {i} has no column(s) {missing} (columns: {list(r.columns)})")
     k = positive_int("num_results", num_results, allow_none=True)
     frames = [r.drop(columns=["rank", "docid"], errors="ignore").assign(_shard=i) for i, r in enumerate(runs)]
     allr = pd.concat(frames, ignore_index=True)
-    dup = allr.duplicated(["qid", "docno"], keep=False)
-    if dup.any():
+    if (dup := allr.duplicated(["qid", "docno"], keep=False)).any():
         row = allr[dup].iloc[0]
         shards = sorted(allr[dup & (allr["qid"] == row["qid"]) & (allr["docno"] == row["docno"])]["_shard"])
         raise ValueError(

@@ -115,6 +115,3 @@ class MoLDocEncoder(_MoLStage):
     """``(docno, text)`` -> adds ``doc_comp`` (``(P_x, d)`` per row), also to candidates; by :meth:`doc_encoder`."""
 
     frame, made_by = "document_frame", "doc_encoder"
-
-    def fuse_rank_cutoff(self, k: int) -> pt.Transformer:
-        return pt.RankCutoff(k) >> self

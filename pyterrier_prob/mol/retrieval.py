@@ -109,8 +109,7 @@ def _part_searchers(index: MoLIndex, searcher: Any, parts: list[int | str]) -> d
             "searcher must be a dict with 'backend' and its parameters, e.g. {'backend': 'ivf_flat', 'nlist': 4096, "
             f"'nprobe': 64}}, or {{part: Searcher}} (index.searcher(part, ...)), got {searcher!r}"
         )
-    missing = [p for p in parts if p not in searcher]
-    if missing:
+    if missing := [p for p in parts if p not in searcher]:
         raise ValueError(
             f"searcher has no Searcher for the parts {missing} this method searches (index.searcher(part))"
         )
@@ -273,7 +272,7 @@ class MoLRetriever(Capped):
             return self._brute_force(Q, Qf)
         B, N, K = Q.shape[0], len(self.index), self.num_results
         n1, n2 = self._n1, self._n2
-        parts_q, parts_d = [], []
+        parts = []  # candidate (query, docid) arrays
         D = nbrs = None
         if self.method in ("exact", *_PER_EMBEDDING) or (self.method == "topk_avg" and self.gap_bound is not None):
             depth = {"exact": K, "topk_per_embedding": n1, "comb_topk": n1, "topk_avg": 0}[self.method]
@@ -283,15 +282,13 @@ class MoLRetriever(Capped):
             D, nbrs = self._knn_components(Q, max(search_depth, 1))  # (B, Pq, Px, k)
             if depth:
                 ids = nbrs[..., :depth].reshape(B, -1)
-                parts_q.append(np.repeat(np.arange(B), ids.shape[1]))
-                parts_d.append(ids.reshape(-1))
+                parts.append((np.repeat(np.arange(B), ids.shape[1]), ids.reshape(-1)))
         avg_q = avg_d = None
         if self.method in _AVERAGED:
             _, Im = self._search("mean", Q.mean(axis=1), n2)
             avg_q, avg_d = np.repeat(np.arange(B), Im.shape[1]), Im.reshape(-1)
-            parts_q.append(avg_q)
-            parts_d.append(avg_d)
-        qi, di = _unique_pairs(np.concatenate(parts_q), np.concatenate(parts_d), N)
+            parts.append((avg_q, avg_d))
+        qi, di = _unique_pairs(*map(np.concatenate, zip(*parts)), N)
         scores = score_pairs(self.mol, self.shapes, Q, Qf, qi, IndexDocs(self.index, di))
         if self.method == "exact":
             qi, di, scores = self._second_pass(Q, Qf, D, qi, di, scores)
@@ -388,13 +385,12 @@ class MoLRetriever(Capped):
         comps, feats = self.index.components(), self.index.features()
         per_doc = self.shapes.px * self.shapes.dim + 4 * B * self.shapes.pq * self.shapes.px
         chunk = max(1, _SCORE_BUDGET // per_doc)
-        qi, di, sc = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
+        parts = [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))]  # (query, docid, score)
         pending = 0
         for c0 in range(0, N, chunk):
             c1 = min(N, c0 + chunk)
-            x = tensor(comps[c0:c1], device, dtype)
             kwargs = {} if Qft is None else {"q_features": Qft, "x_features": tensor(feats[c0:c1], device, dtype)}
-            S = self.mol.score_all(Qt, x, **kwargs)
+            S = self.mol.score_all(Qt, tensor(comps[c0:c1], device, dtype), **kwargs)
             if tuple(S.shape) != (B, c1 - c0):
                 raise ValueError(f"mol.score_all returned shape {tuple(S.shape)}, expected ({B}, {c1 - c0})")
             S = S.float().cpu()
@@ -403,15 +399,13 @@ class MoLRetriever(Capped):
             # each query's top K of the chunk and every tie of its K-th score: a superset of its part of the top K
             kth = torch.topk(S, min(K, c1 - c0), dim=1).values[:, -1:]
             r, c = torch.nonzero(S >= kth, as_tuple=True)
-            qi.append(r.numpy())
-            di.append(c.numpy() + c0)
-            sc.append(S[r, c].numpy())
+            parts.append((r.numpy(), c.numpy() + c0, S[r, c].numpy()))
             pending += r.numel()
             if pending > 8 * B * K:
-                qi, di, sc = np.concatenate(qi), np.concatenate(di), np.concatenate(sc)
+                qi, di, sc = map(np.concatenate, zip(*parts))
                 sel, _ = top_per_query(qi, di, sc, K)
-                qi, di, sc, pending = [qi[sel]], [di[sel]], [sc[sel]], sel.size
-        qi, di, sc = np.concatenate(qi), np.concatenate(di), np.concatenate(sc)
+                parts, pending = [(qi[sel], di[sel], sc[sel])], sel.size
+        qi, di, sc = map(np.concatenate, zip(*parts))
         sel, rank = top_per_query(qi, di, sc, K)
         return _Block(qi[sel], di[sel], sc[sel], rank, np.zeros(B), np.full(B, N, np.int64))
 

@@ -48,8 +48,7 @@ class Shapes:
 
 def mol_shapes(mol: Any) -> Shapes:
     """The :class:`Shapes` of a MixtureOfLogits-like object, with a clear error when it is not one."""
-    missing = [m for m in ("score_candidates", "score_all") if not callable(getattr(mol, m, None))]
-    if missing:
+    if missing := [m for m in ("score_candidates", "score_all") if not callable(getattr(mol, m, None))]:
         raise TypeError(
             f"mol must be a MixtureOfLogits-like module (st_extensions.mol.find_mol(model)) with score_candidates "
             f"and score_all; {type(mol).__name__} lacks {missing}"
@@ -85,11 +84,7 @@ def frame_side(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """``<side>_comp`` (and ``<side>_feat``) of ``rows`` (``side``: ``"query"`` or ``"doc"``) as float32 ``(n, P, d)``
     (and ``(n, F)``), with errors naming the row of a missing, misshapen or non-finite value."""
-    namer = row_namer(inp)
-
-    def name(i: int) -> str:
-        return namer(int(rows[i]))
-
+    name = row_namer(inp, rows=rows)
     column, count = f"{side}_comp", shapes.pq if side == "query" else shapes.px
     comps = stack_arrays(inp[column].to_numpy()[rows], column, name, owner, ndim=2, kind="component shapes")
     if comps.shape[1] != count:
@@ -283,9 +278,8 @@ class MoLReranker(Capped):
         if len(inp):
             check_ids(inp, ["qid", "docno"], type(self).__name__)
             codes, _, Q, Qf = query_rows(inp, self.shapes, type(self).__name__)
-            docs = self._docs(inp)
             with inference(self.mol):
-                scores = score_pairs(self.mol, self.shapes, Q, Qf, codes.astype(np.int64), docs)
+                scores = score_pairs(self.mol, self.shapes, Q, Qf, codes.astype(np.int64), self._docs(inp))
             # ties keep the input order (the row number breaks them)
             order, rank = top_per_query(codes, np.arange(len(codes)), scores, self.num_results)
             out = out.iloc[order].reset_index(drop=True).assign(score=scores[order], rank=rank)

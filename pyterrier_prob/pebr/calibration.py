@@ -39,11 +39,9 @@ __all__ = [
 Family = Literal["exp", "beta", "beta_mle"]
 Weighting = Literal["query", "pair"]
 
-#: Relevant cosines may exceed [-1, 1] by this much (float32 rounding of unit-vector dot products); they are
-#: clipped to [-1, 1]. Anything further out is an error.
+#: Relevant cosines may exceed [-1, 1] by this much (float32 rounding) and are clipped; further out is an error.
 COSINE_TOLERANCE = 1e-4
-#: In the likelihood, z = (1 + cos) / 2 is clipped to [Z_EPS, 1 - Z_EPS], so a cosine of exactly +-1 (a duplicate
-#: document) has a finite log density.
+#: z = (1 + cos) / 2 is clipped to [Z_EPS, 1 - Z_EPS]: a cosine of +-1 (a duplicate document) has a finite density.
 Z_EPS = 1e-12
 _ETA_CLIP = 25.0  # log-parameters are clipped to [-25, 25]: Beta parameters in [1.4e-11, 7.2e10]
 _PAIR_BLOCK = 1 << 20  # padded (queries x K) cells evaluated at once by pit_values / mean_log_density
@@ -60,9 +58,6 @@ def _nan_to_none(values: Any) -> list[float | None]:
     return [float(v) if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64).ravel()]
 
 
-# --- input checking -------------------------------------------------------------------------------------------------
-
-
 def _matrix(values: Any, message: str) -> NDArray[np.float64]:
     """``values`` as a float array, a 1-D one as one column; ``ValueError(message)`` if they are not numbers."""
     try:
@@ -76,8 +71,7 @@ def _param_matrix(params: Any, family: str) -> NDArray[np.float64]:
     """The head's parameters as a float array (Q, k), checked finite and > 0."""
     cols = PARAM_COLUMNS[family]
     if isinstance(params, pd.DataFrame):
-        missing = [c for c in cols if c not in params.columns]
-        if missing:
+        if missing := [c for c in cols if c not in params.columns]:
             raise ValueError(f"params frame lacks the {family!r} parameter column(s) {missing}; it has {list(params)}")
         arr = params[list(cols)].to_numpy(dtype=np.float64)
     else:
@@ -87,8 +81,7 @@ def _param_matrix(params: Any, family: str) -> NDArray[np.float64]:
                 f"params of a {family!r} head must have shape (queries, {len(cols)}) ({', '.join(cols)}), "
                 f"got {np.shape(params)}"
             )
-    bad = ~(np.isfinite(arr) & (arr > 0))
-    if bad.any():
+    if (bad := ~(np.isfinite(arr) & (arr > 0))).any():
         r, c = (int(v[0]) for v in np.nonzero(bad))
         raise ValueError(
             f"params must be finite and > 0: {int(bad.sum())} bad value(s), first {arr[r, c]!r} (query {r}, {cols[c]})"
@@ -174,9 +167,6 @@ def _pair_weights(lists: list[NDArray[np.float64]], weighting: str) -> NDArray[n
     return np.repeat(1.0 / n if weighting == "query" else np.ones(n.size), n.astype(np.intp))
 
 
-# --- the model's own (uncalibrated) law -----------------------------------------------------------------------------
-
-
 def model_law(params: Any, family: Family, dim: int | None = None) -> ExpCosine | BetaCosine:
     """The relevant-item law the head itself predicts (the uncalibrated law): ``exp`` truncated exponential (Sec.
     3.2.1), ``beta`` Beta(1 / tau_q, 1) (Eq. 3), ``beta_mle`` Beta(alpha+, beta+) (Sec. 3.1); ``dim=n``: the sphere (Eq.
@@ -191,9 +181,6 @@ def beta_mle_laws(params: Any, dim: int | None = None) -> tuple[BetaCosine, Beta
     return BetaCosine(p[:, 0], p[:, 1], dim=dim), BetaCosine(p[:, 2], p[:, 3], dim=dim)
 
 
-# --- the calibrated law ---------------------------------------------------------------------------------------------
-
-
 def _suff_stats(lists: list[NDArray[np.float64]]) -> tuple[NDArray, NDArray, NDArray]:
     """Per query: n_q, sum log z, sum log(1 - z), with z = (1 + cos) / 2 clipped to [Z_EPS, 1 - Z_EPS]."""
     n = np.array([c.size for c in lists], dtype=np.float64)
@@ -203,8 +190,7 @@ def _suff_stats(lists: list[NDArray[np.float64]]) -> tuple[NDArray, NDArray, NDA
 
 
 def _standardise(design: NDArray[np.float64]) -> tuple[NDArray, NDArray, NDArray]:
-    """``(xs, const, t_map)``: the design with non-constant features standardised and constant ones dropped, the
-    constant mask, and the map raw = ``t_map @`` standardised."""
+    """``(xs, const, t_map)``: the standardised design without constant features, their mask, raw = ``t_map @ xs``."""
     mu, sd = design[:, 1:].mean(axis=0), design[:, 1:].std(axis=0)
     const = sd <= 1e-12 * np.maximum(1.0, np.abs(mu))
     keep = np.flatnonzero(np.concatenate([[True], ~const]))
@@ -453,9 +439,6 @@ class CalibratedLaw:
         )
 
 
-# --- per-pair evaluation of a per-query law; PIT --------------------------------------------------------------------
-
-
 def take_queries(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosine | BetaCosine:
     """The per-query laws of the queries ``idx`` (positions), as a law of the same kind and geometry."""
     if isinstance(law, BetaCosine):
@@ -465,8 +448,7 @@ def take_queries(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosin
 
 
 def _per_pair(law: ExpCosine | BetaCosine, lists: list[NDArray[np.float64]], method: str) -> NDArray[np.float64]:
-    """``law.<method>`` (``"cdf"`` or ``"logpdf"``) of every relevant cosine, with query q's law for query q's list,
-    concatenated in query order. Queries are evaluated in blocks of similar list length (padded (rows, K) arrays)."""
+    """``law.<method>`` (``"cdf"``/``"logpdf"``) of each query's cosines under its law, in blocks of padded lists."""
     flat = np.concatenate(lists)
     if law.n_queries is None:
         return np.asarray(getattr(law, method)(flat), dtype=np.float64)
@@ -551,9 +533,6 @@ def pit_summary(pit: ArrayLike, tail: float = 0.01, weights: ArrayLike | None = 
         "central_90": float(np.sum(w * ((u >= 0.05) & (u <= 0.95)))),
         "tail": tail,
     }
-
-
-# --- likelihood-ratio cutoff (beta_mle) -----------------------------------------------------------------------------
 
 
 def _lr_coefficients(relevant: BetaCosine, irrelevant: BetaCosine) -> tuple[NDArray, NDArray, NDArray]:

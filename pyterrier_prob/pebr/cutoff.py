@@ -31,18 +31,14 @@ __all__ = ["CDFCutoffRetriever", "ScoreCutoffRetriever"]
 class CDFCutoffRetriever(DenseRetriever):
     """pEBR's probabilistic cutoff (Sec. 4.1.2 "pEBR", Appendix A): keep ``cos(q, d) >= t_q = F_q^{-1}(1 - p)``.
 
-    F_q is the query's learned relevant-item cosine law from the frame's parameters (``query_temp`` for
-    ``family="beta"``, Eq. 3, and ``"exp"``, Sec. 3.2.1; ``query_alpha``, ``query_beta`` for ``"beta_mle"``,
-    Sec. 3.1). A share ``p`` in (0, 1) of it lies above t_q: larger p, deeper lists, capped at ``num_results``.
-    ``dim``: ``None`` for the 1-D law, the embedding dimension for Appendix A's sphere-corrected law (Eq. 4);
-    ``options`` as for :class:`~pyterrier_prob.dense.DenseRetriever`. Choose p on dev queries
-    (``calibrate_mean_k`` or :class:`~pyterrier_prob.pebr.rlt.RecallTargetCutoff`); an
-    :class:`~pyterrier_prob.validation.EmptyRetrievalWarning` says when most queries of a call retrieve nothing.
-
-    Example::
+    F_q: the query's relevant-item cosine law from the frame (``query_temp`` for ``"beta"``, Eq. 3, and ``"exp"``,
+    Sec. 3.2.1; ``query_alpha``, ``query_beta`` for ``"beta_mle"``, Sec. 3.1); a share ``p`` of it lies above t_q,
+    so larger p, deeper lists, capped at ``num_results``. ``dim``: ``None`` for the 1-D law, the embedding dimension
+    for the sphere-corrected law (Eq. 4); ``options`` as for :class:`~pyterrier_prob.dense.DenseRetriever`. Choose p
+    on dev queries (``calibrate_mean_k``, ``RecallTargetCutoff``); an ``EmptyRetrievalWarning`` says when most
+    queries of a call retrieve nothing::
 
         pipeline = encoder.query_encoder() >> CDFCutoffRetriever(index, p=0.5, family=encoder.family)
-        rerank = bm25 % 1000 >> encoder.query_encoder() >> CDFCutoffRetriever(index, p=0.9)
     """
 
     def __init__(

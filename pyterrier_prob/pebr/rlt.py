@@ -219,8 +219,7 @@ def row_relevance(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]
     """(query index per row, relevant flag per row, number of judged-relevant documents per query)."""
     rel = qrels[qrels["label"] > 0]
     pairs = set(zip(rel["qid"].astype(str), rel["docno"].astype(str)))
-    pos = {q: i for i, q in enumerate(qids)}
-    qidx = ranked["qid"].map(pos).to_numpy()
+    qidx = ranked["qid"].map({q: i for i, q in enumerate(qids)}).to_numpy()
     is_rel = np.fromiter((p in pairs for p in zip(ranked["qid"], ranked["docno"])), bool, len(ranked))
     counts = rel.groupby(rel["qid"].astype(str)).size()
     return qidx, is_rel, np.array([int(counts.get(q, 0)) for q in qids])
@@ -242,8 +241,7 @@ Statistic = Callable[[pd.DataFrame], np.ndarray]
 
 def _sorted_run(run: pd.DataFrame) -> pd.DataFrame:
     """``run`` with str qids and docnos, each query's rows together in rank order (queries as they first appear)."""
-    missing = [c for c in ("qid", "docno", "score", "rank") if c not in run.columns]
-    if missing:
+    if missing := [c for c in ("qid", "docno", "score", "rank") if c not in run.columns]:
         raise ValueError(f"a ranked run needs the columns qid, docno, score, rank; missing {missing}")
     run = run.assign(qid=run["qid"].astype(str), docno=run["docno"].astype(str))
     return run.assign(_o=pd.factorize(run["qid"])[0]).sort_values(["_o", "rank"], kind="stable").drop(columns="_o")
@@ -273,8 +271,7 @@ class RecallTargetCutoff(pt.Transformer):
     def fit(self, run: pd.DataFrame, qrels: pd.DataFrame) -> RecallTargetCutoff:
         """Choose the level on a ranked run of calibration queries and their qrels (``qid, docno, label``)."""
         run = _sorted_run(run)
-        qids = list(dict.fromkeys(run["qid"]))
-        qidx, is_rel, n_rel = row_relevance(run, qrels, qids)
+        qidx, is_rel, n_rel = row_relevance(run, qrels, list(dict.fromkeys(run["qid"])))
         self.level_, self.reachable_ = conformal_recall_level(self.statistic(run), qidx, is_rel, n_rel, self.target)
         return self
 
