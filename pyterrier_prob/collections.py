@@ -89,6 +89,9 @@ class Collection:
         return f"{type(self).__name__}({self.name!r}, splits={list(self.splits)})"
 
 
+# --- ir_datasets ------------------------------------------------------------------------------------------------
+
+
 class IrdsCollection(Collection):
     """An ir_datasets dataset and its judged sub-datasets (module docstring)."""
 
@@ -142,6 +145,9 @@ class IrdsCollection(Collection):
 
 def _judged(ds) -> bool:
     return ds.has_queries() and ds.has_qrels()
+
+
+# --- local folders ----------------------------------------------------------------------------------------------
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -336,6 +342,9 @@ def load_collection(spec: str | os.PathLike | Collection) -> Collection:
     if str(spec).startswith("irds:") or not path.exists():
         return IrdsCollection(str(spec))
     raise ValueError(f"{spec!r} is neither an ir_datasets id nor a folder (BEIR or TREC layout)")
+
+
+# --- splits of an experiment ------------------------------------------------------------------------------------
 
 
 def split_topics(topics: pd.DataFrame, seed: int = 0, fraction: float = 0.5) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -119,6 +119,7 @@ class ProbBiEncoder(BiEncoder):
         """The distribution-parameter columns :meth:`query_encoder` adds (empty without a head)."""
         return () if self.family is None else PARAM_COLUMNS[self.family]
 
+    # ---- encoding ------------------------------------------------------------------------------------------
     def encode_queries_with_params(
         self, texts: list[str], batch_size: int | None = None, show_progress_bar: bool | None = None
     ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -151,6 +152,7 @@ class ProbBiEncoder(BiEncoder):
             self.model.encode_document(texts, convert_to_numpy=True, normalize_embeddings=True, **kw), dtype=np.float32
         )
 
+    # ---- transformers --------------------------------------------------------------------------------------
     def query_encoder(self, verbose: bool | None = None, batch_size: int | None = None) -> ProbQueryEncoder:
         """Transformer adding ``query_vec`` and the distribution-parameter columns to a query frame."""
         return ProbQueryEncoder(self, verbose=verbose, batch_size=batch_size)
@@ -281,6 +283,7 @@ class DenseRetriever(Capped):
         self.drop_query_vec = bool(drop_query_vec)
         self.verbose = bool(verbose)
 
+    # ---- to implement ----------------------------------------------------------------------------------------
     def _columns(self) -> list[str]:
         """Input columns needed besides qid (and docno when re-ranking)."""
         return ["query_vec"]
@@ -296,6 +299,7 @@ class DenseRetriever(Capped):
         """The subclass' parameters for ``repr``, each followed by ``", "``."""
         return ""
 
+    # ---- shared --------------------------------------------------------------------------------------------
     def __repr__(self) -> str:
         extra = "" if self.searcher is None else f", searcher={self.searcher.backend}[{self.searcher.setting()}]"
         return f"{type(self).__name__}({self.index!r}, {self._params()}num_results={self.num_results}{extra})"
@@ -328,6 +332,7 @@ class DenseRetriever(Capped):
     def _check_counts(self, counts: np.ndarray) -> None:
         """A look at the per-query result counts of one first-stage call (nothing here; see CDFCutoffRetriever)."""
 
+    # ---- the query side of the input frame -------------------------------------------------------------------
     def _queries(self, inp: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(codes, first, Q)``: each row's query number, each query's first row and the unit query vectors; every
         row of a qid must carry its first row's ``query_vec`` and threshold parameters (errors name row and qid)."""

@@ -44,6 +44,9 @@ StrataLike = pd.DataFrame | pd.Series | Mapping[str, str]
 QRELS_COLUMNS = ["qid", "docno", "label"]
 
 
+# --- counts per query ---------------------------------------------------------------------------------------------
+
+
 def _topic_qids(topics: pd.DataFrame | Iterable[str]) -> pd.Index:
     if isinstance(topics, pd.DataFrame):
         require_columns(topics, ["qid"], "topics")
@@ -143,6 +146,9 @@ def _strata_series(strata: StrataLike) -> pd.Series:
 def _stratum_order(labels: Iterable[Any]) -> list[Any]:
     present = list(dict.fromkeys(labels))
     return [s for s in STRATA if s in present] + sorted((s for s in present if s not in STRATA), key=str)
+
+
+# --- 1. matched average k (Sec. 4.1.3) ----------------------------------------------------------------------------
 
 
 @dataclass
@@ -305,6 +311,9 @@ def calibrate_mean_k(
     return Calibration(best, mean_k, target, search.calls, achieved, frame, search.series(best), history)
 
 
+# --- 2. head / torso / tail strata (Sec. 4.2) ---------------------------------------------------------------------
+
+
 def _popularity(topics: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(qids, values, labels)`` of a popularity column: ``labels`` when it holds head/torso/tail, else None."""
     frame = topics[["qid", column]].assign(qid=topics["qid"].astype(str)).drop_duplicates("qid")
@@ -390,6 +399,9 @@ def _finish_strata(out: pd.DataFrame, basis: str) -> pd.DataFrame:
             f"assign_strata ({basis}): stratum(s) {empty} are empty: too few queries or too many ties", stacklevel=3
         )
     return out
+
+
+# --- 3. set measures per stratum (Sec. 4.1.3, Table 1) ------------------------------------------------------------
 
 
 def _parse_measures(measures: Sequence[Any] | str | Any) -> list[Any]:
@@ -530,6 +542,9 @@ def evaluate_set_measures(
                     row[f"{m} p-value"] = math.nan if name == baseline else _paired_p(sel[m], base[m])
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+# --- 4. Table 3: mean retrieved count per stratum against the CDF value (Sec. 4.4.2) -----------------------------
 
 
 def table3_grid(

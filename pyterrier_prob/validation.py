@@ -230,6 +230,9 @@ def check_rows_match_query(
         check_same_per_query(frame, codes, first, column, vals, reference, owner, rows=rows)
 
 
+# --- results ----------------------------------------------------------------------------------------------------
+
+
 def empty_results(frame: pd.DataFrame, **columns: Any) -> pd.DataFrame:
     """``frame`` (no rows) with a first stage's result columns ``docno, docid, score, rank``, typed, plus ``columns``
     (name -> dtype): what a retriever returns for an empty query frame."""

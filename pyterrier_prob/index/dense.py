@@ -41,6 +41,7 @@ class DenseIndex(IndexArtifact, FlexIndex):
     def __init__(self, path: str | os.PathLike, *, verbose: bool = False) -> None:
         super().__init__(str(path), sim_fn=SimFn.dot, verbose=verbose)
 
+    # ---- loading -----------------------------------------------------------------------------------------
     def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         return [("vecs.f4", (meta["doc_count"], meta["vec_size"]))]
 
@@ -69,6 +70,7 @@ class DenseIndex(IndexArtifact, FlexIndex):
         """The indexed vectors, a read-only float32 memmap of shape ``(len(self), self.dim)``."""
         return self.payload(return_docnos=False)[0]
 
+    # ---- indexing ----------------------------------------------------------------------------------------
     def indexer(  # type: ignore[override]
         self, *, mode: IndexingMode | str = IndexingMode.create, normalize: bool = True
     ) -> DenseIndexer:

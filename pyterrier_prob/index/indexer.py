@@ -342,6 +342,9 @@ class AtomicIndexer(pt.Indexer):
         return arr
 
 
+# ---- index files ------------------------------------------------------------------------------------------------
+
+
 def check_docnos(docnos: list, offset: int, seen: set[str]) -> None:
     """Docnos of records ``offset, offset + 1, ...``: str, no NUL character, not seen before (``seen`` grows)."""
     for i, docno in enumerate(docnos):

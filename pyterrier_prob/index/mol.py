@@ -50,6 +50,7 @@ class MoLIndex(IndexArtifact, pt.Artifact):
         """The index directory."""
         return Path(self.path)
 
+    # ---- loading -----------------------------------------------------------------------------------------
     def _arrays(self, meta: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
         count, fdim = meta["doc_count"], meta.get("feature_dim")
         if fdim is not None and not (is_int(fdim) and fdim > 0):
@@ -105,6 +106,7 @@ class MoLIndex(IndexArtifact, pt.Artifact):
             self._docnos = self._open_docnos(len(self))
         return self._docnos
 
+    # ---- faiss -------------------------------------------------------------------------------------------
     def _part(self, part: int | str) -> tuple[np.ndarray, str]:
         """The vectors of component ``part`` of every document (an int) or of their means (``"mean"``), and a name."""
         if part == "mean":
@@ -135,6 +137,7 @@ class MoLIndex(IndexArtifact, pt.Artifact):
             self._cache, ("searcher", name), vectors, backend, self.index_path / "faiss" / name, **params
         )
 
+    # ---- factories ---------------------------------------------------------------------------------------
     def indexer(self, *, mode: IndexingMode | str = IndexingMode.create) -> MoLIndexer:
         """An indexer writing this index; ``mode``: ``"create"`` or ``"overwrite"`` (replace it, atomically)."""
         return MoLIndexer(self, mode=mode)

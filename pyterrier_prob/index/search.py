@@ -325,6 +325,7 @@ class FaissSearcher(Searcher):
         ]
         return ",".join(p for p in parts if p) or "-"
 
+    # ---- parameters ------------------------------------------------------------------------------------------
     def _nprobe(self) -> int:  # the settings' values are positive ints or None
         return int(self.settings.nprobe or self.cpu_index.nprobe)
 
@@ -337,6 +338,7 @@ class FaissSearcher(Searcher):
         if self._backend == "hnsw":
             self.cpu_index.hnsw.efSearch = max(self._ef(), k)
 
+    # ---- search ------------------------------------------------------------------------------------------------
     def _knn(self, Q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, self.n_docs)
         self._apply(k)

@@ -58,6 +58,9 @@ def _nan_to_none(values: Any) -> list[float | None]:
     return [float(v) if math.isfinite(v) else None for v in np.asarray(values, dtype=np.float64).ravel()]
 
 
+# --- input checking -------------------------------------------------------------------------------------------------
+
+
 def _matrix(values: Any, message: str) -> NDArray[np.float64]:
     """``values`` as a float array, a 1-D one as one column; ``ValueError(message)`` if they are not numbers."""
     try:
@@ -167,6 +170,9 @@ def _pair_weights(lists: list[NDArray[np.float64]], weighting: str) -> NDArray[n
     return np.repeat(1.0 / n if weighting == "query" else np.ones(n.size), n.astype(np.intp))
 
 
+# --- the model's own (uncalibrated) law -----------------------------------------------------------------------------
+
+
 def model_law(params: Any, family: Family, dim: int | None = None) -> ExpCosine | BetaCosine:
     """The relevant-item law the head itself predicts (the uncalibrated law): ``exp`` truncated exponential (Sec.
     3.2.1), ``beta`` Beta(1 / tau_q, 1) (Eq. 3), ``beta_mle`` Beta(alpha+, beta+) (Sec. 3.1); ``dim=n``: the sphere (Eq.
@@ -179,6 +185,9 @@ def beta_mle_laws(params: Any, dim: int | None = None) -> tuple[BetaCosine, Beta
     """(relevant, irrelevant) laws of a ``beta_mle`` head (Sec. 3.1): Beta(alpha+, beta+) and Beta(alpha-, beta-)."""
     p = _param_matrix(params, "beta_mle")
     return BetaCosine(p[:, 0], p[:, 1], dim=dim), BetaCosine(p[:, 2], p[:, 3], dim=dim)
+
+
+# --- the calibrated law ---------------------------------------------------------------------------------------------
 
 
 def _suff_stats(lists: list[NDArray[np.float64]]) -> tuple[NDArray, NDArray, NDArray]:
@@ -439,6 +448,9 @@ class CalibratedLaw:
         )
 
 
+# --- per-pair evaluation of a per-query law; PIT --------------------------------------------------------------------
+
+
 def take_queries(law: ExpCosine | BetaCosine, idx: NDArray[np.intp]) -> ExpCosine | BetaCosine:
     """The per-query laws of the queries ``idx`` (positions), as a law of the same kind and geometry."""
     if isinstance(law, BetaCosine):
@@ -533,6 +545,9 @@ def pit_summary(pit: ArrayLike, tail: float = 0.01, weights: ArrayLike | None = 
         "central_90": float(np.sum(w * ((u >= 0.05) & (u <= 0.95)))),
         "tail": tail,
     }
+
+
+# --- likelihood-ratio cutoff (beta_mle) -----------------------------------------------------------------------------
 
 
 def _lr_coefficients(relevant: BetaCosine, irrelevant: BetaCosine) -> tuple[NDArray, NDArray, NDArray]:
