@@ -272,38 +272,52 @@ def merge_branch_lists(
     n = len(lists)
     if len(quotas) != n:
         raise ValueError(f"need one quota per branch ({n}), got {len(quotas)}")
-    docs = [np.asarray(d).tolist() for d, _ in lists]
-    scores = [np.asarray(s, dtype=np.float64).tolist() for _, s in lists]
-    selected: dict[int, list] = {}  # docid -> [best score, finders set, claimer]
-    claimed, pos = [0] * n, [0] * n
-
-    def can_step(b: int, lifted: bool) -> bool:  # candidates left and, unless quotas are lifted, quota left
-        return pos[b] < len(docs[b]) and (lifted or claimed[b] < quotas[b])
-
-    def step(b: int) -> None:  # branch b meets its next document: claims it if new, else joins its finders
-        d, s = docs[b][pos[b]], scores[b][pos[b]]
-        pos[b] += 1
-        if (entry := selected.get(d)) is None:
-            selected[d] = [s, {b}, b]
-            claimed[b] += 1
-        else:
-            entry[1].add(b)
-            entry[0] = max(entry[0], s)
-
+    walk = _BranchWalk(lists, quotas)
     rounds = 0
     for lifted in (False, True):
-        while len(selected) < budget and (walking := [b for b in range(n) if can_step(b, lifted)]):
+        while len(walk.selected) < budget:
+            walking = [b for b in range(n) if walk.can_step(b, lifted)]
+            if not walking:
+                break
             start = rounds % n
             rounds += 1
             for b in sorted(walking, key=lambda b: (b - start) % n):
-                if len(selected) >= budget:
+                if len(walk.selected) >= budget:
                     break
-                if can_step(b, lifted):
-                    step(b)
+                if walk.can_step(b, lifted):
+                    walk.step(b)
     for b in range(n):  # the documents right after a branch's walk that are already selected cost it nothing
-        while can_step(b, True) and docs[b][pos[b]] in selected:
-            step(b)
-    return [(d, e[0], sorted(e[1]), e[2]) for d, e in selected.items()]
+        while walk.can_step(b, True) and walk.docs[b][walk.pos[b]] in walk.selected:
+            walk.step(b)
+    return [(d, e[0], sorted(e[1]), e[2]) for d, e in walk.selected.items()]
+
+
+class _BranchWalk:
+    """The walk of :func:`merge_branch_lists`: each branch's position and claims, and the selected documents."""
+
+    def __init__(self, lists: Sequence[tuple[np.ndarray, np.ndarray]], quotas: Sequence[int]) -> None:
+        self.docs = [np.asarray(d).tolist() for d, _ in lists]
+        self.scores = [np.asarray(s, dtype=np.float64).tolist() for _, s in lists]
+        self.quotas = list(quotas)
+        self.selected: dict[int, list] = {}  # docid -> [best score, finders set, claimer]
+        self.claimed = [0] * len(lists)
+        self.pos = [0] * len(lists)
+
+    def can_step(self, b: int, lifted: bool) -> bool:
+        """Branch ``b`` has candidates left and, unless quotas are lifted, quota left."""
+        return self.pos[b] < len(self.docs[b]) and (lifted or self.claimed[b] < self.quotas[b])
+
+    def step(self, b: int) -> None:
+        """Branch ``b`` meets its next document: claims it if new, else joins its finders."""
+        d, s = self.docs[b][self.pos[b]], self.scores[b][self.pos[b]]
+        self.pos[b] += 1
+        entry = self.selected.get(d)
+        if entry is None:
+            self.selected[d] = [s, {b}, b]
+            self.claimed[b] += 1
+        else:
+            entry[1].add(b)
+            entry[0] = max(entry[0], s)
 
 
 class MultiBranchRetriever(Capped):
