@@ -65,10 +65,9 @@ class SafetensorsModule(Module):
         """``x`` as a ``(batch, dim)`` tensor in the dtype of the module's weights; else a ValueError naming it."""
         if not isinstance(x, Tensor) or x.ndim != 2 or x.shape[-1] != dim:
             shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-            raise ValueError(
-                f"{type(self).__name__} expects {what} of shape (batch, {dim}), got {shape}: it was built for another "
-                "embedding dimension"
-            )
+            other_dim = isinstance(x, Tensor) and x.ndim == 2
+            hint = ": it was built for another embedding dimension" if other_dim else ""
+            raise ValueError(f"{type(self).__name__} expects {what} of shape (batch, {dim}), got {shape}{hint}")
         return x.to(next(self.parameters()).dtype)
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
