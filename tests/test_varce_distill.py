@@ -3,12 +3,17 @@ calibration and uncertainty measures, training under the partial recipe."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
+from pyterrier_prob.experiments.harness import slug
+from pyterrier_prob.experiments.varce_distill import STUDENTS
 from pyterrier_prob.fusion import interpolate
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
@@ -159,6 +164,8 @@ def test_distillation_rows():
         assert row["document_0"] in top5
         assert all(row[f"document_{j}"] not in top5 for j in (1, 2, 3))
         assert row["label"] == pytest.approx([by_text[row[f"document_{j}"]] for j in range(4)])
+    with pytest.raises(ValueError, match=r"more than top=20 candidates \(at most 20\).*--pool-depth"):
+        distill.distillation_rows(pool, {"1": "q1", "2": "q2", "3": "q3"}, texts, 7, top=20)  # was an endless loop
 
 
 def test_ece_and_platt():
@@ -247,3 +254,38 @@ def test_varce_command_maps_to_the_distillation(tmp_path):
         varce_distill.config_from_varce(varce.config_from_args(frozen))
     with pytest.raises(FileNotFoundError, match="not a saved sentence-transformers model"):
         varce_distill.build_teacher(cfg)
+
+
+def test_teacher_run_end_to_end(small_beir, minilm_path, tmp_path):
+    """``pyterrier-prob varce --teacher``: students trained for 2 steps, every collection's rows, the teacher's weight
+    chosen on dev, the learning curves in summary.json; a second run reuses every stage and reports the same rows."""
+    from pyterrier_prob.cli import main
+
+    folder, info = small_beir
+    out = tmp_path / "distill"
+    argv = ["varce", "--dataset", str(folder), "--teacher", minilm_path, "--recipe", "partial", "--train-layers", "1"]
+    argv += ["--steps", "2", "--batch-size", "4", "--max-seq-length", "32", "--depth", "20", "--pool-depth", "12"]
+    argv += ["--dev-queries", "4", "--dev-depth", "3", "--ood", str(folder), "--output", str(out), "--quiet"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    by_alpha = {float(a): v for a, v in summary["teacher"]["dev_nDCG@10_by_alpha"].items()}
+    alpha = summary["teacher"]["alpha"]
+    best = max(by_alpha.values())
+    assert alpha == min(a for a, v in by_alpha.items() if v == best)  # the best on dev, ties to the smaller
+    systems = ["BM25", "Teacher (bi-encoder)", f"Teacher (bi-encoder + BM25, alpha {alpha})", *STUDENTS]
+    rows = pd.DataFrame(summary["rows"])
+    assert rows["system"].tolist() == systems * 2  # the dataset, then the same folder as --ood
+    assert (rows["queries"] == info["queries"]["test"]).all() and rows["nDCG@10"].between(0, 1).all()
+    assert 0 < summary["dev_candidates"] <= 4 * 3
+    for name in STUDENTS:
+        curve = json.loads((out / "curves" / f"{name}.json").read_text())
+        assert summary["dev_curves"][name] == curve and [p["step"] for p in curve["points"]] == [0, 1, 2]
+        assert (out / "models" / name / "README.md").is_file()  # the model card
+    assert sorted(p.name for p in (out / "teacher").glob("*.npy")) == [
+        f"{slug(str(folder), '_')}-{s}.npy" for s in ("dev", "docs", "test", "train")
+    ]
+    assert not [p for p in out.rglob(".*") if re.search(r"\.\w+-\d+-[0-9a-f]{12}$", p.name)]  # no temporary left
+
+    assert main(argv) == 0  # everything reused: the same rows
+    again = json.loads((out / "summary.json").read_text())
+    assert again["rows"] == summary["rows"] and again["dev_curves"] == summary["dev_curves"]

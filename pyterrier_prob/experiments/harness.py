@@ -265,8 +265,10 @@ def base_model(cfg: CommonConfig, adapter: bool = False) -> Any:
     return build_adapter_model(model) if adapter else model
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text.removeprefix("irds:")).strip("-") or "collection"
+def slug(text: str, sep: str = "-") -> str:
+    """``text`` (an ``irds:`` prefix dropped) with each run of other characters than ASCII letters and digits as
+    ``sep``: a file or stage name."""
+    return re.sub(r"[^A-Za-z0-9]+", sep, text.removeprefix("irds:")).strip(sep) or "collection"
 
 
 def p_mark(p: float | None) -> str:
@@ -532,7 +534,7 @@ class Harness:
 
     def state_cache_path(self, recipe: Any, model: Any = None) -> str:
         """The partial recipe's folder of lower-layer states, one per ``model``'s ``state_fingerprint``."""
-        base = _slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
+        base = slug(os.path.basename(str(self.cfg.model or "minilm").rstrip("/"))) or "model"
         name = f"states-{base}-{self.cfg.max_seq_length}-top{recipe.train_layers}"
         first = next(iter(model), None) if model is not None else None
         if first is not None and not isinstance(first, SplitTransformer):  # a split cross-encoder: its own cache
@@ -567,7 +569,7 @@ class Harness:
 
     # ---- indexes ----------------------------------------------------------------------------------------------
     def _index_path(self, name: str, collection: Collection, ext: str) -> str:
-        return self.path("indexes", f"{name}-{_slug(collection.name)}.{ext}")
+        return self.path("indexes", f"{name}-{slug(collection.name)}.{ext}")
 
     def _reusable(self, name: str, path: str) -> bool:
         """With ``--reuse``: the index exists and was built by a model made with the same settings."""
@@ -664,7 +666,9 @@ class Harness:
             "timings_s": dict(self.timings),
             "train_steps_per_s": dict(self.step_rates),
             "cpu": {"threads": self.threads, "batch_scheduled": self.batch_scheduled},  # what the kernel took
-            "dev_curves": curve_summaries(self.path("curves"), self.dev_measures, self.recipes),
+            # the curves of the models trained here through ``train(dev=...)``, and those the experiment passes
+            "dev_curves": curve_summaries(self.path("curves"), self.dev_measures, self.recipes)
+            | dict(summary.get("dev_curves") or {}),
             "total_s": total,
             "tables": {name: f.to_dict(orient="records") for name, f in tables.items()},  # the report's figures
         }

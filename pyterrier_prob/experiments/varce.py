@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 
 from pyterrier_prob.experiments import varce_distill
-from pyterrier_prob.experiments.harness import CommonConfig, Data, Harness, insert_columns, option, subcommand
+from pyterrier_prob.experiments.harness import CommonConfig, Data, Harness, insert_columns, option, slug, subcommand
 from pyterrier_prob.experiments.varce_report import markdown
 from pyterrier_prob.experiments.varce_train import (
     BASELINE,
@@ -206,7 +206,7 @@ class _Job:
         names = ", ".join(self.scorers)
         for tg in self.targets:
             what = f"re-ranking BM25's top {tg.depth} of {len(tg.topics)} {tg.label}/{tg.split} queries with {names}"
-            with self.h.stage(f"rerank_{_slug(tg.label)}", what):
+            with self.h.stage("rerank_" + slug(tg.label, "_"), what):
                 cand = self.cands[tg.label] = tg.candidates(self.h, tg.topics, tg.depth)
                 self.runs[tg.label] = self.runs_of(tg.label, cand)
                 exp = self.h.experiment(self.runs[tg.label], tg.topics, tg.qrels, MEASURES, baseline=self.baseline)
@@ -346,7 +346,3 @@ def _scoring_info(sc: PairScorer) -> dict[str, Any]:
 def _dev_ndcg(dev: Target, rank: Callable[[float], pd.DataFrame], value: float) -> float:
     """Mean dev nDCG@10 of the run ``rank(value)`` (an interpolation's alpha, a risk-aware ranking's lambda)."""
     return float(per_query(rank(value), dev.qrels, MEASURES[0], topics=dev.topics).mean())
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in text.removeprefix("irds:")).strip("_")

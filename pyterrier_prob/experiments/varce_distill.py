@@ -21,7 +21,7 @@ from pyterrier_prob.atomic import atomic_write, make_dirs, read_checked
 from pyterrier_prob.collections import Collection, load_collection
 from pyterrier_prob.curves import DevCurve
 from pyterrier_prob.data import judged_pairs, training_pairs
-from pyterrier_prob.experiments.harness import Harness, markdown_table
+from pyterrier_prob.experiments.harness import Harness, markdown_table, slug
 from pyterrier_prob.training import Recipe, fine_tune, read_json
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
@@ -79,10 +79,6 @@ class DistillConfig:
         )
 
 
-def _slug(spec: str) -> str:
-    return spec.replace("irds:", "").replace("/", "_")
-
-
 # ------------------------------------------------------------------------------------------------ 1. teacher
 def build_teacher(cfg: DistillConfig) -> str:
     """The teacher's folder: ``cfg.teacher``, or for ``"partial"`` an MNRL bi-encoder fine-tuned on the training split
@@ -138,12 +134,12 @@ def load_side(cfg: DistillConfig, teacher: Any, spec: str, splits: tuple[str, ..
     coll = load_collection(spec)
     corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
     docnos = list(corpus)
-    slug = _slug(spec)
-    d_emb = distill.encode(teacher, [corpus[d] for d in docnos], cfg.path("teacher", f"{slug}-docs.npy"))
+    name = slug(spec, "_")
+    d_emb = distill.encode(teacher, [corpus[d] for d in docnos], cfg.path("teacher", f"{name}-docs.npy"))
     topics = {s: coll.topics(s).astype({"qid": str}) for s in splits}
     qrels = {s: coll.qrels(s).astype({"qid": str, "docno": str}) for s in splits}
     q_emb = {
-        s: distill.encode(teacher, topics[s]["query"].tolist(), cfg.path("teacher", f"{slug}-{s}.npy"), query=True)
+        s: distill.encode(teacher, topics[s]["query"].tolist(), cfg.path("teacher", f"{name}-{s}.npy"), query=True)
         for s in splits
     }
     return Side(spec, coll, corpus, topics, qrels, docnos, d_emb, q_emb)
@@ -195,9 +191,10 @@ def build_student(cfg: DistillConfig, name: str) -> Any:
     return build_split_cross_encoder(cfg.teacher, variant=STUDENTS[name], max_seq_length=cfg.max_seq_length, **shape)
 
 
-def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any) -> dict[str, Any]:
-    """Train (or load, when saved by an earlier run) every student on the same rows, steps and budget."""
-    evaluate = DevRerank(dev_subset(cfg, h, side), side.qrels["dev"])
+def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any, dev: pd.DataFrame) -> dict[str, Any]:
+    """Train (or load, when saved by an earlier run) every student on the same rows, steps and budget; ``dev``: the
+    :func:`dev_subset` their learning curves score."""
+    evaluate = DevRerank(dev, side.qrels["dev"])
     models, curves = {}, {}
     for name in cfg.students:
         folder = cfg.path("models", name)
@@ -313,15 +310,16 @@ def run(cfg: DistillConfig, h: Harness) -> dict[str, Any]:
     rows = distill.distillation_rows(
         pool, queries, side.corpus, cfg.steps * cfg.batch_size, negatives=cfg.negatives, seed=cfg.seed
     )
-    trained = train_students(cfg, h, side, rows)
+    dev_sub = dev_subset(cfg, h, side)
+    trained = train_students(cfg, h, side, rows, dev_sub)
     models = trained["models"]
     students = list(models)
     rows_out, calibration, uncertainty = [], {}, {}
-    dev_sub = dev_subset(cfg, h, side)
     dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
     for spec, s in [(cfg.dataset, side)] + [(spec, load_side(cfg, teacher, spec, ("test",))) for spec in cfg.ood]:
-        with h.stage(f"rerank_{_slug(spec)}", f"re-ranking BM25's top {cfg.depth} of {spec} (test)"):
-            scored = score_stage(cfg, models, f"{_slug(spec)}-test", candidates(cfg, h, s, "test"))
+        name = slug(spec, "_")
+        with h.stage(f"rerank_{name}", f"re-ranking BM25's top {cfg.depth} of {spec} (test)"):
+            scored = score_stage(cfg, models, f"{name}-test", candidates(cfg, h, s, "test"))
             qids = s.topics["test"]["qid"].tolist()
             r, per_query = rerank_rows(cfg, scored, s.qrels["test"], chosen["alpha"], spec, qids)
         if spec == cfg.dataset:

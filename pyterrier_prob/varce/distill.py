@@ -130,6 +130,12 @@ def distillation_rows(
     rng = np.random.default_rng(seed)
     ranked = pool.sort_values(["qid", "teacher"], ascending=[True, False], kind="stable")
     groups = {q: (g["docno"].to_numpy(), g["teacher"].to_numpy()) for q, g in ranked.groupby("qid") if len(g) > top}
+    if not groups:
+        most = int(pool.groupby("qid").size().max()) if len(pool) else 0
+        raise ValueError(
+            f"no query of the pool has more than top={top} candidates (at most {most}), so none has a negative: "
+            "build the pool deeper (--pool-depth)"
+        )
     if missing := [q for q in groups if q not in queries]:
         raise ValueError(f"no query text for qid {missing[0]!r}")
     qids = sorted(groups)
