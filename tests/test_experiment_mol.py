@@ -167,3 +167,19 @@ def test_mol_tiny_run(tmp_path, small_beir, small_beir_no_train_no_dev):
     assert "against 'base model (no fine-tuning)'" in summary2["significance"]
     assert not (out2 / "models").exists()
     _assert_0644(out2)
+
+
+@pytest.mark.slow
+def test_reuse_retrains_mol_for_another_head_init(tmp_path, small_beir):
+    """``--reuse --head-init orthogonal`` after an identity-initialised run trains MoL again (the init is part of
+    what makes the model) and keeps the bi-encoder, whose settings did not change."""
+    folder, _ = small_beir
+    out = tmp_path / "mol"
+    argv = ["mol", "--dataset", str(folder), "--steps", "1", "--batch-size", "4", "--max-seq-length", "32"]
+    argv += ["--output", str(out), "--quiet"]
+    assert main(argv) == 0
+    assert main([*argv, "--reuse", "--head-init", "orthogonal"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert "train_mol" in summary["timings_s"] and "load_bi-encoder" in summary["timings_s"]
+    saved = json.loads((out / "models" / "mol" / "train_settings.json").read_text())["settings"]
+    assert saved["mol"]["head_init"] == "orthogonal"

@@ -222,6 +222,7 @@ def train_system(
     """Fine-tune (or build) one system's model; returns it and its summary entry (loss, rates, training loss)."""
     entry: dict[str, Any] = {"similarity": "MoL (Eq. 1-2)" if s.kind == "mol" else "cosine"}
     mol_settings = {"pq": cfg.pq, "px": cfg.px, "component_dim": cfg.component_dim, "source": cfg.component_source}
+    mol_settings |= {"head_init": cfg.head_init} if cfg.component_source == "heads" else {}  # --reuse: another init
     settings = {"system": s.name, "train": f"{data.train_collection.name}/{data.train}", "scale": cfg.scale}
     settings |= {"alpha": s.alpha, "mol": None if s.kind == "dense" else mol_settings}
     train = pairs if s.loss is not None and data.train else None
