@@ -359,3 +359,16 @@ def test_partial_recipe_end_to_end_and_an_interrupted_run_resumes(tmp_path, smal
     lower = whole[0].auto_model.encoder.layer[0].attention.self.query.weight
     start = load_model(default_model_path())[0].auto_model.encoder.layer[0].attention.self.query.weight
     assert torch.equal(lower, start)  # the lower layers stayed as they were
+
+
+@pytest.mark.slow
+def test_sphere_geometry_under_the_frozen_recipe(tmp_path, small_beir):
+    """``--geometry sphere`` with the default (frozen) recipe: the law's dimension comes from the model (its
+    encoding model, cached encoder outputs and the added modules, cannot tell it)."""
+    folder, _ = small_beir
+    out = tmp_path / "sphere"
+    argv = ["--dataset", str(folder), "--geometry", "sphere", "--steps", "1", "--batch-size", "4"]
+    argv += ["--max-seq-length", "32", "--ks", "10", "--cap", "50", "--study-cap", "50", "--table3-ps", "0.9"]
+    assert main([*argv, "--output", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["geometry"] == "sphere" and summary["cutoff_study"]["calibrated_law"]["dim"] == 384

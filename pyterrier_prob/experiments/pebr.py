@@ -227,7 +227,10 @@ def encode(cfg: PebrJobConfig, h: Harness, data: Data, models: dict[str, Any]) -
     topics = {"dev": data.cal_topics, "test": data.test_topics}
     with h.stage("encode_queries", "encoding the calibration and test queries"):
         queries = {(n, s): encoders[n].query_encoder()(topics[s]) for n in encoders for s in ("dev", "test")}
-    return Encoded(cfg, encoders, indexes, queries, encoders["pebr"].dim if cfg.geometry == "sphere" else None)
+    # the sphere law's dimension from the model itself: the frozen recipe's encoding model (its cached encoder
+    # outputs, then the added modules) cannot tell it
+    dim = ProbBiEncoder(models["pebr"]).dim if cfg.geometry == "sphere" else None
+    return Encoded(cfg, encoders, indexes, queries, dim)
 
 
 def _calibrated(
