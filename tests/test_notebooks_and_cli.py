@@ -361,6 +361,26 @@ def test_partial_recipe_end_to_end_and_an_interrupted_run_resumes(tmp_path, smal
     assert torch.equal(lower, start)  # the lower layers stayed as they were
 
 
+def test_an_unreachable_depth_is_calibrated_to_the_nearest_end():
+    """A mean depth below the shallowest setting's takes that setting (not the deepest one), and one beyond the
+    deepest setting's takes the deepest: each miss as small as the rule allows."""
+    import pandas as pd
+
+    from pyterrier_prob.experiments.pebr import _calibrated
+
+    topics = pd.DataFrame({"qid": ["q1", "q2"]})
+
+    def run(p):  # 8 documents per query at the shallowest p, 47 at the deepest
+        return pd.DataFrame({"qid": [q for q in ("q1", "q2") for _ in range(8 + int(40 * p))]})
+
+    c, unreachable = _calibrated(run, 5, 1e-9, 1 - 1e-9, True, topics)
+    assert unreachable and (c.value, c.mean_k, c.achieved) == (1e-9, 8.0, False)
+    c, unreachable = _calibrated(run, 100, 1e-9, 1 - 1e-9, True, topics)
+    assert unreachable and (c.value, c.mean_k) == (1 - 1e-9, 47.0)
+    c, unreachable = _calibrated(lambda t: run(1 - t), 5, 0.0, 1.0, False, topics)  # a threshold: deeper when lower
+    assert unreachable and (c.value, c.mean_k) == (1.0, 8.0)
+
+
 @pytest.mark.slow
 def test_sphere_geometry_under_the_frozen_recipe(tmp_path, small_beir):
     """``--geometry sphere`` with the default (frozen) recipe: the law's dimension comes from the model (its

@@ -236,15 +236,16 @@ def encode(cfg: PebrJobConfig, h: Harness, data: Data, models: dict[str, Any]) -
 def _calibrated(
     run: Any, k: int, lo: float, hi: float, increasing: bool, topics: pd.DataFrame
 ) -> tuple[Calibration, bool]:
-    """:func:`calibrate_mean_k` of one rule and False, or its deepest setting and True when ``k`` is out of reach."""
+    """:func:`calibrate_mean_k` of one rule and False, or the end of ``[lo, hi]`` whose mean depth is nearest ``k``
+    and True when ``k`` is out of reach (beyond the deepest setting, or below the shallowest)."""
     try:
         return calibrate_mean_k(run, k, lo, hi, increasing=increasing, topics=topics, max_iter=80), False
     except ValueError as e:
         if "unreachable" not in str(e):
             raise
-    edge = hi if increasing else lo
-    mean_k = float(run(edge).groupby("qid").size().reindex(topics["qid"], fill_value=0).mean())
-    return Calibration(value=edge, mean_k=mean_k, target_k=k, iterations=1, achieved=False), True
+    depth = {x: float(run(x).groupby("qid").size().reindex(topics["qid"], fill_value=0).mean()) for x in (lo, hi)}
+    edge = min(depth, key=lambda x: abs(depth[x] - k))
+    return Calibration(value=edge, mean_k=depth[edge], target_k=k, iterations=2, achieved=False), True
 
 
 def calibrate(
@@ -264,7 +265,8 @@ def calibrate(
             c, unreachable = _calibrated(run, k, lo, hi, increasing, data.cal_topics)
             if unreachable:
                 data.notes.append(
-                    f"{system}: mean depth {k} is unreachable on the calibration queries (at most {c.mean_k:.2f})"
+                    f"{system}: mean depth {k} is unreachable on the calibration queries "
+                    f"({'at most' if c.mean_k < k else 'at least'} {c.mean_k:.2f})"
                 )
             settings.setdefault(k, {})[system] = float(c.value)
             parameter = "p" if system == "pEBR CDF cutoff" else "threshold"
