@@ -392,3 +392,21 @@ def test_sphere_geometry_under_the_frozen_recipe(tmp_path, small_beir):
     assert main([*argv, "--output", str(out), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["geometry"] == "sphere" and summary["cutoff_study"]["calibrated_law"]["dim"] == 384
+
+
+def test_experiment_scores_an_empty_run_as_nothing_retrieved(tmp_path):
+    """A variable-depth rule that keeps no document for any query (the cutoff study's level from the calibration
+    queries can do that on test) scores 0, with its paired test; pt.Experiment refused it and the run died."""
+    import pandas as pd
+
+    from pyterrier_prob.experiments.harness import CommonConfig, Harness
+
+    h = Harness("pebr", CommonConfig(output=str(tmp_path / "o"), quiet=True))
+    topics = pd.DataFrame({"qid": ["1", "2"], "query": ["a", "b"]})
+    qrels = pd.DataFrame({"qid": ["1", "2", "2"], "docno": ["d1", "d2", "d4"], "label": [1, 1, 1]})
+    some = pd.DataFrame({"qid": ["1", "2", "2"], "docno": ["d1", "d3", "d2"], "score": [1.0, 0.9, 0.8]})
+    none = some.iloc[:0]
+    exp = h.experiment({"some": some, "none": none}, topics, qrels, ["SetR", "SetP"], baseline="some").set_index("name")
+    assert exp.loc["some", "SetR"] == 0.75 and exp.loc["some", "SetP"] == 0.75  # (1 + 1/2) / 2 both
+    assert exp.loc["none", "SetR"] == 0.0 and exp.loc["none", "SetP"] == 0.0
+    assert 0 <= exp.loc["none", "SetR p-value"] <= 1

@@ -329,6 +329,8 @@ def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
     return "\n".join(lines)
 
 
+_NO_DOCUMENT = "<no document retrieved>"  #: Harness.experiment's stand-in for an empty run
+
 LOCK_FILE = ".pyterrier-prob.lock"
 _OUTPUT_LOCKS: dict[str, contextlib.ExitStack] = {}  # lock file -> this process's hold on it
 
@@ -640,6 +642,10 @@ class Harness:
         names = list(runs)
         ms = [ir_measures.parse_measure(m) if isinstance(m, str) else m for m in measures]
         frames = [r[["qid", "docno", "score"]].assign(qid=r["qid"].astype(str)) for r in runs.values()]
+        # pt.Experiment refuses a run without a row (a variable-depth rule may keep nothing for every query): one
+        # document no qrels judge, for one query, scores 0 in every measure as an empty run does
+        empty = pd.DataFrame({"qid": [str(q) for q in topics["qid"].iloc[:1]], "docno": [_NO_DOCUMENT], "score": 0.0})
+        frames = [f if len(f) else empty for f in frames]
         base = names.index(baseline) if baseline is not None and not perquery else None
         return pt.Experiment(frames, topics, qrels, eval_metrics=ms, names=names, perquery=perquery, baseline=base)
 
