@@ -33,6 +33,7 @@ BAD_SETTINGS = {
     "--dev-split x --test-split x": "must differ from the train and dev splits",
     "--noise RD --robust-depth 0": "--robust-depth must be >= 1",
     "--steps -1": "--steps must be >= 0",
+    "--claims-json claims.json": "--claims-json: varce records no claims rows",  # (was accepted and ignored)
 }
 
 
