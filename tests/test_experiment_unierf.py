@@ -291,3 +291,22 @@ def test_dev_quotas_choose_the_trigger_share_on_dev_and_report_it(tmp_path, smal
     assert quotas["baseline"] == plain["baseline"] and quotas["baseline_value"] == plain["baseline_value"]
     assert quotas["system"] == "UniERF (all): merged, dev quotas"
     assert quotas["value"] == pytest.approx(results.loc["UniERF (all): merged, dev quotas", "R@100"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options", [["--dev-quotas"], ["--recipe", "partial", "--train-layers", "1", "--dev-every", "1"]]
+)
+def test_nothing_to_train_holds_back_no_test_query_for_dev(options, tmp_path, small_beir_no_train_no_dev):
+    """On a collection without a train split nothing trains, so nothing is chosen on dev: every test query is
+    reported (no seeded half is held back as dev queries) and --dev-quotas says that it chose nothing."""
+    folder, info = small_beir_no_train_no_dev
+    out = tmp_path / "unierf-nothing"
+    argv = ["unierf", "--dataset", str(folder), "--steps", "2", "--max-seq-length", "32", "--budgets", "6"]
+    assert main([*argv, *options, "--output", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trained"] == [] and summary["dev_quotas"] is None
+    d = summary["data"]
+    assert d["n_test_queries"] == info["queries"]["test"] and d["n_calibration_queries"] == 0
+    notes = " ".join(summary["data"]["notes"])
+    assert ("no trigger share is chosen on dev" in notes) == ("--dev-quotas" in options)

@@ -33,6 +33,7 @@ BAD_SETTINGS = {
     "--dev-split x --test-split x": "must differ from the train and dev splits",
     "--noise RD --robust-depth 0": "--robust-depth must be >= 1",
     "--steps -1": "--steps must be >= 0",
+    "--claims-json claims.json": "--claims-json: varce records no claims rows",  # (was accepted and ignored)
 }
 
 
@@ -321,3 +322,30 @@ def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
     assert res.loc[res["name"] == "BM25", "nDCG@10 p-value"].isna().all()  # no CE: tested against BM25
     assert pd.read_csv(given / "uncertainty.csv")["name"].tolist() == ["VarCE-VAR"] * 2
     assert not (given / "robustness.csv").exists()
+
+
+@pytest.mark.slow
+def test_patience_stops_the_curves_and_a_later_run_without_curves_reports_none(small_beir, tmp_path, monkeypatch):
+    """``--patience`` stops each re-ranker's training (a dev value that never improves: after one point past the
+    best); a later run into the same folder that draws no curve (frozen recipe) does not report the earlier ones."""
+    from pyterrier_prob.experiments import varce_train
+
+    monkeypatch.setattr(varce_train.DevRerank, "__call__", lambda self, model: 0.5)  # dev never improves
+    folder, _ = small_beir
+    out = tmp_path / "varce-patience"
+    argv = ["varce", "--dataset", str(folder), "--steps", "4", "--batch-size", "4", "--max-seq-length", "32"]
+    argv += ["--depth", "5", "--robust-queries", "0", "--dev-queries", "4", "--dev-depth", "5", "--output", str(out)]
+    partial_run = ["--recipe", "partial", "--train-layers", "1", "--dev-every", "1", "--patience", "1", "--quiet"]
+    assert main([*argv, *partial_run]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["dev_curves"]) == {"CE", "VarCE-MEANVAR", "VarCE-VAR"}
+    for name, curve in summary["dev_curves"].items():
+        assert [p["step"] for p in curve["points"]] == [0, 1], name  # stopped at step 1, not at --steps 4
+        saved = json.loads((out / "models" / name / "train_settings.json").read_text())
+        assert len(saved["losses"]) == 1 and saved["settings"]["patience"] == 1
+    assert "Learning curves" in (out / "results.md").read_text()
+
+    assert main([*argv, "--recipe", "frozen", "--steps", "2", "--quiet"]) == 0  # no curve under frozen
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dev_curves"] == {}
+    assert "Learning curves" not in (out / "results.md").read_text()

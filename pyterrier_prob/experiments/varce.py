@@ -125,6 +125,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--beta must be finite and >= 0, got {self.beta}")
         if not self.risks or any(not math.isfinite(r) for r in self.risks):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
+        if self.claims_json:  # (the option every experiment takes)
+            raise ValueError("--claims-json: varce records no claims rows (its tables are in summary.json)")
 
 
 add_arguments, config_from_args = subcommand(VarceJobConfig, "VarCrossEncoder")  # what ``pyterrier-prob`` calls

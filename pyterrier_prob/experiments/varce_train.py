@@ -89,12 +89,14 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
     evaluate = _dev_evaluator(cfg, h, data) if rows is not None and not frozen else None
     if evaluate is not None:
         settings.update(dev_queries=cfg.dev_queries, dev_depth=cfg.dev_depth, dev_every=_dev_every(cfg))
+        settings |= {"patience": cfg.patience} if cfg.patience is not None else {}
     elif rows is not None and data.dev is not None and cfg.dev_queries:
         data.notes.append("no learning curve under the frozen recipe: each head is the one of its last step")
     for variant in (None, *VARIANTS):
         name = BASELINE if variant is None else f"VarCE-{variant}"
         curve_path = h.path("curves", f"{name}.json")
-        callbacks = [] if evaluate is None else [DevCurve(_dev_every(cfg), evaluate, path=curve_path)]
+        curve = None if evaluate is None else DevCurve(_dev_every(cfg), evaluate, curve_path, patience=cfg.patience)
+        callbacks = [] if curve is None else [curve]
         if variant is None:  # the CE's new linear ranker trains at the rate the VarCE heads declare
             loss, rates, own = BinaryCrossEntropyLoss, {CE_HEAD_PARAMETERS: HEAD_RATE}, settings
         else:
@@ -103,7 +105,8 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         build = partial(_build, base, variant, cfg.max_seq_length, cfg.seed)
         kw = {"learning_rate_mapping": rates, "settings": own, "callbacks": callbacks, "encoder_cache": out.features}
         out.models[name], out.losses[name] = h.train(name, build, loss, rows, **kw)
-        if os.path.isfile(curve_path):  # the curve of a reused model is the one its training wrote
+        # the curve of a reused model is the one its training wrote; none from an earlier run without a curve
+        if curve is not None and name in h.recipes and os.path.isfile(curve_path):
             out.curves[name] = read_json(curve_path)
     out.rows_info = rows.info if rows is not None else None
     if rows is None:
