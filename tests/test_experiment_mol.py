@@ -183,3 +183,15 @@ def test_reuse_retrains_mol_for_another_head_init(tmp_path, small_beir):
     assert "train_mol" in summary["timings_s"] and "load_bi-encoder" in summary["timings_s"]
     saved = json.loads((out / "models" / "mol" / "train_settings.json").read_text())["settings"]
     assert saved["mol"]["head_init"] == "orthogonal"
+
+
+@pytest.mark.slow
+def test_nothing_to_train_holds_back_no_test_query_for_dev(tmp_path, small_beir_no_train_no_dev):
+    """Without a train split nothing trains, so no learning curve needs dev queries: under --recipe partial with
+    --dev-every every test query is reported (no seeded half held back)."""
+    folder, info = small_beir_no_train_no_dev
+    out = tmp_path / "mol-nothing"
+    argv = ["mol", "--dataset", str(folder), "--steps", "2", "--recipe", "partial", "--train-layers", "1"]
+    assert main([*argv, "--dev-every", "1", "--max-seq-length", "32", "--output", str(out), "--quiet"]) == 0
+    d = json.loads((out / "summary.json").read_text())["data"]
+    assert d["train"] is None and d["n_test_queries"] == info["queries"]["test"] and d["n_calibration_queries"] == 0

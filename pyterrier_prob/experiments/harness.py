@@ -419,11 +419,12 @@ class Harness:
         return os.path.join(self.output, *parts)
 
     # ---- collections ------------------------------------------------------------------------------------------
-    def load_data(self, calibrate: bool = True) -> Data:
-        """Load the collections, splits and calibration/test queries (``calibrate``: whether the run needs them)."""
+    def load_data(self, calibrate: bool = True, for_training: bool = False) -> Data:
+        """Load the collections, splits and calibration/test queries (``calibrate``: whether the run needs them;
+        ``for_training``: only to train, so none is held back from test when nothing trains)."""
         cfg = self.cfg
         with self.stage("load", f"loading {cfg.dataset}" + (f" and {cfg.test_dataset}" if cfg.test_dataset else "")):
-            data = load_data(cfg, calibrate)
+            data = load_data(cfg, calibrate, for_training)
         self._held_out = data.held_out
         self._train_data = data.describe()["train"]
         return data

@@ -181,7 +181,7 @@ def systems(cfg: MolJobConfig, h: Harness, data: Data, pairs: TrainingPairs, giv
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     """Run the MoL experiment (``docs/mol.md``) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("mol", cfg)
-    data = h.load_data(calibrate=bool(cfg.dev_every) or h.recipe.trains_encoder)  # dev queries only for the curves
+    data = h.load_data(calibrate=bool(cfg.dev_every) or h.recipe.trains_encoder, for_training=True)  # for the curves
     given = load_model(cfg.model, device="cpu") if cfg.model else None
     given_is_mol = given is not None and any(isinstance(m, MixtureOfLogits) for m in given.modules())
     del given

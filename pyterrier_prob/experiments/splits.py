@@ -49,9 +49,10 @@ class Data:
         return {**names, **counts, "notes": list(self.notes)}
 
 
-def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
+def load_data(cfg: CommonConfig, calibrate: bool = True, for_training: bool = False) -> Data:
     """Load ``--dataset`` (and ``--test-dataset``), choose the splits and the calibration/test queries (with
-    ``calibrate`` and no dev split: ``--dev-from-train`` of the train queries, else a seeded half of test)."""
+    ``calibrate`` and no dev split: ``--dev-from-train`` of the train queries, else a seeded half of test;
+    ``for_training``: the dev queries serve training only, so none is held back from test when nothing trains)."""
     train_coll = test_coll = load_collection(cfg.dataset)
     notes: list[str] = []
     held_out: dict[str, Any] = {}
@@ -90,6 +91,7 @@ def load_data(cfg: CommonConfig, calibrate: bool = True) -> Data:
         notes.append(
             f"{train_coll.name} has no train split: {cfg.model or 'the base model'} is evaluated without fine-tuning"
         )
+    calibrate = calibrate and not (for_training and train is None)
     test_topics, test_qrels = test_coll.topics(test), test_coll.qrels(test)
     if dev is not None:
         cal_topics, cal_qrels = train_coll.topics(dev), train_coll.qrels(dev)

@@ -209,11 +209,9 @@ def run_unierf_job(cfg: UniERFJobConfig) -> dict[str, Any]:
     """Run the UniERF experiment (``docs/unierf.md``) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("unierf", cfg)
     dev_curves = bool(cfg.dev_every) or h.recipe.trains_encoder or cfg.dev_quotas  # dev: curves and quota shares
-    dev_curves = dev_curves and cfg.steps > 0  # (dev serves the trained systems only)
-    data = h.load_data(calibrate=dev_curves)  # every test query is reported
-    if dev_curves and data.train is None:  # no train split: no half of the test queries is held back for dev
-        data, dev_curves = data if data.dev is not None else h.load_data(calibrate=False), False
-    if cfg.dev_quotas and data.train is None:
+    data = h.load_data(calibrate=dev_curves, for_training=True)  # every test query is reported
+    dev_curves = dev_curves and data.train is not None  # dev serves the trained systems only
+    if cfg.dev_quotas and not dev_curves:
         data.notes.append(f"--dev-quotas: no {BASELINE} model is trained, so no trigger share is chosen on dev")
     if data.dev is not None and not dev_curves:
         data.notes.append(f"the dev split ({data.cal_source}) is not used: nothing is chosen on dev")

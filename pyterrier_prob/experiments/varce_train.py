@@ -277,7 +277,8 @@ def recipe_summary(cfg: VarceJobConfig, h: Harness, trained: Trained) -> dict[st
     out: dict[str, Any] = {"name": cfg.recipe, "backbone": backbone, "pairs_through_backbone": pairs}
     shared = f"computed once per (query, document) pair and shared by every re-ranker ({pairs} pairs through it)"
     if not trained.fine_tuned:
-        what = "every re-ranker scored with its own backbone" if features is None else f"the heads read its {shared}"
+        what = f"the heads read the frozen backbone's [CLS] features, {shared}"
+        what = "every re-ranker scored with its own backbone" if features is None else what
         out["training"] = f"nothing fine-tuned; {what}."
         out["description"] = f"**{cfg.recipe}** -- {out['training']}"
         return out
