@@ -169,3 +169,16 @@ def test_dev_options_are_checked():
     for flag in ("dev_every", "patience"):
         with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} must be a positive int"):
             CommonConfig(**{flag: 0}).check()
+
+
+def test_kept_untrained_names_curves_whose_best_point_is_the_start():
+    from pyterrier_prob.experiments.harness import _kept_untrained
+
+    curves = {
+        "a": {"best_step": 0, "evaluations": 3},  # curve_summaries' entry: never beat the start
+        "b": {"best_step": 20, "evaluations": 3},
+        "c": {"best_step": 0, "evaluations": 1},  # only the start evaluated: nothing to beat
+        "d": {"points": [{"step": 0}, {"step": 5}], "best": {"step": 0}},  # a saved curve
+        "e": {"points": [{"step": 0}, {"step": 5}], "best": {"step": 5}},
+    }
+    assert _kept_untrained(curves) == ["a", "d"]

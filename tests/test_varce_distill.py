@@ -281,6 +281,9 @@ def test_teacher_run_end_to_end(small_beir, minilm_path, tmp_path):
         curve = json.loads((out / "curves" / f"{name}.json").read_text())
         assert summary["dev_curves"][name] == curve and [p["step"] for p in curve["points"]] == [0, 1, 2]
         assert (out / "models" / name / "README.md").is_file()  # the model card
+    # 2 steps never beat the start on dev (ties keep step 0): the report says the students kept are untrained
+    assert summary["kept_untrained"] == list(STUDENTS)
+    assert f"no dev point after step 0 beat the start for {', '.join(STUDENTS)}" in (out / "results.md").read_text()
     assert sorted(p.name for p in (out / "teacher").glob("*.npy")) == [
         f"{slug(str(folder), '_')}-{s}.npy" for s in ("dev", "docs", "test", "train")
     ]

@@ -657,7 +657,18 @@ class Harness:
         """Write ``results.md``, ``<table>.csv`` per table and ``summary.json`` and print the report (also when
         ``quiet``); returns the summary as written (with ``timings_s``, ``total_s`` and ``outputs``)."""
         total = round(time.perf_counter() - self.t0, 1)
-        text = "\n".join(self._report_head(title, data)) + "\n" + markdown.strip() + f"\n\nWall time: {total:.0f} s.\n"
+        # the curves of the models trained here through ``train(dev=...)``, and those the experiment passes
+        curves = curve_summaries(self.path("curves"), self.dev_measures, self.recipes) | dict(
+            summary.get("dev_curves") or {}
+        )
+        head = self._report_head(title, data)
+        if untrained := _kept_untrained(curves):
+            head += [
+                f"Kept untrained: no dev point after step 0 beat the start for {', '.join(untrained)}, so the weights "
+                "kept (those of the best dev point) are the untrained ones.",
+                "",
+            ]
+        text = "\n".join(head) + "\n" + markdown.strip() + f"\n\nWall time: {total:.0f} s.\n"
         outputs = {name: atomic_write(self.path(f"{name}.csv"), f.to_csv(index=False)) for name, f in tables.items()}
         outputs["results.md"] = atomic_write(self.path("results.md"), text)
         if self.recipes:  # the recipe every model of this run trained under
@@ -673,9 +684,8 @@ class Harness:
             "timings_s": dict(self.timings),
             "train_steps_per_s": dict(self.step_rates),
             "cpu": {"threads": self.threads, "batch_scheduled": self.batch_scheduled},  # what the kernel took
-            # the curves of the models trained here through ``train(dev=...)``, and those the experiment passes
-            "dev_curves": curve_summaries(self.path("curves"), self.dev_measures, self.recipes)
-            | dict(summary.get("dev_curves") or {}),
+            "dev_curves": curves,
+            "kept_untrained": untrained,
             "total_s": total,
             "tables": {name: f.to_dict(orient="records") for name, f in tables.items()},  # the report's figures
         }
@@ -725,6 +735,17 @@ class _NativeLogged(pt.Transformer):
 
     def __repr__(self) -> str:
         return repr(self.inner)
+
+
+def _kept_untrained(curves: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The models whose learning curve (a :func:`curve_summaries` entry or a saved curve) has points after step 0
+    but its best at step 0: the weights kept are the untrained start."""
+    out = []
+    for name, c in curves.items():
+        best = c["best_step"] if "best_step" in c else (c.get("best") or {}).get("step")
+        if best == 0 and c.get("evaluations", len(c.get("points") or [])) > 1:
+            out.append(name)
+    return out
 
 
 def _figures(name: str, tables: Mapping[str, pd.DataFrame]) -> str:
