@@ -153,7 +153,7 @@ class IndexArtifact:
             lookup = Lookup(store)
             n, rows = len(lookup), np.unique(np.array([0, count - 1], dtype=np.int64))
             if n == count:  # the first and last docno map back to their rows
-                back = np.asarray(lookup.inv[np.asarray(lookup.fwd[rows], dtype=object)], dtype=np.int64).reshape(-1)
+                back = np.asarray(lookup.inv[np.asarray(lookup.fwd[rows], dtype=str)], dtype=np.int64).reshape(-1)
         except Exception as e:
             raise ValueError(f"{str(store)!r} is corrupt (truncated?): {type(e).__name__}: {e}") from e
         if n != count:
