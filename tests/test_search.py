@@ -190,6 +190,31 @@ def test_hnsw_graph_is_the_one_plain_faiss_builds_from_one_add(data, monkeypatch
     np.testing.assert_array_equal(ours, one_add)
 
 
+@pytest.mark.parametrize("backend", ["exact", "flat", "ivf_flat"])
+def test_ties_at_the_cap_keep_the_lower_docids(backend):
+    """Duplicate documents tie: every exhaustive backend keeps, of the documents tied at the K-th score, the lower
+    docids (the exact scan's rule), as brute force on small integer vectors (exact dot products) does. (Not HNSW:
+    its graph cannot reach every copy of a duplicated document, docs/scale.md.)"""
+    rng = np.random.default_rng(11)
+    docs = rng.integers(-2, 3, (12, 8)).astype(np.float32)[rng.integers(0, 12, 400)]  # each row ~33 times
+    Q = rng.integers(-2, 3, (6, 8)).astype(np.float32)
+    S = Q.astype(np.int64) @ docs.astype(np.int64).T
+    params = {"nlist": 4, "nprobe": 4, "train_size": 400} if backend == "ivf_flat" else _params(backend)
+    searchers = [make_searcher(docs, backend, **params)]
+    searchers.append(ShardedSearcher([make_searcher(docs[a : a + 200], backend, **params) for a in (0, 200)]))
+    for s in searchers:
+        for k in (5, 40, 100):
+            hits = s.search(Q, -np.inf, k)
+            for i in range(len(Q)):
+                want = np.lexsort((np.arange(len(docs)), -S[i]))[:k]
+                np.testing.assert_array_equal(hits.docids[hits.offsets[i] : hits.offsets[i + 1]], want)
+        t = np.sort(S, axis=1)[:, -60].astype(np.float64)  # capped range search, ties at the cap
+        hits = s.search(Q, t, 30)
+        for i in range(len(Q)):
+            want = np.lexsort((np.arange(len(docs)), -S[i]))[:30]
+            np.testing.assert_array_equal(hits.docids[hits.offsets[i] : hits.offsets[i + 1]], want)
+
+
 @pytest.mark.parametrize("backend", ["exact", "ivf_flat"])
 def test_shard_merge_equals_unsharded(backend, data):
     docs, Q, t = data["docs"], data["queries"], data["t"]

@@ -346,6 +346,22 @@ class FaissSearcher(Searcher):
         found = [index.search(Q[q0 : q0 + _QUERY_BATCH], k) for q0 in range(0, Q.shape[0], _QUERY_BATCH)]
         return np.concatenate([D for D, _ in found]), np.concatenate([ids for _, ids in found])
 
+    def _knn_past_ties(self, Q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The k-NN, deepened (doubling) for the queries whose last neighbour ties with their k-th: faiss keeps an
+        arbitrary few of the documents tied at the k-th score, the exact scan (and :meth:`search`) the lower docids."""
+        if self.on_gpu and k >= _GPU_MAX_K:  # pragma: no cover - one more would leave the GPU
+            return self._knn(Q, k)
+        D, ids = self._knn(Q, k + 1)  # one more: does the (k+1)-th tie with the k-th?
+        while k < D.shape[1] < self.n_docs:
+            tied = np.flatnonzero((ids[:, -1] >= 0) & (D[:, -1] >= D[:, k - 1]))
+            if not tied.size:
+                break
+            Dt, It = self._knn(Q[tied], 2 * D.shape[1])
+            pad = ((0, 0), (0, Dt.shape[1] - D.shape[1]))
+            D, ids = np.pad(D, pad, constant_values=-np.inf), np.pad(ids, pad, constant_values=-1)
+            D[tied], ids[tied] = Dt, It
+        return D, ids
+
     def _finish(
         self, Q: np.ndarray, t: np.ndarray, k: int | None, qi: np.ndarray, docids: np.ndarray, scores: np.ndarray
     ) -> CutoffHits:
@@ -359,7 +375,10 @@ class FaissSearcher(Searcher):
 
     def _search(self, Q: np.ndarray, t: np.ndarray, k: int | None) -> CutoffHits:
         if k is not None:
-            D, ids = self._knn(Q, k * self.settings.k_factor if self.settings.rescore else k)
+            if self.settings.rescore:
+                D, ids = self._knn(Q, k * self.settings.k_factor)
+            else:
+                D, ids = self._knn_past_ties(Q, k)
             qi = np.repeat(np.arange(Q.shape[0]), ids.shape[1])
             return self._finish(Q, t, k, qi, ids.reshape(-1), D.reshape(-1))
         if self.on_gpu:  # pragma: no cover - needs faiss-gpu and a GPU (the code path is tested on the CPU)
