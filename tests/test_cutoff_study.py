@@ -147,6 +147,15 @@ def test_recall_target_cutoff_is_a_fitted_pipeline_stage():
     assert (out["score"] >= cut.level_).all() and len(out) == int((run["score"] >= cut.level_).sum())
     # what it keeps is a prefix of every list
     assert (out.groupby("qid")["rank"].max() + 1 == out.groupby("qid").size()).all()
+    # int qids and docnos stay ints (and every column as it came in), rows in the same order as with str ones
+    as_int = run.assign(qid=run["qid"].str[1:].astype(int), docno=run["docno"].str[1:].astype(int), extra=1.5)
+    out_int = cut(as_int)
+    assert out_int["qid"].dtype == np.int64 and out_int["docno"].dtype == np.int64
+    assert list(out_int.columns) == list(as_int.columns)
+    assert (("c" + out_int["qid"].astype(str)).tolist(), ("d" + out_int["docno"].astype(str)).tolist()) == (
+        out["qid"].tolist(),
+        out["docno"].tolist(),
+    )
     with pytest.raises(ValueError, match="not fitted"):
         RecallTargetCutoff(0.5)(run)
     with pytest.raises(ValueError, match="target must be a recall"):

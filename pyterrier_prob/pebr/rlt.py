@@ -278,8 +278,9 @@ class RecallTargetCutoff(pt.Transformer):
     def transform(self, run: pd.DataFrame) -> pd.DataFrame:
         if self.level_ is None:
             raise ValueError("RecallTargetCutoff is not fitted: call .fit(calibration_run, calibration_qrels) first")
-        run = _sorted_run(run)
-        return run[self.statistic(run) >= self.level_].reset_index(drop=True)
+        run = run.reset_index(drop=True)
+        ranked = _sorted_run(run)  # str qids and docnos for the statistic; the rows are returned as they came in
+        return run.iloc[ranked.index[self.statistic(ranked) >= self.level_]].reset_index(drop=True)
 
     def __repr__(self) -> str:
         return f"RecallTargetCutoff(target={self.target}, level={self.level_})"
