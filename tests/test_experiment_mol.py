@@ -195,3 +195,17 @@ def test_nothing_to_train_holds_back_no_test_query_for_dev(tmp_path, small_beir_
     assert main([*argv, "--dev-every", "1", "--max-seq-length", "32", "--output", str(out), "--quiet"]) == 0
     d = json.loads((out / "summary.json").read_text())["data"]
     assert d["train"] is None and d["n_test_queries"] == info["queries"]["test"] and d["n_calibration_queries"] == 0
+
+
+@pytest.mark.slow
+def test_identity_heads_with_another_component_dim_fail_before_training(tmp_path, small_beir, capsys):
+    """``--component-dim 64`` with the default ``--head-init identity`` (embedding dimension 384) is refused once the
+    base model is loaded, before the bi-encoder trains or anything is indexed, naming both options and the way out."""
+    folder, _ = small_beir
+    out = tmp_path / "mol"
+    argv = ["mol", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    assert main([*argv, "--component-dim", "64", "--output", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--head-init identity" in err and "--component-dim 64" in err and "(384)" in err
+    assert "use --head-init orthogonal" in err
+    assert not (out / "models").exists() and not (out / "indexes").exists()
