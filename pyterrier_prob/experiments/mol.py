@@ -251,7 +251,8 @@ def train_system(
         entry.update(recipe=h.recipe.mode, scale=cfg.scale, **({"alpha": s.alpha} if s.alpha is not None else {}))
         if s.kind == "mol":  # --head-lr (s.mapping), else the rate MixtureOfLogits declares
             head = cfg.head_lr if s.mapping else find_mol(model).learning_rate
-            entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": head}
+            encoder = {"encoder": cfg.lr} if h.recipe.trains_encoder else {}  # frozen: only the MoL modules train
+            entry["learning_rate"] = {**encoder, "mol_head": head}
         if losses:
             entry["train_loss"] = _loss_summary(losses)
     return model, entry
