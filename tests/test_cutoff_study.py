@@ -250,3 +250,25 @@ def test_conformal_resplits_against_explicit_splits():
     assert many.mean() >= 0.8 - 4 * many.std() / np.sqrt(len(many)) - 0.01
     with pytest.raises(ValueError, match="n_cal must be"):
         conformal_resplits(stat, qidx, is_rel, n_rel, 0.8, n_cal=39)
+
+
+def test_topk_depth_for_a_recall_top_k_reaches_at_the_list_end():
+    """The recall-targets table's "top-k k for same recall": a rule keeping whole lists has top-k's recall at the list
+    length, though the two means, summed in different orders, may differ in the last bits; beyond it: None."""
+    from pyterrier_prob.experiments.pebr_cutoffs import _topk_depth_for, _topk_recall_curve
+    from pyterrier_prob.pebr.rlt import mean_measures
+
+    rng, nq, cap = np.random.default_rng(0), 12, 15
+    qidx, ranks = np.repeat(np.arange(nq), cap), np.tile(np.arange(cap), nq)
+    for _ in range(200):  # lists whose mean recall, taken both ways, differs in the last bits
+        is_rel = rng.random(nq * cap) < 0.1
+        n_rel = np.bincount(qidx[is_rel], minlength=nq) + rng.integers(0, 3, nq)
+        curve = _topk_recall_curve(ranks, qidx, is_rel, n_rel, cap)
+        recall = mean_measures(qidx, is_rel, n_rel, np.ones(nq * cap, bool), nq)[1]
+        if recall > curve[-1]:
+            break
+    assert recall == pytest.approx(curve[-1]) and recall > curve[-1]
+    k = _topk_depth_for(curve, recall)
+    assert k == int(np.argmax(curve >= curve[-1]) + 1)  # the first depth at which top-k has that recall
+    assert _topk_depth_for(curve, curve[-1] + 0.01) is None
+    assert _topk_depth_for(curve, 0.0) == 1

@@ -141,7 +141,8 @@ def test_mol_tiny_run(tmp_path, small_beir, small_beir_no_train_no_dev):
     assert summary["measures"] == ["nDCG@10", "R@100"]
     assert summary["data"]["n_test_queries"] == n_test
     assert summary["per_system"]["MoL"]["alpha"] == 0.001
-    assert summary["per_system"]["MoL"]["learning_rate"] == {"encoder": 5e-5, "mol_head": MixtureOfLogits.learning_rate}
+    # the frozen recipe: only the MoL modules train, so no encoder rate is reported
+    assert summary["per_system"]["MoL"]["learning_rate"] == {"mol_head": MixtureOfLogits.learning_rate}
     assert summary["per_system"]["bi-encoder"]["train_loss"]["steps_logged"] == 2
     assert {"train_bi-encoder", "train_mol", "index_mol", "gate_mol"} <= set(summary["timings_s"])
     training = pd.read_csv(out / "training.csv")
@@ -195,3 +196,17 @@ def test_nothing_to_train_holds_back_no_test_query_for_dev(tmp_path, small_beir_
     assert main([*argv, "--dev-every", "1", "--max-seq-length", "32", "--output", str(out), "--quiet"]) == 0
     d = json.loads((out / "summary.json").read_text())["data"]
     assert d["train"] is None and d["n_test_queries"] == info["queries"]["test"] and d["n_calibration_queries"] == 0
+
+
+@pytest.mark.slow
+def test_identity_heads_with_another_component_dim_fail_before_training(tmp_path, small_beir, capsys):
+    """``--component-dim 64`` with the default ``--head-init identity`` (embedding dimension 384) is refused once the
+    base model is loaded, before the bi-encoder trains or anything is indexed, naming both options and the way out."""
+    folder, _ = small_beir
+    out = tmp_path / "mol"
+    argv = ["mol", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    assert main([*argv, "--component-dim", "64", "--output", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--head-init identity" in err and "--component-dim 64" in err and "(384)" in err
+    assert "use --head-init orthogonal" in err
+    assert not (out / "models").exists() and not (out / "indexes").exists()

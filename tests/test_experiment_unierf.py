@@ -36,11 +36,22 @@ def test_help_lists_the_options(capsys):
         (["--steps", "-1"], "--steps must be >= 0"),
         (["--test-split", "dev", "--dev-split", "dev"], "must differ from the train and dev splits"),
         (["--dev-quotas", "--doc-tower", "joint"], "--dev-quotas searches the dev queries"),
+        (["--doc-tower", "joint"], "which --recipe frozen keeps frozen"),  # frozen: the default recipe
+        (["--doc-tower", "joint", "--recipe", "frozen", "--steps", "2"], "use --recipe partial or full"),
     ],
 )
 def test_bad_settings_are_refused(argv, message, capsys):
     assert main(["unierf", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_joint_doc_tower_needs_a_recipe_that_trains_the_encoder():
+    """``--doc-tower joint`` is accepted where the encoder trains (partial, full) or nothing trains (--steps 0)."""
+    from pyterrier_prob.cli import build_parser
+    from pyterrier_prob.experiments.unierf import config_from_args
+
+    for argv in (["--recipe", "full"], ["--recipe", "partial", "--train-layers", "1"], ["--steps", "0"]):
+        config_from_args(build_parser("unierf").parse_args(["--doc-tower", "joint", *argv])).check()
 
 
 def test_unknown_choices_are_refused():

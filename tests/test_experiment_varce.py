@@ -306,6 +306,8 @@ def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
     assert not {"train_CE", "train_VarCE-MEANVAR", "train_VarCE-VAR"} & set(again["timings_s"])
     assert all(s["pairs_scored"] == 0 and s["pairs_from_earlier_runs"] > 0 for s in again["scoring"].values())
     pd.testing.assert_frame_equal(pd.read_csv(out / "results.csv"), results)
+    assert again["training_rows"] == summary["training_rows"]  # the reused models' rows, as their training saved
+    assert "Training rows: 8 from" in (out / "results.md").read_text()
 
     given = tmp_path / "given"
     argv = ["varce", "--dataset", str(folder), "--steps", "0", "--model", str(out / "models" / "VarCE-VAR")]

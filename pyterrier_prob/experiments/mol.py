@@ -181,10 +181,12 @@ def systems(cfg: MolJobConfig, h: Harness, data: Data, pairs: TrainingPairs, giv
 def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     """Run the MoL experiment (``docs/mol.md``) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("mol", cfg)
-    data = h.load_data(calibrate=bool(cfg.dev_every) or h.recipe.trains_encoder, for_training=True)  # for the curves
     given = load_model(cfg.model, device="cpu") if cfg.model else None
     given_is_mol = given is not None and any(isinstance(m, MixtureOfLogits) for m in given.modules())
+    if not given_is_mol:  # the MoL heads are built on it: a bad --component-dim fails now, not after the bi-encoder
+        _check_component_dim(cfg, given)
     del given
+    data = h.load_data(calibrate=bool(cfg.dev_every) or h.recipe.trains_encoder, for_training=True)  # for the curves
     if given_is_mol:
         data.notes.append(f"--model {cfg.model} is a MoL model: the dense rows read its pooled embedding")
     pairs = TrainingPairs(data, cfg.seed)  # the same rows (and, through the seed, batches) for every system
@@ -216,6 +218,20 @@ def run_mol_job(cfg: MolJobConfig) -> dict[str, Any]:
     return report(cfg, h, data, rows, experiment, info, gate, given_is_mol, baseline)
 
 
+def _check_component_dim(cfg: MolJobConfig, given: Any) -> None:
+    """``--head-init identity`` (heads) starts every component at the pooled embedding: ``--component-dim`` must be
+    the base model's embedding dimension (known only once it is loaded)."""
+    if cfg.component_source != "heads" or cfg.head_init != "identity" or cfg.component_dim is None:
+        return
+    dim = (given if given is not None else base_model(cfg)).get_embedding_dimension()
+    if dim is not None and cfg.component_dim != dim:
+        raise ValueError(
+            f"--head-init identity starts every component at the pooled embedding, so it needs --component-dim equal "
+            f"to the embedding dimension of {cfg.model or 'the base model'} ({dim}), got --component-dim "
+            f"{cfg.component_dim}: use --head-init orthogonal (or leave --component-dim out)"
+        )
+
+
 def train_system(
     cfg: MolJobConfig, h: Harness, data: Data, s: _System, pairs: TrainingPairs
 ) -> tuple[Any, dict[str, Any]]:
@@ -235,7 +251,8 @@ def train_system(
         entry.update(recipe=h.recipe.mode, scale=cfg.scale, **({"alpha": s.alpha} if s.alpha is not None else {}))
         if s.kind == "mol":  # --head-lr (s.mapping), else the rate MixtureOfLogits declares
             head = cfg.head_lr if s.mapping else find_mol(model).learning_rate
-            entry["learning_rate"] = {"encoder": cfg.lr, "mol_head": head}
+            encoder = {"encoder": cfg.lr} if h.recipe.trains_encoder else {}  # frozen: only the MoL modules train
+            entry["learning_rate"] = {**encoder, "mol_head": head}
         if losses:
             entry["train_loss"] = _loss_summary(losses)
     return model, entry

@@ -265,7 +265,7 @@ def _recall_targets(
         for rule in TARGET_RULES:
             lam, ok = conformal_recall_level(stats["dev"][rule], dq, dr, dn, target)
             depth, recall, prec, f1 = mean_measures(tq, tr, tn, stats["test"][rule] >= lam, n_test)
-            need_k = int(np.searchsorted(topk_recall, recall - 1e-12) + 1) if recall <= topk_recall[-1] else None
+            need_k = _topk_depth_for(topk_recall, recall)
             row = {"target_recall": target, "rule": rule, "level": lam, "reachable_on_calibration": ok}
             row |= {"test_mean_recall": recall, "test_mean_depth": depth, "test_SetP": prec}
             row |= {"topk_k_for_same_recall": need_k, "test_queries_with_relevant": int((tn > 0).sum())}
@@ -375,6 +375,14 @@ def _fmt_rho(r: float) -> str:
 def _interp(curve: np.ndarray, depth: float) -> float:
     """Mean recall of top-k at a fractional mean depth, linear between integer depths (0 at 0)."""
     return float(np.interp(depth, np.arange(len(curve) + 1), np.r_[0.0, curve]))
+
+
+def _topk_depth_for(topk_recall: np.ndarray, recall: float) -> int | None:
+    """The smallest k at which top-k's mean recall (``topk_recall[k - 1]``) reaches ``recall``; None beyond the list.
+    Both means are float sums in different orders: equal recalls may differ in the last bits, hence the tolerance."""
+    if recall > topk_recall[-1] + 1e-12:
+        return None
+    return int(np.searchsorted(topk_recall, recall - 1e-12) + 1)
 
 
 def _topk_recall_curve(ranks: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, cap: int):

@@ -128,7 +128,8 @@ class UniERFJobConfig(CommonConfig):
     doc_tower: str = option(
         "frozen",
         "frozen: documents keep the start model's embeddings (one index, only the query tower trains); "
-        "joint: the encoder also trains on the documents and every trained model re-indexes (~4x the time)",
+        "joint: the encoder also trains on the documents and every trained model re-indexes (~4x the time; needs "
+        "--recipe partial or full)",
         choices=("frozen", "joint"),
     )
     dev_quotas: bool = option(
@@ -152,6 +153,12 @@ class UniERFJobConfig(CommonConfig):
             raise ValueError(f"--budgets must be distinct, got {list(self.budgets)}")
         if self.dev_quotas and self.doc_tower != "frozen":
             raise ValueError("--dev-quotas searches the dev queries in the start model index: needs --doc-tower frozen")
+        if self.doc_tower == "joint" and self.steps and self.training_recipe(1).caches_features:
+            raise ValueError(
+                "--doc-tower joint trains the encoder on the documents, which --recipe frozen keeps frozen (only the "
+                "branch heads train and every system searches the start model's index): use --recipe partial or "
+                "full, or --doc-tower frozen"
+            )
 
 
 add_arguments, config_from_args = subcommand(UniERFJobConfig, "UniERF")  # what ``pyterrier-prob`` calls
