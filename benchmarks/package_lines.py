@@ -25,6 +25,7 @@ ADDED = {
     "st_extensions/cross_encoder/split.py": ("3deaec6", "split-attention (PreTTR) cross-encoder students"),
     "pyterrier_prob/varce/distill.py": ("3deaec6", "distillation pools, teacher scores and rows"),
     "pyterrier_prob/experiments/varce_distill.py": ("3deaec6", "pyterrier-prob varce --teacher"),
+    "pyterrier_prob/varce/calibration.py": ("3deaec6", "the re-rankers' calibration: Platt map, reliability, ECE"),
     "st_extensions/model_card.py": ("d38ed7a", "model cards on every saved model"),
     "st_extensions/threads.py": ("d38ed7a", "thread counts from the usable CPUs; batch scheduling"),
 }
