@@ -218,9 +218,12 @@ class Recipe:
             "on the lower layers' states computed once",
             "full": "every parameter trains",
         }[self.mode]
+        heads = "their declared rates" if self.head_learning_rate is None else f"{self.head_learning_rate:g}"
+        if self.mode == "frozen":  # nothing trains at the encoder's rate but an added module that declares none
+            return f"**{self.mode}** -- {what}; {self.steps} steps of {self.batch_size}, the added modules at {heads}."
         return (
-            f"**{self.mode}** -- {what}; {self.steps} steps of {self.batch_size} at lr {self.learning_rate:g}"
-            f"{'' if self.head_learning_rate is None else f' (added modules at {self.head_learning_rate:g})'}."
+            f"**{self.mode}** -- {what}; {self.steps} steps of {self.batch_size} at lr {self.learning_rate:g} (added "
+            f"modules at {heads})."
         )
 
     def to_dict(self) -> dict[str, Any]:

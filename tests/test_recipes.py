@@ -227,3 +227,14 @@ def test_cached_embeddings_errors_and_cache_round_trip(tmp_path):
     assert back.index == {"a": 0, "b": 1, "c": 2} and torch.equal(back.table, cache.table)
     with pytest.raises(ValueError, match="encoder prefix"):
         frozen_prefix_length(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_recipe_description_names_the_rates_that_train():
+    """Under frozen nothing trains at the encoder's rate: the description names the added modules' rates only."""
+    from pyterrier_prob.training import Recipe
+
+    frozen = Recipe("frozen", 10, 4, 5e-5).describe()
+    assert frozen.endswith("10 steps of 4, the added modules at their declared rates.") and "5e-05" not in frozen
+    assert Recipe("frozen", 10, 4, 5e-5, head_learning_rate=1e-3).describe().endswith("the added modules at 0.001.")
+    partial = Recipe("partial", 10, 4, 5e-5, train_layers=1).describe()
+    assert partial.endswith("10 steps of 4 at lr 5e-05 (added modules at their declared rates).")
