@@ -395,6 +395,7 @@ class Harness:
         self._dev_pool: Any = None  # (dev topics, docno -> text) every system's dev measure searches
         self.saved_models: dict[str, str] = {}  # model name -> its folder: finish() adds the figures to its card
         self.records: dict[str, dict[str, Any]] = {}  # model name -> its loss's record(), saved beside the model
+        self.rows_info: dict[str, Any] = {}  # model name -> its training rows' ``info`` (when they had one), saved too
         self.recipe = cfg.training_recipe(max(cfg.steps, 1))  # the run's recipe (what its options choose)
         if not console.verbose():  # the libraries' own bars and INFO lines are not stages (unless --verbose)
             console.quiet_libraries()
@@ -476,7 +477,9 @@ class Harness:
             self.step_rates[name] = rate.steps_per_second
             if own_cache:
                 self.save_encoder_cache()
-            self._save_trained(name, model, recipe, {"settings": wanted, "losses": losses}, training_loss, rows)
+            self.rows_info[name] = getattr(data, "info", None)  # what the rows' making reported (e.g. varce's)
+            info = {"settings": wanted, "losses": losses, "rows": self.rows_info[name]}
+            self._save_trained(name, model, recipe, info, training_loss, rows)
         self._fresh.add(name)
         return model, losses
 
@@ -517,6 +520,7 @@ class Harness:
         with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
             model = _set_max_len(load_model(path, device="cpu"), self.cfg.max_seq_length)
         self.saved_models[name], self.records[name] = path, dict(saved.get("record") or {})
+        self.rows_info[name] = saved.get("rows")
         return model, list(saved.get("losses", []))
 
     def _save_trained(

@@ -22,7 +22,6 @@ from sentence_transformers.cross_encoder.losses import BinaryCrossEntropyLoss
 from transformers.utils import logging as hf_logging
 
 from pyterrier_prob import ProbBiEncoder
-from pyterrier_prob.atomic import atomic_write
 from pyterrier_prob.collections import choose_splits, load_collection
 from pyterrier_prob.console import library_bars
 from pyterrier_prob.curves import DevCurve
@@ -50,9 +49,6 @@ HEAD_RATE = float(VariationalHead.learning_rate)
 #: Most training groups (1 relevant + ``negatives`` rows each) under the frozen recipe: about one round over
 #: nfcorpus/train's queries; each pair is encoded once, and the heads then train over them for several epochs.
 FROZEN_GROUPS = 2000
-#: A trained re-ranker's training rows (``cross_encoder_training_data``'s info), saved in its folder: what a reused
-#: model reports.
-ROWS_FILE = "training_rows.json"
 
 
 @dataclass
@@ -109,12 +105,8 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         build = partial(_build, base, variant, cfg.max_seq_length, cfg.seed)
         kw = {"learning_rate_mapping": rates, "settings": own, "callbacks": callbacks, "encoder_cache": out.features}
         out.models[name], out.losses[name] = h.train(name, build, loss, rows, **kw)
-        rows_path = os.path.join(h.path("models", name), ROWS_FILE)  # what the model trained on, kept with it
-        if rows is not None and name in h.recipes:  # trained now or reused (--steps 0: neither, no saved model)
-            if rows.info is not None:  # built in this run (the same rows for every re-ranker)
-                atomic_write(rows_path, json.dumps(rows.info, indent=1))
-            elif out.rows_info is None:  # reused: the rows its training saved (None: an earlier version saved none)
-                out.rows_info = _read(rows_path)
+        if out.rows_info is None:  # a reused model's: the rows its training saved (None: an earlier version saved none)
+            out.rows_info = h.rows_info.get(name)
         # the curve of a reused model is the one its training wrote; none from an earlier run without a curve
         if curve is not None and name in h.recipes and os.path.isfile(curve_path):
             out.curves[name] = read_json(curve_path)
