@@ -73,13 +73,19 @@ def partial_dataset(a: argparse.Namespace) -> str:
     return str(folder)
 
 
+#: libgomp's own default spin count (its manual, ``GOMP_SPINCOUNT``): idle threads spin this long before sleeping, as
+#: they did before the command set ``OMP_WAIT_POLICY=PASSIVE`` (``pyterrier_prob.cli.passive_waiting``)
+SPINNING = {"GOMP_SPINCOUNT": "300000"}
+
+
 def policies() -> dict[str, tuple[list[str], dict[str, str]]]:
     """Policy name -> (extra options, environment changes)."""
     old_threads = ["--threads", str(os.cpu_count() or 1), "--sched-slice-ms", "0"]
     return {
         "after": ([], {}),
         "no_slice": (["--sched-slice-ms", "0"], {}),
-        "before": (old_threads, {"ST_SMALL_MODEL_THREADS": "0"}),
+        "spinning": ([], SPINNING),
+        "before": (old_threads, {"ST_SMALL_MODEL_THREADS": "0", **SPINNING}),
     }
 
 
@@ -173,7 +179,8 @@ def summarise(rounds: list[dict[str, float]]) -> dict[str, Any]:
 def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """One workload's steps/s alone, beside a busy process and beside a second job, under each policy, in
     ``--rounds`` rounds whose order alternates (alone, busy, job; then job, busy, alone; ...), so that a drift of the
-    machine's speed over the run falls on every condition alike."""
+    machine's speed over the run falls on every condition alike; round k of every policy runs before round k + 1 of
+    any, so that the drift also falls on the policies alike."""
     work = os.path.join(a.work, name)
     warm = os.path.join(work, "warm")
     os.makedirs(work, exist_ok=True)
@@ -187,19 +194,21 @@ def measure(name: str, cmd: list[str], a: argparse.Namespace) -> dict[str, dict[
             print(f"{name}: warm-up ({shlex.join(cmd)})", flush=True)
             every_cpu = ",".join(map(str, sorted(os.sched_getaffinity(0))))
             rates_of([(warm, start(cmd, every_cpu, warm, {}, f"{warm}.log"), f"{warm}.log")], a.timeout)
-    results: dict[str, dict[str, Any]] = {}
-    for policy in wanted:
-        options, env = policies()[policy]
-        rounds = state[policy]
-        while len(rounds) < a.rounds and not a.report_only:
-            order = CONDITIONS if len(rounds) % 2 == 0 else CONDITIONS[::-1]
+    for k in range(0 if a.report_only else a.rounds):  # round k of every policy before round k + 1 of any
+        for policy in wanted:
+            if len(state[policy]) > k:
+                continue
+            options, env = policies()[policy]
+            order = CONDITIONS if k % 2 == 0 else CONDITIONS[::-1]
             runs = {c: run_condition(c, [*cmd, *options], env, a, work, policy, warm) for c in order}
             r = {c: statistics.mean(m["steps_per_s"] for m in runs[c]) for c in CONDITIONS}
             r |= {f"cpu_share_{c}": statistics.mean(m["cpu_share"] for m in runs[c]) for c in CONDITIONS}
             r |= {"ratio_beside_busy": r["beside_busy"] / r["alone"], "ratio_beside_job": r["beside_job"] / r["alone"]}
-            rounds.append({k: round(v, 3) for k, v in r.items()})
-            write_result(str(finished[policy]), rounds)  # a killed benchmark resumes after the last whole round
-            print(f"{name} {policy} round {len(rounds)}: {json.dumps(rounds[-1])}", flush=True)
+            state[policy].append({key: round(v, 3) for key, v in r.items()})
+            write_result(str(finished[policy]), state[policy])  # a killed benchmark resumes after the last whole round
+            print(f"{name} {policy} round {k + 1}: {json.dumps(state[policy][-1])}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for policy, rounds in state.items():
         if len(rounds) < a.rounds:
             print(f"{name} {policy}: {len(rounds)} of {a.rounds} rounds measured (rerun with --resume)", flush=True)
             a.not_measured.append(f"{name} {policy}: {a.rounds - len(rounds)} of {a.rounds} rounds")
@@ -212,7 +221,8 @@ WORKLOAD_NAMES = {"unierf_frozen": "`unierf`, frozen heads", "pebr_partial": "`p
 POLICY_NAMES = {
     "after": "now",
     "no_slice": "now without batch scheduling (`--sched-slice-ms 0`)",
-    "before": "old (`--threads <cores>`, no small-model cap, no batch scheduling)",
+    "spinning": "now with spinning OpenMP threads (`GOMP_SPINCOUNT=300000`)",
+    "before": "old (`--threads <cores>`, no small-model cap, no batch scheduling, spinning OpenMP threads)",
 }
 
 
@@ -265,7 +275,10 @@ def main() -> None:
     ap.add_argument("--only", choices=["unierf_frozen", "pebr_partial"], help="measure one workload only")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per (workload, policy); medians are reported")
     ap.add_argument(
-        "--policies", default="after,before", type=lambda s: s.split(","), help="policies (after,no_slice,before)"
+        "--policies",
+        default="after,before",
+        type=lambda s: s.split(","),
+        help="policies (after,no_slice,spinning,before)",
     )
     ap.add_argument("--resume", action="store_true", help="keep the rounds an earlier, interrupted run finished")
     ap.add_argument(

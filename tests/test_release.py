@@ -7,6 +7,7 @@ unrelated folder runs the command and a README example there.
 """
 
 import configparser
+import json
 import os
 import pathlib
 import re
@@ -181,7 +182,8 @@ def fresh_venv(folder: pathlib.Path, wheel: pathlib.Path) -> pathlib.Path:
 def run_in(bin_dir: pathlib.Path, cwd: pathlib.Path, *command: str, timeout: int = 300) -> str:
     """Run ``command`` (its first word a program of ``bin_dir``) from ``cwd``, as a user of that environment would;
     its stdout, after asserting exit status 0."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    dropped = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     argv = [str(bin_dir / command[0]), *command[1:]]
@@ -224,6 +226,8 @@ def test_the_wheel_installs_and_runs_outside_the_source_tree(tmp_path, small_bei
     argv += ["--max-seq-length", "32", "--ks", "5", "20", "--table3-ps", "0.9", "--output", "out", "--quiet"]
     printed = run_in(bin_dir, elsewhere, *argv, timeout=600)
     assert "results written to" in printed and (elsewhere / "out" / "results.md").is_file()
+    cpu = json.loads((elsewhere / "out" / "summary.json").read_text(encoding="utf8"))["cpu"]
+    assert cpu["omp_wait_policy"] == "PASSIVE" and cpu["batch_scheduled"] in (True, False)  # set by the command
 
     (elsewhere / "block.py").write_text(readme_block("ShardedSearcher("), encoding="utf8")
     assert "documents above the threshold found" in run_in(bin_dir, elsewhere, "python", "block.py")

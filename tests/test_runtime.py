@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from pyterrier_prob import cli
 from pyterrier_prob.cli import build_parser, main
 from pyterrier_prob.experiments.harness import LOCK_FILE, CommonConfig, Harness, config_from_args, lock_output
 from pyterrier_prob.training import StepRate
@@ -150,6 +151,28 @@ def test_batch_scheduling_is_the_commands_not_a_notebooks(tmp_path, monkeypatch)
     monkeypatch.setattr("pyterrier_prob.experiments.pebr.run", lambda cfg: calls.append(cfg.output))
     assert main(["pebr", "--sched-slice-ms", "25", "--output", str(tmp_path / "cmd")]) == 0
     assert calls == [25.0, str(tmp_path / "cmd")]  # the command sets it, before the run
+
+
+WAIT_PROBE = """
+import contextlib, io, os, sys
+from pyterrier_prob import cli
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    cli.main(["pebr", "--help"])  # the parser imports the experiment, and with it torch
+print(os.environ.get("OMP_WAIT_POLICY"), "torch" in sys.modules)
+"""
+
+
+def test_command_lets_openmp_threads_sleep_unless_told_otherwise():
+    clean = {k: v for k, v in os.environ.items() if k not in cli.OMP_WAIT_VARIABLES}
+
+    def probe(**env: str) -> list[str]:
+        return subprocess.check_output([sys.executable, "-c", WAIT_PROBE], text=True, env={**clean, **env}).split()
+
+    assert probe() == ["PASSIVE", "True"]  # set before torch (and its OpenMP library) loaded
+    assert probe(OMP_WAIT_POLICY="active") == ["active", "True"]  # the user's choice is kept
+    assert probe(GOMP_SPINCOUNT="300000") == ["None", "True"]
+    environ: dict[str, str] = {}
+    assert "torch" in sys.modules and not cli.passive_waiting(environ) and environ == {}  # too late: left alone
 
 
 def test_step_rate_leaves_out_the_first_step(monkeypatch):

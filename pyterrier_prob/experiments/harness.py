@@ -679,6 +679,7 @@ class Harness:
             outputs["recipes.json"] = atomic_write(self.path("recipes.json"), json.dumps(self.recipes, indent=1))
         for name, folder in self.saved_models.items():  # each saved model's card gets the figures this run measured
             set_card_figures(folder, f"{self.name}: {title}", _figures(name, tables))
+        omp_wait = os.environ.get("OMP_WAIT_POLICY")  # how OpenMP's idle threads wait (cli.passive_waiting)
         full = {
             "experiment": self.name,
             "config": asdict(self.cfg),
@@ -687,7 +688,7 @@ class Harness:
             **dict(summary),
             "timings_s": dict(self.timings),
             "train_steps_per_s": dict(self.step_rates),
-            "cpu": {"threads": self.threads, "batch_scheduled": self.batch_scheduled},  # what the kernel took
+            "cpu": {"threads": self.threads, "batch_scheduled": self.batch_scheduled, "omp_wait_policy": omp_wait},
             "dev_curves": curves,
             "kept_untrained": untrained,
             "total_s": total,
