@@ -4,10 +4,12 @@ second job of the same kind, all pinned to one core (``taskset -c <cpu>``).
 Two workloads: the frozen-head training of ``pyterrier-prob unierf`` (``--ablations none``) and the partial recipe of
 ``pyterrier-prob pebr --recipe partial --train-layers 1``. Each runs (a) alone, (b) beside one busy single-threaded
 process (``python -c "while True: pass"``) and (c) beside a second identical job (both measured, averaged), under
-three policies: ``after`` (the defaults: threads follow the CPUs the process may use, heads on cached features on
-:data:`st_extensions.threads.SMALL_MODEL_THREADS`, batch scheduling with 100 ms slices), ``no_slice`` (the same with
-``--sched-slice-ms 0``) and ``before`` (the old default reproduced: ``--threads <the machine's cores>``,
-``ST_SMALL_MODEL_THREADS=0`` and ``--sched-slice-ms 0``). Steps/s come from each run's ``summary.json``
+these policies: ``after`` (the defaults: threads follow the CPUs the process may use, heads on cached features on
+:data:`st_extensions.threads.SMALL_MODEL_THREADS`, batch scheduling with 100 ms slices, OpenMP's idle threads
+sleeping), ``no_slice`` (the same with ``--sched-slice-ms 0``), ``spinning`` (the same with OpenMP's idle threads
+spinning first, libgomp's default: ``GOMP_SPINCOUNT=300000``) and ``before`` (the old default reproduced: ``--threads
+<the machine's cores>``, ``ST_SMALL_MODEL_THREADS=0``, ``--sched-slice-ms 0`` and spinning threads). ``--cpu 0,1``
+pins to two cores instead: each job then has as many threads as cores. Steps/s come from each run's ``summary.json``
 (``train_steps_per_s``: first to last step, set-up and caches left out). A warm-up run per workload fills the encoder
 and state caches the measured runs share.
 
@@ -20,7 +22,7 @@ single-threaded job beside another cannot exceed half its speed alone. Goal: bes
 alone (``ratio_beside_job >= 0.5``). Writes ``benchmarks/results/contention.json``.
 
     python benchmarks/contention.py [--dataset irds:beir/nfcorpus --unierf-steps 1000 --partial-steps 30 --cpu 0
-        --rounds 3 --policies after,no_slice,before --resume]
+        --rounds 3 --policies after,no_slice,spinning,before --resume]
 """
 
 from __future__ import annotations
