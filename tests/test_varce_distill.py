@@ -281,6 +281,7 @@ def test_teacher_run_end_to_end(small_beir, minilm_path, tmp_path):
         curve = json.loads((out / "curves" / f"{name}.json").read_text())
         assert summary["dev_curves"][name] == curve and [p["step"] for p in curve["points"]] == [0, 1, 2]
         assert (out / "models" / name / "README.md").is_file()  # the model card
+        assert summary["train_steps_per_s"][name] > 0  # from its second step's end to its last
     # 2 steps never beat the start on dev (ties keep step 0): the report says the students kept are untrained
     assert summary["kept_untrained"] == list(STUDENTS)
     assert f"no dev point after step 0 beat the start for {', '.join(STUDENTS)}" in (out / "results.md").read_text()
@@ -292,3 +293,4 @@ def test_teacher_run_end_to_end(small_beir, minilm_path, tmp_path):
     assert main(argv) == 0  # everything reused: the same rows
     again = json.loads((out / "summary.json").read_text())
     assert again["rows"] == summary["rows"] and again["dev_curves"] == summary["dev_curves"]
+    assert again["train_steps_per_s"] == summary["train_steps_per_s"]  # a reused student reports its training's

@@ -22,7 +22,7 @@ from pyterrier_prob.collections import Collection, load_collection
 from pyterrier_prob.curves import DevCurve
 from pyterrier_prob.data import judged_pairs, training_pairs
 from pyterrier_prob.experiments.harness import Harness, markdown_table, slug
-from pyterrier_prob.training import Recipe, fine_tune, read_json
+from pyterrier_prob.training import Recipe, StepRate, fine_tune, read_json
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
 from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
@@ -106,14 +106,18 @@ def build_teacher(cfg: DistillConfig) -> str:
 
 def _train_partial(
     cfg: DistillConfig, name: str, model: Any, loss: Any, rows: Any, recipe: Any, curve: Any, states: str, folder: str
-) -> None:
-    """``fine_tune`` into ``runs/<name>`` (resumable) with the dev ``curve``; then save the model with its card."""
-    out = cfg.path("runs", name)
-    fine_tune(model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve], state_cache=states)
+) -> float | None:
+    """``fine_tune`` into ``runs/<name>`` (resumable) with the dev ``curve``; then save the model with its card.
+    Returns the training's steps/s (:class:`StepRate`)."""
+    out, rate = cfg.path("runs", name), StepRate()
+    fine_tune(
+        model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve, rate], state_cache=states
+    )
     if hasattr(model[0], "state_cache"):
         model[0].state_cache = None  # a split cross-encoder's cache of the run: not part of the model
     card = {"recipe": recipe.describe(), "train_data": f"{cfg.dataset}/train", "rows": rows, "model_name": name}
     save_with_card(folder, model, loss=loss, **card)
+    return rate.steps_per_second
 
 
 @dataclass
@@ -208,8 +212,11 @@ def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any, dev: p
             recipe = cfg.recipe(cfg.steps, cfg.batch_size, cfg.learning_rate, cfg.joint_layers, cfg.checkpoint_every)
             curve = DevCurve(cfg.dev_every, evaluate, curve_path, patience=cfg.patience)
             t0 = time.perf_counter()
-            _train_partial(cfg, name, model, loss, rows, recipe, curve, cfg.path("states"), folder)
-            atomic_write(os.path.join(folder, "training.json"), json.dumps({"train_wall_s": time.perf_counter() - t0}))
+            rate = _train_partial(cfg, name, model, loss, rows, recipe, curve, cfg.path("states"), folder)
+            timing = {"train_wall_s": time.perf_counter() - t0, "train_steps_per_s": rate}
+            atomic_write(os.path.join(folder, "training.json"), json.dumps(timing))
+        if os.path.isfile(timing_file := os.path.join(folder, "training.json")):  # also a model an earlier run saved
+            h.step_rates[name] = read_json(timing_file).get("train_steps_per_s")
         split_state_cache(model, cfg.path("states"))
         models[name], h.saved_models[name] = model, folder
         curves[name] = read_json(curve_path)
