@@ -105,13 +105,11 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
         build = partial(_build, base, variant, cfg.max_seq_length, cfg.seed)
         kw = {"learning_rate_mapping": rates, "settings": own, "callbacks": callbacks, "encoder_cache": out.features}
         out.models[name], out.losses[name] = h.train(name, build, loss, rows, **kw)
-        if out.rows_info is None:  # a reused model's: the rows its training saved (None: an earlier version saved none)
+        if out.rows_info is None:  # what the rows' making reported: this run's, or what a reused model's training saved
             out.rows_info = h.rows_info.get(name)
         # the curve of a reused model is the one its training wrote; none from an earlier run without a curve
         if curve is not None and name in h.recipes and os.path.isfile(curve_path):
             out.curves[name] = read_json(curve_path)
-    if rows is not None and rows.info is not None:
-        out.rows_info = rows.info
     if rows is None:
         data.notes.append(
             f"nothing fine-tuned: the three re-rankers are {base} with untrained (seeded) heads, so their scores "
