@@ -71,9 +71,12 @@ class Collection:
         raise NotImplementedError
 
     def doc_texts(self, docnos: Iterable[str]) -> dict[str, str]:
-        """``{docno: text}`` of the given documents that exist in the corpus."""
-        want = set(docnos)
-        return {d["docno"]: d["text"] for d in self.corpus_iter() if d["docno"] in want}
+        """``{docno: text}`` of the given documents that exist in the corpus, in the order the docnos came (each
+        once): the same whatever the process's string hash, for a caller that iterates over it."""
+        want = list(dict.fromkeys(docnos))
+        wanted = set(want)
+        found = {d["docno"]: d["text"] for d in self.corpus_iter() if d["docno"] in wanted}
+        return {d: found[d] for d in want if d in found}
 
     @cached_property
     def num_docs(self) -> int:
@@ -135,8 +138,9 @@ class IrdsCollection(Collection):
             yield {"docno": str(doc.doc_id), "text": doc_text(getattr(doc, "title", ""), getattr(doc, "text", ""))}
 
     def doc_texts(self, docnos: Iterable[str]) -> dict[str, str]:
-        docs = ir_datasets.load(self._docs_id).docs_store().get_many(set(docnos))
-        return {k: doc_text(getattr(d, "title", ""), getattr(d, "text", "")) for k, d in docs.items()}
+        want = list(dict.fromkeys(docnos))
+        docs = ir_datasets.load(self._docs_id).docs_store().get_many(want)
+        return {k: doc_text(getattr(docs[k], "title", ""), getattr(docs[k], "text", "")) for k in want if k in docs}
 
     @cached_property
     def num_docs(self) -> int:
@@ -288,7 +292,7 @@ class TrecCollection(Collection):
                 f"{self.folder}: no split has both a topics file (name containing 'topics' or 'queries') and a "
                 f"qrels file (name containing 'qrels'); found topics {sorted(topics)} and qrels {sorted(qrels)}"
             )
-        for s in set(topics) ^ set(qrels):
+        for s in sorted(set(topics) ^ set(qrels)):
             raise ValueError(
                 f"{self.folder}: split {s!r} has a {'topics' if s in topics else 'qrels'} file but no "
                 f"{'qrels' if s in topics else 'topics'} file"

@@ -1,9 +1,14 @@
-"""Small pieces shared by several test files: the toy query/document texts, a tiny trainer setup, the CLI help."""
+"""Small pieces shared by several test files: the toy query/document texts, a tiny trainer setup, the CLI help, and
+what a rerun that reuses a run is checked with (:func:`same_figures`, :func:`pisa_threads_finish_backwards`)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
+import pandas as pd
 import pytest
 
 from pyterrier_prob.cli import main
@@ -40,3 +45,53 @@ def cli_help(capsys: Any, command: str, options: str) -> str:
     for option in f"{COMMON_OPTIONS} {options}".split():
         assert option in out, option
     return out
+
+
+def figure_differences(again: Any, first: Any, where: str = "") -> list[str]:
+    """Every place where ``again`` differs from ``first`` (nested dicts, lists, DataFrames and scalars), compared
+    exactly: a float equals only the same float (NaN equals NaN), so a figure that differs in its last bit is named,
+    e.g. ``rows[3].ece: 0.24319867560439992 != 0.2431986756044038``."""
+    if isinstance(first, pd.DataFrame) and isinstance(again, pd.DataFrame):
+        if list(again.columns) != list(first.columns) or len(again) != len(first):
+            shape = f"{list(again.columns)} x {len(again)} rows != {list(first.columns)} x {len(first)}"
+            return [f"{where or 'frame'}: columns {shape}"]
+        return figure_differences(again.to_dict("list"), first.to_dict("list"), where)
+    if isinstance(first, dict) and isinstance(again, dict):
+        if list(again) != list(first):
+            return [f"{where or 'top'}: keys {list(again)} != {list(first)}"]
+        return [d for k in first for d in figure_differences(again[k], first[k], f"{where}.{k}" if where else str(k))]
+    if isinstance(first, list | tuple) and isinstance(again, list | tuple):
+        if len(again) != len(first):
+            return [f"{where}: {len(again)} items != {len(first)}"]
+        return [d for i, (a, b) in enumerate(zip(again, first)) for d in figure_differences(a, b, f"{where}[{i}]")]
+    both_nan = isinstance(first, float) and isinstance(again, float) and math.isnan(first) and math.isnan(again)
+    if both_nan or (type(again) is type(first) and again == first):
+        return []
+    return [f"{where}: {again!r} != {first!r}"]
+
+
+def assert_same_figures(again: Any, first: Any) -> None:
+    """A reused run reports the very same figures as the run it reuses: :func:`figure_differences` is empty."""
+    diff = figure_differences(again, first)
+    assert not diff, f"{len(diff)} figure(s) differ from the first run: " + "; ".join(diff[:5])
+
+
+@contextlib.contextmanager
+def pisa_threads_finish_backwards() -> Iterator[None]:
+    """PISA's batch retrieval as its threads might finish it on another machine: each query's rows as before, the
+    queries in reverse order. A rerun under it must report what the first run did (the harness puts BM25's rows in
+    the queries' order); without that, figures summed over rows in their order change in their last bits."""
+    from pyterrier_pisa import PisaRetrieve
+
+    plain = PisaRetrieve.transform
+
+    def backwards(self: Any, queries: pd.DataFrame) -> pd.DataFrame:
+        out = plain(self, queries)
+        order = list(dict.fromkeys(out["qid"]))[::-1]
+        return pd.concat([out[out["qid"] == q] for q in order] or [out]).reset_index(drop=True)
+
+    PisaRetrieve.transform = backwards
+    try:
+        yield
+    finally:
+        PisaRetrieve.transform = plain

@@ -30,6 +30,7 @@ from pyterrier_prob.collections import Collection
 from pyterrier_prob.console import native_output_to
 from pyterrier_prob.curves import DevCurve, DevRetrieval, curve_summaries
 from pyterrier_prob.data import judged_pairs, training_pairs
+from pyterrier_prob.experiments.bm25 import OrderedBM25
 from pyterrier_prob.experiments.splits import Data, load_data
 from pyterrier_prob.index import DenseIndex, MoLIndex
 from pyterrier_prob.training import MODES, Recipe, StepRate, fine_tune
@@ -625,8 +626,9 @@ class Harness:
         return index
 
     def bm25_retriever(self, index: Any, k: int) -> Any:
-        """PISA's BM25 top ``k`` as a PyTerrier transformer, its native log going to the index's log file."""
-        return _NativeLogged(index.bm25(num_results=k), f"{index.path}.log")
+        """PISA's BM25 top ``k`` as a PyTerrier transformer, its native log going to the index's log file and its rows
+        in the queries' order, each query's by rank (:class:`~pyterrier_prob.experiments.bm25.OrderedBM25`)."""
+        return OrderedBM25(index.bm25(num_results=k), f"{index.path}.log")
 
     def bm25_run(self, index: Any, topics: pd.DataFrame, k: int) -> pd.DataFrame:
         """BM25's top ``k`` for ``topics`` (``qid, docno, score, rank`` + query columns)."""
@@ -726,20 +728,6 @@ class Harness:
         for described, names in by_recipe.items():
             head += [f"Recipe of {', '.join(names)}: {described}", ""]
         return head
-
-
-class _NativeLogged(pt.Transformer):
-    """A transformer whose native (C++) output goes to a log file while it runs (PISA prints on fds 1 and 2)."""
-
-    def __init__(self, inner: Any, log: str) -> None:
-        self.inner, self.log = inner, log
-
-    def transform(self, inp: pd.DataFrame) -> pd.DataFrame:
-        with native_output_to(self.log, fds=(1, 2)):
-            return self.inner.transform(inp)
-
-    def __repr__(self) -> str:
-        return repr(self.inner)
 
 
 def _kept_untrained(curves: Mapping[str, Mapping[str, Any]]) -> list[str]:

@@ -174,7 +174,7 @@ def _with_triggers(
     topics = topics[["qid", "query"]].reset_index(drop=True)
     bm25 = h.bm25_retriever(index, 1)
     if texts is None:
-        texts = coll.doc_texts(set(bm25(topics)["docno"].astype(str)))
+        texts = coll.doc_texts(bm25(topics)["docno"].astype(str))
     return TriggerText(bm25, texts)(topics)
 
 

@@ -72,9 +72,11 @@ def merged_run(
 
 
 def mean_jaccard(a: BranchLists, b: BranchLists, k: int) -> float:
-    """Mean over queries of the Jaccard index of the two branches' top-``k`` sets."""
+    """Mean over queries of the Jaccard index of the two branches' top-``k`` sets (summed over the queries in ``a``'s
+    order, then ``b``'s others: a set's order would follow the string hash, which changes from one process to the next,
+    and so would the mean's last bits)."""
     vals = []
-    for qid in set(a) | set(b):
+    for qid in dict.fromkeys([*a, *b]):
         x = set(a[qid][0][:k].tolist()) if qid in a else set()
         y = set(b[qid][0][:k].tolist()) if qid in b else set()
         if x | y:
