@@ -1,5 +1,5 @@
 """Small pieces shared by several test files: the toy query/document texts, a tiny trainer setup, the CLI help, and
-what a rerun that reuses a run is checked with (:func:`same_figures`, :func:`pisa_threads_finish_backwards`)."""
+what a rerun that reuses a run is checked with (:func:`assert_same_figures`, :func:`pisa_threads_finish_backwards`)."""
 
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def test_dev_options_are_checked():
 
 
 def test_kept_untrained_names_curves_whose_best_point_is_the_start():
-    from pyterrier_prob.experiments.harness import _kept_untrained
+    from pyterrier_prob.experiments.report import kept_untrained
 
     curves = {
         "a": {"best_step": 0, "evaluations": 3},  # curve_summaries' entry: never beat the start
@@ -181,4 +181,4 @@ def test_kept_untrained_names_curves_whose_best_point_is_the_start():
         "d": {"points": [{"step": 0}, {"step": 5}], "best": {"step": 0}},  # a saved curve
         "e": {"points": [{"step": 0}, {"step": 5}], "best": {"step": 5}},
     }
-    assert _kept_untrained(curves) == ["a", "d"]
+    assert kept_untrained(curves) == ["a", "d"]

@@ -241,32 +241,48 @@ def test_fine_tune_split_student_under_partial(minilm_path, tmp_path):
     assert model.predict(PAIRS[:1]).shape == (1,)
 
 
-def test_varce_command_maps_to_the_distillation(tmp_path):
+def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
+    """--teacher is a mode of varce: the frozen recipe, --steps 0 and the options of the label recipe's stages
+    (robustness, negative mining) are refused, each naming its option; a missing teacher folder names it."""
     from pyterrier_prob.cli import build_parser
     from pyterrier_prob.experiments import varce, varce_distill
 
-    a = build_parser("varce").parse_args(
-        ["--teacher", "T", "--recipe", "partial", "--train-layers", "1", "--steps", "50", "--output", str(tmp_path)]
-    )
-    cfg = varce_distill.config_from_varce(varce.config_from_args(a))
-    assert (cfg.teacher, cfg.joint_layers, cfg.steps, cfg.dev_every, cfg.checkpoint_every) == ("T", 1, 50, 5, 5)
-    frozen = build_parser("varce").parse_args(["--teacher", "T", "--output", str(tmp_path)])
+    def config(*argv):
+        return varce.config_from_args(build_parser("varce").parse_args(["--teacher", "T", *argv]))
+
+    partial_ = ["--recipe", "partial", "--output", str(tmp_path / "o")]
+    assert varce_distill.joint_layers(config(*partial_)) == 2  # --train-layers: default 2 joint layers
+    assert varce_distill.joint_layers(config(*partial_, "--train-layers", "1")) == 1
     with pytest.raises(ValueError, match="--recipe partial"):
-        varce_distill.config_from_varce(varce.config_from_args(frozen))
+        varce_distill.check_options(config("--output", str(tmp_path)))
+    with pytest.raises(ValueError, match="--steps 0"):
+        varce_distill.check_options(config(*partial_, "--steps", "0"))
+    for argv in (["--robust-queries", "5"], ["--negatives-from", "bm25"], ["--positive-depth", "5"]):
+        with pytest.raises(ValueError, match=f"{argv[0]} does not apply under --teacher"):
+            varce_distill.check_options(config(*partial_, *argv))
+    folder, _ = small_beir
     with pytest.raises(FileNotFoundError, match="not a saved sentence-transformers model"):
-        varce_distill.build_teacher(cfg)
+        varce_distill.run(config(*partial_, "--dataset", str(folder), "--steps", "2", "--batch-size", "4"))
 
 
-def test_teacher_run_end_to_end(small_beir, minilm_path, tmp_path):
-    """``pyterrier-prob varce --teacher``: students trained for 2 steps, every collection's rows, the teacher's weight
-    chosen on dev, the learning curves in summary.json; a second run reuses every stage and reports the same rows."""
+def _teacher_argv(folder, teacher, out, *extra):
+    argv = ["varce", "--dataset", str(folder), "--teacher", teacher, "--recipe", "partial", "--train-layers", "1"]
+    argv += ["--steps", "2", "--batch-size", "4", "--max-seq-length", "32", "--depth", "20", "--pool-depth", "12"]
+    return argv + ["--dev-queries", "4", "--dev-depth", "3", "--output", str(out), "--quiet", *extra]
+
+
+def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_path, tmp_path):
+    """``pyterrier-prob varce --teacher``: students trained for 2 steps through the harness, every collection's rows,
+    the teacher's weight chosen on dev, the learning curves and the report's splits / recipe / zero-shot lines; a
+    rerun with --reuse reuses every stage and reports the very same figures (BM25's threads finishing in another
+    order); --max-queries and --ood-queries set the evaluated queries."""
     from pyterrier_prob.cli import main
 
     folder, info = small_beir
+    ood, ood_info = small_beir_no_train_no_dev
     out = tmp_path / "distill"
-    argv = ["varce", "--dataset", str(folder), "--teacher", minilm_path, "--recipe", "partial", "--train-layers", "1"]
-    argv += ["--steps", "2", "--batch-size", "4", "--max-seq-length", "32", "--depth", "20", "--pool-depth", "12"]
-    argv += ["--dev-queries", "4", "--dev-depth", "3", "--ood", str(folder), "--output", str(out), "--quiet"]
+    argv = _teacher_argv(folder, minilm_path, out, "--ood", str(ood), "--ood-queries", "3", "--ood-depth", "10")
+    argv += ["--max-queries", "5", "--extra-depths", "5", "--risks", "0", "1"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     by_alpha = {float(a): v for a, v in summary["teacher"]["dev_nDCG@10_by_alpha"].items()}
@@ -275,25 +291,74 @@ def test_teacher_run_end_to_end(small_beir, minilm_path, tmp_path):
     assert alpha == min(a for a, v in by_alpha.items() if v == best)  # the best on dev, ties to the smaller
     systems = ["BM25", "Teacher (bi-encoder)", f"Teacher (bi-encoder + BM25, alpha {alpha})", *STUDENTS]
     rows = pd.DataFrame(summary["rows"])
-    assert rows["system"].tolist() == systems * 2  # the dataset, then the same folder as --ood
-    assert (rows["queries"] == info["queries"]["test"]).all() and rows["nDCG@10"].between(0, 1).all()
+    assert rows["system"].tolist() == systems * 4  # the dataset at depth 20 and 5 (--extra-depths), the --ood at 10, 5
+    assert rows["depth"].tolist() == [20] * 6 + [5] * 6 + [10] * 6 + [5] * 6
+    assert rows["queries"].tolist() == [5] * 12 + [3] * 12  # --max-queries 5, --ood-queries 3
+    assert rows["nDCG@10"].between(0, 1).all() and rows["ece"].notna().sum() == len(STUDENTS)
+    evaluated = summary["evaluated"]
+    assert [e["zero_shot"] for e in evaluated.values()] == [False, True]
+    assert [e["queries_available"] for e in evaluated.values()] == [
+        info["queries"]["test"],
+        ood_info["queries"]["test"],
+    ]
+    assert {float(r) for r in summary["uncertainty"][str(folder)]["VarCE-VAR"]["risk_dev"]} == {0.0, 1.0}  # --risks
+    assert summary["data"]["train"].endswith("/train") and summary["data"]["calibration"].endswith("/dev")
+    assert set(summary["recipes"]) == {f"distilled-{s}" for s in STUDENTS}  # the harness trained them
+    assert all(
+        r["mode"] == "partial" and r["train_layers"] == 1 and r["steps"] == 2 for r in summary["recipes"].values()
+    )
     assert 0 < summary["dev_candidates"] <= 4 * 3
     for name in STUDENTS:
-        curve = json.loads((out / "curves" / f"{name}.json").read_text())
+        curve = json.loads((out / "curves" / f"distilled-{name}.json").read_text())
         assert summary["dev_curves"][name] == curve and [p["step"] for p in curve["points"]] == [0, 1, 2]
-        assert (out / "models" / name / "README.md").is_file()  # the model card
-        assert summary["train_steps_per_s"][name] > 0  # from its second step's end to its last
+        assert (out / "models" / f"distilled-{name}" / "README.md").is_file()  # the model card
+        assert summary["train_steps_per_s"][f"distilled-{name}"] > 0
+    assert not (out / "models" / "CE").exists()  # a plain run's folder
     # 2 steps never beat the start on dev (ties keep step 0): the report says the students kept are untrained
     assert summary["kept_untrained"] == list(STUDENTS)
-    assert f"no dev point after step 0 beat the start for {', '.join(STUDENTS)}" in (out / "results.md").read_text()
-    assert sorted(p.name for p in (out / "teacher").glob("*.npy")) == [
-        f"{slug(str(folder), '_')}-{s}.npy" for s in ("dev", "docs", "test", "train")
-    ]
+    report = (out / "results.md").read_text()
+    assert f"no dev point after step 0 beat the start for {', '.join(STUDENTS)}" in report
+    assert f"Trained on {folder}/train; calibration/dev: {folder}/dev; test: {folder}/test (5 queries)." in report
+    assert "Recipe of distilled-CE, distilled-VarCE-MEANVAR, distilled-VarCE-VAR: **partial**" in report
+    assert f"zero-shot: {ood}" in report and "chosen on dev (" in report and "chosen on dev: each student's" in report
+    teacher_files = sorted(p.name.rsplit("-", 1)[0] for p in (out / "teacher").rglob("*.npy"))
+    assert teacher_files == sorted([f"{slug(str(f), '_')}-{w}" for f in (folder, ood) for w in ("docs", "queries")]
+                                   + [f"{slug(str(folder), '_')}-queries"] * 2)  # dev, train  # fmt: skip
     assert not [p for p in out.rglob(".*") if re.search(r"\.\w+-\d+-[0-9a-f]{12}$", p.name)]  # no temporary left
 
     with pisa_threads_finish_backwards():  # BM25's queries in another order: everything reused, the same figures
-        assert main(argv) == 0
+        assert main([*argv, "--reuse"]) == 0
     again = json.loads((out / "summary.json").read_text())
+    assert not [k for k in again["timings_s"] if k.startswith("train_")]  # nothing trained again
     for key in ("rows", "dev_curves", "teacher", "calibration", "uncertainty", "dev_candidates", "kept_untrained"):
         assert_same_figures(again[key], summary[key])
     assert again["train_steps_per_s"] == summary["train_steps_per_s"]  # a reused student reports its training's
+
+
+def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_models(
+    small_beir, minilm_path, tmp_path
+):
+    """A --reuse rerun with another --steps trains the students again (their settings differ); a plain (label) run
+    in the same folder trains its own models (models/CE, ...) and leaves the distilled ones alone."""
+    from pyterrier_prob.cli import main
+
+    folder, _ = small_beir
+    out = tmp_path / "both"
+    argv = _teacher_argv(folder, minilm_path, out, "--max-queries", "3", "--ood-queries", "3")
+    assert main(argv) == 0
+    settings = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
+    assert main([*argv, "--reuse", "--steps", "3"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert {f"train_distilled-{s}" for s in STUDENTS} <= set(again["timings_s"])  # retrained, not reused
+    retrained = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
+    assert (settings["settings"]["recipe"]["steps"], retrained["settings"]["recipe"]["steps"]) == (2, 3)
+    assert [p["step"] for p in again["dev_curves"]["CE"]["points"]] == [0, 1, 2, 3]
+
+    plain = ["varce", "--dataset", str(folder), "--recipe", "partial", "--train-layers", "1", "--steps", "2"]
+    plain += ["--batch-size", "4", "--max-seq-length", "32", "--depth", "5", "--max-queries", "3", "--robust-queries"]
+    plain += ["0", "--dev-queries", "0", "--negatives-from", "bm25", "--output", str(out), "--quiet", "--reuse"]
+    assert main(plain) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"train_CE", "train_VarCE-MEANVAR", "train_VarCE-VAR"} <= set(summary["timings_s"])  # its own, trained
+    assert (out / "models" / "CE" / "modules.json").is_file() and (out / "models" / "distilled-CE").is_dir()
+    assert json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text()) == retrained

@@ -1,23 +1,22 @@
-"""The shared experiment harness: the options (:class:`CommonConfig`), data, training with ``--reuse``/``--resume``,
-indexes, ``pt.Experiment`` with paired t-tests and the report that every paper's experiment uses (:class:`Harness`)."""
+"""The shared experiment harness (:class:`Harness`): data, training with ``--reuse``/``--resume``, indexes, BM25,
+``pt.Experiment`` with paired t-tests and the report that every paper's experiment uses. The options live in
+:mod:`~pyterrier_prob.experiments.options`, the report's pieces in :mod:`~pyterrier_prob.experiments.report`, the output
+folder's lock in :mod:`~pyterrier_prob.experiments.output`; their public names are importable from here too."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from functools import cached_property, partial
-from typing import Any, TypeVar
+from dataclasses import asdict
+from functools import cached_property
+from typing import Any
 
 import ir_measures
-import numpy as np
 import pandas as pd
 import pyterrier as pt
 import torch
@@ -31,21 +30,32 @@ from pyterrier_prob.console import native_output_to
 from pyterrier_prob.curves import DevCurve, DevRetrieval, curve_summaries
 from pyterrier_prob.data import judged_pairs, training_pairs
 from pyterrier_prob.experiments.bm25 import OrderedBM25
+from pyterrier_prob.experiments.options import CommonConfig, add_options, config_from_args, option, subcommand
+from pyterrier_prob.experiments.output import LOCK_FILE, lock_output, read_if_present
+from pyterrier_prob.experiments.report import (
+    insert_columns,
+    json_default,
+    kept_untrained,
+    loss_ends,
+    markdown_table,
+    measure_cell,
+    model_figures,
+    p_mark,
+    report_head,
+    slug,
+)
 from pyterrier_prob.experiments.splits import Data, load_data
 from pyterrier_prob.index import DenseIndex, MoLIndex
-from pyterrier_prob.training import MODES, Recipe, StepRate, fine_tune
+from pyterrier_prob.training import Recipe, StepRate, fine_tune
 from st_extensions import default_model_path, load_model
-from st_extensions.atomic import FILE_MODE, locked
-from st_extensions.checks import choice, is_int, positive_int
 from st_extensions.cross_encoder.split import SplitTransformer
 from st_extensions.frozen import CachedEmbeddings, build_adapter_model, cached_model, prefix_model
 from st_extensions.model_card import save_with_card, set_card_figures
 from st_extensions.partial import check_partial_transformer, state_fingerprint
-from st_extensions.threads import BATCH_SLICE_MS, configure_threads, is_batch_scheduled, thread_count
-
-C = TypeVar("C", bound="CommonConfig")
+from st_extensions.threads import configure_threads, is_batch_scheduled, thread_count
 
 __all__ = [
+    "LOCK_FILE",
     "CommonConfig",
     "Data",
     "Harness",
@@ -61,237 +71,16 @@ __all__ = [
     "native_output_to",
     "option",
     "p_mark",
+    "set_max_len",
+    "slug",
     "subcommand",
 ]
-
-
-#: The training options: :class:`CommonConfig` field (``--flag``) -> the Recipe field giving its type and help.
-RECIPE_OPTIONS = {"recipe": "mode", "lr": "learning_rate"} | {
-    name: name for name in ("steps", "batch_size", "train_layers", "checkpoint_every", "checkpoint_limit", "seed")
-}
-_OPTION_NOTES = {  # what an option means on the command line beyond the Recipe field's help
-    "steps": " (0: evaluate --model without fine-tuning)",
-    "checkpoint_every": " (default: a tenth of --steps when the encoder trains, none under frozen)",
-}
-_OPTIONAL_TYPES = {"int | None": int, "float | None": float}  # the type of an option whose default is None
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def option(default: Any = None, help: str = "", group: str | None = None, **argparse_kwargs: Any) -> Any:
-    """A config field that is also the option ``--<field name>`` (:func:`add_options`): default, help, help group (None:
-    the paper's own) and argparse keywords; a tuple default takes several values (``nargs="+"``), False: a flag."""
-    return field(default=default, metadata={"help": help, "group": group, **argparse_kwargs})
-
-
-SPLITS, TRAINING, OUTPUT = "collection and splits", "model and training", "output"
-
-
-@dataclass
-class CommonConfig:
-    """Options every experiment takes, each field's help its documentation (:func:`option`); the training options
-    (:data:`RECIPE_OPTIONS`) are :class:`~pyterrier_prob.training.Recipe`'s fields. ``command``: the command line
-    that ran the experiment (set by ``pyterrier-prob``)."""
-
-    dataset: str = option(
-        "irds:beir/nfcorpus",
-        "ir_datasets id (irds:beir/nfcorpus), BEIR folder (corpus.jsonl, queries.jsonl, qrels/<split>.tsv) or TREC "
-        "folder (topics, qrels, a jsonl/tsv corpus) to train on (and test on, unless --test-dataset)",
-        SPLITS,
-    )
-    test_dataset: str | None = option(
-        None, "evaluate on this collection instead (zero-shot transfer; calibration from --dataset's dev split)", SPLITS
-    )
-    train_split: str | None = option(None, "default: 'train' if the collection has it", SPLITS)
-    dev_split: str | None = option(
-        None,
-        "default: 'dev'/'validation' if present, else held-out train queries (--dev-from-train) or half of test",
-        SPLITS,
-    )
-    test_split: str | None = option(None, "default: 'test', or the only split", SPLITS)
-    dev_from_train: float = option(
-        0.25,
-        "experiments that calibrate (pebr), on a collection with a train split and no dev split: hold out this "
-        "seeded share of the train queries for calibration (training uses the rest; HeldOutCollection) and report "
-        "every test query (0: calibrate on a seeded half of the test queries instead, report the other half)",
-        SPLITS,
-    )
-    model: str | None = option(
-        None, "base or saved model, or one of our saved models (default: packaged all-MiniLM-L6-v2)", TRAINING
-    )
-    steps: int = 1000
-    batch_size: int = 64
-    lr: float = 5e-5
-    seed: int = 0
-    max_seq_length: int = option(128, "token budget per text", TRAINING)
-    recipe: str = "frozen"
-    train_layers: int | None = None
-    checkpoint_every: int | None = None
-    checkpoint_limit: int = 2
-    threads: int | None = option(
-        None,
-        "CPU threads of torch, faiss and the tokenizers (default: the CPUs this process may use: OMP_NUM_THREADS, "
-        "else its affinity (taskset, a cluster's cpuset) capped by its cgroup's CPU quota)",
-        TRAINING,
-    )
-    sched_slice_ms: float = option(
-        BATCH_SLICE_MS,
-        "the command runs as a batch job (SCHED_BATCH) asking the kernel for time slices of this many ms (Linux >= "
-        "6.12 honours 0.1-100): jobs sharing a core then take turns every slice instead of every tick; 0: the default "
-        "scheduling",
-        TRAINING,
-    )
-    dev_every: int | None = option(
-        None,
-        "steps between dev evaluations of each trained system (its own dev retrieval measure on the calibration "
-        "queries; the best dev step's weights are kept, curves/<system>.json); default: 250 when the encoder trains, "
-        "none under frozen",
-        TRAINING,
-    )
-    patience: int | None = option(
-        None, "with --dev-every: stop after this many dev points without a better one", TRAINING
-    )
-    output: str = option("outputs/experiment", "folder for models, indexes, tables and plots", OUTPUT)
-    reuse: bool = option(False, "reuse models (same settings) and indexes in --output", OUTPUT)
-    resume: bool = option(
-        False,
-        "continue an interrupted run in --output: reuse what finished (as --reuse), resume trainings from their "
-        "newest complete checkpoints",
-        OUTPUT,
-    )
-    quiet: bool = option(False, "no progress bars nor stage lines (the result table is still printed)", OUTPUT)
-    results_json: str | None = option(
-        None,
-        "also write the run's summary.json, with the command line as 'command', to PATH (a file, or a folder that "
-        "gets <experiment>.json), e.g. benchmarks/results/ for the docs' tables",
-        OUTPUT,
-        metavar="PATH",
-    )
-    claims_json: str | None = option(
-        None,
-        "add/replace this run's rows (paper, claim, recipe, system, metric, p...) in the claims file PATH, e.g. "
-        "benchmarks/results/claims.json",
-        OUTPUT,
-        metavar="PATH",
-    )
-    command: str | None = None
-
-    def training_recipe(self, steps: int | None = None, **overrides: Any) -> Recipe:
-        """The run's :class:`~pyterrier_prob.training.Recipe`, ``steps`` and any field in ``overrides`` replaced."""
-        values = {field_: getattr(self, option) for option, field_ in RECIPE_OPTIONS.items()}
-        values["steps"] = self.steps if steps is None else steps
-        values["checkpoint_every"] = self.checkpoint_every or 0
-        recipe = Recipe(**{**values, **overrides})
-        if self.checkpoint_every is None and recipe.trains_encoder and "checkpoint_every" not in overrides:
-            recipe.checkpoint_every = max(1, recipe.steps // 10)
-        return recipe
-
-    def check(self) -> None:
-        """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
-        if not (is_int(self.steps) and self.steps >= 0):
-            raise ValueError(f"--steps must be >= 0, got {self.steps}")
-        if not (self.lr > 0 and np.isfinite(self.lr)):  # a recipe may keep the encoder (0); the command line trains
-            raise ValueError(f"--lr must be a finite number > 0, got {self.lr}")
-        try:  # with --steps 0 nothing trains: the batch size does not matter
-            self.training_recipe(max(self.steps, 1), **({} if self.steps else {"batch_size": 2}))
-        except ValueError as e:
-            message = str(e)
-            for option, field_ in RECIPE_OPTIONS.items():
-                message = message.replace(f"Recipe.{field_} ", _flag(option) + " ")
-            raise ValueError(message.replace("mode '", "--recipe '")) from None
-        for flag in ("threads", "dev_every", "patience"):
-            positive_int(_flag(flag), getattr(self, flag), allow_none=True)
-        for f in fields(self):  # every option with choices (each value of a sequence option)
-            if allowed := f.metadata.get("choices"):
-                value = getattr(self, f.name)
-                for v in value if isinstance(value, tuple | list) else (value,):
-                    choice(_flag(f.name), v, allowed)
-        if not (np.isfinite(self.sched_slice_ms) and self.sched_slice_ms >= 0):
-            raise ValueError(f"--sched-slice-ms must be a finite number >= 0, got {self.sched_slice_ms}")
-        if self.max_seq_length < 8:
-            raise ValueError(f"--max-seq-length must be >= 8, got {self.max_seq_length}")
-        if not 0 <= self.dev_from_train < 1:
-            raise ValueError(f"--dev-from-train must be in [0, 1), got {self.dev_from_train}")
-        if self.test_split and self.test_split in (self.train_split, self.dev_split):
-            raise ValueError(f"the test split {self.test_split!r} must differ from the train and dev splits")
-
-
-def add_options(ap: argparse.ArgumentParser, defaults: CommonConfig, title: str | None = None) -> None:
-    """Add a config dataclass's options to ``ap``: every :func:`option` field (default from ``defaults``; a paper's own
-    in group ``title``) and the training options from :class:`~pyterrier_prob.training.Recipe`'s fields."""
-    recipe_fields = {f.name: f for f in fields(Recipe)}
-    common = {f.name: f.metadata for f in fields(CommonConfig)}
-    groups: dict[str, Any] = {}
-    for f in fields(defaults):
-        meta = dict(f.metadata or common.get(f.name, {}))
-        if f.name in RECIPE_OPTIONS:
-            r = recipe_fields[RECIPE_OPTIONS[f.name]]
-            meta = {"help": r.metadata["help"] + _OPTION_NOTES.get(f.name, ""), "group": TRAINING}
-            meta["type"] = {"mode": str, "learning_rate": float}.get(r.name, int)
-            meta["choices"] = list(MODES) if r.name == "mode" else None
-        if "help" not in meta:
-            continue
-        name = meta.pop("group") or title or type(defaults).__name__
-        group = groups.get(name) or groups.setdefault(name, ap.add_argument_group(name))
-        default = getattr(defaults, f.name)
-        if default is False:
-            group.add_argument(_flag(f.name), action="store_true", **meta)
-            continue
-        if isinstance(default, tuple):  # an empty default needs its own ``type`` (else str)
-            if default and "type" not in meta:
-                meta["type"] = type(default[0])
-            meta.setdefault("nargs", "+")
-            default = list(default)
-        else:  # a None default: the type its annotation names (``int | None``: int)
-            meta.setdefault("type", type(default) if default is not None else _OPTIONAL_TYPES.get(f.type))
-        group.add_argument(_flag(f.name), default=default, **meta)
-
-
-def config_from_args(cls: type[C], a: argparse.Namespace) -> C:
-    """A config dataclass from parsed arguments: every field the parser has (lists as tuples)."""
-    values = {f.name: getattr(a, f.name) for f in fields(cls) if f.init and hasattr(a, f.name)}
-    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
-
-
-def subcommand(cls: type[C], title: str) -> tuple[Callable[..., None], Callable[..., C]]:
-    """A paper's ``add_arguments(ap)`` and ``config_from_args(a)`` for ``cls`` (its own options in group ``title``)."""
-    return partial(add_options, defaults=cls(), title=title), partial(config_from_args, cls)
 
 
 def base_model(cfg: CommonConfig, adapter: bool = False) -> Any:
     """``--model`` (default: the packaged MiniLM) on the CPU; with ``adapter`` under a LinearAdapter (frozen recipe)."""
     model = load_model(cfg.model or default_model_path(), device="cpu")
     return build_adapter_model(model) if adapter else model
-
-
-def slug(text: str, sep: str = "-") -> str:
-    """``text`` (an ``irds:`` prefix dropped) with each run of other characters than ASCII letters and digits as
-    ``sep``: a file or stage name."""
-    return re.sub(r"[^A-Za-z0-9]+", sep, text.removeprefix("irds:")).strip(sep) or "collection"
-
-
-def p_mark(p: float | None) -> str:
-    """`` *`` for p < 0.05 (a paired test against the table's baseline), else ``""``."""
-    return " *" if p is not None and np.isfinite(p) and p < 0.05 else ""
-
-
-def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:
-    """A result table's cell: ``row[measure]`` with ``fmt``, marked `` *`` when its ``<measure> p-value`` < 0.05."""
-    return f"{row[measure]:{fmt}}{p_mark(row.get(f'{measure} p-value', np.nan))}"
-
-
-def insert_columns(frame: pd.DataFrame, at: int = 0, **columns: Any) -> pd.DataFrame:
-    """``frame`` with ``columns`` inserted in their order from position ``at`` (in place)."""
-    for i, (name, values) in enumerate(columns.items()):
-        frame.insert(at + i, name, values)
-    return frame
-
-
-def loss_ends(losses: Sequence[float], n: int = 10) -> tuple[float, float] | None:
-    """Means of the first and last ``n`` logged training losses (None for none), for reports."""
-    return (float(np.mean(losses[:n])), float(np.mean(losses[-n:]))) if len(losses) else None
 
 
 class TrainingPairs:
@@ -316,49 +105,7 @@ class TrainingPairs:
         return cls(model, judged=self.judged, **settings)
 
 
-def markdown_table(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
-    """A frame as a GitHub Markdown table (floats with ``floatfmt``, NaN as blank)."""
-
-    def cell(v: Any) -> str:
-        if isinstance(v, (float, np.floating)):
-            return "" if not np.isfinite(v) else format(float(v), floatfmt)
-        return str(v)
-
-    cols = [str(c) for c in frame.columns]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join(lines)
-
-
 _NO_DOCUMENT = "<no document retrieved>"  #: Harness.experiment's stand-in for an empty run
-
-LOCK_FILE = ".pyterrier-prob.lock"
-_OUTPUT_LOCKS: dict[str, contextlib.ExitStack] = {}  # lock file -> this process's hold on it
-
-
-def lock_output(folder: str) -> contextlib.ExitStack:
-    """Hold an exclusive flock on ``folder/.pyterrier-prob.lock`` (with this process's pid) until the returned stack
-    is closed or the process ends; ``ValueError`` naming the holder when another process holds it (this process's
-    own earlier hold is taken over)."""
-    path = os.path.join(folder, LOCK_FILE)
-    held = _OUTPUT_LOCKS.pop(os.path.realpath(path), None)
-    if held is not None:
-        held.close()
-    stack = contextlib.ExitStack()
-    try:
-        fd = stack.enter_context(locked(path, blocking=False))
-    except BlockingIOError:
-        holder = (_read(path, str) or "").strip() or "another run"
-        raise ValueError(
-            f"--output {folder!r} is in use by pyterrier-prob {holder}; wait for it to finish or choose another "
-            "--output"
-        ) from None
-    if fd is not None:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
-        os.fchmod(fd, FILE_MODE)
-    _OUTPUT_LOCKS[os.path.realpath(path)] = stack
-    return stack
 
 
 class Harness:
@@ -459,13 +206,13 @@ class Harness:
             callbacks, self.dev_measures[name] = [*callbacks, curve], str(getattr(dev, "measure", "dev"))
         wanted = self._train_settings(name, recipe, settings)
         if recipe is None:
-            return _set_max_len(build(), self.cfg.max_seq_length), []
+            return set_max_len(build(), self.cfg.max_seq_length), []
         self.recipes[name] = recipe.to_dict()
         if (reused := self._reused_model(name, wanted)) is not None:
             return reused
         with self.stage(f"train_{name}", f"fine-tuning {name}: {steps} steps of {recipe.batch_size} ({recipe.label})"):
             torch.manual_seed(self.cfg.seed)
-            model = _set_max_len(build(), self.cfg.max_seq_length)
+            model = set_max_len(build(), self.cfg.max_seq_length)
             own_cache = recipe.caches_features and encoder_cache is None
             rows = data()  # before the loss: a loss may use what the rows' making found (e.g. the judged pairs)
             rate, training_loss = StepRate(), loss(model)
@@ -479,7 +226,12 @@ class Harness:
             if own_cache:
                 self.save_encoder_cache()
             self.rows_info[name] = getattr(data, "info", None)  # what the rows' making reported (e.g. varce's)
-            info = {"settings": wanted, "losses": losses, "rows": self.rows_info[name]}
+            info = {
+                "settings": wanted,
+                "losses": losses,
+                "rows": self.rows_info[name],
+                "steps_per_s": rate.steps_per_second,
+            }
             self._save_trained(name, model, recipe, info, training_loss, rows)
         self._fresh.add(name)
         return model, losses
@@ -515,13 +267,15 @@ class Harness:
     def _reused_model(self, name: str, wanted: dict[str, Any]) -> tuple[Any, list[float]] | None:
         """With ``--reuse``: the saved model ``name`` and its losses when it was made with the ``wanted`` settings."""
         path = self.path("models", name)
-        saved = _read(os.path.join(path, "train_settings.json")) if self.cfg.reuse else None
+        saved = read_if_present(os.path.join(path, "train_settings.json")) if self.cfg.reuse else None
         if not isinstance(saved, dict) or saved.get("settings") != wanted:
             return None
         with self.stage(f"load_{name}", f"reusing the {name} model in {path}"):
-            model = _set_max_len(load_model(path, device="cpu"), self.cfg.max_seq_length)
+            model = set_max_len(load_model(path, device="cpu"), self.cfg.max_seq_length)
         self.saved_models[name], self.records[name] = path, dict(saved.get("record") or {})
         self.rows_info[name] = saved.get("rows")
+        if saved.get("steps_per_s") is not None:  # its training's speed, as the run that trained it measured
+            self.step_rates[name] = saved["steps_per_s"]
         return model, list(saved.get("losses", []))
 
     def _save_trained(
@@ -555,7 +309,7 @@ class Harness:
         """The run's cache of base-encoder outputs, shared by every system; kept in ``output/cache/`` for later runs."""
         if self._cache is None:
             path = self._cache_file
-            if _read(f"{path}.settings.json") == self._base and os.path.isfile(path):
+            if read_if_present(f"{path}.settings.json") == self._base and os.path.isfile(path):
                 self._cache = CachedEmbeddings.load_cache(path)
             else:
                 self._cache = CachedEmbeddings([], torch.zeros(0, model.get_embedding_dimension()))
@@ -583,7 +337,7 @@ class Harness:
         """With ``--reuse``: the index exists and was built by a model made with the same settings."""
         if not self.cfg.reuse or name in self._fresh or not os.path.isfile(os.path.join(path, "pt_meta.json")):
             return False
-        return _read(f"{path}.settings.json") == self._index_settings(name)
+        return read_if_present(f"{path}.settings.json") == self._index_settings(name)
 
     def _index_settings(self, name: str) -> dict[str, Any]:
         return {"model": self._model_settings.get(name, self._base), "max_seq_length": self.cfg.max_seq_length}
@@ -667,8 +421,8 @@ class Harness:
         curves = curve_summaries(self.path("curves"), self.dev_measures, self.recipes) | dict(
             summary.get("dev_curves") or {}
         )
-        head = self._report_head(title, data)
-        if untrained := _kept_untrained(curves):
+        head = report_head(title, data, self.recipes)
+        if untrained := kept_untrained(curves):
             head += [
                 f"Kept untrained: no dev point after step 0 beat the start for {', '.join(untrained)}, so the weights "
                 "kept (those of the best dev point) are the untrained ones.",
@@ -680,7 +434,7 @@ class Harness:
         if self.recipes:  # the recipe every model of this run trained under
             outputs["recipes.json"] = atomic_write(self.path("recipes.json"), json.dumps(self.recipes, indent=1))
         for name, folder in self.saved_models.items():  # each saved model's card gets the figures this run measured
-            set_card_figures(folder, f"{self.name}: {title}", _figures(name, tables))
+            set_card_figures(folder, f"{self.name}: {title}", model_figures(name, tables))
         omp_wait = os.environ.get("OMP_WAIT_POLICY")  # how OpenMP's idle threads wait (cli.passive_waiting)
         full = {
             "experiment": self.name,
@@ -697,12 +451,12 @@ class Harness:
             "tables": {name: f.to_dict(orient="records") for name, f in tables.items()},  # the report's figures
         }
         full["outputs"] = {**outputs, "summary.json": self.path("summary.json")}
-        atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=_json_default))
+        atomic_write(self.path("summary.json"), json.dumps(full, indent=2, default=json_default))
         if copy := self.cfg.results_json:  # the summary where the docs' tables can name it, with its command line
             if os.path.isdir(copy) or copy.endswith(os.sep):
                 copy = os.path.join(make_dirs(copy), f"{self.name}.json")
             copied = {"command": self.cfg.command, **full}
-            full["outputs"]["results_json"] = atomic_write(copy, json.dumps(copied, indent=2, default=_json_default))
+            full["outputs"]["results_json"] = atomic_write(copy, json.dumps(copied, indent=2, default=json_default))
         if isinstance(getattr(self.cfg, "timings", None), dict):  # a config with a timings field gets the stages'
             self.cfg.timings.update(self.timings)
         print("\n" + text, flush=True)
@@ -710,65 +464,8 @@ class Harness:
         self._lock.close()  # the folder is complete: another run may take it
         return full
 
-    def _report_head(self, title: str, data: Data | None) -> list[str]:
-        """The report's first lines: the splits used (with their notes) and the recipe each model trained under."""
-        head = [f"# {title}", ""]
-        if data is not None:
-            d = data.describe()
-            head.append(
-                f"Trained on {d['train'] or 'nothing (no fine-tuning)'}; calibration/dev: {d['calibration']}; "
-                f"test: {d['test']} ({d['n_test_queries']} queries)."
-            )
-            if d["notes"]:
-                head += ["", *[f"- {n}" for n in d["notes"]]]
-            head.append("")
-        by_recipe: dict[str, list[str]] = {}
-        for name, values in self.recipes.items():
-            by_recipe.setdefault(Recipe.from_dict(values).describe(), []).append(name)
-        for described, names in by_recipe.items():
-            head += [f"Recipe of {', '.join(names)}: {described}", ""]
-        return head
 
-
-def _kept_untrained(curves: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """The models whose learning curve (a :func:`curve_summaries` entry or a saved curve) has points after step 0
-    but its best at step 0: the weights kept are the untrained start."""
-    out = []
-    for name, c in curves.items():
-        best = c["best_step"] if "best_step" in c else (c.get("best") or {}).get("step")
-        if best == 0 and c.get("evaluations", len(c.get("points") or [])) > 1:
-            out.append(name)
-    return out
-
-
-def _figures(name: str, tables: Mapping[str, pd.DataFrame]) -> str:
-    """The rows of ``tables`` whose first text column names the model ``name`` as Markdown (none: the first table)."""
-    parts = []
-    for title, frame in tables.items():
-        text = [c for c in frame.columns if pd.api.types.is_string_dtype(frame[c])]
-        rows = frame[frame[text[0]].astype(str).str.lower().str.contains(name.lower(), regex=False)] if text else None
-        if rows is not None and len(rows):
-            parts.append(f"`{title}`:\n\n{markdown_table(rows)}")
-    if not parts and tables:
-        title, frame = next(iter(tables.items()))
-        parts.append(f"`{title}` (all systems of the run):\n\n{markdown_table(frame)}")
-    return "\n\n".join(parts) or "none"
-
-
-def _json_default(o: Any) -> Any:
-    return o.tolist() if isinstance(o, (np.integer, np.floating, np.ndarray)) else str(o)
-
-
-def _read(path: str, parse: Callable[[str], Any] = json.loads) -> Any:
-    """The text of ``path`` parsed (default: JSON), None when missing or unreadable."""
-    try:
-        with open(path, encoding="utf8") as f:
-            return parse(f.read())
-    except (OSError, ValueError):
-        return None
-
-
-def _set_max_len(model: Any, n: int) -> Any:
+def set_max_len(model: Any, n: int) -> Any:
     """Set the model's token budget (``ValueError`` beyond its ``max_position_embeddings``) and return the model."""
     for m in model.modules() if isinstance(model, torch.nn.Module) else []:
         limit = getattr(getattr(m, "config", None), "max_position_embeddings", None)

@@ -21,12 +21,12 @@ from pyterrier_prob.experiments.harness import (
     CommonConfig,
     Data,
     Harness,
-    _set_max_len,
     base_model,
     loss_ends,
     markdown_table,
     measure_cell,
     option,
+    set_max_len,
     subcommand,
 )
 from pyterrier_prob.training import complete_checkpoints, text_columns
@@ -428,7 +428,7 @@ class _MergedDev:
         if docs is None:
             frozen, tower = cfg.doc_tower == "frozen" or h.recipe.caches_features, model
             if frozen:
-                tower = h.encoding_model(_set_max_len(_start_model(cfg), cfg.max_seq_length))
+                tower = h.encoding_model(set_max_len(_start_model(cfg), cfg.max_seq_length))
             docs = tower.encode_document(texts, batch_size=64, normalize_embeddings=True, convert_to_numpy=True)
             self.docs = docs if frozen else None
         queries = UniERFEncoder(model, batch_size=64).encode(self.topics)

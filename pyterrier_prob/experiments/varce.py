@@ -57,6 +57,7 @@ MEASURES = ("nDCG@10", "RR@10")
 NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
 NEGATIVE_SOURCES = ("bm25", "dense")
 _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev", "zero-shot collections"
+_DISTIL = "distillation (--teacher)"
 
 
 @dataclass
@@ -101,9 +102,20 @@ class VarceJobConfig(CommonConfig):
     teacher: str | None = option(
         None,
         "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first) fused with "
-        "BM25, into split-attention students (default: train on the labels)",
-        "distillation",
+        "BM25, into split-attention students whose top --train-layers layers (default 2) read both texts (default: "
+        "train on the labels)",
+        _DISTIL,
     )
+    teacher_steps: int = option(3000, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
+    teacher_layers: int = option(2, "--teacher partial: the teacher's top layers that train", _DISTIL)
+    teacher_batch_size: int = option(32, "--teacher partial: the teacher's batch size (distinct queries)", _DISTIL)
+    teacher_lr: float = option(5e-5, "--teacher partial: the teacher's learning rate", _DISTIL)
+    teacher_dev_every: int = option(200, "--teacher partial: steps between the teacher's dev points", _DISTIL)
+    bm25_train_depth: int = option(1000, "BM25 depth of the training pools (a candidate deeper scores 0)", _DISTIL)
+    init_cross_bias: float = option(
+        -4.0, "the students' starting attention bias between the two texts' tokens", _DISTIL
+    )
+    score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
@@ -111,6 +123,8 @@ class VarceJobConfig(CommonConfig):
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
         lowest |= {"robust_depth": 1, "ood_queries": 1, "ood_depth": 1, "inference_batch_size": 1}
         lowest |= {"positive_depth": 1, "dev_queries": 0, "dev_depth": 1}  # --dev-every: CommonConfig.check
+        lowest |= {"teacher_steps": 1, "teacher_layers": 1, "teacher_batch_size": 2, "teacher_dev_every": 1}
+        lowest |= {"bm25_train_depth": 1}
         for name, low in lowest.items():
             value = getattr(self, name)
             if value is not None and value < low:
@@ -123,6 +137,11 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--pool-depth ({self.pool_depth}) must be at least --negatives ({self.negatives})")
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise ValueError(f"--beta must be finite and >= 0, got {self.beta}")
+        for name in ("teacher_lr", "score_scale"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(self, name)}")
+        if not math.isfinite(self.init_cross_bias):
+            raise ValueError(f"--init-cross-bias must be finite, got {self.init_cross_bias}")
         if not self.risks or any(not math.isfinite(r) for r in self.risks):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
         if self.claims_json:  # (the option every experiment takes)
@@ -134,7 +153,7 @@ add_arguments, config_from_args = subcommand(VarceJobConfig, "VarCrossEncoder") 
 
 def run(cfg: VarceJobConfig) -> dict[str, Any]:
     if cfg.teacher:
-        return varce_distill.run(varce_distill.config_from_varce(cfg), Harness("varce", cfg))
+        return varce_distill.run(cfg)
     return run_varce_job(cfg)
 
 

@@ -1,257 +1,291 @@
 """``pyterrier-prob varce --teacher``: split-attention cross-encoders distilled from a bi-encoder + BM25 teacher, as
-BM25 re-rankers in domain and zero-shot (docs/varce.md, "Cross-encoders distilled ..."); each stage reuses what an
-earlier run in the same output folder made."""
+BM25 re-rankers in domain and zero-shot (docs/varce.md, "Cross-encoders distilled ..."). A mode of the varce
+experiment on the shared harness, in the experiments' stages (docs/experiments.md): data (:meth:`Harness.load_data`,
+the evaluated collections of :func:`~pyterrier_prob.experiments.varce_train.target_stage`) -> train (the teacher,
+given or fine-tuned, its fusion weight chosen on dev and its training pool; the students; both through
+:meth:`Harness.train`, reused only when their settings match) -> score
+(:class:`~pyterrier_prob.varce.scoring.PairScorer`, cached per model's settings) -> analyses (calibration,
+uncertainty) -> report (:meth:`Harness.finish`)."""
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
-import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
-import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.cross_encoder.losses import MarginMSELoss
 
 from pyterrier_prob.atomic import atomic_write, make_dirs, read_checked
-from pyterrier_prob.collections import Collection, load_collection
+from pyterrier_prob.collections import Collection
 from pyterrier_prob.curves import DevCurve
-from pyterrier_prob.data import judged_pairs, training_pairs
-from pyterrier_prob.experiments.harness import Harness, markdown_table, slug
-from pyterrier_prob.training import Recipe, StepRate, fine_tune, read_json
+from pyterrier_prob.experiments.harness import Data, Harness, TrainingPairs, slug
+from pyterrier_prob.experiments.options import flag
+from pyterrier_prob.experiments.varce_report import distill_markdown
+from pyterrier_prob.experiments.varce_train import (
+    Target,
+    dev_evaluator,
+    dev_every,
+    dev_target,
+    folder_fingerprint,
+    settings_fingerprint,
+    target_stage,
+)
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
-from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
+from pyterrier_prob.varce.analysis import choose_risk, paired_p, ranked, system_rows, uncertainty_stats
+from pyterrier_prob.varce.data import evaluated_queries
 from pyterrier_prob.varce.rerank import risk_adjusted
+from pyterrier_prob.varce.scoring import PairScorer
 from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
 from st_extensions.defaults import default_model_path
 from st_extensions.loading import load_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, VariationalMarginMSELoss
-from st_extensions.model_card import save_with_card
 
+if TYPE_CHECKING:
+    from pyterrier_prob.experiments.varce import VarceJobConfig
+
+__all__ = ["MODEL_PREFIX", "NOT_UNDER_TEACHER", "STUDENTS", "TEACHER", "check_options", "run"]
+
+#: The students (their rows' system names) and their VarCE variant (None: the CE).
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
-RISKS = (0.0, 0.25, 0.5, 1.0, 2.0)
+#: A student's model folder is ``models/<MODEL_PREFIX><system>`` (a plain, label-trained run's: ``models/<system>``).
+MODEL_PREFIX = "distilled-"
+#: The model folder of a teacher fine-tuned by the run (``--teacher partial``).
+TEACHER = "distill-teacher"
+#: The varce options that do not apply under ``--teacher`` (refused when set to another value than their default).
+NOT_UNDER_TEACHER = ("robust_queries", "robust_depth", "noise", "negatives_from", "positive_depth", "dev_from_train")
 
 
-@dataclass
-class DistillConfig:
-    """What a distillation run does; written into its summary."""
-
-    output: str
-    teacher: str
-    dataset: str = "irds:beir/nfcorpus"
-    ood: tuple[str, ...] = ("irds:beir/scifact", "irds:cranfield")
-    depth: int = 100
-    pool_depth: int = 100
-    bm25_train_depth: int = 1000
-    steps: int = 1000
-    batch_size: int = 16
-    negatives: int = 3
-    learning_rate: float = 1e-4
-    joint_layers: int = 2
-    init_cross_bias: float = -4.0
-    scale: float = 10.0
-    max_seq_length: int = 128
-    beta: float = 1e-7
-    dev_queries: int = 100
-    dev_depth: int = 30
-    dev_every: int = 100
-    patience: int = 3
-    students: tuple[str, ...] = tuple(STUDENTS)
-    seed: int = 0
-    checkpoint_every: int = 100
-    base_model: str | None = None
-    teacher_steps: int = 3000
-    teacher_layers: int = 2
-    teacher_dev_every: int = 200
-
-    def path(self, *parts: str) -> str:
-        return os.path.join(self.output, *parts)
-
-    def recipe(self, steps: int, batch_size: int, learning_rate: float, layers: int, every: int) -> Recipe:
-        """The partial recipe (top ``layers`` layers trained, a checkpoint ``every`` steps) under this run's seed."""
-        return Recipe(
-            "partial", steps, batch_size, learning_rate, seed=self.seed, train_layers=layers, checkpoint_every=every
+def check_options(cfg: VarceJobConfig) -> None:
+    """``ValueError`` naming an option that cannot apply to a distillation run; ``--train-layers`` (the students'
+    joint layers) set to its default, 2, when not given."""
+    if cfg.recipe != "partial":
+        raise ValueError(
+            f"--teacher trains split-attention students under --recipe partial (their joint top layers on lower "
+            f"layers cached per text), got --recipe {cfg.recipe}"
         )
+    if cfg.train_layers is None:
+        cfg.train_layers = 2
+    if cfg.steps == 0:
+        raise ValueError("--teacher distils students by training them: --steps 0 leaves nothing to distil")
+    defaults = type(cfg)()
+    for name in NOT_UNDER_TEACHER:
+        if getattr(cfg, name) != getattr(defaults, name):
+            raise ValueError(
+                f"{flag(name)} does not apply under --teacher (the distillation mines no negatives, runs no "
+                "robustness table and needs the collection's own dev split); leave it out"
+            )
 
 
-# ------------------------------------------------------------------------------------------------ 1. teacher
-def build_teacher(cfg: DistillConfig) -> str:
-    """The teacher's folder: ``cfg.teacher``, or for ``"partial"`` an MNRL bi-encoder fine-tuned on the training split
-    (top ``teacher_layers`` layers, best dev point kept), trained once into ``output/teacher/model`` and reused."""
-    if cfg.teacher != "partial":
-        if not os.path.isfile(os.path.join(cfg.teacher, "modules.json")):
-            raise FileNotFoundError(f"--teacher {cfg.teacher!r} is not a saved sentence-transformers model folder")
-        return cfg.teacher
-    folder = cfg.path("teacher", "model")
-    if os.path.isfile(os.path.join(folder, "modules.json")):
-        return folder
-
-    coll = load_collection(cfg.dataset)
-    model = load_model(cfg.base_model or str(default_model_path()))
-    model.max_seq_length = cfg.max_seq_length
-    dev, qrels = coll.topics("dev").astype({"qid": str}), coll.qrels("dev").astype({"qid": str, "docno": str})
-    evaluate = distill.DenseDev(dev, qrels, {d["docno"]: d["text"] for d in coll.corpus_iter()})
-    loss = MaskedMultipleNegativesRankingLoss(model, judged=judged_pairs(coll, "train"))
-    rows = training_pairs(coll, "train", seed=cfg.seed)
-    recipe = cfg.recipe(cfg.teacher_steps, 32, 5e-5, cfg.teacher_layers, cfg.teacher_dev_every)
-    curve = DevCurve(cfg.teacher_dev_every, evaluate, cfg.path("curves", "teacher.json"), patience=cfg.patience)
-    _train_partial(cfg, "teacher", model, loss, rows, recipe, curve, cfg.path("teacher", "states"), folder)
-    return folder
-
-
-def _train_partial(
-    cfg: DistillConfig, name: str, model: Any, loss: Any, rows: Any, recipe: Any, curve: Any, states: str, folder: str
-) -> float | None:
-    """``fine_tune`` into ``runs/<name>`` (resumable) with the dev ``curve``; then save the model with its card.
-    Returns the training's steps/s (:class:`StepRate`)."""
-    out, rate = cfg.path("runs", name), StepRate()
-    fine_tune(
-        model, loss, rows, recipe, output_dir=out, resume=True, desc=name, callbacks=[curve, rate], state_cache=states
-    )
-    if hasattr(model[0], "state_cache"):
-        model[0].state_cache = None  # a split cross-encoder's cache of the run: not part of the model
-    card = {"recipe": recipe.describe(), "train_data": f"{cfg.dataset}/train", "rows": rows, "model_name": name}
-    save_with_card(folder, model, loss=loss, **card)
-    return rate.steps_per_second
-
-
+# ------------------------------------------------------------------------------------------------ data
 @dataclass
 class Side:
-    """One collection's texts and the teacher's embeddings of them."""
+    """One collection's texts and the teacher's embeddings of them (cached under the teacher's fingerprint)."""
 
-    spec: str
     collection: Collection
     corpus: dict[str, str]
-    topics: dict[str, pd.DataFrame]
-    qrels: dict[str, pd.DataFrame]
     docnos: list[str]
     d_emb: np.ndarray
-    q_emb: dict[str, np.ndarray]
+    teacher: Any
+    folder: str
+
+    def with_cosines(self, frame: pd.DataFrame, topics: pd.DataFrame) -> pd.DataFrame:
+        """``frame`` (``qid, docno, ...``) with the teacher's cosine of each row's query and document (``dense``)."""
+        q_emb = distill.encode(self.teacher, topics["query"].tolist(), self.path("queries", topics), query=True)
+        return distill.add_cosines(frame, topics["qid"].tolist(), q_emb, self.docnos, self.d_emb)
+
+    def path(self, what: str, topics: pd.DataFrame) -> str:
+        texts = "\n".join(f"{q}\t{t}" for q, t in zip(topics["qid"], topics["query"]))
+        return os.path.join(self.folder, f"{slug(self.collection.name, '_')}-{what}-{_digest(texts)}.npy")
 
 
-def load_side(cfg: DistillConfig, teacher: Any, spec: str, splits: tuple[str, ...]) -> Side:
-    coll = load_collection(spec)
-    corpus = {d["docno"]: d["text"] for d in coll.corpus_iter()}
+def load_side(h: Harness, teacher: Any, fingerprint: str, collection: Collection) -> Side:
+    corpus = {d["docno"]: d["text"] for d in collection.corpus_iter()}
     docnos = list(corpus)
-    name = slug(spec, "_")
-    d_emb = distill.encode(teacher, [corpus[d] for d in docnos], cfg.path("teacher", f"{name}-docs.npy"))
-    topics = {s: coll.topics(s).astype({"qid": str}) for s in splits}
-    qrels = {s: coll.qrels(s).astype({"qid": str, "docno": str}) for s in splits}
-    q_emb = {
-        s: distill.encode(teacher, topics[s]["query"].tolist(), cfg.path("teacher", f"{name}-{s}.npy"), query=True)
-        for s in splits
-    }
-    return Side(spec, coll, corpus, topics, qrels, docnos, d_emb, q_emb)
+    folder = make_dirs(h.path("teacher", fingerprint))
+    path = os.path.join(str(folder), f"{slug(collection.name, '_')}-docs-{_digest(chr(10).join(docnos))}.npy")
+    return Side(collection, corpus, docnos, distill.encode(teacher, [corpus[d] for d in docnos], path), teacher, folder)
 
 
-def bm25_run(h: Harness, side: Side, topics: pd.DataFrame, k: int) -> pd.DataFrame:
-    """BM25's top ``k`` of ``topics`` (``qid, docno, score, rank``) from the harness's PISA index of the collection."""
-    run = h.bm25_run(h.bm25(side.collection), topics[["qid", "query"]], k)
-    return run[["qid", "docno", "score", "rank"]].astype({"qid": str, "docno": str})
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def candidates(cfg: DistillConfig, h: Harness, side: Side, split: str) -> pd.DataFrame:
-    """BM25's top ``depth`` of a split with the teacher's cosine: ``qid, docno, bm25, dense, query, text``."""
-    topics = side.topics[split]
-    run = bm25_run(h, side, topics, cfg.depth).rename(columns={"score": "bm25"})
-    run = distill.add_cosines(run, topics["qid"].tolist(), side.q_emb[split], side.docnos, side.d_emb)
-    queries = dict(zip(topics["qid"], topics["query"]))
-    return run.assign(query=run["qid"].map(queries), text=run["docno"].map(side.corpus))
+def check_data(data: Data) -> None:
+    if data.train is None:
+        raise ValueError(f"--teacher needs training queries: {data.train_collection.name} has no train split")
+    if data.cal_topics.empty:
+        raise ValueError(f"--teacher chooses the teacher's fusion weight on dev queries: {data.cal_source} has none")
 
 
-def teacher_stage(cfg: DistillConfig, h: Harness, side: Side) -> dict[str, Any]:
-    """Choose the fusion weight on dev; build the training pools with teacher scores (cached)."""
-    chosen = distill.choose_teacher(candidates(cfg, h, side, "dev"), side.qrels["dev"])
-    pool_path = cfg.path("teacher", f"pool-a{chosen['alpha']}-d{cfg.pool_depth}.parquet")
-    if os.path.isfile(pool_path):
+# ------------------------------------------------------------------------------------------------ train: the teacher
+def teacher_model(cfg: VarceJobConfig, h: Harness, data: Data) -> tuple[str, str]:
+    """The teacher's folder and fingerprint: ``--teacher`` as given, or for ``partial`` an MNRL bi-encoder fine-tuned
+    on the training split through :meth:`Harness.train` (top ``--teacher-layers`` layers, best dev point kept)."""
+    if cfg.teacher != "partial":
+        if not os.path.isfile(os.path.join(str(cfg.teacher), "modules.json")):
+            raise FileNotFoundError(f"--teacher {cfg.teacher!r} is not a saved sentence-transformers model folder")
+        data.notes.append(f"teacher: the bi-encoder {cfg.teacher} as given, fused with BM25")
+        return str(cfg.teacher), folder_fingerprint(str(cfg.teacher), cfg.max_seq_length)
+    corpus = {d["docno"]: d["text"] for d in data.train_collection.corpus_iter()}
+    topics, qrels = data.cal_topics.astype({"qid": str}), data.cal_qrels.astype({"qid": str, "docno": str})
+    every = cfg.teacher_dev_every
+    dense_dev = distill.DenseDev(topics, qrels, corpus)
+    curve = DevCurve(every, dense_dev, h.path("curves", f"{TEACHER}.json"), patience=cfg.patience)
+    pairs = TrainingPairs(data, cfg.seed)
+    h.train(
+        TEACHER,
+        partial(load_model, cfg.model or str(default_model_path()), device="cpu"),
+        partial(_masked_mnrl, pairs),
+        pairs,
+        settings={"role": "teacher (MNRL bi-encoder)", "dev": {"every": every, "patience": cfg.patience}},
+        callbacks=[curve],
+        steps=cfg.teacher_steps,
+        batch_size=cfg.teacher_batch_size,
+        learning_rate=cfg.teacher_lr,
+        train_layers=cfg.teacher_layers,
+        checkpoint_every=every,
+    )
+    data.notes.append(
+        f"teacher: a bi-encoder fine-tuned here ({TEACHER}: {cfg.teacher_steps} steps, the best of its dev points "
+        f"every {every} steps kept), fused with BM25"
+    )
+    return h.path("models", TEACHER), str(settings_fingerprint(h, TEACHER))
+
+
+def _masked_mnrl(pairs: TrainingPairs, model: Any) -> Any:
+    return pairs.loss(model, MaskedMultipleNegativesRankingLoss)
+
+
+def fusion_stage(cfg: VarceJobConfig, h: Harness, data: Data, side: Side) -> dict[str, Any]:
+    """The fusion weight chosen on every dev query with a judged-relevant document (BM25 top ``--depth``), and the
+    training pool (BM25's top ``--bm25-train-depth`` and the teacher's top ``--pool-depth`` of each train query) with
+    the teacher's scores (cached)."""
+    topics, qrels, _ = evaluated_queries(data.cal_topics, data.cal_qrels, None, cfg.seed)
+    coll = data.train_collection
+    dev = Target(data.cal_source, coll, str(data.dev), h.bm25(coll), topics, qrels, cfg.depth, len(topics))
+    cand = side.with_cosines(dev.candidates(h, topics, cfg.depth).rename(columns={"score": "bm25"}), topics)
+    chosen = distill.choose_teacher(cand, qrels)
+    train = data.train_collection.topics(str(data.train)).astype({"qid": str})
+    pool_path = side.path(f"pool-a{chosen['alpha']}-d{cfg.pool_depth}-b{cfg.bm25_train_depth}", train)
+    pool_path = pool_path.removesuffix(".npy") + ".parquet"
+    if os.path.isfile(pool_path) and cfg.reuse:
         pool = read_checked(pool_path, pd.read_parquet, "delete it: the next run scores the pool again")
     else:
-        topics = side.topics["train"]
-        bm25 = bm25_run(h, side, topics, cfg.bm25_train_depth)
-        dense = distill.dense_run(topics, side.q_emb["train"], side.docnos, side.d_emb, cfg.pool_depth)
+        bm25 = h.bm25_run(h.bm25(data.train_collection), train[["qid", "query"]], cfg.bm25_train_depth)
+        q_emb = distill.encode(side.teacher, train["query"].tolist(), side.path("queries", train), query=True)
+        dense = distill.dense_run(train, q_emb, side.docnos, side.d_emb, cfg.pool_depth)
+        bm25 = bm25[["qid", "docno", "score", "rank"]].astype({"docno": str})
         pool = distill.candidate_pool(bm25, dense, cfg.pool_depth)
-        pool = distill.add_cosines(pool, topics["qid"].tolist(), side.q_emb["train"], side.docnos, side.d_emb)
+        pool = distill.add_cosines(pool, train["qid"].tolist(), q_emb, side.docnos, side.d_emb)
         pool["teacher"] = distill.teacher_scores(pool, chosen["alpha"])
         atomic_write(pool_path, lambda f: pool.to_parquet(f))
-    return {"alpha": chosen["alpha"], "dev": chosen["dev"], "pool": pool}
+    queries = dict(zip(train["qid"], train["query"]))
+    data.notes.append(
+        f"chosen on dev ({len(topics)} {data.cal_source} queries, BM25 top {cfg.depth}): the teacher's fusion weight "
+        f"alpha {chosen['alpha']}"
+    )
+    return {"alpha": chosen["alpha"], "dev": chosen["dev"], "pool": pool, "queries": queries}
 
 
-# ------------------------------------------------------------------------------------------------ 2. students
-def dev_subset(cfg: DistillConfig, h: Harness, side: Side) -> pd.DataFrame:
-    """BM25's top ``dev_depth`` of ``dev_queries`` seeded dev queries: the learning curves' and the choices' pairs."""
-    dev = candidates(cfg, h, side, "dev")
-    qids = sorted(dev["qid"].unique())
-    keep = set(np.random.default_rng(cfg.seed).choice(qids, size=min(cfg.dev_queries, len(qids)), replace=False))
-    return dev[dev["qid"].isin(keep) & (dev["rank"] < cfg.dev_depth)].reset_index(drop=True)
+# ------------------------------------------------------------------------------------------------ train: the students
+class _Rows:
+    """The Margin-MSE rows of the students (:meth:`Harness.train`'s ``data``), made on first use."""
+
+    def __init__(self, cfg: VarceJobConfig, fusion: dict[str, Any], corpus: dict[str, str]) -> None:
+        self.cfg, self.fusion, self.corpus, self.rows = cfg, fusion, corpus, None
+
+    def __call__(self) -> Any:
+        if self.rows is None:
+            n, pool, queries = self.cfg.steps * self.cfg.batch_size, self.fusion["pool"], self.fusion["queries"]
+            kw = {"negatives": self.cfg.negatives, "seed": self.cfg.seed}
+            self.rows = distill.distillation_rows(pool, queries, self.corpus, n, **kw)
+        return self.rows
 
 
-def build_student(cfg: DistillConfig, name: str) -> Any:
-    shape = {"joint_layers": cfg.joint_layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.scale}
-    return build_split_cross_encoder(cfg.teacher, variant=STUDENTS[name], max_seq_length=cfg.max_seq_length, **shape)
+def joint_layers(cfg: VarceJobConfig) -> int:
+    """The students' top layers that read both texts (and train): ``--train-layers`` (:func:`check_options`: 2)."""
+    return int(cfg.train_layers or 2)
 
 
-def train_students(cfg: DistillConfig, h: Harness, side: Side, rows: Any, dev: pd.DataFrame) -> dict[str, Any]:
-    """Train (or load, when saved by an earlier run) every student on the same rows, steps and budget; ``dev``: the
-    :func:`dev_subset` their learning curves score."""
-    evaluate = DevRerank(dev, side.qrels["dev"])
-    models, curves = {}, {}
-    for name in cfg.students:
-        folder = cfg.path("models", name)
-        curve_path = cfg.path("curves", f"{name}.json")
-        if os.path.isfile(os.path.join(folder, "modules.json")):
-            model = load_model(folder)
-        else:
-            torch.manual_seed(cfg.seed)
-            model = build_student(cfg, name)
-            loss = MarginMSELoss(model) if STUDENTS[name] is None else VariationalMarginMSELoss(model, beta=cfg.beta)
-            recipe = cfg.recipe(cfg.steps, cfg.batch_size, cfg.learning_rate, cfg.joint_layers, cfg.checkpoint_every)
-            curve = DevCurve(cfg.dev_every, evaluate, curve_path, patience=cfg.patience)
-            t0 = time.perf_counter()
-            rate = _train_partial(cfg, name, model, loss, rows, recipe, curve, cfg.path("states"), folder)
-            timing = {"train_wall_s": time.perf_counter() - t0, "train_steps_per_s": rate}
-            atomic_write(os.path.join(folder, "training.json"), json.dumps(timing))
-        if os.path.isfile(timing_file := os.path.join(folder, "training.json")):  # also a model an earlier run saved
-            h.step_rates[name] = read_json(timing_file).get("train_steps_per_s")
-        split_state_cache(model, cfg.path("states"))
-        models[name], h.saved_models[name] = model, folder
-        curves[name] = read_json(curve_path)
-    return {"models": models, "curves": curves}
+def train_students(
+    cfg: VarceJobConfig, h: Harness, data: Data, teacher: tuple[str, str], fusion: dict, corpus: dict[str, str]
+) -> dict[str, Any]:
+    """Every student trained (or reused, when saved with the same settings) on the same rows, steps and seed, the
+    best point of its dev curve kept; returns ``{system: model}`` (each with its lower layers' state cache)."""
+    folder, fingerprint = teacher
+    evaluate = dev_evaluator(cfg, h, data)
+    layers, rows = joint_layers(cfg), _Rows(cfg, fusion, corpus)
+    base = {"role": "distilled student", "teacher": fingerprint, "alpha": fusion["alpha"], "pool": len(fusion["pool"])}
+    base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
+    base |= {"joint_layers": layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.score_scale}
+    if evaluate is not None:
+        base["dev"] = {"queries": cfg.dev_queries, "depth": cfg.dev_depth, "every": dev_every(cfg)}
+        base["dev"]["patience"] = cfg.patience
+    models = {}
+    for system, variant in STUDENTS.items():
+        name = MODEL_PREFIX + system
+        path = h.path("curves", f"{name}.json")
+        curve = None if evaluate is None else DevCurve(dev_every(cfg), evaluate, path, patience=cfg.patience)
+        loss = MarginMSELoss if variant is None else partial(VariationalMarginMSELoss, beta=cfg.beta)
+        settings = {**base, "variant": variant} | ({"beta": cfg.beta} if variant else {})
+        build = partial(_student, folder, variant, cfg.max_seq_length, layers, cfg.init_cross_bias, cfg.score_scale)
+        kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
+        model, _ = h.train(name, build, loss, rows, **kw)
+        split_state_cache(model, h.state_cache_path(h.cfg.training_recipe(cfg.steps, train_layers=layers), model))
+        models[system] = model
+    return models
 
 
-# ------------------------------------------------------------------------------------------------ 3. scoring
-def score_stage(cfg: DistillConfig, models: dict[str, Any], name: str, cand: pd.DataFrame) -> pd.DataFrame:
-    """``cand`` with ``<model>`` (E[s]) and ``<model>_std`` columns for every student (cached per collection)."""
-    path = cfg.path("scores", f"{name}.parquet")
-    fresh = not os.path.isfile(path)
-    done = cand[["qid", "docno"]].copy() if fresh else read_checked(path, pd.read_parquet, "delete it and rerun")
-    for m, model in models.items():
-        if m in done.columns:
-            continue
-        mean, std = distill.score_pairs(model, cand["query"].tolist(), cand["text"].tolist())
-        done[m] = mean
-        if std is not None:
-            done[f"{m}_std"] = std
-        make_dirs(cfg.path("scores"))
-        atomic_write(path, lambda f: done.to_parquet(f))
-    return cand.merge(done, on=["qid", "docno"], how="left")
+def _student(teacher: str, variant: str | None, max_seq_length: int, layers: int, bias: float, scale: float) -> Any:
+    shape = {"joint_layers": layers, "init_cross_bias": bias, "scale": scale}
+    return build_split_cross_encoder(teacher, variant=variant, max_seq_length=max_seq_length, **shape)
 
 
-# ------------------------------------------------------------------------------------------------ 4. report
+# ------------------------------------------------------------------------------------------------ score
+def scored(h: Harness, scorers: dict[str, PairScorer], label: str, cand: pd.DataFrame) -> pd.DataFrame:
+    """``cand`` with every student's E[s] (``<system>``) and, for a VarCE, std[s] (``<system>_std``)."""
+    out = cand.copy()
+    for system, sc in scorers.items():
+        mean, std = sc.score(label, cand)
+        out[system] = mean
+        if sc.var:
+            out[f"{system}_std"] = std
+    return out
+
+
+def _scorers(cfg: VarceJobConfig, h: Harness, models: dict[str, Any]) -> dict[str, PairScorer]:
+    return {
+        s: PairScorer(
+            s,
+            m,
+            cfg.inference_batch_size,
+            cache_path=h.path("scores", f"{MODEL_PREFIX}{s}.tsv"),
+            fingerprint=settings_fingerprint(h, MODEL_PREFIX + s),
+            fresh=not cfg.reuse,
+            progress=h.progress,
+        )
+        for s, m in models.items()
+    }
+
+
+# ------------------------------------------------------------------------------------------------ analyses
 def rerank_rows(
-    cfg: DistillConfig, frame: pd.DataFrame, qrels: pd.DataFrame, alpha: float, spec: str, qids: list[str]
-) -> tuple:
+    frame: pd.DataFrame, qrels: pd.DataFrame, alpha: float, label: str, qids: list[str], depth: int
+) -> tuple[list[dict], dict[str, pd.Series]]:
     """Rows (collection, depth, system, queries, nDCG@10, p values) of BM25, the teacher and every student over all
-    ``qids`` (nothing retrieved: 0), and the per-query values."""
+    ``qids`` (nothing retrieved: 0) on BM25's top ``depth`` of ``frame``, and the per-query values."""
+    frame = frame[frame["rank"] < depth]
     scores = {"BM25": frame["bm25"], "Teacher (bi-encoder)": frame["dense"]}
     scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
-    scores |= {s: frame[s] for s in cfg.students if s in frame.columns}
+    scores |= {s: frame[s] for s in STUDENTS if s in frame.columns}
     per_query = {n: distill.ndcg_at_10(frame.assign(score=v), qrels, qids=qids) for n, v in scores.items()}
-    return system_rows(per_query, spec, cfg.depth), per_query
+    return system_rows(per_query, label, depth), per_query
 
 
 def calibration_stage(
@@ -285,17 +319,17 @@ def uncertainty_stage(
     dev: pd.DataFrame,
     qrels: pd.DataFrame,
     dev_qrels: pd.DataFrame,
-    students: list[str],
     per_query: dict[str, pd.Series],
+    risks: list[float],
 ) -> dict[str, Any]:
     """For every VarCE: :func:`~pyterrier_prob.varce.analysis.uncertainty_stats` (the spread of std[s], whether
     uncertain queries are the hard ones), lambda of the risk-aware ranking chosen on dev and its test value."""
     out = {}
-    for s in students:
+    for s in STUDENTS:
         std_col = f"{s}_std"
         if std_col not in frame:
             continue
-        lam, dev_values = choose_risk(partial(_ndcg_at_risk, dev, dev_qrels, s, None), RISKS)
+        lam, dev_values = choose_risk(partial(_ndcg_at_risk, dev, dev_qrels, s, None), risks)
         test_values = _ndcg_at_risk(frame, qrels, s, per_query[s].index.tolist(), lam)  # every query, as the rows
         stats = uncertainty_stats(ranked(frame, frame[s].to_numpy(), frame[std_col].to_numpy()), per_query[s])
         out[s] = {**stats, "risk_dev": dev_values, "risk_chosen": lam, "risk_test": float(test_values.mean())}
@@ -303,98 +337,104 @@ def uncertainty_stage(
     return out
 
 
-def run(cfg: DistillConfig, h: Harness) -> dict[str, Any]:
-    """All the stages under the harness ``h``, reported by :meth:`Harness.finish`; returns the summary."""
-    h.cfg.reuse = True  # every stage reuses what an earlier run in the output folder made (the BM25 indexes too)
-    cfg.teacher = build_teacher(cfg)
-    teacher = SentenceTransformer(cfg.teacher, device="cpu")
-    teacher.max_seq_length = cfg.max_seq_length
-    with h.stage("teacher", f"teacher {cfg.teacher}: embeddings of {cfg.dataset}, fusion weight on dev, pools"):
-        side = load_side(cfg, teacher, cfg.dataset, ("train", "dev", "test"))
-        chosen = teacher_stage(cfg, h, side)
-    pool = chosen["pool"]
-    queries = dict(zip(side.topics["train"]["qid"], side.topics["train"]["query"]))
-    rows = distill.distillation_rows(
-        pool, queries, side.corpus, cfg.steps * cfg.batch_size, negatives=cfg.negatives, seed=cfg.seed
-    )
-    dev_sub = dev_subset(cfg, h, side)
-    trained = train_students(cfg, h, side, rows, dev_sub)
-    models = trained["models"]
-    students = list(models)
-    rows_out, calibration, uncertainty = [], {}, {}
-    dev_scored = score_stage(cfg, models, "dev-subset", dev_sub)
-    for spec, s in [(cfg.dataset, side)] + [(spec, load_side(cfg, teacher, spec, ("test",))) for spec in cfg.ood]:
-        name = slug(spec, "_")
-        with h.stage(f"rerank_{name}", f"re-ranking BM25's top {cfg.depth} of {spec} (test)"):
-            scored = score_stage(cfg, models, f"{name}-test", candidates(cfg, h, s, "test"))
-            qids = s.topics["test"]["qid"].tolist()
-            r, per_query = rerank_rows(cfg, scored, s.qrels["test"], chosen["alpha"], spec, qids)
-        if spec == cfg.dataset:
-            calibration = calibration_stage(dev_scored, scored, side.qrels["dev"], s.qrels["test"], students)
-            for row in r:
-                if row["system"] in calibration:
+# ------------------------------------------------------------------------------------------------ the run
+def run(cfg: VarceJobConfig) -> dict[str, Any]:
+    """The distillation run into ``cfg.output`` (docs/varce.md); returns the summary as :meth:`Harness.finish` wrote."""
+    check_options(cfg)
+    h = Harness("varce", cfg)  # checks cfg
+    data = h.load_data(calibrate=True)  # the teacher's weight, the kept steps and lambda are chosen on dev
+    check_data(data)
+    teacher = teacher_model(cfg, h, data)
+    model = SentenceTransformer(teacher[0], device="cpu")
+    model.max_seq_length = cfg.max_seq_length
+    sides: dict[str, Side] = {}
+
+    def side(collection: Collection) -> Side:
+        if collection.name not in sides:
+            sides[collection.name] = load_side(h, model, teacher[1], collection)
+        return sides[collection.name]
+
+    with h.stage("teacher", f"teacher {teacher[0]}: embeddings of {cfg.dataset}, fusion weight on dev, pools"):
+        fusion = fusion_stage(cfg, h, data, side(data.train_collection))
+    targets = target_stage(cfg, h, data)  # the test split (--max-queries) and each --ood collection (zero-shot)
+    models = train_students(cfg, h, data, teacher, fusion, side(data.train_collection).corpus)
+    scorers = _scorers(cfg, h, models)
+    dev_cand = dev_scored = None
+    if cfg.dev_queries:
+        dev = dev_target(cfg, h, data, cfg.dev_depth)
+        dev_cand = dev.candidates(h, dev.topics, cfg.dev_depth)
+        dev_scored, dev_qrels = scored(h, scorers, dev.label, dev_cand), dev.qrels
+    risks = sorted({0.0, *map(float, cfg.risks)})
+    rows, calibration, uncertainty, evaluated = [], {}, {}, {}
+    for tg in targets:
+        with h.stage(f"rerank_{slug(tg.label, '_')}", f"re-ranking BM25's top {tg.depth} of {tg.label}/{tg.split}"):
+            cand = tg.candidates(h, tg.topics, tg.depth).rename(columns={"score": "bm25"})
+            frame = scored(h, scorers, tg.label, side(tg.collection).with_cosines(cand, tg.topics))
+            qids = tg.topics["qid"].tolist()
+            for depth in sorted({tg.depth, *(d for d in cfg.extra_depths if d < tg.depth)}, reverse=True):
+                r, per_query = rerank_rows(frame, tg.qrels, fusion["alpha"], tg.label, qids, depth)
+                if depth == tg.depth:
+                    kept = per_query
+                rows.extend(r)
+        zero_shot = tg.collection.name != data.train_collection.name or tg is not targets[0]
+        evaluated[tg.label] = {"split": tg.split, "queries": len(tg.topics), "queries_available": tg.available}
+        evaluated[tg.label] |= {"depth": tg.depth, "zero_shot": zero_shot}
+        if dev_scored is None:
+            continue
+        if tg is targets[0]:
+            calibration = calibration_stage(dev_scored, frame, dev_qrels, tg.qrels, list(models))
+            for row in rows:
+                if row["collection"] == tg.label and row["depth"] == tg.depth and row["system"] in calibration:
                     row["ece"] = calibration[row["system"]]["ece"]
-        uncertainty[spec] = uncertainty_stage(
-            scored, dev_scored, s.qrels["test"], side.qrels["dev"], students, per_query
-        )
-        rows_out.extend(r)
-    fusion = {"alpha": chosen["alpha"], "dev_nDCG@10_by_alpha": chosen["dev"]}
-    fusion |= {"pool_pairs": int(len(pool)), "pool_queries": int(pool["qid"].nunique())}
+        uncertainty[tg.label] = uncertainty_stage(frame, dev_scored, tg.qrels, dev_qrels, kept, risks)
+    _report_notes(cfg, data, targets, evaluated)
+    pool = fusion["pool"]
     summary = {
-        "config": asdict(cfg),
-        "teacher": fusion,
-        "rows": rows_out,
-        "dev_curves": trained["curves"],
+        "teacher": {
+            "model": teacher[0],
+            "alpha": fusion["alpha"],
+            "dev_nDCG@10_by_alpha": fusion["dev"],
+            "pool_pairs": int(len(pool)),
+            "pool_queries": int(pool["qid"].nunique()),
+        },
+        "students": {s: MODEL_PREFIX + s for s in models},
+        "rows": rows,
+        "evaluated": evaluated,
+        "dev_curves": _curves(h),
         "calibration": calibration,
         "uncertainty": uncertainty,
-        "dev_candidates": int(len(dev_sub)),
+        "dev_candidates": 0 if dev_cand is None else int(len(dev_cand)),
     }
     if calibration:
         from pyterrier_prob.plots import reliability_plot  # matplotlib: optional
 
-        reliability_plot(calibration, cfg.path("reliability.png"))
+        reliability_plot(calibration, h.path("reliability.png"))
     title = "Cross-encoders distilled from a bi-encoder + BM25 teacher, re-ranking BM25"
-    return h.finish(title, markdown(summary), {"rows": pd.DataFrame(rows_out)}, summary)
+    return h.finish(title, distill_markdown(summary), {"rows": pd.DataFrame(rows)}, summary, data)
 
 
-def _fmt_p(p: float | None) -> str:
-    return "–" if p is None else f"{p:.2g}"
+def _curves(h: Harness) -> dict[str, Any]:
+    """Each student's learning curve (by system name) as its training wrote it (none without dev queries)."""
+    from pyterrier_prob.training import read_json
+
+    out = {}
+    for s in STUDENTS:
+        path = h.path("curves", f"{MODEL_PREFIX}{s}.json")
+        if os.path.isfile(path):
+            out[s] = read_json(path)
+    return out
 
 
-def markdown(summary: dict[str, Any]) -> str:
-    """The re-ranking table (nDCG@10, p vs BM25 / CE), the students' ECE and the teacher's choice."""
-    rows = pd.DataFrame(summary["rows"])
-    rows["cell"] = [f"{r['nDCG@10']:.4f} ({_fmt_p(r['p_vs_bm25'])} / {_fmt_p(r['p_vs_CE'])})" for r in summary["rows"]]
-    rows["collection"] = [f"{c} ({n} q.)" for c, n in zip(rows["collection"], rows["queries"].astype(int))]
-    table = rows.pivot_table(index="system", columns="collection", values="cell", aggfunc="first")
-    table = table.reindex(index=list(dict.fromkeys(rows["system"])), columns=list(dict.fromkeys(rows["collection"])))
-    teacher = summary["teacher"]
-    text = [
-        f"BM25's top {int(rows['depth'].iloc[0])} re-ranked, nDCG@10 (p vs BM25 / p vs CE, paired t-tests over all "
-        "queries):",
-        "",
-        markdown_table(table.fillna("–").reset_index()),
-        "",
-        f"Teacher: the bi-encoder fused with BM25 at alpha {teacher['alpha']} (chosen on dev: "
-        + ", ".join(f"{a}: {v:.4f}" for a, v in teacher["dev_nDCG@10_by_alpha"].items())
-        + ").",
-    ]
-    if summary.get("calibration"):
-        text += ["", "Expected calibration error on the test pairs (Platt map fitted on dev pairs):", ""]
-        for name, c in summary["calibration"].items():
-            extra = f" (without std[s]: {c['ece_without_std']:.4f})" if "ece_without_std" in c else ""
-            text.append(f"- {name}: ECE {c['ece']:.4f}{extra}")
-    return "\n".join(text) + "\n"
-
-
-def config_from_varce(cfg: Any) -> DistillConfig:
-    """The distillation settings of a ``pyterrier-prob varce --teacher ...`` run (its shared options mapped)."""
-    if not cfg.training_recipe(1).caches_states:
-        raise ValueError(
-            f"--teacher trains split-attention students under --recipe partial (their joint top layers on lower "
-            f"layers cached per text), got --recipe {cfg.recipe}"
+def _report_notes(cfg: VarceJobConfig, data: Data, targets: list[Target], evaluated: dict[str, Any]) -> None:
+    """What was zero-shot and what was chosen on dev, for the report's head."""
+    shot = [tg.label for tg in targets if evaluated[tg.label]["zero_shot"]]
+    if shot:
+        data.notes.append(
+            f"zero-shot: {', '.join(shot)} (no corpus, query or label of theirs in training: the teacher, its pool "
+            f"and the students' rows come from {data.train_collection.name}/{data.train})"
         )
-    values = {f.name: getattr(cfg, f.name) for f in fields(DistillConfig) if hasattr(cfg, f.name)}  # same names
-    every = max(1, cfg.steps // 10)
-    values.update(dev_every=cfg.dev_every or every, checkpoint_every=cfg.checkpoint_every or every, ood=tuple(cfg.ood))
-    return DistillConfig(**values, learning_rate=cfg.lr, joint_layers=cfg.train_layers or 2, base_model=cfg.model)
+    if cfg.dev_queries:
+        data.notes.append(
+            "chosen on dev: each student's kept step (its learning curve), the Platt map of the ECE and lambda of each "
+            "VarCE's risk-aware ranking; test is read once"
+        )

@@ -11,7 +11,7 @@ import pandas as pd
 from pyterrier_prob.experiments.harness import markdown_table, measure_cell, p_mark
 from pyterrier_prob.varce.noise import NOISE_DESCRIPTIONS
 
-__all__ = ["markdown"]
+__all__ = ["distill_markdown", "markdown"]
 
 
 def _p(p: float | None) -> str:
@@ -172,3 +172,35 @@ def _scoring(summary: dict[str, Any]) -> str:
         f"Scoring (each distinct pair once): {rates}; the heads read cached backbone features ({through} pairs, "
         "training and test, through the backbone once), so these rates leave the backbone out."
     )
+
+
+def distill_markdown(summary: dict[str, Any]) -> str:
+    """The distillation run's report (``varce --teacher``): the re-ranking table at each collection's depth (nDCG@10,
+    p vs BM25 / CE), the evaluated collections, the teacher's choice on dev and the students' ECE."""
+    rows = pd.DataFrame(summary["rows"])
+    evaluated = summary["evaluated"]
+    rows = rows[[d == evaluated[c]["depth"] for c, d in zip(rows["collection"], rows["depth"])]].copy()
+    cells = zip(rows["nDCG@10"], rows["p_vs_bm25"], rows["p_vs_CE"])
+    rows["cell"] = [f"{v:.4f} ({_p(a) or '–'} / {_p(b) or '–'})" for v, a, b in cells]
+    names = zip(rows["collection"], rows["queries"])
+    rows["collection"] = [f"{c} ({n} q., top {evaluated[c]['depth']})" for c, n in names]
+    table = rows.pivot_table(index="system", columns="collection", values="cell", aggfunc="first")
+    table = table.reindex(index=list(dict.fromkeys(rows["system"])), columns=list(dict.fromkeys(rows["collection"])))
+    teacher = summary["teacher"]
+    shot = [c for c, e in evaluated.items() if e["zero_shot"]]
+    text = [
+        "BM25's top k re-ranked, nDCG@10 (p vs BM25 / p vs CE, paired t-tests over all queries"
+        + (f"; zero-shot: {', '.join(shot)}" if shot else "") + "):",
+        "",
+        markdown_table(table.fillna("–").reset_index()),
+        "",
+        f"Teacher: {teacher['model']} fused with BM25 at alpha {teacher['alpha']} (chosen on dev: "
+        + ", ".join(f"{a}: {v:.4f}" for a, v in teacher["dev_nDCG@10_by_alpha"].items())
+        + ").",
+    ]  # fmt: skip
+    if summary.get("calibration"):
+        text += ["", "Expected calibration error on the test pairs (Platt map fitted on dev pairs):", ""]
+        for name, c in summary["calibration"].items():
+            extra = f" (without std[s]: {c['ece_without_std']:.4f})" if "ece_without_std" in c else ""
+            text.append(f"- {name}: ECE {c['ece']:.4f}{extra}")
+    return "\n".join(text) + "\n"

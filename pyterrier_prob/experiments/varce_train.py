@@ -25,7 +25,8 @@ from pyterrier_prob import ProbBiEncoder
 from pyterrier_prob.collections import choose_splits, load_collection
 from pyterrier_prob.console import library_bars
 from pyterrier_prob.curves import DevCurve
-from pyterrier_prob.experiments.harness import Data, Harness, _read
+from pyterrier_prob.experiments.harness import Data, Harness
+from pyterrier_prob.experiments.output import read_if_present
 from pyterrier_prob.training import read_json
 from pyterrier_prob.varce.analysis import DevRerank
 from pyterrier_prob.varce.data import cross_encoder_training_data, evaluated_queries, groups_for
@@ -37,7 +38,20 @@ from st_extensions.losses import VariationalBCELoss
 if TYPE_CHECKING:
     from pyterrier_prob.experiments.varce import VarceJobConfig
 
-__all__ = ["CE_HEAD_PARAMETERS", "Target", "Trained", "dev_target", "recipe_summary", "target_stage", "train_stage"]
+__all__ = [
+    "CE_HEAD_PARAMETERS",
+    "Target",
+    "Trained",
+    "dev_evaluator",
+    "dev_every",
+    "dev_target",
+    "folder_fingerprint",
+    "recipe_summary",
+    "score_fingerprint",
+    "settings_fingerprint",
+    "target_stage",
+    "train_stage",
+]
 
 BASELINE = "CE"
 VARIANTS = ("MEANVAR", "VAR")
@@ -86,16 +100,16 @@ def train_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> Trained:
     settings = {"train": f"{data.train_collection.name}/{data.train}", "negatives": cfg.negatives}
     settings |= {"pool_depth": cfg.pool_depth, "negatives_from": list(cfg.negatives_from)}
     settings |= {"positive_depth": cfg.positive_depth} if cfg.positive_depth is not None else {}
-    evaluate = _dev_evaluator(cfg, h, data) if rows is not None and not frozen else None
+    evaluate = dev_evaluator(cfg, h, data) if rows is not None and not frozen else None
     if evaluate is not None:
-        settings.update(dev_queries=cfg.dev_queries, dev_depth=cfg.dev_depth, dev_every=_dev_every(cfg))
+        settings.update(dev_queries=cfg.dev_queries, dev_depth=cfg.dev_depth, dev_every=dev_every(cfg))
         settings |= {"patience": cfg.patience} if cfg.patience is not None else {}
     elif rows is not None and data.dev is not None and cfg.dev_queries:
         data.notes.append("no learning curve under the frozen recipe: each head is the one of its last step")
     for variant in (None, *VARIANTS):
         name = BASELINE if variant is None else f"VarCE-{variant}"
         curve_path = h.path("curves", f"{name}.json")
-        curve = None if evaluate is None else DevCurve(_dev_every(cfg), evaluate, curve_path, patience=cfg.patience)
+        curve = None if evaluate is None else DevCurve(dev_every(cfg), evaluate, curve_path, patience=cfg.patience)
         callbacks = [] if curve is None else [curve]
         if variant is None:  # the CE's new linear ranker trains at the rate the VarCE heads declare
             loss, rates, own = BinaryCrossEntropyLoss, {CE_HEAD_PARAMETERS: HEAD_RATE}, settings
@@ -179,11 +193,11 @@ def _quiet_transformers() -> Iterator[None]:
         st_logger.setLevel(st_level)
 
 
-def _dev_every(cfg: VarceJobConfig) -> int:
+def dev_every(cfg: VarceJobConfig) -> int:
     return cfg.dev_every or max(1, cfg.steps // 10)
 
 
-def _dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | None:
+def dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | None:
     """``model -> dev nDCG@10`` of ``--dev-queries`` seeded dev queries (None without: test is never used)."""
     if not cfg.dev_queries or data.dev is None or data.cal_topics.empty:
         if cfg.dev_queries:
@@ -192,7 +206,7 @@ def _dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | N
     target = dev_target(cfg, h, data, cfg.dev_depth)
     data.notes.append(
         f"learning curves: dev nDCG@10 of {len(target.topics)} {target.label} queries (BM25 top {cfg.dev_depth} "
-        f"re-ranked) every {_dev_every(cfg)} steps; each re-ranker is the one at its best dev point"
+        f"re-ranked) every {dev_every(cfg)} steps; each re-ranker is the one at its best dev point"
     )
     cand = target.candidates(h, target.topics, cfg.dev_depth)
     return DevRerank(cand, target.qrels, qids=target.topics["qid"], batch_size=cfg.inference_batch_size)
@@ -203,7 +217,7 @@ def _given_model(spec: str | None) -> tuple[str, Any]:
     if spec is None or not os.path.isdir(spec):
         return "backbone", None
     if not os.path.isfile(os.path.join(spec, "modules.json")):
-        archs = (_read(os.path.join(spec, "config.json")) or {}).get("architectures") or []
+        archs = (read_if_present(os.path.join(spec, "config.json")) or {}).get("architectures") or []
         if any(a.endswith("ForSequenceClassification") for a in archs):
             return "cross", CrossEncoder(spec, device="cpu")
         return "backbone", None
@@ -298,16 +312,28 @@ def recipe_summary(cfg: VarceJobConfig, h: Harness, trained: Trained) -> dict[st
     return out
 
 
+def settings_fingerprint(h: Harness, name: str) -> str | None:
+    """What identifies the model ``name`` trained (or reused) in this run: its saved settings (None: none saved)."""
+    path = h.path("models", name, "train_settings.json")
+    if not os.path.isfile(path):
+        return None
+    return _digest(read_json(path).get("settings"))
+
+
+def folder_fingerprint(folder: str, max_seq_length: int) -> str:
+    """What identifies a model given as a folder: its real path, its files' modification times and the token budget."""
+    stamp = [(f, os.path.getmtime(os.path.join(folder, f))) for f in sorted(os.listdir(folder))]
+    return _digest([os.path.realpath(folder), max_seq_length, stamp])
+
+
 def score_fingerprint(h: Harness, name: str, trained: bool, cfg: VarceJobConfig) -> str | None:
     """What identifies a model's scores across runs (saved settings, the given model's files; None: nothing)."""
     if trained:
-        path = h.path("models", name, "train_settings.json")
-        if not os.path.isfile(path):
-            return None
-        text = json.dumps(read_json(path).get("settings"), sort_keys=True)
-    elif cfg.model and os.path.isdir(cfg.model):
-        stamp = [(f, os.path.getmtime(os.path.join(cfg.model, f))) for f in sorted(os.listdir(cfg.model))]
-        text = json.dumps([os.path.realpath(cfg.model), cfg.max_seq_length, stamp])
-    else:
-        return None
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return settings_fingerprint(h, name)
+    if cfg.model and os.path.isdir(cfg.model):
+        return folder_fingerprint(cfg.model, cfg.max_seq_length)
+    return None
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
