@@ -3,18 +3,20 @@ nfcorpus/test (in domain), scifact/test and Cranfield (zero-shot), BM25's top 10
 against the CE, the teacher's own rows beside them.
 
 Runs ``pyterrier-prob varce --teacher ...`` with the recipe below (split-attention students started from the
-teacher: the lower 4 of MiniLM's 6 layers read query and document apart and are cached per text, the top 2 attend
-across both and train with the head; Margin-MSE rows from the training queries' BM25 + teacher top-100 pools; dev
-learning curves with patience, the best dev point kept), then writes ``benchmarks/results/varce_rerank.json``: a list
-``rows`` (``collection``, ``depth``, ``system``, ``queries``, ``nDCG@10``, ``p_vs_bm25``, ``p_vs_CE``, and ``ece`` for
-the re-rankers on nfcorpus), the dev curves, the teacher's choice on dev, calibration and uncertainty, and
+teacher: the lower layers of MiniLM read query and document apart and are cached per text, the top --train-layers
+(2 here; the published run passed ``-- --train-layers 1``) attend across both and train with the head; Margin-MSE
+rows from the training queries' BM25 + teacher top-100 pools; dev learning curves, the best dev point kept), then
+writes ``benchmarks/results/varce_rerank.json``: a list ``rows`` (``collection``, ``depth``, ``system``, ``queries``,
+``nDCG@10``, ``p_vs_bm25``, ``p_vs_CE``, and ``ece`` for the re-rankers on nfcorpus), the dev curves, the teacher's
+choice on dev, calibration and uncertainty, and
 ``benchmarks/results/varce_reliability.png`` (the reliability diagram of the nfcorpus/test pairs).
 
     python benchmarks/varce_rerank.py --output runs/varce-distill                      # fine-tunes the teacher too
     python benchmarks/varce_rerank.py --output runs/varce-distill --teacher PATH       # a teacher trained before
 
-Every run resumes: the teacher, trained students, BM25 runs, embeddings, the state cache and every score already
-computed are reused, so the figures regenerate without retraining. The label-trained recipe's results are kept in
+Every run resumes (``--resume``): the teacher, the students trained with the same settings, BM25 indexes,
+embeddings, pools, the state cache and every score already computed are reused, so the figures regenerate without
+retraining. The label-trained recipe's results are kept in
 ``benchmarks/results/varce_rerank_labels.json`` (its command inside).
 """
 
@@ -35,7 +37,8 @@ RECIPE = [
     "--steps", "1000", "--batch-size", "16", "--lr", "1e-4", "--max-seq-length", "128",
     "--pool-depth", "100", "--depth", "100",
     "--dev-queries", "100", "--dev-depth", "30", "--dev-every", "100",
-    "--ood", "irds:beir/scifact", "irds:cranfield",
+    "--ood", "irds:beir/scifact", "irds:cranfield", "--ood-queries", "0", "--ood-depth", "100",
+    "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--resume",
 ]  # fmt: skip
 
 

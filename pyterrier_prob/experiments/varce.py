@@ -79,7 +79,7 @@ class VarceJobConfig(CommonConfig):
     ood: Sequence[str] = option(
         (), "further collections to evaluate zero-shot (test split), e.g. irds:beir/scifact", _OOD, type=str, nargs="*"
     )
-    ood_queries: int = option(60, "seeded query cap per --ood collection", _OOD)
+    ood_queries: int = option(60, "seeded query cap per --ood collection (0: every query)", _OOD)
     ood_depth: int = option(20, "BM25 depth re-ranked per --ood collection", _OOD)
     inference_batch_size: int = option(32, "pairs per forward pass")
     negatives_from: Sequence[str] = option(
@@ -121,7 +121,7 @@ class VarceJobConfig(CommonConfig):
         """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
         super().check()
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
-        lowest |= {"robust_depth": 1, "ood_queries": 1, "ood_depth": 1, "inference_batch_size": 1}
+        lowest |= {"robust_depth": 1, "ood_queries": 0, "ood_depth": 1, "inference_batch_size": 1}
         lowest |= {"positive_depth": 1, "dev_queries": 0, "dev_depth": 1}  # --dev-every: CommonConfig.check
         lowest |= {"teacher_steps": 1, "teacher_layers": 1, "teacher_batch_size": 2, "teacher_dev_every": 1}
         lowest |= {"bm25_train_depth": 1}
@@ -161,7 +161,7 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     """Run the VarCrossEncoder experiment (docs/varce.md) into ``cfg.output``; returns its tables and ``"summary"``."""
     h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=False)  # dev queries choose lambda and alpha; every test query is evaluated
-    job = _Job(cfg, h, data, train_stage(cfg, h, data), target_stage(cfg, h, data))
+    job = VarceRun(cfg, h, data, train_stage(cfg, h, data), target_stage(cfg, h, data))
     results = job.rerank()
     dev = job.choose_on_dev()
     uncertainty, risk = job.uncertainty(dev["risk"])
@@ -174,7 +174,7 @@ def run_varce_job(cfg: VarceJobConfig) -> dict[str, Any]:
     return {**tables, "summary": summary}
 
 
-class _Job:
+class VarceRun:
     """The scoring and analysis stages of one run, over its re-rankers (``trained``) and evaluated collections."""
 
     def __init__(self, cfg: VarceJobConfig, h: Harness, data: Data, trained: Trained, targets: list[Target]):

@@ -277,7 +277,7 @@ def target_stage(cfg: VarceJobConfig, h: Harness, data: Data) -> list[Target]:
                 data.notes.append(f"--ood {spec}: {c.name} is already evaluated; skipped")
                 continue
             split = choose_splits(c).test
-            t, q, n = evaluated_queries(c.topics(split), c.qrels(split), cfg.ood_queries, cfg.seed)
+            t, q, n = evaluated_queries(c.topics(split), c.qrels(split), cfg.ood_queries or None, cfg.seed)
         if t.empty:
             raise ValueError(f"{c.name}/{split} has no query with a judged-relevant document")
         targets.append(Target(c.name, c, split, h.bm25(c), t, q, cfg.ood_depth, n))
