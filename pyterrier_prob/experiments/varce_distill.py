@@ -58,7 +58,7 @@ MODEL_PREFIX = "distilled-"
 #: The model folder of a teacher fine-tuned by the run (``--teacher partial``).
 TEACHER = "distill-teacher"
 #: The varce options that do not apply under ``--teacher`` (refused when set to another value than their default).
-NOT_UNDER_TEACHER = ("robust_queries", "robust_depth", "noise", "negatives_from", "positive_depth", "dev_from_train")
+NOT_UNDER_TEACHER = ("robust_queries", "robust_depth", "noise", "negatives_from", "positive_depth")
 
 
 def check_options(cfg: VarceJobConfig) -> None:
@@ -77,8 +77,8 @@ def check_options(cfg: VarceJobConfig) -> None:
     for name in NOT_UNDER_TEACHER:
         if getattr(cfg, name) != getattr(defaults, name):
             raise ValueError(
-                f"{flag(name)} does not apply under --teacher (the distillation mines no negatives, runs no "
-                "robustness table and needs the collection's own dev split); leave it out"
+                f"{flag(name)} does not apply under --teacher (the distillation mines no negatives of its own and "
+                "runs no robustness table); leave it out"
             )
 
 
