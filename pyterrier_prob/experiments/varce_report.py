@@ -174,6 +174,11 @@ def _scoring(summary: dict[str, Any]) -> str:
     )
 
 
+def _p_or_dash(p: float | None) -> str:
+    """A p value, or ``–`` where there is none (a system against itself; NaN once the rows are a frame)."""
+    return "–" if p is None or not math.isfinite(p) else f"{p:.2g}"
+
+
 def distill_markdown(summary: dict[str, Any]) -> str:
     """The distillation run's report (``varce --teacher``): the re-ranking table at each collection's depth (nDCG@10,
     p vs BM25 / CE), the evaluated collections, the teacher's choice on dev and the students' ECE."""
@@ -181,7 +186,7 @@ def distill_markdown(summary: dict[str, Any]) -> str:
     evaluated = summary["evaluated"]
     rows = rows[[d == evaluated[c]["depth"] for c, d in zip(rows["collection"], rows["depth"])]].copy()
     cells = zip(rows["nDCG@10"], rows["p_vs_bm25"], rows["p_vs_CE"])
-    rows["cell"] = [f"{v:.4f} ({_p(a) or '–'} / {_p(b) or '–'})" for v, a, b in cells]
+    rows["cell"] = [f"{v:.4f} ({_p_or_dash(a)} / {_p_or_dash(b)})" for v, a, b in cells]
     names = zip(rows["collection"], rows["queries"])
     rows["collection"] = [f"{c} ({n} q., top {evaluated[c]['depth']})" for c, n in names]
     table = rows.pivot_table(index="system", columns="collection", values="cell", aggfunc="first")
