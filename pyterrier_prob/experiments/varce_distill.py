@@ -30,14 +30,14 @@ from pyterrier_prob.experiments.varce_train import (
     Target,
     dev_evaluator,
     dev_every,
-    dev_target,
     folder_fingerprint,
     settings_fingerprint,
     target_stage,
 )
+from pyterrier_prob.training import read_json
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
-from pyterrier_prob.varce.analysis import choose_risk, paired_p, ranked, system_rows, uncertainty_stats
+from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
 from pyterrier_prob.varce.data import evaluated_queries
 from pyterrier_prob.varce.rerank import risk_adjusted
 from pyterrier_prob.varce.scoring import PairScorer
@@ -96,16 +96,23 @@ class Side:
 
     def with_cosines(self, frame: pd.DataFrame, topics: pd.DataFrame) -> pd.DataFrame:
         """``frame`` (``qid, docno, ...``) with the teacher's cosine of each row's query and document (``dense``)."""
-        q_emb = distill.encode(self.teacher, topics["query"].tolist(), self.path("queries", topics), query=True)
-        return distill.add_cosines(frame, topics["qid"].tolist(), q_emb, self.docnos, self.d_emb)
+        return distill.add_cosines(frame, topics["qid"].tolist(), self.queries(topics), self.docnos, self.d_emb)
 
-    def path(self, what: str, topics: pd.DataFrame) -> str:
+    def queries(self, topics: pd.DataFrame) -> np.ndarray:
+        """The teacher's embeddings of ``topics``' queries (cached)."""
+        return distill.encode(self.teacher, topics["query"].tolist(), self.path("queries", topics), query=True)
+
+    def path(self, what: str, topics: pd.DataFrame, ext: str = "npy") -> str:
+        """The cache file of ``what`` made from ``topics`` (named by a digest of their qids and texts)."""
         texts = "\n".join(f"{q}\t{t}" for q, t in zip(topics["qid"], topics["query"]))
-        return os.path.join(self.folder, f"{slug(self.collection.name, '_')}-{what}-{_digest(texts)}.npy")
+        return os.path.join(self.folder, f"{slug(self.collection.name, '_')}-{what}-{_digest(texts)}.{ext}")
 
 
-def load_side(h: Harness, teacher: Any, fingerprint: str, collection: Collection) -> Side:
-    corpus = {d["docno"]: d["text"] for d in collection.corpus_iter()}
+def load_side(
+    h: Harness, teacher: Any, fingerprint: str, collection: Collection, corpus: dict[str, str] | None = None
+) -> Side:
+    """``collection``'s texts (``corpus`` when already read) and the teacher's document embeddings (cached)."""
+    corpus = corpus if corpus is not None else {d["docno"]: d["text"] for d in collection.corpus_iter()}
     docnos = list(corpus)
     folder = make_dirs(h.path("teacher", fingerprint))
     path = os.path.join(str(folder), f"{slug(collection.name, '_')}-docs-{_digest(chr(10).join(docnos))}.npy")
@@ -124,15 +131,15 @@ def check_data(data: Data) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ train: the teacher
-def teacher_model(cfg: VarceJobConfig, h: Harness, data: Data) -> tuple[str, str]:
+def teacher_model(cfg: VarceJobConfig, h: Harness, data: Data, corpus: dict[str, str]) -> tuple[str, str]:
     """The teacher's folder and fingerprint: ``--teacher`` as given, or for ``partial`` an MNRL bi-encoder fine-tuned
-    on the training split through :meth:`Harness.train` (top ``--teacher-layers`` layers, best dev point kept)."""
+    on the training split through :meth:`Harness.train` (top ``--teacher-layers`` layers, best dev point kept; its
+    dev curve searches ``corpus``, the training collection's texts)."""
     if cfg.teacher != "partial":
         if not os.path.isfile(os.path.join(str(cfg.teacher), "modules.json")):
             raise FileNotFoundError(f"--teacher {cfg.teacher!r} is not a saved sentence-transformers model folder")
         data.notes.append(f"teacher: the bi-encoder {cfg.teacher} as given, fused with BM25")
         return str(cfg.teacher), folder_fingerprint(str(cfg.teacher), cfg.max_seq_length)
-    corpus = {d["docno"]: d["text"] for d in data.train_collection.corpus_iter()}
     topics, qrels = data.cal_topics.astype({"qid": str}), data.cal_qrels.astype({"qid": str, "docno": str})
     every = cfg.teacher_dev_every
     dense_dev = distill.DenseDev(topics, qrels, corpus)
@@ -172,13 +179,12 @@ def fusion_stage(cfg: VarceJobConfig, h: Harness, data: Data, side: Side) -> dic
     cand = side.with_cosines(dev.candidates(h, topics, cfg.depth).rename(columns={"score": "bm25"}), topics)
     chosen = distill.choose_teacher(cand, qrels)
     train = data.train_collection.topics(str(data.train)).astype({"qid": str})
-    pool_path = side.path(f"pool-a{chosen['alpha']}-d{cfg.pool_depth}-b{cfg.bm25_train_depth}", train)
-    pool_path = pool_path.removesuffix(".npy") + ".parquet"
+    pool_path = side.path(f"pool-a{chosen['alpha']}-d{cfg.pool_depth}-b{cfg.bm25_train_depth}", train, "parquet")
     if os.path.isfile(pool_path) and cfg.reuse:
         pool = read_checked(pool_path, pd.read_parquet, "delete it: the next run scores the pool again")
     else:
         bm25 = h.bm25_run(h.bm25(data.train_collection), train[["qid", "query"]], cfg.bm25_train_depth)
-        q_emb = distill.encode(side.teacher, train["query"].tolist(), side.path("queries", train), query=True)
+        q_emb = side.queries(train)
         dense = distill.dense_run(train, q_emb, side.docnos, side.d_emb, cfg.pool_depth)
         bm25 = bm25[["qid", "docno", "score", "rank"]].astype({"docno": str})
         pool = distill.candidate_pool(bm25, dense, cfg.pool_depth)
@@ -214,12 +220,17 @@ def joint_layers(cfg: VarceJobConfig) -> int:
 
 
 def train_students(
-    cfg: VarceJobConfig, h: Harness, data: Data, teacher: tuple[str, str], fusion: dict, corpus: dict[str, str]
+    cfg: VarceJobConfig,
+    h: Harness,
+    teacher: tuple[str, str],
+    fusion: dict,
+    corpus: dict[str, str],
+    evaluate: DevRerank | None,
 ) -> dict[str, Any]:
     """Every student trained (or reused, when saved with the same settings) on the same rows, steps and seed, the
-    best point of its dev curve kept; returns ``{system: model}`` (each with its lower layers' state cache)."""
+    best point of its dev curve (``evaluate``: :func:`dev_evaluator`) kept; returns ``{system: model}`` (each with
+    its lower layers' state cache)."""
     folder, fingerprint = teacher
-    evaluate = dev_evaluator(cfg, h, data)
     layers, rows = joint_layers(cfg), _Rows(cfg, fusion, corpus)
     base = {"role": "distilled student", "teacher": fingerprint, "alpha": fusion["alpha"], "pool": len(fusion["pool"])}
     base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
@@ -344,26 +355,28 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
     h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=True)  # the teacher's weight, the kept steps and lambda are chosen on dev
     check_data(data)
-    teacher = teacher_model(cfg, h, data)
+    train_corpus = {d["docno"]: d["text"] for d in data.train_collection.corpus_iter()}  # read once
+    teacher = teacher_model(cfg, h, data, train_corpus)
     model = SentenceTransformer(teacher[0], device="cpu")
     model.max_seq_length = cfg.max_seq_length
     sides: dict[str, Side] = {}
 
     def side(collection: Collection) -> Side:
         if collection.name not in sides:
-            sides[collection.name] = load_side(h, model, teacher[1], collection)
+            known = train_corpus if collection.name == data.train_collection.name else None
+            sides[collection.name] = load_side(h, model, teacher[1], collection, known)
         return sides[collection.name]
 
     with h.stage("teacher", f"teacher {teacher[0]}: embeddings of {cfg.dataset}, fusion weight on dev, pools"):
         fusion = fusion_stage(cfg, h, data, side(data.train_collection))
     targets = target_stage(cfg, h, data)  # the test split (--max-queries) and each --ood collection (zero-shot)
-    models = train_students(cfg, h, data, teacher, fusion, side(data.train_collection).corpus)
+    evaluate = dev_evaluator(cfg, h, data)  # the learning curves' dev pairs, also those of the choices on dev
+    models = train_students(cfg, h, teacher, fusion, train_corpus, evaluate)
     scorers = _scorers(cfg, h, models)
     dev_cand = dev_scored = None
-    if cfg.dev_queries:
-        dev = dev_target(cfg, h, data, cfg.dev_depth)
-        dev_cand = dev.candidates(h, dev.topics, cfg.dev_depth)
-        dev_scored, dev_qrels = scored(h, scorers, dev.label, dev_cand), dev.qrels
+    if evaluate is not None:
+        dev_cand, dev_qrels = evaluate.cand, evaluate.qrels
+        dev_scored = scored(h, scorers, f"{data.train_collection.name}/{data.dev}", dev_cand)
     risks = sorted({0.0, *map(float, cfg.risks)})
     rows, calibration, uncertainty, evaluated = [], {}, {}, {}
     for tg in targets:
@@ -415,8 +428,6 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
 
 def _curves(h: Harness) -> dict[str, Any]:
     """Each student's learning curve (by system name) as its training wrote it (none without dev queries)."""
-    from pyterrier_prob.training import read_json
-
     out = {}
     for s in STUDENTS:
         path = h.path("curves", f"{MODEL_PREFIX}{s}.json")
