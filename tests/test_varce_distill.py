@@ -19,7 +19,13 @@ from pyterrier_prob.fusion import interpolate
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
 from pyterrier_prob.varce.analysis import uncertainty_stats
-from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
+from pyterrier_prob.varce.pseudo_queries import drop_sources, pseudo_queries
+from st_extensions.cross_encoder.split import (
+    attention_probabilities,
+    build_split_cross_encoder,
+    cross_attention_mass,
+    split_state_cache,
+)
 from st_extensions.loading import load_model
 from st_extensions.losses import VariationalMarginMSELoss
 
@@ -50,6 +56,82 @@ def test_open_cross_attention_changes_scores(minilm_path):
     closed = build_split_cross_encoder(minilm_path, init_cross_bias=-1e4).predict(PAIRS)
     opened = build_split_cross_encoder(minilm_path, init_cross_bias=0.0).predict(PAIRS)
     assert np.abs(closed - opened).max() > 0.1
+
+
+def test_attention_probabilities_are_the_layers_own(minilm_path):
+    """The weights :func:`attention_probabilities` computes, applied to the layer's values, give the layer's own
+    self-attention output (closed form ``softmax(QK^T / sqrt(d) + mask) V``), cross bias and padding included."""
+    model = build_split_cross_encoder(minilm_path, joint_layers=1, init_cross_bias=-1.5)
+    split = model[0]
+    seen = {}
+
+    def observe(i, layer, hidden, additive):
+        seen["probs"] = attention_probabilities(layer, hidden, additive)
+        seen["out"] = layer.attention.self(hidden, attention_mask=additive)[0]
+        attn = layer.attention.self
+        shape = (*hidden.shape[:-1], -1, attn.attention_head_size)
+        seen["v"] = attn.value(hidden).view(shape).transpose(1, 2)
+
+    with torch.no_grad():
+        hidden, mask, is_query = split.joint_inputs(split.preprocess(PAIRS))
+        assert (mask == 0).any()  # padding is in play
+        split.run_joint(hidden, mask, is_query, observe)
+    expected = (seen["probs"] @ seen["v"]).transpose(1, 2).reshape(seen["out"].shape)
+    torch.testing.assert_close(expected, seen["out"], atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_mass_closed_forms(minilm_path):
+    """With the joint layers' query projection zeroed every logit is the cross bias b, so a query token puts
+    ``n_d e^b / (n_q + n_d e^b)`` on the document (uniform attention at b = 0, the uniform share); a shut door
+    (b = -1e4) leaves no mass on the other text; the built student's attention is open (above 10% of the uniform
+    share in every joint layer)."""
+    pair = [PAIRS[2]]
+    for bias in (0.0, -2.0):
+        model = build_split_cross_encoder(minilm_path, joint_layers=2, init_cross_bias=bias)
+        n_q, n_d = (len(model[0].tokenizer(t)["input_ids"]) for t in pair[0])
+        open_ = cross_attention_mass(model, pair)
+        assert [m["layer"] for m in open_] == [4, 5]
+        assert open_[0]["uniform_query_to_document"] == pytest.approx(n_d / (n_q + n_d))
+        assert all(m["query_to_document"] > 0.1 * m["uniform_query_to_document"] for m in open_)
+        with torch.no_grad():
+            for layer in model[0].auto_model.encoder.layer[4:]:
+                layer.attention.self.query.weight.zero_()
+                layer.attention.self.query.bias.zero_()
+        for m in cross_attention_mass(model, pair):
+            e = np.exp(bias)
+            assert m["query_to_document"] == pytest.approx(n_d * e / (n_q + n_d * e), abs=1e-5)
+            assert m["document_to_query"] == pytest.approx(n_q * e / (n_d + n_q * e), abs=1e-5)
+    shut = cross_attention_mass(build_split_cross_encoder(minilm_path, init_cross_bias=-1e4), PAIRS)
+    assert max(max(m["query_to_document"], m["document_to_query"]) for m in shut) < 1e-6
+    with pytest.raises(ValueError, match="at least one"):
+        cross_attention_mass(model, [])
+
+
+def test_pseudo_queries_titles_spans_and_their_documents():
+    corpus = {
+        "d2": "Vitamin D and bone health\n" + " ".join(f"w{i}" for i in range(40)),
+        "d1": "Statins\nOne word title is too short for a query but the body gives a span of words to cut from here",
+        "d3": "no title here: " + " ".join(f"x{i}" for i in range(30)),
+        "d4": "What is diabetes\nshort body",
+    }
+    made = pseudo_queries(corpus, ["title", "span"], span_words=(3, 5), seed=1, exclude=["WHAT is  diabetes"])
+    assert made["qid"].is_unique and set(made["kind"]) == {"title", "span"}
+    titles = made[made["kind"] == "title"]
+    # d1's title is one word, d4's is excluded
+    assert titles[["source", "query"]].values.tolist() == [["d2", "Vitamin D and bone health"]]
+    spans = made[made["kind"] == "span"].set_index("source")
+    assert sorted(spans.index) == ["d1", "d2", "d3"]  # d4's body is shorter than twice the longest span
+    for docno, row in spans.iterrows():
+        words = row["query"].split()
+        assert 3 <= len(words) <= 5 and row["query"] in " ".join(corpus[docno].split("\n")[-1].split())
+        assert row["qid"] == f"pq-span-{docno}"
+    assert not any(q.startswith("Vitamin") for q in spans["query"])  # spans come from the body
+    again = pseudo_queries(corpus, ["title", "span"], span_words=(3, 5), seed=1, exclude=["what is diabetes"])
+    pd.testing.assert_frame_equal(made, again)  # seeded
+    pool = pd.DataFrame({"qid": ["pq-span-d1", "pq-span-d1", "q7"], "docno": ["d1", "d2", "d1"]})
+    assert drop_sources(pool, made).values.tolist() == [["pq-span-d1", "d2"], ["q7", "d1"]]
+    with pytest.raises(ValueError, match="choose from"):
+        pseudo_queries(corpus, ["summary"])
 
 
 def test_cached_lower_layers_match_and_round_trip(minilm_path, tmp_path):
@@ -282,9 +364,21 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     ood, ood_info = small_beir_no_train_no_dev
     out = tmp_path / "distill"
     argv = _teacher_argv(folder, minilm_path, out, "--ood", str(ood), "--ood-queries", "3", "--ood-depth", "10")
-    argv += ["--max-queries", "5", "--extra-depths", "5", "--risks", "0", "1"]
+    argv += ["--max-queries", "5", "--extra-depths", "5", "--risks", "0", "1", "--pseudo-queries", "title", "span"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
+    pseudo = summary["teacher"]["pseudo_queries"]
+    assert pseudo["kinds"] == ["title", "span"] and min(pseudo["queries"].values()) > 0
+    (path,) = (out / "teacher").rglob("*-pseudo-pool-*.parquet")
+    made = pd.read_parquet(path)
+    assert made["qid"].str.startswith("pq-").all()
+    assert len(made) == pseudo["pool_pairs"] and summary["teacher"]["pool_queries"] > info["queries"]["train"]
+    assert not (made["qid"].str.split("-", n=2).str[2] == made["docno"]).any()  # no query meets its own document
+    assert summary["joint_layers"] == 1
+    for name in STUDENTS:  # the attention between the texts, as built and as kept: open from the start
+        mass = summary["cross_attention_mass"][name]
+        assert mass["pairs"] == summary["dev_candidates"] and len(mass["step_0"]) == len(mass["kept"]) == 1
+        assert 0.1 * mass["step_0"][0]["uniform_query_to_document"] < mass["step_0"][0]["query_to_document"] < 1
     by_alpha = {float(a): v for a, v in summary["teacher"]["dev_nDCG@10_by_alpha"].items()}
     alpha = summary["teacher"]["alpha"]
     best = max(by_alpha.values())
@@ -323,14 +417,15 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert f"zero-shot: {ood}" in report and "chosen on dev (" in report and "chosen on dev: each student's" in report
     teacher_files = sorted(p.name.rsplit("-", 1)[0] for p in (out / "teacher").rglob("*.npy"))
     assert teacher_files == sorted([f"{slug(str(f), '_')}-{w}" for f in (folder, ood) for w in ("docs", "queries")]
-                                   + [f"{slug(str(folder), '_')}-queries"] * 2)  # dev, train  # fmt: skip
+                                   + [f"{slug(str(folder), '_')}-queries"] * 3)  # dev, train, pseudo  # fmt: skip
     assert not [p for p in out.rglob(".*") if re.search(r"\.\w+-\d+-[0-9a-f]{12}$", p.name)]  # no temporary left
 
     with pisa_threads_finish_backwards():  # BM25's queries in another order: everything reused, the same figures
         assert main([*argv, "--reuse"]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert not [k for k in again["timings_s"] if k.startswith("train_")]  # nothing trained again
-    for key in ("rows", "dev_curves", "teacher", "calibration", "uncertainty", "dev_candidates", "kept_untrained"):
+    for key in ("rows", "dev_curves", "teacher", "calibration", "uncertainty", "dev_candidates", "kept_untrained",
+                "cross_attention_mass"):  # fmt: skip
         assert_same_figures(again[key], summary[key])
     assert again["train_steps_per_s"] == summary["train_steps_per_s"]  # a reused student reports its training's
 

@@ -113,9 +113,20 @@ class VarceJobConfig(CommonConfig):
     teacher_dev_every: int = option(200, "--teacher partial: steps between the teacher's dev points", _DISTIL)
     bm25_train_depth: int = option(1000, "BM25 depth of the training pools (a candidate deeper scores 0)", _DISTIL)
     init_cross_bias: float = option(
-        -4.0, "the students' starting attention bias between the two texts' tokens", _DISTIL
+        0.0,
+        "the students' starting attention bias between the two texts' tokens (0: full joint attention from the "
+        "start; negative values damp it)",
+        _DISTIL,
     )
     score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
+    pseudo_queries: Sequence[str] = option(
+        (),
+        "more training queries cut from the training collection's own documents (title, span: a span of words of "
+        "the body), each with a pool labelled by the teacher; the document a query was cut from is left out of its "
+        "pool (default: none)",
+        _DISTIL,
+        choices=("title", "span"),
+    )
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
@@ -144,6 +155,10 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--init-cross-bias must be finite, got {self.init_cross_bias}")
         if not self.risks or any(not math.isfinite(r) for r in self.risks):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
+        if self.pseudo_queries and not self.teacher:
+            raise ValueError("--pseudo-queries trains distilled students: it needs --teacher")
+        if len(set(self.pseudo_queries)) != len(self.pseudo_queries):
+            raise ValueError(f"--pseudo-queries names a kind twice: {list(self.pseudo_queries)}")
         if self.claims_json:  # (the option every experiment takes)
             raise ValueError("--claims-json: varce records no claims rows (its tables are in summary.json)")
 

@@ -39,9 +39,10 @@ from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
 from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
 from pyterrier_prob.varce.data import evaluated_queries
+from pyterrier_prob.varce.pseudo_queries import KINDS, drop_sources, pseudo_queries
 from pyterrier_prob.varce.rerank import risk_adjusted
 from pyterrier_prob.varce.scoring import PairScorer
-from st_extensions.cross_encoder.split import build_split_cross_encoder, split_state_cache
+from st_extensions.cross_encoder.split import build_split_cross_encoder, cross_attention_mass, split_state_cache
 from st_extensions.defaults import default_model_path
 from st_extensions.loading import load_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, VariationalMarginMSELoss
@@ -179,24 +180,58 @@ def fusion_stage(cfg: VarceJobConfig, h: Harness, data: Data, side: Side) -> dic
     cand = side.with_cosines(dev.candidates(h, topics, cfg.depth).rename(columns={"score": "bm25"}), topics)
     chosen = distill.choose_teacher(cand, qrels)
     train = data.train_collection.topics(str(data.train)).astype({"qid": str})
-    pool_path = side.path(f"pool-a{chosen['alpha']}-d{cfg.pool_depth}-b{cfg.bm25_train_depth}", train, "parquet")
-    if os.path.isfile(pool_path) and cfg.reuse:
-        pool = read_checked(pool_path, pd.read_parquet, "delete it: the next run scores the pool again")
-    else:
-        bm25 = h.bm25_run(h.bm25(data.train_collection), train[["qid", "query"]], cfg.bm25_train_depth)
-        q_emb = side.queries(train)
-        dense = distill.dense_run(train, q_emb, side.docnos, side.d_emb, cfg.pool_depth)
-        bm25 = bm25[["qid", "docno", "score", "rank"]].astype({"docno": str})
-        pool = distill.candidate_pool(bm25, dense, cfg.pool_depth)
-        pool = distill.add_cosines(pool, train["qid"].tolist(), q_emb, side.docnos, side.d_emb)
-        pool["teacher"] = distill.teacher_scores(pool, chosen["alpha"])
-        atomic_write(pool_path, lambda f: pool.to_parquet(f))
+    pool = teacher_pool(cfg, h, side, train, chosen["alpha"], "pool")
     queries = dict(zip(train["qid"], train["query"]))
     data.notes.append(
         f"chosen on dev ({len(topics)} {data.cal_source} queries, BM25 top {cfg.depth}): the teacher's fusion weight "
         f"alpha {chosen['alpha']}"
     )
-    return {"alpha": chosen["alpha"], "dev": chosen["dev"], "pool": pool, "queries": queries}
+    fusion = {"alpha": chosen["alpha"], "dev": chosen["dev"], "pool": pool, "queries": queries, "pseudo": None}
+    if cfg.pseudo_queries:
+        add_pseudo_queries(cfg, h, data, side, fusion)
+    return fusion
+
+
+def teacher_pool(
+    cfg: VarceJobConfig, h: Harness, side: Side, topics: pd.DataFrame, alpha: float, what: str
+) -> pd.DataFrame:
+    """The training pool of ``topics`` (BM25's top ``--bm25-train-depth`` and the teacher's top ``--pool-depth``;
+    for pseudo-queries, without the document each was cut from) with the teacher's scores (cached)."""
+    pool_path = side.path(f"{what}-a{alpha}-d{cfg.pool_depth}-b{cfg.bm25_train_depth}", topics, "parquet")
+    if os.path.isfile(pool_path) and cfg.reuse:
+        return read_checked(pool_path, pd.read_parquet, "delete it: the next run scores the pool again")
+    bm25 = h.bm25_run(h.bm25(side.collection), topics[["qid", "query"]], cfg.bm25_train_depth)
+    q_emb = side.queries(topics)
+    dense = distill.dense_run(topics, q_emb, side.docnos, side.d_emb, cfg.pool_depth)
+    bm25 = bm25[["qid", "docno", "score", "rank"]].astype({"docno": str})
+    pool = distill.candidate_pool(bm25, dense, cfg.pool_depth)
+    if "source" in topics:
+        pool = drop_sources(pool, topics)
+    pool = distill.add_cosines(pool, topics["qid"].tolist(), q_emb, side.docnos, side.d_emb)
+    pool["teacher"] = distill.teacher_scores(pool, alpha)
+    atomic_write(pool_path, lambda f: pool.to_parquet(f))
+    return pool
+
+
+def add_pseudo_queries(cfg: VarceJobConfig, h: Harness, data: Data, side: Side, fusion: dict[str, Any]) -> None:
+    """Add to ``fusion``'s pool and queries the ``--pseudo-queries`` cut from the training collection's documents
+    (:mod:`~pyterrier_prob.varce.pseudo_queries`; none equal to a query of the collection's splits), their pools
+    labelled by the teacher."""
+    coll = data.train_collection
+    known = [coll.topics(s)["query"] for s in coll.splits]
+    made = pseudo_queries(side.corpus, cfg.pseudo_queries, seed=cfg.seed, exclude=pd.concat(known))
+    if made.empty:
+        raise ValueError(f"--pseudo-queries {' '.join(cfg.pseudo_queries)}: no document of {coll.name} gave one")
+    pool = teacher_pool(cfg, h, side, made, fusion["alpha"], "pseudo-pool")
+    fusion["pool"] = pd.concat([fusion["pool"], pool], ignore_index=True)
+    fusion["queries"] |= dict(zip(made["qid"], made["query"]))
+    counts = made["kind"].value_counts()
+    fusion["pseudo"] = {"kinds": list(cfg.pseudo_queries), "queries": {k: int(counts.get(k, 0)) for k in KINDS}}
+    fusion["pseudo"]["pool_pairs"] = int(len(pool))
+    data.notes.append(
+        f"pseudo-queries: {len(made)} cut from {coll.name}'s documents ({', '.join(cfg.pseudo_queries)}), pools "
+        "labelled by the teacher, each without the document it was cut from"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ train: the students
@@ -226,19 +261,20 @@ def train_students(
     fusion: dict,
     corpus: dict[str, str],
     evaluate: DevRerank | None,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every student trained (or reused, when saved with the same settings) on the same rows, steps and seed, the
     best point of its dev curve (``evaluate``: :func:`dev_evaluator`) kept; returns ``{system: model}`` (each with
-    its lower layers' state cache)."""
+    its lower layers' state cache) and ``{system: attention}`` (:func:`attention_mass`; empty without dev pairs)."""
     folder, fingerprint = teacher
     layers, rows = joint_layers(cfg), _Rows(cfg, fusion, corpus)
     base = {"role": "distilled student", "teacher": fingerprint, "alpha": fusion["alpha"], "pool": len(fusion["pool"])}
     base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
     base |= {"joint_layers": layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.score_scale}
+    base |= {"pseudo_queries": fusion["pseudo"]} if fusion.get("pseudo") else {}
     if evaluate is not None:
         base["dev"] = {"queries": cfg.dev_queries, "depth": cfg.dev_depth, "every": dev_every(cfg)}
         base["dev"]["patience"] = cfg.patience
-    models = {}
+    models, attention = {}, {}
     for system, variant in STUDENTS.items():
         name = MODEL_PREFIX + system
         path = h.path("curves", f"{name}.json")
@@ -250,7 +286,23 @@ def train_students(
         model, _ = h.train(name, build, loss, rows, **kw)
         split_state_cache(model, h.state_cache_path(h.cfg.training_recipe(cfg.steps, train_layers=layers), model))
         models[system] = model
-    return models
+        if evaluate is not None:
+            attention[system] = attention_mass(build, model, evaluate.cand, cfg.seed)
+    return models, attention
+
+
+#: Dev pairs on which :func:`attention_mass` measures the students' cross-segment attention.
+ATTENTION_PAIRS = 256
+
+
+def attention_mass(build: Any, model: Any, cand: pd.DataFrame, seed: int) -> dict[str, Any]:
+    """The attention mass between the two texts in each joint layer
+    (:func:`~st_extensions.cross_encoder.split.cross_attention_mass`) on :data:`ATTENTION_PAIRS` seeded dev pairs, of
+    the student as built (step 0) and as kept (the best dev step)."""
+    rows = cand.sample(n=min(ATTENTION_PAIRS, len(cand)), random_state=seed)
+    pairs = list(zip(rows["query"], rows["text"]))
+    step_0 = cross_attention_mass(build(), pairs)
+    return {"pairs": len(pairs), "step_0": step_0, "kept": cross_attention_mass(model, pairs)}
 
 
 def _student(teacher: str, variant: str | None, max_seq_length: int, layers: int, bias: float, scale: float) -> Any:
@@ -371,7 +423,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         fusion = fusion_stage(cfg, h, data, side(data.train_collection))
     targets = target_stage(cfg, h, data)  # the test split (--max-queries) and each --ood collection (zero-shot)
     evaluate = dev_evaluator(cfg, h, data)  # the learning curves' dev pairs, also those of the choices on dev
-    models = train_students(cfg, h, teacher, fusion, train_corpus, evaluate)
+    models, attention = train_students(cfg, h, teacher, fusion, train_corpus, evaluate)
     scorers = _scorers(cfg, h, models)
     dev_cand = dev_scored = None
     if evaluate is not None:
@@ -409,8 +461,11 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
             "dev_nDCG@10_by_alpha": fusion["dev"],
             "pool_pairs": int(len(pool)),
             "pool_queries": int(pool["qid"].nunique()),
+            "pseudo_queries": fusion["pseudo"],
         },
         "students": {s: MODEL_PREFIX + s for s in models},
+        "joint_layers": joint_layers(cfg),
+        "cross_attention_mass": attention,
         "rows": rows,
         "evaluated": evaluated,
         "dev_curves": _curves(h),

@@ -6,7 +6,7 @@ cos``, close to the bi-encoder (``docs/varce.md``)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from sentence_transformers import CrossEncoder
 from sentence_transformers.base.modules import Dense, Module, Transformer
+from sentence_transformers.util import batch_to_device
 from torch import Tensor, nn
 
 from st_extensions.checks import finite_float
@@ -37,6 +38,7 @@ __all__ = [
     "SegmentInteraction",
     "SplitTransformer",
     "build_split_cross_encoder",
+    "cross_attention_mass",
     "split_state_cache",
 ]
 
@@ -133,7 +135,9 @@ class SplitTransformer(Transformer):
         mask = torch.as_tensor(np.arange(states.shape[1])[None, :] < lengths[:, None], device=weight.device)
         return states, mask.long()
 
-    def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def joint_inputs(self, features: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The states entering the first joint layer (query tokens then document tokens), their attention mask and
+        which tokens are the query's, for a batch of pairs (None: a batch of single texts)."""
         if "query_rows" in features:
             if self.state_cache is None:
                 raise ValueError("features hold cache rows but the SplitTransformer has no state_cache")
@@ -144,18 +148,33 @@ class SplitTransformer(Transformer):
             q = self._lower(features["input_ids"], q_mask)
             d = self._lower(features["document_input_ids"], d_mask)
         else:
-            return super().forward(features, **kwargs)
-        mask = torch.cat([q_mask, d_mask], dim=1)
+            return None
         is_query = torch.cat([torch.ones_like(q_mask), torch.zeros_like(d_mask)], dim=1).bool()
-        hidden = torch.cat([q, d], dim=1)
+        return torch.cat([q, d], dim=1), torch.cat([q_mask, d_mask], dim=1), is_query
+
+    def run_joint(
+        self, hidden: Tensor, mask: Tensor, is_query: Tensor, observe: Callable[..., None] | None = None
+    ) -> Tensor:
+        """The top ``joint_layers`` layers over the joint sequence; ``observe(i, layer, hidden, additive_mask)`` sees
+        the input of joint layer ``i`` (what :func:`cross_attention_mass` measures)."""
         cross = (is_query[:, :, None] != is_query[:, None, :]).unsqueeze(1).to(hidden.dtype)  # (B, 1, T, T)
         padding = torch.zeros_like(mask, dtype=hidden.dtype).masked_fill(mask == 0, torch.finfo(hidden.dtype).min)
-        for bias, layer in zip(self.cross.bias, self.auto_model.encoder.layer[self.split_layer :]):
-            out = layer(hidden, attention_mask=cross * bias.to(hidden.dtype) + padding[:, None, None, :])
+        for i, (bias, layer) in enumerate(zip(self.cross.bias, self.auto_model.encoder.layer[self.split_layer :])):
+            additive = cross * bias.to(hidden.dtype) + padding[:, None, None, :]
+            if observe is not None:
+                observe(i, layer, hidden, additive)
+            out = layer(hidden, attention_mask=additive)
             hidden = out[0] if isinstance(out, tuple) else out
-        features["token_embeddings"] = hidden
+        return hidden
+
+    def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        joint = self.joint_inputs(features)
+        if joint is None:
+            return super().forward(features, **kwargs)
+        hidden, mask, is_query = joint
+        features["token_embeddings"] = self.run_joint(hidden, mask, is_query)
         features["attention_mask"] = mask
-        features[QUERY_MASK] = torch.cat([q_mask, torch.zeros_like(d_mask)], dim=1)
+        features[QUERY_MASK] = (mask.bool() & is_query).long()
         return features
 
 
@@ -239,3 +258,54 @@ def split_state_cache(
     freeze_lower_layers(split.auto_model, split.split_layer)
     split.state_cache = cache
     return cache
+
+
+def attention_probabilities(layer: nn.Module, hidden: Tensor, additive_mask: Tensor) -> Tensor:
+    """Softmax attention weights ``(batch, heads, T, T)`` of a BERT ``layer`` on ``hidden`` under ``additive_mask``
+    (``softmax(Q K^T / sqrt(d_head) + mask)``, Vaswani et al. 2017, Eq. 1), computed from its own projections."""
+    attn = layer.attention.self
+    shape = (*hidden.shape[:-1], -1, attn.attention_head_size)
+    q = attn.query(hidden).view(shape).transpose(1, 2)
+    k = attn.key(hidden).view(shape).transpose(1, 2)
+    return torch.softmax(q @ k.transpose(-1, -2) / attn.attention_head_size**0.5 + additive_mask, dim=-1)
+
+
+@torch.no_grad()
+def cross_attention_mass(model: CrossEncoder, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> list[dict]:
+    """Per joint layer of a split cross-encoder, over ``pairs``: the attention mass a query token puts on the
+    document's tokens (``query_to_document``) and a document token on the query's (``document_to_query``), averaged
+    over heads, tokens and pairs, beside the share uniform attention over the pair's tokens would give
+    (``uniform_*``: the other text's tokens over all). A mass near 0 means the layer reads each text apart."""
+    split = model[0]
+    if not isinstance(split, SplitTransformer):
+        raise ValueError(f"cross_attention_mass needs a SplitTransformer model, got {type(split).__name__}")
+    if not pairs:
+        raise ValueError("cross_attention_mass needs at least one (query, document) pair")
+    sums = np.zeros((split.joint_layers, 4))
+    tokens = np.zeros(2)
+
+    def observe(i: int, layer: nn.Module, hidden: Tensor, additive: Tensor) -> None:
+        probs = attention_probabilities(layer, hidden, additive).mean(1)  # (B, T, T), heads averaged
+        for j, (rows, cols) in enumerate(((is_q, is_d), (is_d, is_q))):
+            on_other = (probs * cols[:, None, :]).sum(-1)  # (B, T): each token's mass on the other text
+            share = cols.sum(-1, keepdim=True) / (is_q + is_d).sum(-1, keepdim=True)  # uniform attention's
+            sums[i, j] += float((on_other * rows).sum())
+            sums[i, 2 + j] += float((share * rows).sum())
+
+    was_training = split.training
+    split.eval()
+    try:
+        for start in range(0, len(pairs), batch_size):
+            features = batch_to_device(split.preprocess(list(pairs[start : start + batch_size])), model.device)
+            hidden, mask, is_query = split.joint_inputs(features)
+            is_q = (is_query & mask.bool()).to(hidden.dtype)
+            is_d = (~is_query & mask.bool()).to(hidden.dtype)
+            tokens += [float(is_q.sum()), float(is_d.sum())]
+            split.run_joint(hidden, mask, is_query, observe)
+    finally:
+        split.train(was_training)
+    names = ("query_to_document", "document_to_query", "uniform_query_to_document", "uniform_document_to_query")
+    return [
+        {"layer": split.split_layer + i, **{n: float(sums[i, j] / tokens[j % 2]) for j, n in enumerate(names)}}
+        for i in range(split.joint_layers)
+    ]
