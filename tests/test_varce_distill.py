@@ -365,6 +365,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     out = tmp_path / "distill"
     argv = _teacher_argv(folder, minilm_path, out, "--ood", str(ood), "--ood-queries", "3", "--ood-depth", "10")
     argv += ["--max-queries", "5", "--extra-depths", "5", "--risks", "0", "1", "--pseudo-queries", "title", "span"]
+    argv += ["--mc-dropout", "2"]
     assert main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     pseudo = summary["teacher"]["pseudo_queries"]
@@ -375,6 +376,16 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert len(made) == pseudo["pool_pairs"] and summary["teacher"]["pool_queries"] > info["queries"]["train"]
     assert not (made["qid"].str.split("-", n=2).str[2] == made["docno"]).any()  # no query meets its own document
     assert summary["joint_layers"] == 1
+    for label, n in ((str(folder), 5), (str(ood), 3)):  # selective prediction per collection and student
+        tables = summary["aurc"][label]
+        assert set(tables) == set(STUDENTS)
+        for name, t in tables.items():
+            confidences = {"score (top 10)", "NQC (BM25)", "WIG (BM25)", "MC dropout (top 10)"}
+            assert set(t["aurc"]) == confidences | ({"std[s] (top 10)"} if name != "CE" else set())
+            assert 0 < t["queries"] <= n and all(len(c["risk"]) == t["queries"] for c in t["curves"].values())
+            assert all(t["optimal"] <= a + 1e-12 for a in t["aurc"].values())
+    assert set(summary["std_shift"]) == {"VarCE-MEANVAR", "VarCE-VAR"}
+    assert 0 <= summary["std_shift"]["VarCE-VAR"][str(ood)]["p"] <= 1
     for name in STUDENTS:  # the attention between the texts, as built and as kept: open from the start
         mass = summary["cross_attention_mass"][name]
         assert mass["pairs"] == summary["dev_candidates"] and len(mass["step_0"]) == len(mass["kept"]) == 1
@@ -425,7 +436,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     again = json.loads((out / "summary.json").read_text())
     assert not [k for k in again["timings_s"] if k.startswith("train_")]  # nothing trained again
     for key in ("rows", "dev_curves", "teacher", "calibration", "uncertainty", "dev_candidates", "kept_untrained",
-                "cross_attention_mass"):  # fmt: skip
+                "cross_attention_mass", "aurc", "std_shift"):  # fmt: skip
         assert_same_figures(again[key], summary[key])
     assert again["train_steps_per_s"] == summary["train_steps_per_s"]  # a reused student reports its training's
 

@@ -119,6 +119,12 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
+    mc_dropout: int = option(
+        8,
+        "forward passes with dropout on per query's top 10 pairs: the MC-dropout confidence of the selective "
+        "prediction table (0: none; the lower layers' states are cached, so dropout acts in the joint layers)",
+        _DISTIL,
+    )
     pseudo_queries: Sequence[str] = option(
         (),
         "more training queries cut from the training collection's own documents (title, span: a span of words of "
@@ -135,7 +141,7 @@ class VarceJobConfig(CommonConfig):
         lowest |= {"robust_depth": 1, "ood_queries": 0, "ood_depth": 1, "inference_batch_size": 1}
         lowest |= {"positive_depth": 1, "dev_queries": 0, "dev_depth": 1}  # --dev-every: CommonConfig.check
         lowest |= {"teacher_steps": 1, "teacher_layers": 1, "teacher_batch_size": 2, "teacher_dev_every": 1}
-        lowest |= {"bm25_train_depth": 1}
+        lowest |= {"bm25_train_depth": 1, "mc_dropout": 0}
         for name, low in lowest.items():
             value = getattr(self, name)
             if value is not None and value < low:
@@ -155,6 +161,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--init-cross-bias must be finite, got {self.init_cross_bias}")
         if not self.risks or any(not math.isfinite(r) for r in self.risks):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
+        if self.mc_dropout == 1:
+            raise ValueError("--mc-dropout needs at least 2 passes for a spread (0: none), got 1")
         if self.pseudo_queries and not self.teacher:
             raise ValueError("--pseudo-queries trains distilled students: it needs --teacher")
         if len(set(self.pseudo_queries)) != len(self.pseudo_queries):

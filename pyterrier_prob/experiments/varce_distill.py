@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
+from scipy.stats import mannwhitneyu
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.cross_encoder.losses import MarginMSELoss
 
@@ -42,6 +43,7 @@ from pyterrier_prob.varce.data import evaluated_queries
 from pyterrier_prob.varce.pseudo_queries import KINDS, drop_sources, pseudo_queries
 from pyterrier_prob.varce.rerank import risk_adjusted
 from pyterrier_prob.varce.scoring import PairScorer
+from pyterrier_prob.varce.selective import mc_dropout_std, nqc, selective_table, top_k_mean, wig
 from st_extensions.cross_encoder.split import build_split_cross_encoder, cross_attention_mass, split_state_cache
 from st_extensions.defaults import default_model_path
 from st_extensions.loading import load_model
@@ -400,6 +402,51 @@ def uncertainty_stage(
     return out
 
 
+def selective_stage(
+    frame: pd.DataFrame,
+    per_query: dict[str, pd.Series],
+    models: dict[str, Any],
+    queries: dict[str, str],
+    cfg: VarceJobConfig,
+) -> dict[str, Any]:
+    """Per student, query-level selective prediction (:func:`~pyterrier_prob.varce.selective.selective_table`: AURC
+    and E-AURC, risk 1 - nDCG@10) of its confidences: its mean score over its top 10, for a VarCE minus its mean std[s]
+    there, NQC and WIG of BM25's scores, and minus the mean MC-dropout spread over its top 10 (``--mc-dropout``)."""
+    first_stage = {"NQC (BM25)": nqc(frame, score="bm25"), "WIG (BM25)": wig(frame, queries, score="bm25")}
+    out = {}
+    for s, model in models.items():
+        conf = {"score (top 10)": top_k_mean(frame, s, score=s)}
+        if f"{s}_std" in frame:
+            conf["std[s] (top 10)"] = -top_k_mean(frame, f"{s}_std", score=s)
+        conf |= first_stage
+        if cfg.mc_dropout:
+            top = frame.sort_values(["qid", s], ascending=[True, False], kind="stable").groupby("qid").head(10)
+            spread = mc_dropout_std(
+                model, top["query"].tolist(), top["text"].tolist(), cfg.mc_dropout, cfg.seed, cfg.inference_batch_size
+            )
+            conf["MC dropout (top 10)"] = -top.assign(mc=spread).groupby("qid")["mc"].mean()
+        out[s] = selective_table(1.0 - per_query[s], conf)
+        if f"{s}_std" in frame:
+            out[s]["std_top10"] = (-conf["std[s] (top 10)"]).to_dict()
+    return out
+
+
+def std_shift(selective: dict[str, dict[str, Any]], home: str) -> dict[str, Any]:
+    """Does std[s] rise out of domain? For every VarCE and zero-shot collection: the mean over queries of std[s] over
+    the top 10 there and at ``home`` (the in-domain test), and the one-sided Mann-Whitney U test's p (higher there)."""
+    out: dict[str, Any] = {}
+    for label, systems in selective.items():
+        if label == home:
+            continue
+        for s, table in systems.items():
+            if "std_top10" not in table or "std_top10" not in selective[home].get(s, {}):
+                continue
+            there, here = list(table["std_top10"].values()), list(selective[home][s]["std_top10"].values())
+            p = float(mannwhitneyu(there, here, alternative="greater").pvalue)
+            out.setdefault(s, {})[label] = {"mean": float(np.mean(there)), "in_domain": float(np.mean(here)), "p": p}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the run
 def run(cfg: VarceJobConfig) -> dict[str, Any]:
     """The distillation run into ``cfg.output`` (docs/varce.md); returns the summary as :meth:`Harness.finish` wrote."""
@@ -430,7 +477,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         dev_cand, dev_qrels = evaluate.cand, evaluate.qrels
         dev_scored = scored(h, scorers, f"{data.train_collection.name}/{data.dev}", dev_cand)
     risks = sorted({0.0, *map(float, cfg.risks)})
-    rows, calibration, uncertainty, evaluated = [], {}, {}, {}
+    rows, calibration, uncertainty, evaluated, selective = [], {}, {}, {}, {}
     for tg in targets:
         with h.stage(f"rerank_{slug(tg.label, '_')}", f"re-ranking BM25's top {tg.depth} of {tg.label}/{tg.split}"):
             cand = tg.candidates(h, tg.topics, tg.depth).rename(columns={"score": "bm25"})
@@ -444,6 +491,10 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         zero_shot = tg.collection.name != data.train_collection.name or tg is not targets[0]
         evaluated[tg.label] = {"split": tg.split, "queries": len(tg.topics), "queries_available": tg.available}
         evaluated[tg.label] |= {"depth": tg.depth, "zero_shot": zero_shot}
+        with h.stage(f"selective_{slug(tg.label, '_')}", f"selective prediction on {tg.label}"):
+            selective[tg.label] = selective_stage(
+                frame, kept, models, dict(zip(tg.topics["qid"], tg.topics["query"])), cfg
+            )
         if dev_scored is None:
             continue
         if tg is targets[0]:
@@ -471,6 +522,8 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         "dev_curves": _curves(h),
         "calibration": calibration,
         "uncertainty": uncertainty,
+        "aurc": selective,
+        "std_shift": std_shift(selective, targets[0].label) if selective else {},
         "dev_candidates": 0 if dev_cand is None else int(len(dev_cand)),
     }
     if calibration:
