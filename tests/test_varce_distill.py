@@ -376,6 +376,24 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert len(made) == pseudo["pool_pairs"] and summary["teacher"]["pool_queries"] > info["queries"]["train"]
     assert not (made["qid"].str.split("-", n=2).str[2] == made["docno"]).any()  # no query meets its own document
     assert summary["joint_layers"] == 1
+    from scipy.stats import ttest_rel
+
+    for row in summary["rows"]:  # the per-query values recompute every row's mean, test and interval
+        if row["depth"] != (20 if row["collection"] == str(folder) else 10):
+            continue
+        per = {n: pd.Series(v) for n, v in summary["per_query"][row["collection"]].items()}
+        mine, bi, bm25 = per[row["system"]], per["Teacher (bi-encoder)"], per["BM25"]
+        assert row["nDCG@10"] == pytest.approx(mine.mean(), abs=1e-12)
+        if row["p_vs_bi_encoder"] is not None:
+            assert row["p_vs_bi_encoder"] == pytest.approx(ttest_rel(mine, bi).pvalue)
+        if row["ci95_vs_bm25"] is not None:
+            ci = ttest_rel(mine, bm25).confidence_interval(0.95)
+            assert row["ci95_vs_bm25"] == pytest.approx([ci.low, ci.high])
+        student = row["system"] in STUDENTS
+        assert (row["joint_layers"] == 1) if student else row["joint_layers"] is None
+        assert row["input_score"] is None and (row["cross_attention_mass"] is not None) == student
+    chosen = {r["system"] for r in summary["rows"] if r["chosen_on_dev"]}
+    assert chosen == {"CE"}  # every student's dev curve ties at step 0: the first
     for label, n in ((str(folder), 5), (str(ood), 3)):  # selective prediction per collection and student
         tables = summary["aurc"][label]
         assert set(tables) == set(STUDENTS)

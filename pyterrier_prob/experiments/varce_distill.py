@@ -38,7 +38,15 @@ from pyterrier_prob.experiments.varce_train import (
 from pyterrier_prob.training import read_json
 from pyterrier_prob.varce import calibration as cal
 from pyterrier_prob.varce import distill
-from pyterrier_prob.varce.analysis import DevRerank, choose_risk, paired_p, ranked, system_rows, uncertainty_stats
+from pyterrier_prob.varce.analysis import (
+    DevRerank,
+    choose_risk,
+    paired_ci,
+    paired_p,
+    ranked,
+    system_rows,
+    uncertainty_stats,
+)
 from pyterrier_prob.varce.data import evaluated_queries
 from pyterrier_prob.varce.pseudo_queries import KINDS, drop_sources, pseudo_queries
 from pyterrier_prob.varce.rerank import risk_adjusted
@@ -58,6 +66,8 @@ __all__ = ["MODEL_PREFIX", "NOT_UNDER_TEACHER", "STUDENTS", "TEACHER", "check_op
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
 #: A student's model folder is ``models/<MODEL_PREFIX><system>`` (a plain, label-trained run's: ``models/<system>``).
 MODEL_PREFIX = "distilled-"
+#: The row of the teacher's bi-encoder alone (``p_vs_bi_encoder`` compares every other row with it).
+BI_ENCODER = "Teacher (bi-encoder)"
 #: The model folder of a teacher fine-tuned by the run (``--teacher partial``).
 TEACHER = "distill-teacher"
 #: The varce options that do not apply under ``--teacher`` (refused when set to another value than their default).
@@ -346,11 +356,30 @@ def rerank_rows(
     """Rows (collection, depth, system, queries, nDCG@10, p values) of BM25, the teacher and every student over all
     ``qids`` (nothing retrieved: 0) on BM25's top ``depth`` of ``frame``, and the per-query values."""
     frame = frame[frame["rank"] < depth]
-    scores = {"BM25": frame["bm25"], "Teacher (bi-encoder)": frame["dense"]}
+    scores = {"BM25": frame["bm25"], BI_ENCODER: frame["dense"]}
     scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
     scores |= {s: frame[s] for s in STUDENTS if s in frame.columns}
     per_query = {n: distill.ndcg_at_10(frame.assign(score=v), qrels, qids=qids) for n, v in scores.items()}
-    return system_rows(per_query, label, depth), per_query
+    rows = system_rows(per_query, label, depth)
+    for row in rows:
+        name = row["system"]
+        row["p_vs_bi_encoder"] = None if name == BI_ENCODER else paired_p(per_query[name], per_query[BI_ENCODER])
+        row["ci95_vs_bm25"] = None if name == "BM25" else paired_ci(per_query[name], per_query["BM25"])
+    return rows, per_query
+
+
+def describe_students(rows: list[dict], cfg: VarceJobConfig, attention: dict[str, Any], curves: dict[str, Any]) -> None:
+    """Each row's re-ranker: ``joint_layers`` (layers that read both texts; None for BM25 and the teacher's rows),
+    ``cross_attention_mass`` (per joint layer at the kept step), ``input_score`` (None: the first stage's score is not
+    read) and ``chosen_on_dev``: the student with the best dev point of this run (False without dev curves)."""
+    best = {s: c["best"]["dev"] for s, c in curves.items() if c.get("best")}
+    chosen = max(best, key=lambda s: (best[s], -list(STUDENTS).index(s))) if best else None
+    for row in rows:
+        student = row["system"] in STUDENTS
+        row["joint_layers"] = joint_layers(cfg) if student else None
+        row["cross_attention_mass"] = attention.get(row["system"], {}).get("kept") if student else None
+        row["input_score"] = None
+        row["chosen_on_dev"] = row["system"] == chosen
 
 
 def calibration_stage(
@@ -477,7 +506,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         dev_cand, dev_qrels = evaluate.cand, evaluate.qrels
         dev_scored = scored(h, scorers, f"{data.train_collection.name}/{data.dev}", dev_cand)
     risks = sorted({0.0, *map(float, cfg.risks)})
-    rows, calibration, uncertainty, evaluated, selective = [], {}, {}, {}, {}
+    rows, calibration, uncertainty, evaluated, selective, per_query_ndcg = [], {}, {}, {}, {}, {}
     for tg in targets:
         with h.stage(f"rerank_{slug(tg.label, '_')}", f"re-ranking BM25's top {tg.depth} of {tg.label}/{tg.split}"):
             cand = tg.candidates(h, tg.topics, tg.depth).rename(columns={"score": "bm25"})
@@ -487,6 +516,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
                 r, per_query = rerank_rows(frame, tg.qrels, fusion["alpha"], tg.label, qids, depth)
                 if depth == tg.depth:
                     kept = per_query
+                    per_query_ndcg[tg.label] = {n: v.to_dict() for n, v in per_query.items()}
                 rows.extend(r)
         zero_shot = tg.collection.name != data.train_collection.name or tg is not targets[0]
         evaluated[tg.label] = {"split": tg.split, "queries": len(tg.topics), "queries_available": tg.available}
@@ -504,6 +534,8 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
                     row["ece"] = calibration[row["system"]]["ece"]
         uncertainty[tg.label] = uncertainty_stage(frame, dev_scored, tg.qrels, dev_qrels, kept, risks)
     _report_notes(cfg, data, targets, evaluated)
+    curves = _curves(h)
+    describe_students(rows, cfg, attention, curves)
     pool = fusion["pool"]
     summary = {
         "teacher": {
@@ -519,10 +551,11 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         "cross_attention_mass": attention,
         "rows": rows,
         "evaluated": evaluated,
-        "dev_curves": _curves(h),
+        "dev_curves": curves,
         "calibration": calibration,
         "uncertainty": uncertainty,
         "aurc": selective,
+        "per_query": per_query_ndcg,
         "std_shift": std_shift(selective, targets[0].label) if selective else {},
         "dev_candidates": 0 if dev_cand is None else int(len(dev_cand)),
     }

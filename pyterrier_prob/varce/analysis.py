@@ -23,6 +23,7 @@ __all__ = [
     "DevRerank",
     "choose_risk",
     "interpolated",
+    "paired_ci",
     "paired_p",
     "ranked",
     "rerank_rows",
@@ -62,6 +63,16 @@ def paired_p(x: pd.Series, y: pd.Series) -> float | None:
     if len(a) < 2 or np.allclose(a.to_numpy(), b.to_numpy()):
         return None
     return float(ttest_rel(a.to_numpy(), b.to_numpy()).pvalue)
+
+
+def paired_ci(x: pd.Series, y: pd.Series, level: float = 0.95) -> list[float] | None:
+    """The ``level`` confidence interval of the mean paired difference ``x - y`` (Student's t over the queries both
+    hold); None when there is nothing to test (as :func:`paired_p`)."""
+    a, b = x.align(y, join="inner")
+    if len(a) < 2 or np.allclose(a.to_numpy(), b.to_numpy()):
+        return None
+    ci = ttest_rel(a.to_numpy(), b.to_numpy()).confidence_interval(level)
+    return [float(ci.low), float(ci.high)]
 
 
 def system_rows(per: Mapping[str, pd.Series], collection: str, depth: int, baseline: str = "CE") -> list[dict]:
