@@ -247,6 +247,17 @@ def test_distillation_rows():
         assert row["document_0"] in top5
         assert all(row[f"document_{j}"] not in top5 for j in (1, 2, 3))
         assert row["label"] == pytest.approx([by_text[row[f"document_{j}"]] for j in range(4)])
+    pool["bm25"] = np.arange(60) / 4.0
+    scored_rows = distill.distillation_rows(
+        pool, {"1": "q1", "2": "q2", "3": "q3"}, texts, 7, top=5, score_column="bm25"
+    )
+    for plain, row in zip(rows, scored_rows):  # the same draws, each text after its BM25 score
+        for j in range(4):
+            docno = f"d{plain[f'document_{j}'].split()[1]}"
+            assert (
+                row[f"document_{j}"]
+                == f"{pool.set_index('docno').at[docno, 'bm25']:.2f} [SEP] {plain[f'document_{j}']}"
+            )
     with pytest.raises(ValueError, match=r"more than top=20 candidates \(at most 20\).*--pool-depth"):
         distill.distillation_rows(pool, {"1": "q1", "2": "q2", "3": "q3"}, texts, 7, top=20)  # was an endless loop
 
@@ -486,3 +497,52 @@ def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_m
     assert {"train_CE", "train_VarCE-MEANVAR", "train_VarCE-VAR"} <= set(summary["timings_s"])  # its own, trained
     assert (out / "models" / "CE" / "modules.json").is_file() and (out / "models" / "distilled-CE").is_dir()
     assert json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text()) == retrained
+
+
+def test_score_as_text_in_the_reranker(minilm_path):
+    """``input_score=True``: the re-ranker scores ``"<score> [SEP] <text>"``, the first stage's score read as text
+    (Askari et al. 2023), the same as scoring those texts; without a score column it says what is missing."""
+    from pyterrier_prob.varce.rerank import VarCrossEncoderReranker, score_as_text
+
+    assert score_as_text(["a b", "c"], [12.345, -1]) == ["12.35 [SEP] a b", "-1.00 [SEP] c"]
+    with pytest.raises(ValueError, match="non-finite score at row 1"):
+        score_as_text(["a", "b"], [1.0, np.inf])
+    model = build_split_cross_encoder(minilm_path, variant="VAR")
+    cand = pd.DataFrame({"qid": ["q1"] * 3, "query": [PAIRS[0][0]] * 3, "docno": ["a", "b", "c"]})
+    cand = cand.assign(text=[p[1] for p in PAIRS], score=[7.0, 3.5, 1.25], rank=[0, 1, 2])
+    reranker = VarCrossEncoderReranker(model, verbose=False, input_score=True)
+    out = reranker(cand).set_index("docno")
+    texts = score_as_text(cand["text"].tolist(), cand["score"].to_numpy())
+    mean, _ = model.predict(list(zip(cand["query"], texts)), return_std=True)
+    np.testing.assert_allclose(out.loc[["a", "b", "c"], "score_mean"], mean, rtol=1e-5, atol=1e-5)
+    plain = VarCrossEncoderReranker(model, verbose=False)(cand).set_index("docno")
+    assert not np.allclose(plain.loc[["a", "b", "c"], "score_mean"], mean)  # the score text is read
+    assert "input_score=True" in repr(reranker)
+    with pytest.raises(Exception, match=r"missing \['score'\].*retrieve first"):
+        reranker(cand.drop(columns=["score"]))
+
+
+def test_teacher_run_with_score_as_text(small_beir, minilm_path, tmp_path):
+    """--input-score adds the two score-as-text students in rows of their own (the plain rows stay, and only they
+    can be chosen on dev); their models are trained on score-prefixed rows."""
+    from pyterrier_prob.cli import main
+    from pyterrier_prob.experiments.varce_distill import INPUT_SCORE, SCORE_STUDENTS
+
+    folder, _ = small_beir
+    out = tmp_path / "scored"
+    argv = _teacher_argv(folder, minilm_path, out, "--max-queries", "3", "--input-score", "--mc-dropout", "0")
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    rows = pd.DataFrame(summary["rows"])
+    assert rows["system"].tolist()[-5:] == [*STUDENTS, *SCORE_STUDENTS]
+    for row in summary["rows"]:
+        assert row["input_score"] == (INPUT_SCORE if row["system"] in SCORE_STUDENTS else None)
+    assert rows[rows["chosen_on_dev"]]["system"].tolist() == ["CE"]
+    for s in SCORE_STUDENTS:
+        settings = json.loads((out / "models" / f"distilled-{s}" / "train_settings.json").read_text())["settings"]
+        assert settings["input_score"] == INPUT_SCORE
+        assert set(summary["aurc"][str(folder)]) == {*STUDENTS, *SCORE_STUDENTS}
+    assert (
+        "input_score"
+        not in json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())["settings"]
+    )

@@ -125,6 +125,12 @@ class VarceJobConfig(CommonConfig):
         "prediction table (0: none; the lower layers' states are cached, so dropout acts in the joint layers)",
         _DISTIL,
     )
+    input_score: bool = option(
+        False,
+        "also train a CE and a VarCE-VAR that read BM25's score as text before the document (Askari et al., ECIR "
+        "2023), in rows of their own beside the plain students",
+        _DISTIL,
+    )
     pseudo_queries: Sequence[str] = option(
         (),
         "more training queries cut from the training collection's own documents (title, span: a span of words of "
@@ -163,6 +169,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
         if self.mc_dropout == 1:
             raise ValueError("--mc-dropout needs at least 2 passes for a spread (0: none), got 1")
+        if self.input_score and not self.teacher:
+            raise ValueError("--input-score trains distilled students that read BM25's score: it needs --teacher")
         if self.pseudo_queries and not self.teacher:
             raise ValueError("--pseudo-queries trains distilled students: it needs --teacher")
         if len(set(self.pseudo_queries)) != len(self.pseudo_queries):

@@ -49,7 +49,7 @@ from pyterrier_prob.varce.analysis import (
 )
 from pyterrier_prob.varce.data import evaluated_queries
 from pyterrier_prob.varce.pseudo_queries import KINDS, drop_sources, pseudo_queries
-from pyterrier_prob.varce.rerank import risk_adjusted
+from pyterrier_prob.varce.rerank import risk_adjusted, score_as_text
 from pyterrier_prob.varce.scoring import PairScorer
 from pyterrier_prob.varce.selective import mc_dropout_std, nqc, selective_table, top_k_mean, wig
 from st_extensions.cross_encoder.split import build_split_cross_encoder, cross_attention_mass, split_state_cache
@@ -60,10 +60,23 @@ from st_extensions.losses import MaskedMultipleNegativesRankingLoss, Variational
 if TYPE_CHECKING:
     from pyterrier_prob.experiments.varce import VarceJobConfig
 
-__all__ = ["MODEL_PREFIX", "NOT_UNDER_TEACHER", "STUDENTS", "TEACHER", "check_options", "run"]
+__all__ = [
+    "MODEL_PREFIX",
+    "NOT_UNDER_TEACHER",
+    "SCORE_STUDENTS",
+    "STUDENTS",
+    "TEACHER",
+    "check_options",
+    "run",
+    "students",
+]
 
 #: The students (their rows' system names) and their VarCE variant (None: the CE).
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
+#: The students that read BM25's score as text before the document (``--input-score``; their own rows).
+SCORE_STUDENTS = {"CE (BM25 score as text)": None, "VarCE-VAR (BM25 score as text)": "VAR"}
+#: What a score-as-text student reads (its rows' ``input_score``).
+INPUT_SCORE = "BM25 score as text before the document (2 decimals)"
 #: A student's model folder is ``models/<MODEL_PREFIX><system>`` (a plain, label-trained run's: ``models/<system>``).
 MODEL_PREFIX = "distilled-"
 #: The row of the teacher's bi-encoder alone (``p_vs_bi_encoder`` compares every other row with it).
@@ -72,6 +85,17 @@ BI_ENCODER = "Teacher (bi-encoder)"
 TEACHER = "distill-teacher"
 #: The varce options that do not apply under ``--teacher`` (refused when set to another value than their default).
 NOT_UNDER_TEACHER = ("robust_queries", "robust_depth", "noise", "negatives_from", "positive_depth")
+
+
+def students(cfg: VarceJobConfig) -> dict[str, str | None]:
+    """The run's students (system -> VarCE variant, None: the CE): :data:`STUDENTS`, and with ``--input-score``
+    :data:`SCORE_STUDENTS`."""
+    return STUDENTS | (SCORE_STUDENTS if cfg.input_score else {})
+
+
+def reads_score(system: str) -> bool:
+    """Whether the student ``system`` reads the first stage's score as text."""
+    return system in SCORE_STUDENTS
 
 
 def check_options(cfg: VarceJobConfig) -> None:
@@ -250,13 +274,15 @@ def add_pseudo_queries(cfg: VarceJobConfig, h: Harness, data: Data, side: Side, 
 class _Rows:
     """The Margin-MSE rows of the students (:meth:`Harness.train`'s ``data``), made on first use."""
 
-    def __init__(self, cfg: VarceJobConfig, fusion: dict[str, Any], corpus: dict[str, str]) -> None:
-        self.cfg, self.fusion, self.corpus, self.rows = cfg, fusion, corpus, None
+    def __init__(
+        self, cfg: VarceJobConfig, fusion: dict[str, Any], corpus: dict[str, str], score: str | None = None
+    ) -> None:
+        self.cfg, self.fusion, self.corpus, self.score, self.rows = cfg, fusion, corpus, score, None
 
     def __call__(self) -> Any:
         if self.rows is None:
             n, pool, queries = self.cfg.steps * self.cfg.batch_size, self.fusion["pool"], self.fusion["queries"]
-            kw = {"negatives": self.cfg.negatives, "seed": self.cfg.seed}
+            kw = {"negatives": self.cfg.negatives, "seed": self.cfg.seed, "score_column": self.score}
             self.rows = distill.distillation_rows(pool, queries, self.corpus, n, **kw)
         return self.rows
 
@@ -278,7 +304,8 @@ def train_students(
     best point of its dev curve (``evaluate``: :func:`dev_evaluator`) kept; returns ``{system: model}`` (each with
     its lower layers' state cache) and ``{system: attention}`` (:func:`attention_mass`; empty without dev pairs)."""
     folder, fingerprint = teacher
-    layers, rows = joint_layers(cfg), _Rows(cfg, fusion, corpus)
+    layers = joint_layers(cfg)
+    rows = {False: _Rows(cfg, fusion, corpus), True: _Rows(cfg, fusion, corpus, score="bm25")}
     base = {"role": "distilled student", "teacher": fingerprint, "alpha": fusion["alpha"], "pool": len(fusion["pool"])}
     base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
     base |= {"joint_layers": layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.score_scale}
@@ -287,19 +314,21 @@ def train_students(
         base["dev"] = {"queries": cfg.dev_queries, "depth": cfg.dev_depth, "every": dev_every(cfg)}
         base["dev"]["patience"] = cfg.patience
     models, attention = {}, {}
-    for system, variant in STUDENTS.items():
-        name = MODEL_PREFIX + system
+    for system, variant in students(cfg).items():
+        name, score = MODEL_PREFIX + system, reads_score(system)
         path = h.path("curves", f"{name}.json")
-        curve = None if evaluate is None else DevCurve(dev_every(cfg), evaluate, path, patience=cfg.patience)
+        dev = evaluate if evaluate is None or not score else _with_score_dev(evaluate)
+        curve = None if dev is None else DevCurve(dev_every(cfg), dev, path, patience=cfg.patience)
         loss = MarginMSELoss if variant is None else partial(VariationalMarginMSELoss, beta=cfg.beta)
         settings = {**base, "variant": variant} | ({"beta": cfg.beta} if variant else {})
+        settings |= {"input_score": INPUT_SCORE} if score else {}
         build = partial(_student, folder, variant, cfg.max_seq_length, layers, cfg.init_cross_bias, cfg.score_scale)
         kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
-        model, _ = h.train(name, build, loss, rows, **kw)
+        model, _ = h.train(name, build, loss, rows[score], **kw)
         split_state_cache(model, h.state_cache_path(h.cfg.training_recipe(cfg.steps, train_layers=layers), model))
         models[system] = model
-        if evaluate is not None:
-            attention[system] = attention_mass(build, model, evaluate.cand, cfg.seed)
+        if dev is not None:
+            attention[system] = attention_mass(build, model, dev.cand, cfg.seed)
     return models, attention
 
 
@@ -323,11 +352,26 @@ def _student(teacher: str, variant: str | None, max_seq_length: int, layers: int
 
 
 # ------------------------------------------------------------------------------------------------ score
-def scored(h: Harness, scorers: dict[str, PairScorer], label: str, cand: pd.DataFrame) -> pd.DataFrame:
-    """``cand`` with every student's E[s] (``<system>``) and, for a VarCE, std[s] (``<system>_std``)."""
-    out = cand.copy()
+def with_score_text(cand: pd.DataFrame, score: str = "score") -> pd.DataFrame:
+    """``cand`` whose ``text`` is preceded by its first-stage ``score`` as text (:func:`score_as_text`)."""
+    return cand.assign(text=score_as_text(cand["text"].tolist(), cand[score].to_numpy()))
+
+
+def _with_score_dev(evaluate: DevRerank) -> DevRerank:
+    """The learning curves' dev pairs as a score-as-text student reads them."""
+    return DevRerank(with_score_text(evaluate.cand), evaluate.qrels, evaluate.qids, evaluate.batch_size)
+
+
+def scored(
+    h: Harness, scorers: dict[str, PairScorer], label: str, cand: pd.DataFrame, score: str = "bm25"
+) -> pd.DataFrame:
+    """``cand`` with every student's E[s] (``<system>``) and, for a VarCE, std[s] (``<system>_std``); a student that
+    reads the first stage's score reads column ``score`` as text."""
+    out, with_score = cand.copy(), None
     for system, sc in scorers.items():
-        mean, std = sc.score(label, cand)
+        if reads_score(system) and with_score is None:
+            with_score = with_score_text(cand, score)
+        mean, std = sc.score(label, with_score if reads_score(system) else cand)
         out[system] = mean
         if sc.var:
             out[f"{system}_std"] = std
@@ -358,7 +402,7 @@ def rerank_rows(
     frame = frame[frame["rank"] < depth]
     scores = {"BM25": frame["bm25"], BI_ENCODER: frame["dense"]}
     scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
-    scores |= {s: frame[s] for s in STUDENTS if s in frame.columns}
+    scores |= {s: frame[s] for s in (*STUDENTS, *SCORE_STUDENTS) if s in frame.columns}
     per_query = {n: distill.ndcg_at_10(frame.assign(score=v), qrels, qids=qids) for n, v in scores.items()}
     rows = system_rows(per_query, label, depth)
     for row in rows:
@@ -371,14 +415,14 @@ def rerank_rows(
 def describe_students(rows: list[dict], cfg: VarceJobConfig, attention: dict[str, Any], curves: dict[str, Any]) -> None:
     """Each row's re-ranker: ``joint_layers`` (layers that read both texts; None for BM25 and the teacher's rows),
     ``cross_attention_mass`` (per joint layer at the kept step), ``input_score`` (None: the first stage's score is not
-    read) and ``chosen_on_dev``: the student with the best dev point of this run (False without dev curves)."""
-    best = {s: c["best"]["dev"] for s, c in curves.items() if c.get("best")}
+    read) and ``chosen_on_dev``: the plain student with the best dev point of this run (none without dev curves)."""
+    best = {s: c["best"]["dev"] for s, c in curves.items() if c.get("best") and s in STUDENTS}  # plain ones
     chosen = max(best, key=lambda s: (best[s], -list(STUDENTS).index(s))) if best else None
     for row in rows:
-        student = row["system"] in STUDENTS
+        student = row["system"] in students(cfg)
         row["joint_layers"] = joint_layers(cfg) if student else None
         row["cross_attention_mass"] = attention.get(row["system"], {}).get("kept") if student else None
-        row["input_score"] = None
+        row["input_score"] = INPUT_SCORE if reads_score(row["system"]) else None
         row["chosen_on_dev"] = row["system"] == chosen
 
 
@@ -419,7 +463,7 @@ def uncertainty_stage(
     """For every VarCE: :func:`~pyterrier_prob.varce.analysis.uncertainty_stats` (the spread of std[s], whether
     uncertain queries are the hard ones), lambda of the risk-aware ranking chosen on dev and its test value."""
     out = {}
-    for s in STUDENTS:
+    for s in per_query:
         std_col = f"{s}_std"
         if std_col not in frame:
             continue
@@ -450,6 +494,7 @@ def selective_stage(
         conf |= first_stage
         if cfg.mc_dropout:
             top = frame.sort_values(["qid", s], ascending=[True, False], kind="stable").groupby("qid").head(10)
+            top = with_score_text(top, "bm25") if reads_score(s) else top
             spread = mc_dropout_std(
                 model, top["query"].tolist(), top["text"].tolist(), cfg.mc_dropout, cfg.seed, cfg.inference_batch_size
             )
@@ -504,7 +549,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
     dev_cand = dev_scored = None
     if evaluate is not None:
         dev_cand, dev_qrels = evaluate.cand, evaluate.qrels
-        dev_scored = scored(h, scorers, f"{data.train_collection.name}/{data.dev}", dev_cand)
+        dev_scored = scored(h, scorers, f"{data.train_collection.name}/{data.dev}", dev_cand, "score")
     risks = sorted({0.0, *map(float, cfg.risks)})
     rows, calibration, uncertainty, evaluated, selective, per_query_ndcg = [], {}, {}, {}, {}, {}
     for tg in targets:
@@ -534,7 +579,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
                     row["ece"] = calibration[row["system"]]["ece"]
         uncertainty[tg.label] = uncertainty_stage(frame, dev_scored, tg.qrels, dev_qrels, kept, risks)
     _report_notes(cfg, data, targets, evaluated)
-    curves = _curves(h)
+    curves = _curves(cfg, h)
     describe_students(rows, cfg, attention, curves)
     pool = fusion["pool"]
     summary = {
@@ -567,10 +612,10 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
     return h.finish(title, distill_markdown(summary), {"rows": pd.DataFrame(rows)}, summary, data)
 
 
-def _curves(h: Harness) -> dict[str, Any]:
+def _curves(cfg: VarceJobConfig, h: Harness) -> dict[str, Any]:
     """Each student's learning curve (by system name) as its training wrote it (none without dev queries)."""
     out = {}
-    for s in STUDENTS:
+    for s in students(cfg):
         path = h.path("curves", f"{MODEL_PREFIX}{s}.json")
         if os.path.isfile(path):
             out[s] = read_json(path)

@@ -17,6 +17,7 @@ from datasets import Dataset
 
 from pyterrier_prob.atomic import atomic_write, read_checked
 from pyterrier_prob.fusion import ALPHAS, interpolate  # ALPHAS: the teacher's fusion weights searched on dev
+from pyterrier_prob.varce.rerank import score_as_text
 from st_extensions.cross_encoder import VarCrossEncoder
 
 __all__ = [
@@ -121,15 +122,23 @@ def distillation_rows(
     negatives: int = 3,
     top: int = 10,
     seed: int = 0,
+    score_column: str | None = None,
 ) -> Dataset:
     """Margin-MSE rows ``query, document_0, ..., document_<negatives>, label`` (label: the teacher's scores). Rounds of
     shuffled passes over the pool's queries; ``document_0`` from the query's ``top`` candidates by teacher score, the
-    others from the rest of its pool (``pool``: ``qid, docno, teacher``)."""
+    others from the rest of its pool (``pool``: ``qid, docno, teacher``). ``score_column``: each document's text is
+    preceded by that column of the pool as text (:func:`~pyterrier_prob.varce.rerank.score_as_text`)."""
     if n_rows < 1 or negatives < 1 or top < 1:
         raise ValueError(f"n_rows, negatives and top must be >= 1, got {n_rows}, {negatives}, {top}")
     rng = np.random.default_rng(seed)
     ranked = pool.sort_values(["qid", "teacher"], ascending=[True, False], kind="stable")
-    groups = {q: (g["docno"].to_numpy(), g["teacher"].to_numpy()) for q, g in ranked.groupby("qid") if len(g) > top}
+    first = ranked[score_column].to_numpy(np.float64) if score_column else np.zeros(len(ranked))
+    ranked = ranked.assign(_first=first)
+    groups = {
+        q: (g["docno"].to_numpy(), g["teacher"].to_numpy(), g["_first"].to_numpy())
+        for q, g in ranked.groupby("qid")
+        if len(g) > top
+    }
     if not groups:
         most = int(pool.groupby("qid").size().max()) if len(pool) else 0
         raise ValueError(
@@ -142,13 +151,14 @@ def distillation_rows(
     cols: dict[str, list[Any]] = {"query": [], **{f"document_{j}": [] for j in range(negatives + 1)}, "label": []}
     while len(cols["query"]) < n_rows:
         for qid in rng.permutation(qids):
-            docnos, scores = groups[qid]
+            docnos, scores, firsts = groups[qid]
             first = int(rng.integers(0, top))
             rest = rng.choice(np.arange(top, len(docnos)), size=negatives, replace=len(docnos) - top < negatives)
             picked = [first, *rest.tolist()]
             cols["query"].append(queries[qid])
             for j, i in enumerate(picked):
-                cols[f"document_{j}"].append(texts[docnos[i]])
+                text = texts[docnos[i]]
+                cols[f"document_{j}"].append(score_as_text([text], [firsts[i]])[0] if score_column else text)
             cols["label"].append([float(scores[i]) for i in picked])
             if len(cols["query"]) == n_rows:
                 break

@@ -6,7 +6,7 @@ The backbone can run on ONNX Runtime or OpenVINO (docs/varce.md, "Fast CPU infer
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,19 @@ from st_extensions import load_model
 from st_extensions.checks import finite_float, positive_int
 from st_extensions.cross_encoder import VarCrossEncoder, find_var_head, load_cross_encoder
 
-__all__ = ["VarCrossEncoderReranker", "risk_adjusted"]
+__all__ = ["VarCrossEncoderReranker", "risk_adjusted", "score_as_text"]
+
+
+def score_as_text(texts: Sequence[str], scores: Sequence[float] | np.ndarray) -> list[str]:
+    """Each document text preceded by the first stage's score as text, ``"<score, 2 decimals> [SEP] <text>"``, so a
+    cross-encoder reads ``[CLS] query [SEP] score [SEP] document [SEP]`` (Askari et al., ECIR 2023, "Injecting the BM25
+    Score as Text Improves BERT-Based Re-rankers", Sec. 3); a non-finite score is a ValueError."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if len(scores) != len(texts):
+        raise ValueError(f"score_as_text: {len(texts)} texts but {len(scores)} scores")
+    if not np.isfinite(scores).all():
+        raise ValueError(f"score_as_text: a non-finite score at row {int(np.argmax(~np.isfinite(scores)))}")
+    return [f"{s:.2f} [SEP] {t}" for s, t in zip(scores.tolist(), texts)]
 
 
 def risk_adjusted(mean: np.ndarray, std: np.ndarray, risk: float) -> np.ndarray:
@@ -32,7 +44,9 @@ class VarCrossEncoderReranker(pt.Transformer):
     first: ``score_mean`` = E[s] (Eq. 22), ``score_std`` = sqrt(W^T Sigma W) (Eq. 23), ``score`` = score_mean - risk *
     score_std and ``rank`` (from 0; ties keep the input order); a missing or non-str query / text is a ValueError.
     ``model``: a VarCrossEncoder or its path, loaded by :func:`st_extensions.cross_encoder.load_cross_encoder` with
-    ``backend``, ``precision`` and ``backend_options`` (docs/varce.md, "Fast CPU inference")."""
+    ``backend``, ``precision`` and ``backend_options`` (docs/varce.md, "Fast CPU inference"); ``input_score``: the model
+    reads the incoming ``score`` column as text before each document (:func:`score_as_text`; for a model trained so).
+    """
 
     def __init__(
         self,
@@ -44,6 +58,7 @@ class VarCrossEncoderReranker(pt.Transformer):
         backend: str | None = None,
         precision: str | None = None,
         backend_options: Mapping[str, Any] | None = None,
+        input_score: bool = False,
     ) -> None:
         if isinstance(model, (str, os.PathLike)):
             if backend in (None, "torch") and precision in (None, "fp32") and not backend_options:
@@ -70,6 +85,7 @@ class VarCrossEncoderReranker(pt.Transformer):
         self.risk = finite_float("risk", risk)  # lambda of E[s] - lambda * std[s]
         self.text_field = str(text_field)
         self.verbose = bool(verbose)
+        self.input_score = bool(input_score)  # read the incoming score as text (score_as_text)
 
     def __repr__(self) -> str:
         backbone = self.model[0] if len(self.model) else None
@@ -78,7 +94,7 @@ class VarCrossEncoderReranker(pt.Transformer):
         on = "" if backend == "torch" else f", backend={backend!r}, precision={getattr(runtime, 'precision', None)!r}"
         return (
             f"VarCrossEncoderReranker({type(self.model).__name__}, variant={self.model.head.variant!r}, "
-            f"batch_size={self.batch_size}, risk={self.risk}{on})"
+            f"batch_size={self.batch_size}, risk={self.risk}{on}" + (", input_score=True)" if self.input_score else ")")
         )
 
     def subtransformers(self) -> dict:
@@ -93,6 +109,11 @@ class VarCrossEncoderReranker(pt.Transformer):
         # a candidate without text is an error, not an empty document (it would get a score and a rank)
         queries = check_texts(inp, "query", "VarCrossEncoderReranker")
         texts = check_texts(inp, self.text_field, "VarCrossEncoderReranker")
+        if self.input_score:
+            validate_columns(
+                self, inp, ["score"], "input_score=True reads the first stage's score: retrieve first", True
+            )
+            texts = score_as_text(texts, pd.to_numeric(inp["score"], errors="raise").to_numpy(np.float64))
         pairs = list(zip(queries, texts))
         mean, std = np.empty((2, len(pairs)), np.float32)
         starts = range(0, len(pairs), self.batch_size)
