@@ -350,6 +350,19 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
         varce_distill.check_options(config("--output", str(tmp_path)))
     with pytest.raises(ValueError, match="--steps 0"):
         varce_distill.check_options(config(*partial_, "--steps", "0"))
+    plain = ["--output", str(tmp_path)]
+    for argv, message in (
+        (["--students", "CE"], "--students chooses distilled students: it needs --teacher"),
+        (["--input-score"], "--input-score trains distilled students"),
+        (["--pseudo-queries", "title"], "--pseudo-queries trains distilled students"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            varce.config_from_args(build_parser("varce").parse_args([*plain, *argv])).check()
+    with pytest.raises(ValueError, match="names a student twice"):
+        config(*partial_, "--students", "CE", "CE").check()
+    cfg = config(*partial_)
+    cfg.check()  # --train-layers left out under --teacher: the students' default, 2 joint layers
+    assert cfg.train_layers == 2
     for argv in (["--robust-queries", "5"], ["--negatives-from", "bm25"], ["--positive-depth", "5"]):
         with pytest.raises(ValueError, match=f"{argv[0]} does not apply under --teacher"):
             varce_distill.check_options(config(*partial_, *argv))
@@ -531,17 +544,19 @@ def test_teacher_run_with_score_as_text(small_beir, minilm_path, tmp_path):
     folder, _ = small_beir
     out = tmp_path / "scored"
     argv = _teacher_argv(folder, minilm_path, out, "--max-queries", "3", "--input-score", "--mc-dropout", "0")
-    assert main(argv) == 0
+    assert main([*argv, "--students", "CE"]) == 0  # --students: the plain CE alone
     summary = json.loads((out / "summary.json").read_text())
     rows = pd.DataFrame(summary["rows"])
-    assert rows["system"].tolist()[-5:] == [*STUDENTS, *SCORE_STUDENTS]
+    assert rows["system"].tolist()[-3:] == ["CE", *SCORE_STUDENTS] and summary["students"] == {
+        s: f"distilled-{s}" for s in ["CE", *SCORE_STUDENTS]
+    }
     for row in summary["rows"]:
         assert row["input_score"] == (INPUT_SCORE if row["system"] in SCORE_STUDENTS else None)
     assert rows[rows["chosen_on_dev"]]["system"].tolist() == ["CE"]
     for s in SCORE_STUDENTS:
         settings = json.loads((out / "models" / f"distilled-{s}" / "train_settings.json").read_text())["settings"]
         assert settings["input_score"] == INPUT_SCORE
-        assert set(summary["aurc"][str(folder)]) == {*STUDENTS, *SCORE_STUDENTS}
+        assert set(summary["aurc"][str(folder)]) == {"CE", *SCORE_STUDENTS}
     assert (
         "input_score"
         not in json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())["settings"]

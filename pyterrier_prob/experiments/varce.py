@@ -125,6 +125,12 @@ class VarceJobConfig(CommonConfig):
         "prediction table (0: none; the lower layers' states are cached, so dropout acts in the joint layers)",
         _DISTIL,
     )
+    students: Sequence[str] = option(
+        ("CE", "VarCE-MEANVAR", "VarCE-VAR"),
+        "the distilled students to train (an ablation may train the CE alone)",
+        _DISTIL,
+        choices=("CE", "VarCE-MEANVAR", "VarCE-VAR"),
+    )
     input_score: bool = option(
         False,
         "also train a CE and a VarCE-VAR that read BM25's score as text before the document (Askari et al., ECIR "
@@ -142,6 +148,8 @@ class VarceJobConfig(CommonConfig):
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
+        if self.teacher and self.train_layers is None:  # the students' joint layers (varce_distill.check_options)
+            self.train_layers = 2
         super().check()
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
         lowest |= {"robust_depth": 1, "ood_queries": 0, "ood_depth": 1, "inference_batch_size": 1}
@@ -171,6 +179,10 @@ class VarceJobConfig(CommonConfig):
             raise ValueError("--mc-dropout needs at least 2 passes for a spread (0: none), got 1")
         if self.input_score and not self.teacher:
             raise ValueError("--input-score trains distilled students that read BM25's score: it needs --teacher")
+        if tuple(self.students) != type(self)().students and not self.teacher:
+            raise ValueError("--students chooses distilled students: it needs --teacher")
+        if len(set(self.students)) != len(self.students):
+            raise ValueError(f"--students names a student twice: {list(self.students)}")
         if self.pseudo_queries and not self.teacher:
             raise ValueError("--pseudo-queries trains distilled students: it needs --teacher")
         if len(set(self.pseudo_queries)) != len(self.pseudo_queries):

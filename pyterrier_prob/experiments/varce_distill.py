@@ -88,9 +88,10 @@ NOT_UNDER_TEACHER = ("robust_queries", "robust_depth", "noise", "negatives_from"
 
 
 def students(cfg: VarceJobConfig) -> dict[str, str | None]:
-    """The run's students (system -> VarCE variant, None: the CE): :data:`STUDENTS`, and with ``--input-score``
-    :data:`SCORE_STUDENTS`."""
-    return STUDENTS | (SCORE_STUDENTS if cfg.input_score else {})
+    """The run's students (system -> VarCE variant, None: the CE): those of :data:`STUDENTS` that ``--students``
+    names, and with ``--input-score`` :data:`SCORE_STUDENTS`."""
+    chosen = {s: v for s, v in STUDENTS.items() if s in cfg.students}
+    return chosen | (SCORE_STUDENTS if cfg.input_score else {})
 
 
 def reads_score(system: str) -> bool:
