@@ -1,23 +1,23 @@
-"""CE vs VarCrossEncoder (VAR, MEANVAR) distilled from a fine-tuned bi-encoder fused with BM25, as BM25 re-rankers:
-nfcorpus/test (in domain), scifact/test and Cranfield (zero-shot), BM25's top 100, paired t-tests against BM25 and
-against the CE, the teacher's own rows beside them.
+"""Cross-encoders that read query and document together, distilled from a bi-encoder + BM25 teacher, as BM25
+re-rankers: nfcorpus/test (in domain), scifact/test and Cranfield (zero-shot), BM25's top 100, every query, paired
+tests. Writes ``benchmarks/results/varce_rerank.json`` and the plots beside it.
 
-Runs ``pyterrier-prob varce --teacher ...`` with the recipe below (split-attention students started from the
-teacher: the lower layers of MiniLM read query and document apart and are cached per text, the top --train-layers
-(2 here; the published run passed ``-- --train-layers 1``) attend across both and train with the head; Margin-MSE
-rows from the training queries' BM25 + teacher top-100 pools; dev learning curves, the best dev point kept), then
-writes ``benchmarks/results/varce_rerank.json``: a list ``rows`` (``collection``, ``depth``, ``system``, ``queries``,
-``nDCG@10``, ``p_vs_bm25``, ``p_vs_CE``, and ``ece`` for the re-rankers on nfcorpus), the dev curves, the teacher's
-choice on dev, calibration and uncertainty, and
-``benchmarks/results/varce_reliability.png`` (the reliability diagram of the nfcorpus/test pairs).
+The runs, each ``pyterrier-prob varce --teacher ...`` with :data:`RECIPE` (resumable: rerun the same command and every
+trained model, pool, cache and score is reused; a killed run continues from its last checkpoint):
 
-    python benchmarks/varce_rerank.py --output runs/varce-distill                      # fine-tunes the teacher too
-    python benchmarks/varce_rerank.py --output runs/varce-distill --teacher PATH       # a teacher trained before
+- ``main`` (``--output``): the teacher fine-tuned until its dev curve stops rising (``--teacher partial``), then
+  students whose top 2 layers read ``[q; d]`` with full attention from the start, trained on nfcorpus/train's queries
+  and pseudo-queries cut from the nfcorpus corpus (titles and spans); CE, VarCE-MEANVAR, VarCE-VAR, and the CE and
+  VarCE-VAR that read BM25's score as text (``--input-score``);
+- the ablation (``<output>-j1-pseudo``, ``-j2-train``, ``-j1-train``): the CE alone at 1 and 2 joint layers, on the same
+  rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher.
 
-Every run resumes (``--resume``): the teacher, the students trained with the same settings, BM25 indexes,
-embeddings, pools, the state cache and every score already computed are reused, so the figures regenerate without
-retraining. The label-trained recipe's results are kept in
-``benchmarks/results/varce_rerank_labels.json`` (its command inside).
+Which plain student at J >= 2 is the chosen row is decided by the dev points alone (the best of its learning curve
+over every J >= 2 run), a rule fixed before any test figure is read. ``p_vs_j1`` compares a row with the J = 1 CE
+trained on the same rows.
+
+    python benchmarks/varce_rerank.py --output outputs/varce_rerank            # every run, then the JSON
+    python benchmarks/varce_rerank.py --output outputs/varce_rerank --runs main  # the main run alone
 """
 
 from __future__ import annotations
@@ -28,52 +28,117 @@ import os
 import shlex
 import shutil
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RECIPE = [
-    "--dataset", "irds:beir/nfcorpus",
-    "--recipe", "partial", "--train-layers", "2",
-    "--steps", "1000", "--batch-size", "16", "--lr", "1e-4", "--max-seq-length", "128",
-    "--pool-depth", "100", "--depth", "100",
+    "--dataset", "irds:beir/nfcorpus", "--recipe", "partial",
+    "--steps", "3000", "--batch-size", "16", "--lr", "1e-4", "--max-seq-length", "128",
+    "--pool-depth", "100", "--depth", "100", "--patience", "3",
     "--dev-queries", "100", "--dev-depth", "30", "--dev-every", "100",
+    "--teacher-steps", "6000", "--teacher-dev-every", "200",
     "--ood", "irds:beir/scifact", "irds:cranfield", "--ood-queries", "0", "--ood-depth", "100",
-    "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--resume",
+    "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--resume", "--reuse",
 ]  # fmt: skip
+PSEUDO = ["--pseudo-queries", "title", "span"]
+#: run -> (joint layers, training rows, its options); ``main`` trains the teacher the others use.
+RUNS = {
+    "main": (2, "train + pseudo-queries", ["--train-layers", "2", *PSEUDO, "--input-score"]),
+    "j1-pseudo": (1, "train + pseudo-queries", ["--train-layers", "1", *PSEUDO, "--students", "CE"]),
+    "j2-train": (2, "train", ["--train-layers", "2", "--students", "CE"]),
+    "j1-train": (1, "train", ["--train-layers", "1", "--students", "CE"]),
+}
+TEACHER = "models/distill-teacher"
+
+
+def run_folder(output: str, run: str) -> str:
+    return output if run == "main" else f"{output}-{run}"
+
+
+def command(output: str, run: str) -> list[str]:
+    teacher = "partial" if run == "main" else os.path.join(output, TEACHER)
+    return ["varce", *RECIPE, *RUNS[run][2], "--teacher", teacher, "--output", run_folder(output, run)]
+
+
+def combine(output: str, runs: list[str]) -> dict[str, Any]:
+    """The main run's summary, its rows and the ablation's CE rows marked with their run, ``p_vs_j1`` and the row
+    chosen on dev."""
+    import pandas as pd
+
+    from pyterrier_prob.varce.analysis import paired_p
+
+    summaries = {}
+    for run in runs:
+        path = os.path.join(run_folder(output, run), "summary.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf8") as f:
+                summaries[run] = json.load(f)
+    if "main" not in summaries:
+        raise SystemExit(f"no summary of the main run in {output}: run it first")
+    main = summaries["main"]
+    rows = []
+    for run, s in summaries.items():
+        layers, training, _ = RUNS[run]
+        for row in s["rows"]:
+            if run != "main" and row["joint_layers"] is None:
+                continue  # BM25 and the teacher: the main run's rows
+            row = {**row, "run": run, "training_queries": training if row["joint_layers"] is not None else None}
+            j1 = next((r for r, v in RUNS.items() if v[:2] == (1, training) and r in summaries), None)
+            if row["joint_layers"] is not None and j1 is not None and row["collection"] in summaries[j1]["per_query"]:
+                mine = pd.Series(s["per_query"][row["collection"]][row["system"]])
+                other = pd.Series(summaries[j1]["per_query"][row["collection"]]["CE"])
+                row["p_vs_j1"] = None if (run, row["system"]) == (j1, "CE") else paired_p(mine, other)
+            rows.append(row)
+    dev = {  # every plain student at J >= 2: its best dev point (the learning curve), read before test
+        (run, system): curve["best"]["dev"]
+        for run, s in summaries.items()
+        if RUNS[run][0] >= 2
+        for system, curve in s["dev_curves"].items()
+        if curve.get("best") and "score as text" not in system
+    }
+    chosen = max(dev, key=lambda k: (dev[k], -list(RUNS).index(k[0]))) if dev else None
+    for row in rows:
+        row["chosen_on_dev"] = (row["run"], row["system"]) == chosen and row["depth"] == 100
+    main = {**main, "rows": rows, "chosen_on_dev": {"run": chosen[0], "system": chosen[1], "dev": dev[chosen]}}
+    main["ablation_dev"] = {f"{run}/{system}": v for (run, system), v in dev.items()}
+    main["per_query_runs"] = {run: s["per_query"] for run, s in summaries.items() if run != "main"}
+    return main
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--output", default="outputs/varce_rerank", help="the experiment's output folder")
-    ap.add_argument("--teacher", default="partial", help="a fine-tuned bi-encoder folder, or 'partial' to train one")
+    ap.add_argument("--output", default="outputs/varce_rerank", help="the main run's output folder")
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="the runs to make, in order")
     ap.add_argument("--out", default="benchmarks/results/varce_rerank.json")
-    ap.add_argument("extra", nargs="*", help="further pyterrier-prob varce options (after --)")
+    ap.add_argument("--no-write", action="store_true", help="make the runs only")
     a = ap.parse_args()
 
     from benchmarks._machine import describe, write_result
     from pyterrier_prob.cli import main as cli
 
-    args = ["varce", *RECIPE, "--teacher", a.teacher, "--output", a.output, *a.extra]
-    command = "pyterrier-prob " + shlex.join(args)
-    print(command, flush=True)
-    code = cli(args)
-    if code:
-        return code
-    with open(os.path.join(a.output, "summary.json"), encoding="utf8") as f:
-        summary = json.load(f)
+    for run in a.runs:
+        args = command(a.output, run)
+        print("pyterrier-prob " + shlex.join(args), flush=True)
+        if code := cli(args):
+            return code
+    if a.no_write:
+        return 0
+    summary = combine(a.output, list(RUNS))
     result = {
-        "benchmark": "CE and VarCEs distilled from a bi-encoder + BM25 teacher, as BM25 re-rankers (nDCG@10)",
-        "command": f"python benchmarks/varce_rerank.py --output {a.output} --teacher {a.teacher}"
-        + (f" -- {shlex.join(a.extra)}" if a.extra else ""),
-        "experiment_command": command,
+        "benchmark": "Cross-encoders reading query and document together, distilled from a bi-encoder + BM25 "
+        "teacher, as BM25 re-rankers (nDCG@10)",
+        "command": f"python benchmarks/varce_rerank.py --output {a.output}",
+        "experiment_commands": {r: "pyterrier-prob " + shlex.join(command(a.output, r)) for r in RUNS},
         "machine": describe(),
         **summary,
     }
     write_result(a.out, result, indent=1)
     print(f"wrote {a.out}")
-    plot = os.path.join(a.output, "reliability.png")
-    if os.path.isfile(plot):  # the reliability diagram of the nfcorpus/test pairs, beside the JSON
-        shutil.copyfile(plot, os.path.join(os.path.dirname(os.path.abspath(a.out)), "varce_reliability.png"))
+    for name in ("reliability.png", "risk_coverage.png"):
+        plot = os.path.join(a.output, name)
+        if os.path.isfile(plot):
+            shutil.copyfile(plot, os.path.join(os.path.dirname(os.path.abspath(a.out)), f"varce_{name}"))
     return 0
 
 

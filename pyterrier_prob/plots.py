@@ -161,3 +161,28 @@ def reliability_plot(calibration: Mapping[str, Mapping], path: str | os.PathLike
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def risk_coverage_plot(
+    tables: Mapping[str, Mapping[str, Mapping]], system: str, path: str | os.PathLike | None = None
+) -> Figure:
+    """One panel per collection: the risk-coverage curves (:func:`pyterrier_prob.varce.selective.selective_table`'s
+    ``curves``) of ``system``'s confidences, each with its AURC in the legend, beside the best order's and the mean
+    risk (a useless confidence); saved at ``path`` if given."""
+    labels = [c for c in tables if system in tables[c]]
+    if not labels:
+        raise ValueError(f"risk_coverage_plot: no collection has a selective-prediction table of {system!r}")
+    fig = Figure(figsize=(4.2 * len(labels), 3.8))
+    for i, label in enumerate(labels):
+        ax, table = fig.add_subplot(1, len(labels), i + 1), tables[label][system]
+        for name, curve in table["curves"].items():
+            ax.plot(curve["coverage"], curve["risk"], lw=1.2, label=f"{name} ({table['aurc'][name]:.3f})")
+        ax.axhline(table["random"], color="0.6", lw=1, ls="--", label=f"mean risk ({table['random']:.3f})")
+        ax.set(xlabel="coverage (share of queries answered)", ylabel="risk (1 - nDCG@10)", xlim=(0, 1))
+        ax.set_title(f"{system}: {os.path.basename(str(label).rstrip('/'))} (AURC optimal {table['optimal']:.3f})")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path is not None:
+        save_figure(fig, path)
+    return fig

@@ -427,6 +427,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
             assert 0 < t["queries"] <= n and all(len(c["risk"]) == t["queries"] for c in t["curves"].values())
             assert all(t["optimal"] <= a + 1e-12 for a in t["aurc"].values())
     assert set(summary["std_shift"]) == {"VarCE-MEANVAR", "VarCE-VAR"}
+    assert (out / "risk_coverage.png").stat().st_size > 0
     assert 0 <= summary["std_shift"]["VarCE-VAR"][str(ood)]["p"] <= 1
     for name in STUDENTS:  # the attention between the texts, as built and as kept: open from the start
         mass = summary["cross_attention_mass"][name]

@@ -609,6 +609,11 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         from pyterrier_prob.plots import reliability_plot  # matplotlib: optional
 
         reliability_plot(calibration, h.path("reliability.png"))
+    var = [s for s in ("VarCE-VAR", "VarCE-MEANVAR") if s in models]
+    if selective and var:
+        from pyterrier_prob.plots import risk_coverage_plot  # matplotlib: optional
+
+        risk_coverage_plot(selective, var[0], h.path("risk_coverage.png"))
     title = "Cross-encoders distilled from a bi-encoder + BM25 teacher, re-ranking BM25"
     return h.finish(title, distill_markdown(summary), {"rows": pd.DataFrame(rows)}, summary, data)
 
