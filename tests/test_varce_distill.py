@@ -469,6 +469,8 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert f"Trained on {folder}/train; calibration/dev: {folder}/dev; test: {folder}/test (5 queries)." in report
     assert "Recipe of distilled-CE, distilled-VarCE-MEANVAR, distilled-VarCE-VAR: **partial**" in report
     assert f"zero-shot: {ood}" in report and "chosen on dev (" in report and "chosen on dev: each student's" in report
+    assert f"Selective prediction on {ood} (" in report and "- VarCE-VAR (" in report  # AURCs, attention mass
+    assert f"pseudo-queries: {sum(pseudo['queries'].values())} cut from" in report
     teacher_files = sorted(p.name.rsplit("-", 1)[0] for p in (out / "teacher").rglob("*.npy"))
     assert teacher_files == sorted([f"{slug(str(f), '_')}-{w}" for f in (folder, ood) for w in ("docs", "queries")]
                                    + [f"{slug(str(folder), '_')}-queries"] * 3)  # dev, train, pseudo  # fmt: skip

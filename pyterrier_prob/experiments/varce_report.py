@@ -181,7 +181,8 @@ def _p_or_dash(p: float | None) -> str:
 
 def distill_markdown(summary: dict[str, Any]) -> str:
     """The distillation run's report (``varce --teacher``): the re-ranking table at each collection's depth (nDCG@10,
-    p vs BM25 / CE), the evaluated collections, the teacher's choice on dev and the students' ECE."""
+    p vs BM25 / CE), the evaluated collections, the teacher's choice on dev, the students' ECE, the attention between
+    the texts in their joint layers and the selective-prediction AURCs."""
     rows = pd.DataFrame(summary["rows"])
     evaluated = summary["evaluated"]
     rows = rows[[d == evaluated[c]["depth"] for c, d in zip(rows["collection"], rows["depth"])]].copy()
@@ -208,4 +209,46 @@ def distill_markdown(summary: dict[str, Any]) -> str:
         for name, c in summary["calibration"].items():
             extra = f" (without std[s]: {c['ece_without_std']:.4f})" if "ece_without_std" in c else ""
             text.append(f"- {name}: ECE {c['ece']:.4f}{extra}")
+    text += _attention_lines(summary) + _aurc_lines(summary)
     return "\n".join(text) + "\n"
+
+
+def _attention_lines(summary: dict[str, Any]) -> list[str]:
+    """The attention mass between the texts per joint layer, as built and as kept, beside uniform attention's."""
+    mass = summary.get("cross_attention_mass") or {}
+    if not mass:
+        return []
+    text = [
+        "",
+        f"Attention between the two texts in the students' {summary.get('joint_layers')} joint layer(s), on "
+        "dev pairs: mass a query token puts on the document / a document token on the query, at step 0 -> the kept "
+        "step (uniform attention's share):",
+        "",
+    ]
+    for name, m in mass.items():
+        cells = [
+            f"layer {a['layer']}: {a['query_to_document']:.3f} -> {b['query_to_document']:.3f} "
+            f"({a['uniform_query_to_document']:.3f}) / {a['document_to_query']:.3f} -> {b['document_to_query']:.3f} "
+            f"({a['uniform_document_to_query']:.3f})"
+            for a, b in zip(m["step_0"], m["kept"])
+        ]
+        text.append(f"- {name} ({m['pairs']} pairs): " + "; ".join(cells))
+    return text
+
+
+def _aurc_lines(summary: dict[str, Any]) -> list[str]:
+    """Selective prediction per collection: each student's AURC per confidence (lower is better)."""
+    tables = summary.get("aurc") or {}
+    text = []
+    for label, systems in tables.items():
+        frame = pd.DataFrame({s: t["aurc"] for s, t in systems.items()}).T
+        first = next(iter(systems.values()))
+        frame["best order"], frame["mean risk"] = [t["optimal"] for t in systems.values()], first["random"]
+        text += [
+            "",
+            f"Selective prediction on {label} ({first['queries']} queries; risk 1 - nDCG@10): AURC per confidence "
+            "(lower is better):",
+            "",
+            markdown_table(frame.map(lambda v: f"{v:.4f}" if pd.notna(v) else "–").rename_axis("system").reset_index()),
+        ]
+    return text
