@@ -6,16 +6,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-import pyterrier_prob.index.search as search_module
 from pyterrier_prob.index import (
     DenseIndex,
     ExactSearcher,
+    FaissSearcher,
     ShardedSearcher,
     import_faiss,
     make_searcher,
     merge_runs,
     threshold_search,
 )
+from pyterrier_prob.index.backends import Backend
 from pyterrier_prob.pebr import ScoreCutoffRetriever, TopKRetriever
 
 faiss = import_faiss()
@@ -54,7 +55,7 @@ def _params(backend: str) -> dict:
     """Exhaustive search settings: every list probed, a beam as large as the collection."""
     if backend.startswith("ivf"):
         return {"nlist": 16, "nprobe": 16, "train_size": N}
-    if backend == "hnsw":
+    if backend.startswith("hnsw"):
         return {"M": 16, "ef_search": N}
     return {}
 
@@ -148,7 +149,7 @@ def test_probe_margin_probes_more_lists_for_broad_queries(data, index):
     # at one margin, the queries with the lowest thresholds (the broadest) probe the most lists
     depth = np.array([len(w) for w in want])
     assert np.corrcoef(depth, probes[1])[0, 1] > 0.3
-    with pytest.raises(ValueError, match="probe_margin applies to the IVF backends"):
+    with pytest.raises(ValueError, match="unknown parameter 'probe_margin' of the hnsw backend"):
         index.searcher("hnsw", **_params("hnsw"), probe_margin=0.1)
 
 
@@ -167,7 +168,7 @@ def test_faiss_index_is_cached_in_the_index_folder(data, index):
 def test_hnsw_graph_is_the_one_plain_faiss_builds_from_one_add(data, monkeypatch):
     """Added in chunks, faiss' HNSW builds another graph (at 1M a much worse one, docs/scale.md): ours gets every
     vector in one add, whatever the chunk size of the other backends."""
-    monkeypatch.setattr(search_module, "_ADD_BATCH", 300)
+    monkeypatch.setattr(Backend, "add_batch", 300)  # the other backends' chunk; HNSW's own is None: one add
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(1)  # one thread inserts in a fixed order: the same graph from the same adds
     docs, Q = data["docs"], data["queries"]
@@ -284,7 +285,7 @@ def test_bad_arguments_name_the_problem(data, index):
         index.searcher().search(data["queries"][:, :8], 0.5, 10)
     with pytest.raises(ValueError, match="unknown search parameter 'nprob'"):
         index.searcher("ivf_flat", nlist=16, train_size=N).with_params(nprob=3)
-    with pytest.raises(ValueError, match="exact backend has no search parameters"):
+    with pytest.raises(ValueError, match="exact backend has no parameters"):
         index.searcher("exact", nprobe=3)
     small = make_searcher(data["docs"][:100], "flat")
     with pytest.raises(ValueError, match="searcher covers 100 x 16 vectors"):
@@ -329,7 +330,7 @@ def test_gpu_range_past_the_gpu_cap_falls_back_to_the_exact_range_search(data, m
     want = _exact_range(cos, t)
     assert [len(w) for w in want] == depths
     for cap, ks_expected in ((8, [8]), (256, [64, 128, 256])):
-        monkeypatch.setattr(search, "_GPU_MAX_K", cap)
+        monkeypatch.setattr(search, "GPU_MAX_K", cap)
         s = make_searcher(data["docs"], "flat")
         knn, cpu_range = _Spy(s._knn, lambda q, k: k), _Spy(s._range_pairs, lambda q, tt: len(q))
         monkeypatch.setattr(s, "_knn", knn)
@@ -342,3 +343,49 @@ def test_gpu_range_past_the_gpu_cap_falls_back_to_the_exact_range_search(data, m
             a, b = hits.offsets[i], hits.offsets[i + 1]
             np.testing.assert_allclose(hits.scores[a:b], cos[i, hits.docids[a:b]], atol=1e-6)
             assert np.all(np.diff(hits.scores[a:b]) <= 0)
+
+
+def test_backends_are_a_registry_a_new_one_is_one_file_and_one_registration(data):
+    """make_searcher looks backends up in the registry: the built-in families (flat, ivf, hnsw, hnsw_sq8) and one
+    registered here, a subclass in a few lines, work end to end; a taken name or an unknown backend is refused."""
+    from pyterrier_prob.index import backends
+    from pyterrier_prob.index.backends.flat import Flat
+
+    assert {"flat", "flat_fp16", "ivf_flat", "ivf_fp16", "ivf_sq8", "ivf_pq", "hnsw", "hnsw_sq8"} <= set(
+        backends.names()
+    )
+
+    class FlatAgain(Flat):
+        name = "flat_again"
+
+    try:
+        backends.register(FlatAgain())
+        hits = make_searcher(data["docs"], "flat_again").search(data["queries"], -np.inf, 10)
+        assert _sets(hits, NQ) == _exact_topk(data["cos"], 10)
+        with pytest.raises(ValueError, match="'flat' is already registered"):
+            backends.register(type("Other", (Flat,), {"name": "flat", "create": Flat.create})())
+        with pytest.raises(ValueError, match="unknown parameter 'nprobe' of the flat_again backend"):
+            make_searcher(data["docs"], "flat_again", nprobe=3)
+    finally:
+        backends.unregister("flat_again")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        make_searcher(data["docs"], "flat_again")
+
+
+def test_hnsw_sq8_matches_the_exact_scan_after_rescoring(data):
+    """The backend the registry gained: HNSW over 8-bit codes. Its approximate scores miss a few of the exact top 10
+    even at an exhaustive beam; re-scoring a 4x deeper candidate list from the exact vectors (``k_factor``, as faiss'
+    IndexRefine) gives the exact scan's top 10 and scores."""
+    import faiss
+
+    s = make_searcher(data["docs"], "hnsw_sq8", **_params("hnsw_sq8"))
+    assert isinstance(s.cpu_index, faiss.IndexHNSWSQ) and s.settings.rescore and s.setting() == f"ef_search={N}"
+    want = _exact_topk(data["cos"], 10)
+    assert 0.9 <= _recall(_sets(s.search(data["queries"], -np.inf, 10), NQ), want) < 1.0
+    hits = s.with_params(k_factor=4).search(data["queries"], -np.inf, 10)
+    exact = ExactSearcher(data["docs"]).search(data["queries"], -np.inf, 10)
+    assert _sets(hits, NQ) == want
+    np.testing.assert_array_equal(hits.docids, exact.docids)
+    np.testing.assert_allclose(hits.scores, exact.scores, rtol=1e-6)
+    with pytest.raises(ValueError, match="rescore=True needs the exact vectors"):
+        FaissSearcher(s.cpu_index, "hnsw_sq8", s.settings)

@@ -17,8 +17,9 @@ import numpy as np
 import pyterrier as pt
 from npids import Lookup
 
+from pyterrier_prob.index.backends import SearchSettings, build_index, import_faiss
 from pyterrier_prob.index.indexer import AtomicIndexer, IndexArtifact, IndexingMode
-from pyterrier_prob.index.search import Searcher, SearchSettings, _build_faiss, cached_searcher, import_faiss
+from pyterrier_prob.index.search import Searcher, cached_searcher
 from pyterrier_prob.validation import is_int
 
 __all__ = ["MoLIndex", "MoLIndexer", "as_mol_index"]
@@ -123,7 +124,7 @@ class MoLIndex(IndexArtifact, pt.Artifact):
             if gpu:  # pragma: no cover - needs faiss-gpu and a GPU
                 self._cache[key] = import_faiss().index_cpu_to_all_gpus(self.faiss_flat(part, False))
             else:
-                self._cache[key] = _build_faiss(vectors, "flat", None, SearchSettings(), verbose=False)
+                self._cache[key] = build_index(vectors, "flat", None, SearchSettings())
         return self._cache[key]
 
     def searcher(self, part: int | str = "mean", backend: str = "exact", **params: Any) -> Searcher:

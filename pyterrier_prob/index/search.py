@@ -10,23 +10,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.metadata
-import math
 import os
 import time
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyterrier as pt
 
 from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.index.backends import SearchSettings, build_index, get, import_faiss, search_params
+from pyterrier_prob.index.backends import names as backend_names
+from pyterrier_prob.index.backends.base import check_search_params, settings_for
 from pyterrier_prob.index.dense import DenseIndex
 from pyterrier_prob.index.exact import (
     CutoffHits,
@@ -38,10 +36,11 @@ from pyterrier_prob.index.exact import (
     search_vectors,
     sort_hits,
 )
-from pyterrier_prob.validation import choice, finite_float, positive_int
+from pyterrier_prob.validation import positive_int
 
 __all__ = [
     "BACKENDS",
+    "GPU_MAX_K",
     "SEARCH_PARAMS",
     "ExactSearcher",
     "FaissSearcher",
@@ -56,97 +55,13 @@ __all__ = [
     "merge_runs",
 ]
 
-#: The backends of :func:`make_searcher`.
-BACKENDS = ("exact", "flat", "flat_fp16", "ivf_flat", "ivf_fp16", "ivf_sq8", "ivf_pq", "hnsw")
-_IVF = ("ivf_flat", "ivf_fp16", "ivf_sq8", "ivf_pq")
-_LOSSY = ("flat_fp16", "ivf_fp16", "ivf_sq8", "ivf_pq")
-_ADD_BATCH = 65536  # vectors added to a faiss index at once
-_QUERY_BATCH = 256  # queries per faiss k-NN call
-_GPU_MAX_K = 2048  # faiss GPU k-NN limit: a GPU range search deeper than this goes to the CPU index
-#: Search parameters of a :class:`FaissSearcher` (:meth:`FaissSearcher.with_params`, ``DenseIndex.searcher``).
-SEARCH_PARAMS = ("nprobe", "ef_search", "rescore", "range_slack", "k_factor", "probe_margin")
-
-
-@dataclass(frozen=True)
-class SearchSettings:
-    """Build parameters (``nlist``, ``train_size``, ``pq_m``, ``M``, ``ef_construction``, ``seed``: part of the cache
-    name) and search parameters (:data:`SEARCH_PARAMS`) of a faiss backend; meanings and defaults: ``docs/scale.md``.
-    """
-
-    nlist: int | None = None
-    train_size: int | None = None
-    pq_m: int | None = None
-    M: int = 32
-    ef_construction: int = 80
-    seed: int = 0
-    nprobe: int | None = None
-    ef_search: int | None = None
-    rescore: bool | None = None
-    range_slack: float = 0.0
-    k_factor: int = 1
-    probe_margin: float | None = None
-
-    def with_build_defaults(self, backend: str, n: int, d: int) -> tuple[SearchSettings, dict[str, Any]]:
-        """These settings with the size-dependent defaults filled in, and the build parameters naming the cache."""
-        s = self
-        if backend in _IVF:
-            auto = max(1, min(1 << max(2, round(math.log2(4 * math.sqrt(n)))), n // 39))
-            nlist = positive_int("nlist", auto if s.nlist is None else s.nlist)
-            if nlist > n:
-                raise ValueError(f"nlist={nlist} exceeds the {n} vectors")
-            train = min(n, positive_int("train_size", s.train_size or max(64 * nlist, 65536)))
-            pq_m = positive_int("pq_m", s.pq_m or max(1, d // 8)) if backend == "ivf_pq" else None
-            nprobe = s.nprobe if s.nprobe is not None else max(1, nlist // 16)
-            s = dataclasses.replace(s, nlist=nlist, train_size=train, pq_m=pq_m, nprobe=nprobe)
-            return s, {"nlist": nlist, "train": train, "seed": s.seed, "m": pq_m}
-        if backend == "hnsw":
-            build = {"M": positive_int("M", s.M), "efc": positive_int("ef_construction", s.ef_construction)}
-            return dataclasses.replace(s, ef_search=128 if s.ef_search is None else s.ef_search), build
-        return s, {}
-
-    def checked(self, backend: str, has_vectors: bool) -> SearchSettings:
-        """The search parameters checked for ``backend`` (``rescore=None``: re-score lossy codes when possible)."""
-        rescore = (backend in _LOSSY and has_vectors) if self.rescore is None else bool(self.rescore)
-        if rescore and not has_vectors:
-            raise ValueError("rescore=True needs the exact vectors (vectors=...)")
-        if self.probe_margin is not None and backend not in _IVF:
-            raise ValueError(f"probe_margin applies to the IVF backends {_IVF}, not {backend!r}")
-        return dataclasses.replace(
-            self,
-            nprobe=positive_int("nprobe", self.nprobe, allow_none=True),
-            ef_search=positive_int("ef_search", self.ef_search, allow_none=True),
-            rescore=rescore,
-            range_slack=finite_float("range_slack", self.range_slack),
-            k_factor=positive_int("k_factor", self.k_factor),
-            probe_margin=finite_float("probe_margin", self.probe_margin, allow_none=True),
-        )
-
-
-def _settings(settings: SearchSettings | None, params: dict[str, Any], names: Sequence[str]) -> SearchSettings:
-    if unknown := sorted(set(params) - set(names)):
-        raise ValueError(f"unknown search parameter {unknown[0]!r} ({', '.join(names)})")
-    return dataclasses.replace(settings or SearchSettings(), **params)
-
-
-def import_faiss() -> Any:
-    """``import faiss`` with an error that says how to install it, and a warning when two builds are installed."""
-    try:
-        import faiss
-    except ImportError as e:
-        raise ImportError(
-            'faiss is not installed: pip install "pyterrier-prob[cpu]" (faiss-cpu) or "pyterrier-prob[gpu]" '
-            "(faiss-gpu, for a CUDA machine); install one of them, not both"
-        ) from e
-    if not getattr(import_faiss, "_checked", False):  # once per process: the distributions that installed 'faiss'
-        import_faiss._checked = True  # type: ignore[attr-defined]
-        builds = sorted(set(importlib.metadata.packages_distributions().get("faiss", [])))
-        if len(builds) > 1:
-            warnings.warn(
-                f"several faiss builds are installed ({', '.join(builds)}): they write the same 'faiss' package over "
-                "each other; uninstall all of them and install one (pyterrier-prob[cpu] or pyterrier-prob[gpu])",
-                stacklevel=2,
-            )
-    return faiss
+#: The built-in backends of :func:`make_searcher` (``exact`` and the faiss ones of
+#: :mod:`pyterrier_prob.index.backends`; :func:`~pyterrier_prob.index.backends.names` lists those registered since).
+BACKENDS = ("exact", *backend_names())
+QUERY_BATCH = 256  # queries per faiss k-NN call
+GPU_MAX_K = 2048  # faiss GPU k-NN limit: a GPU range search deeper than this goes to the CPU index
+#: Search parameters of the built-in backends (:meth:`FaissSearcher.with_params`, ``DenseIndex.searcher``).
+SEARCH_PARAMS = search_params()
 
 
 def hits_from_pairs(
@@ -270,17 +185,17 @@ class FaissSearcher(Searcher):
         memory_bytes: int | None = None,
     ) -> None:
         self.index = self.cpu_index = index
-        self._backend = backend
+        self._backend, self.impl = backend, get(backend)
         self.n_docs, self.dim = int(index.ntotal), int(index.d)
         self.vectors, self.scale = vectors, scale
-        self.settings = (settings or SearchSettings()).checked(backend, vectors is not None)
+        self.settings = self.impl.check(settings_for(self.impl, settings, {}), vectors is not None)
         self.last_probes: np.ndarray | None = None  # lists probed per query by the last adaptive range search
         self.build_s = float(build_s)
         self._memory = memory_bytes
         self.on_gpu = False
 
     def __getattr__(self, name: str) -> Any:  # the search parameters, read-only: searcher.nprobe
-        if name in SEARCH_PARAMS and "settings" in self.__dict__:
+        if "settings" in self.__dict__ and name in self.__dict__["impl"].settings.search_params:
             return getattr(self.settings, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -295,10 +210,10 @@ class FaissSearcher(Searcher):
         return self._memory
 
     def to_gpu(self) -> FaissSearcher:  # pragma: no cover - needs faiss-gpu and a GPU
-        """This searcher on GPU 0 (faiss ``index_cpu_to_gpu``); HNSW has no GPU version."""
+        """This searcher on GPU 0 (faiss ``index_cpu_to_gpu``); a backend without a GPU version is a ValueError."""
         faiss = import_faiss()
-        if self._backend == "hnsw":
-            raise ValueError("faiss has no GPU HNSW: use ivf_* or flat on the GPU")
+        if not self.impl.gpu:
+            raise ValueError(f"faiss has no GPU version of {self._backend}: use ivf_* or flat on the GPU")
         if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() == 0:
             raise RuntimeError("no GPU faiss: install pyterrier-prob[gpu] (faiss-gpu) on a machine with a CUDA GPU")
         out = copy.copy(self)
@@ -308,48 +223,39 @@ class FaissSearcher(Searcher):
         return out
 
     def with_params(self, **params: Any) -> FaissSearcher:
-        """A copy with other search parameters (:data:`SEARCH_PARAMS`)."""
+        """A copy with other search parameters (the backend's ``settings.search_params``)."""
+        check_search_params(self.impl, params)
         out = copy.copy(self)
-        out.settings = _settings(self.settings, params, SEARCH_PARAMS).checked(self._backend, self.vectors is not None)
+        out.settings = self.impl.check(dataclasses.replace(self.settings, **params), self.vectors is not None)
         return out
 
     def setting(self) -> str:
         """The search parameters, as a short string (``nprobe=64``)."""
-        s, ivf = self.settings, self._backend in _IVF
+        s = self.settings
         parts = [
-            f"nprobe={self._nprobe()}" if ivf else "",
-            f"probe_margin={s.probe_margin:g}" if ivf and s.probe_margin is not None else "",
-            f"ef_search={self._ef()}" if self._backend == "hnsw" else "",
+            *self.impl.describe(self.cpu_index, s),
             f"range_slack={s.range_slack:g}" if s.range_slack else "",
             f"k_factor={s.k_factor}" if s.k_factor != 1 else "",
         ]
         return ",".join(p for p in parts if p) or "-"
 
-    # ---- parameters ------------------------------------------------------------------------------------------
-    def _nprobe(self) -> int:  # the settings' values are positive ints or None
-        return int(self.settings.nprobe or self.cpu_index.nprobe)
-
-    def _ef(self) -> int:
-        return int(self.settings.ef_search or self.cpu_index.hnsw.efSearch)
-
     def _apply(self, k: int = 0) -> None:
-        if self._backend in _IVF:
-            self.index.nprobe = self.cpu_index.nprobe = self._nprobe()
-        if self._backend == "hnsw":
-            self.cpu_index.hnsw.efSearch = max(self._ef(), k)
+        self.impl.apply(self.cpu_index, self.settings, k)
+        if self.index is not self.cpu_index:  # the GPU copy
+            self.impl.apply(self.index, self.settings, k)
 
     # ---- search ------------------------------------------------------------------------------------------------
     def _knn(self, Q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         k = min(k, self.n_docs)
         self._apply(k)
-        index = self.index if not (self.on_gpu and k > _GPU_MAX_K) else self.cpu_index
-        found = [index.search(Q[q0 : q0 + _QUERY_BATCH], k) for q0 in range(0, Q.shape[0], _QUERY_BATCH)]
+        index = self.index if not (self.on_gpu and k > GPU_MAX_K) else self.cpu_index
+        found = [index.search(Q[q0 : q0 + QUERY_BATCH], k) for q0 in range(0, Q.shape[0], QUERY_BATCH)]
         return np.concatenate([D for D, _ in found]), np.concatenate([ids for _, ids in found])
 
     def _knn_past_ties(self, Q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The k-NN, deepened (doubling) for the queries whose last neighbour ties with their k-th: faiss keeps an
         arbitrary few of the documents tied at the k-th score, the exact scan (and :meth:`search`) the lower docids."""
-        if self.on_gpu and k >= _GPU_MAX_K:  # pragma: no cover - one more would leave the GPU
+        if self.on_gpu and k >= GPU_MAX_K:  # pragma: no cover - one more would leave the GPU
             return self._knn(Q, k)
         D, ids = self._knn(Q, k + 1)  # one more: does the (k+1)-th tie with the k-th?
         while k < D.shape[1] < self.n_docs:
@@ -390,12 +296,12 @@ class FaissSearcher(Searcher):
         return np.nextafter(f32_ceil(t - self.settings.range_slack), np.float32(-np.inf))
 
     def _range_pairs(self, Q: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """faiss range search of the CPU index, per query at its own radius: (query, docid, score) candidates."""
+        """faiss range search of the CPU index, per query at its own radius (or the backend's own range search):
+        (query, docid, score) candidates."""
         self._apply()
         radius, index = self._radius(t), self.cpu_index
-        if self.settings.probe_margin is not None:
-            parts = self._adaptive_range(Q, t, radius)
-        else:  # one query per call, each at its own radius, in threads
+        parts = self.impl.range_pairs(self, Q, t, radius)
+        if parts is None:  # one query per call, each at its own radius, in threads
             with ThreadPoolExecutor(max(1, min(n_threads(), Q.shape[0]))) as pool:
                 found = pool.map(lambda i: index.range_search(Q[i : i + 1], float(radius[i])), range(Q.shape[0]))
                 parts = [(D, ids) for _, D, ids in found]
@@ -403,42 +309,21 @@ class FaissSearcher(Searcher):
         ids = np.concatenate([p[1] for p in parts]).astype(np.int64)
         return qi, ids, np.concatenate([p[0] for p in parts])
 
-    def _adaptive_range(self, Q: np.ndarray, t: np.ndarray, radius: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """IVF range search probing every list whose centroid scores ``>= t_q - probe_margin`` (at least ``nprobe``)."""
-        index = self.cpu_index
-        nlist = int(index.nlist)
-        Dc, Ic = index.quantizer.search(Q, nlist)
-        need = np.maximum((Dc >= (t - self.settings.probe_margin)[:, None]).sum(axis=1), min(self._nprobe(), nlist))
-        saved_nprobe, saved_mode = index.nprobe, index.parallel_mode
-        index.parallel_mode = 1  # one query at a time: faiss' threads share its lists
-        parts = []
-        try:
-            for i in range(Q.shape[0]):
-                index.nprobe = int(need[i])
-                _, D, ids = index.range_search_preassigned(
-                    Q[i : i + 1], float(radius[i]), Ic[i : i + 1, : need[i]], Dc[i : i + 1, : need[i]]
-                )
-                parts.append((D, ids))
-        finally:
-            index.nprobe, index.parallel_mode = saved_nprobe, saved_mode
-        self.last_probes = need
-        return parts
-
     def _gpu_range(self, Q: np.ndarray, t: np.ndarray) -> CutoffHits:
-        """A range search by k-NN of doubling depth (GPU indexes have none), past ``_GPU_MAX_K`` on the CPU index."""
+        """A range search by k-NN of doubling depth (GPU indexes have none), past ``GPU_MAX_K`` on the CPU index."""
         radius, todo, found = self._radius(t), np.arange(Q.shape[0]), []
-        k = min(64, _GPU_MAX_K)
+        k = min(64, GPU_MAX_K)
         while todo.size:
             D, ids = self._knn(Q[todo], k)
             done = (D[:, -1] <= radius[todo]) | (D.shape[1] >= self.n_docs)
             rows, cols = np.nonzero(D[done] > radius[todo[done]][:, None])
             found.append((todo[done][rows], ids[done][rows, cols], D[done][rows, cols]))
             todo = todo[~done]
-            if todo.size and k >= _GPU_MAX_K:  # deeper than the GPU can go: the exact range search on the CPU
+            if todo.size and k >= GPU_MAX_K:  # deeper than the GPU can go: the exact range search on the CPU
                 q, d, sc = self._range_pairs(Q[todo], t[todo])
                 found.append((todo[q], d, sc))
                 break
-            k = min(2 * k, _GPU_MAX_K)
+            k = min(2 * k, GPU_MAX_K)
         return self._finish(Q, t, None, *(np.concatenate(x) for x in zip(*found)))
 
 
@@ -470,45 +355,6 @@ class ShardedSearcher(Searcher):
         return hits_from_pairs(Q.shape[0], qi, di, np.concatenate([h.scores for h in hits]), k)
 
 
-def _build_faiss(vectors: np.ndarray, backend: str, scale: np.ndarray | None, s: SearchSettings, verbose: bool) -> Any:
-    faiss = import_faiss()
-    (n, d), metric = vectors.shape, faiss.METRIC_INNER_PRODUCT
-    qtype = {"fp16": faiss.ScalarQuantizer.QT_fp16, "sq8": faiss.ScalarQuantizer.QT_8bit}.get(backend.split("_")[-1])
-    if backend == "flat":
-        index = faiss.IndexFlatIP(d)
-    elif backend == "flat_fp16":
-        index = faiss.IndexScalarQuantizer(d, qtype, metric)
-    elif backend == "hnsw":
-        index = faiss.IndexHNSWFlat(d, s.M, metric)
-        index.hnsw.efConstruction = s.ef_construction
-    else:
-        quantizer = faiss.IndexFlatIP(d)
-        if backend == "ivf_flat":
-            index = faiss.IndexIVFFlat(quantizer, d, s.nlist, metric)
-        elif qtype is not None:
-            index = faiss.IndexIVFScalarQuantizer(quantizer, d, s.nlist, qtype, metric)
-        elif d % s.pq_m:
-            raise ValueError(f"pq_m={s.pq_m} must divide the dimension {d}")
-        else:
-            index = faiss.IndexIVFPQ(quantizer, d, s.nlist, s.pq_m, 8, metric)
-        index.own_fields = True
-        quantizer.this.disown()
-    if not index.is_trained:
-        rows = np.sort(np.random.default_rng(s.seed).choice(n, size=min(n, s.train_size), replace=False))
-        index.train(_rows(vectors, rows, scale))
-    # HNSW gets every vector in one add: it inserts an add's vectors level by level in a shuffled order, and added
-    # in chunks its graph loses half its recall (docs/scale.md); the other indexes code each vector on its own
-    step = max(n, 1) if backend == "hnsw" else _ADD_BATCH
-    for a in pt.tqdm(range(0, n, step), desc=f"building {backend}", unit="batch", disable=not verbose):
-        index.add(_rows(vectors, slice(a, a + step), scale))
-    return index
-
-
-def _rows(vectors: np.ndarray, rows: Any, scale: np.ndarray | None) -> np.ndarray:
-    x = np.ascontiguousarray(np.asarray(vectors[rows], dtype=np.float32))
-    return x if scale is None else x * scale[rows][:, None]
-
-
 def _cached_faiss(
     vectors: np.ndarray, backend: str, scale: np.ndarray | None, s: SearchSettings, path: Path | None, verbose: bool
 ) -> tuple[Any, float]:
@@ -525,7 +371,7 @@ def _cached_faiss(
         meta = path.with_suffix(".build_s")
         return index, float(meta.read_text()) if meta.exists() else float("nan")
     start = time.perf_counter()
-    index = _build_faiss(vectors, backend, scale, s, verbose)
+    index = build_index(vectors, backend, scale, s, verbose)
     build_s = time.perf_counter() - start
     if path is not None:
         atomic_write(path, lambda f: faiss.write_index(index, faiss.PyCallbackIOWriter(f.write)))
@@ -544,31 +390,33 @@ def make_searcher(
     settings: SearchSettings | None = None,
     **params: Any,
 ) -> Searcher:
-    """A :class:`Searcher` of ``backend`` (:data:`BACKENDS`) over ``vectors`` (``(n_docs, dim)``, any float dtype,
-    kept, not copied, for the exact scan and re-scoring).
+    """A :class:`Searcher` of ``backend`` (``exact`` or a registered faiss backend, :data:`BACKENDS`) over ``vectors``
+    (``(n_docs, dim)``, any float dtype, kept, not copied, for the exact scan and re-scoring).
 
     Args:
         scale: per-document factor of the scores (``1 / ||d||`` for cosines of unnormalised vectors).
         cache_dir: a folder the built faiss index is kept in (:func:`cache_name`; read back, written atomically).
         gpu: run on the GPU (``None``: when faiss sees one and the backend has a GPU version).
-        settings, params: a :class:`SearchSettings` and/or its fields by keyword (``nlist=1024, nprobe=64``).
+        settings, params: the backend's settings (its :class:`SearchSettings` subclass, e.g. ``IVFSettings``) and/or
+            their fields by keyword (``nlist=1024, nprobe=64``).
     """
-    choice("backend", backend, BACKENDS)
     if np.ndim(vectors) != 2 or not len(vectors):
         raise ValueError(f"vectors must have shape (documents, dim) with at least one row, got {np.shape(vectors)}")
-    s = _settings(settings, params, [f.name for f in dataclasses.fields(SearchSettings)])
     if backend == "exact":
         if gpu:
             raise ValueError("backend='exact' is the CPU reference scan; for a GPU scan use backend='flat', gpu=True")
+        if settings is not None or params:
+            raise ValueError(f"the exact backend has no parameters, got {sorted(params) or ['settings']}")
         return ExactSearcher(vectors, scale)
-    s, build = s.with_build_defaults(backend, *vectors.shape)
+    impl = get(backend)  # a ValueError naming the registered backends
+    s, build = impl.with_defaults(settings_for(impl, settings, params), *vectors.shape)
     path = Path(cache_dir) / cache_name(backend, **build) if cache_dir is not None else None
     index, build_s = _cached_faiss(vectors, backend, scale, s, path, verbose)
     memory = path.stat().st_size if path is not None else None
     out = FaissSearcher(index, backend, s, vectors=vectors, scale=scale, build_s=build_s, memory_bytes=memory)
     if gpu is None:
         faiss = import_faiss()
-        gpu = backend != "hnsw" and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
+        gpu = impl.gpu and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
     return out.to_gpu() if gpu else out
 
 
@@ -582,7 +430,8 @@ def cached_searcher(
 ) -> Searcher:
     """:func:`make_searcher` once per backend, ``gpu`` and build parameters (memoised in ``cache`` under ``key``);
     search parameters of ``params`` give copies sharing it."""
-    search = {k: params.pop(k) for k in SEARCH_PARAMS if k in params}
+    names = get(backend).settings.search_params if backend != "exact" else ()
+    search = {k: params.pop(k) for k in names if k in params}
     scale, gpu = params.pop("scale", None), params.pop("gpu", False)
     key = (*key, backend, gpu, tuple(sorted(params.items())))
     if key not in cache:

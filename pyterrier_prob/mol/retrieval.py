@@ -19,7 +19,7 @@ import torch
 from pyterrier_prob.dense import Capped, validate_columns
 from pyterrier_prob.index.exact import search_vectors, top_per_query
 from pyterrier_prob.index.mol import MoLIndex, as_mol_index
-from pyterrier_prob.index.search import _GPU_MAX_K, Searcher, check_searcher, import_faiss
+from pyterrier_prob.index.search import GPU_MAX_K, Searcher, check_searcher, import_faiss
 from pyterrier_prob.mol.scoring import (
     _SCORE_BUDGET,
     IndexDocs,
@@ -360,7 +360,7 @@ class MoLRetriever(Capped):
             D[row, col], nbrs[row, col] = hits.scores, hits.docids
             return D, nbrs
         gpu = self.options.gpu if self.options.gpu is not None else import_faiss().get_num_gpus() > 0
-        gpu = bool(gpu) and k_eff <= _GPU_MAX_K
+        gpu = bool(gpu) and k_eff <= GPU_MAX_K
         index = self.index.faiss_flat(part, gpu=gpu)
         vectors = None if gpu else _flat_vectors(index)
         if vectors is not None:
