@@ -122,7 +122,7 @@ def _run_counts(run: Callable[[Any], Counts], x: Any, call: str, n: int | None) 
     return out, arr
 
 
-def _strata_series(strata: StrataLike) -> pd.Series:
+def strata_series(strata: StrataLike) -> pd.Series:
     """qid -> stratum label, from a frame with ``qid, stratum``, a qid-indexed Series, or a mapping."""
     if isinstance(strata, pd.DataFrame):
         require_columns(strata, ["qid", "stratum"], "strata")
@@ -143,7 +143,8 @@ def _strata_series(strata: StrataLike) -> pd.Series:
     return s[~s.index.duplicated()].rename("stratum").rename_axis("qid")
 
 
-def _stratum_order(labels: Iterable[Any]) -> list[Any]:
+def stratum_order(labels: Iterable[Any]) -> list[Any]:
+    """The distinct stratum labels in reading order: head, torso, tail (:data:`STRATA`), then any other, sorted."""
     present = list(dict.fromkeys(labels))
     return [s for s in STRATA if s in present] + sorted((s for s in present if s not in STRATA), key=str)
 
@@ -404,7 +405,8 @@ def _finish_strata(out: pd.DataFrame, basis: str) -> pd.DataFrame:
 # --- 3. set measures per stratum (Sec. 4.1.3, Table 1) ------------------------------------------------------------
 
 
-def _parse_measures(measures: Sequence[Any] | str | Any) -> list[Any]:
+def parse_measures(measures: Sequence[Any] | str | Any) -> list[Any]:
+    """ir_measures measures from one or several names or measure objects (``"nDCG@10"``, ``[R@100, "RR"]``)."""
     if isinstance(measures, str) or not isinstance(measures, Iterable):
         measures = [measures]
     parsed = [ir_measures.parse_measure(m) if isinstance(m, str) else m for m in measures]
@@ -430,7 +432,7 @@ def _stratum_of(qids: pd.Index, strata: StrataLike | None) -> pd.Series:
     stratum = pd.Series(None, index=qids, dtype=object)
     if strata is None:
         return stratum
-    s = _strata_series(strata)
+    s = strata_series(strata)
     common = qids[qids.isin(s.index)]
     if len(common) == 0:
         raise ValueError("strata share no qid with the evaluated queries (those with relevant documents)")
@@ -470,7 +472,7 @@ def per_query_set_measures(
     if not isinstance(runs, Mapping) or not runs:
         raise ValueError("runs must be a non-empty mapping of name -> result frame")
     require_columns(qrels, QRELS_COLUMNS, "qrels")
-    ms = _parse_measures(measures)
+    ms = parse_measures(measures)
     names = [str(m) for m in ms]
     qids = _evaluated_qids(qrels, topics, min_label)
     stratum = _stratum_of(qids, strata)
@@ -525,10 +527,10 @@ def evaluate_set_measures(
     if baseline is not None and baseline not in runs:
         raise ValueError(f"baseline {baseline!r} is not one of the runs {list(runs)}")
     per_q = per_query_set_measures(runs, qrels, strata, measures, topics=topics, min_label=min_label)
-    names = [str(m) for m in _parse_measures(measures)]
+    names = [str(m) for m in parse_measures(measures)]
     groups: list[tuple[str, pd.Series]] = [("all", pd.Series(True, index=per_q.index))]
     if strata is not None:
-        groups += [(s, per_q["stratum"] == s) for s in _stratum_order(per_q["stratum"].dropna())]
+        groups += [(s, per_q["stratum"] == s) for s in stratum_order(per_q["stratum"].dropna())]
     rows = []
     for name in runs:
         for label, in_group in groups:
@@ -563,7 +565,7 @@ def table3_grid(
     ps = list(ps)
     if not ps:
         raise ValueError("ps is empty")
-    s = _strata_series(strata) if strata is not None else None
+    s = strata_series(strata) if strata is not None else None
     qids = s.index if s is not None else (_topic_qids(topics) if topics is not None else None)
     cols: dict[float, pd.Series] = {}
     for p in ps:
@@ -576,7 +578,7 @@ def table3_grid(
     else:
         counts = pd.DataFrame(cols).reindex(s.index, fill_value=0)
         table = counts.groupby(s.to_numpy(), sort=False).mean()
-        table = table.loc[_stratum_order(table.index)]
+        table = table.loc[stratum_order(table.index)]
         if include_all:
             table.loc["all"] = counts.mean()
     table.index.name = "stratum"

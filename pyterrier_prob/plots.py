@@ -12,7 +12,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from pyterrier_prob.atomic import save_figure
-from pyterrier_prob.evaluation import StrataLike, _strata_series, _stratum_order, retrieved_counts
+from pyterrier_prob.evaluation import StrataLike, retrieved_counts, strata_series, stratum_order
 from pyterrier_prob.validation import choice
 
 _COLOURS = {"head": "tab:red", "torso": "tab:orange", "tail": "tab:blue", "all": "tab:gray"}
@@ -33,9 +33,9 @@ def retrieved_count_histogram(
     ``counts_by_qid``: qid-indexed counts, a mapping or a result frame; every query of ``strata`` counts (0 without
     rows); shared bin edges. ``layout``: ``"panels"`` (one per stratum) or ``"overlay"``. Returns ``path``."""
     choice("layout", layout, ("panels", "overlay"))
-    s = _strata_series(strata)
+    s = strata_series(strata)
     counts = retrieved_counts(counts_by_qid, s.index)
-    order = _stratum_order(s.to_numpy())
+    order = stratum_order(s.to_numpy())
     edges = np.histogram_bin_edges(counts.to_numpy(dtype=float), bins=bins)
     panels = layout == "panels"
     fig = Figure(figsize=(4.0 * len(order), 3.6) if panels else (6.4, 4.2), layout="constrained")

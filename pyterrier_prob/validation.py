@@ -53,7 +53,8 @@ def row_namer(
     return name
 
 
-def _missing(v: Any) -> bool:
+def is_missing(v: Any) -> bool:
+    """Whether a cell holds no value: None, ``pd.NA``, ``pd.NaT`` or a float NaN."""
     return v is None or v is pd.NA or v is pd.NaT or (isinstance(v, float | np.floating) and bool(np.isnan(v)))
 
 
@@ -76,7 +77,7 @@ def check_texts(frame: pd.DataFrame, column: str, owner: str) -> list[str]:
     ok = np.fromiter((isinstance(v, str) for v in s.tolist()), dtype=bool, count=len(s))
     i = int(np.flatnonzero(~ok)[0])
     v = s.iat[i]
-    what = f"missing ({v!r})" if _missing(v) else f"a {type(v).__name__} ({v!r}), not a str"
+    what = f"missing ({v!r})" if is_missing(v) else f"a {type(v).__name__} ({v!r}), not a str"
     more = int((~ok).sum()) - 1
     raise ValueError(
         f"{owner}: {column!r} of {row_namer(frame)(i)} is {what}{f' (and {more} more rows)' if more else ''}: "
@@ -112,7 +113,7 @@ def stack_arrays(
         arr = np.asarray(values, dtype=np.float32)
     if arr is None or arr.ndim != ndim + 1 or (shape is not None and arr.shape[1:] != tuple(shape)):
         for i, v in enumerate(list(values)):  # the first row that is not a numeric array of the right shape
-            if _missing(v):
+            if is_missing(v):
                 raise ValueError(f"{owner}: {column!r} of {name(i)} is missing ({v!r}): every row needs one")
             if isinstance(v, str | bytes):
                 text = v if len(v) <= 40 else v[:37] + "..."
@@ -154,7 +155,7 @@ def float_column(frame: pd.DataFrame, column: str, owner: str) -> np.ndarray:
         out = s.to_numpy(dtype=np.float64)
     if out is None or np.isnan(out).any():
         for i, v in enumerate(s.tolist()):
-            if _missing(v):
+            if is_missing(v):
                 raise ValueError(f"{owner}: {column!r} of {row_namer(frame)(i)} is missing ({v!r})")
             try:
                 float(v)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import importlib.metadata
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from packaging.version import Version
 from sentence_transformers import CrossEncoder, SentenceTransformer
 from torch import nn
 from transformers import PreTrainedModel
@@ -111,6 +113,39 @@ def _check_files(path: str) -> None:
             )
 
 
+# ---- the internals of sentence-transformers and transformers that loading uses --------------------------------------
+
+#: The versions whose internals :func:`load_model` calls (pyproject's pins): sentence-transformers'
+#: ``_load_with_module_classes`` (loading with an allow-list of module classes; private on purpose, its docstring says)
+#: and transformers' ``PreTrainedModel._finalize_model_loading`` (hooked to see the weights a checkpoint lacks).
+SUPPORTED = {"sentence-transformers": ("6.2", "7"), "transformers": ("5.24", "6")}
+
+
+def check_internals(versions: dict[str, str] | None = None) -> None:
+    """RuntimeError naming the package, its version and the supported range when sentence-transformers or
+    transformers is outside :data:`SUPPORTED`, or lacks the internal entry point :func:`load_model` uses (``versions``:
+    the installed ones, for a test)."""
+    for name, (low, high) in SUPPORTED.items():
+        have = (versions or {}).get(name) or importlib.metadata.version(name)
+        if not Version(low) <= Version(have) < Version(high):
+            raise RuntimeError(
+                f"st_extensions.load_model calls internals of {name} that it was written for {low} <= version < "
+                f"{high}; {have} is installed: pip install '{name}>={low},<{high}'"
+            )
+    missing = [
+        where
+        for where, ok in (
+            ("sentence_transformers' SentenceTransformer._load_with_module_classes",
+             callable(getattr(SentenceTransformer, "_load_with_module_classes", None))),
+            ("transformers' PreTrainedModel._finalize_model_loading (a staticmethod)",
+             isinstance(PreTrainedModel.__dict__.get("_finalize_model_loading"), staticmethod)),
+        )
+        if not ok
+    ]  # fmt: skip
+    if missing:
+        raise RuntimeError(f"st_extensions.load_model needs {' and '.join(missing)}, which this installation lacks")
+
+
 # ---- weights the config declares but the checkpoint lacks ----------------------------------------------------------
 
 _missing_records = threading.local()
@@ -124,10 +159,8 @@ def _record_missing_weights() -> Iterator[list[tuple[str, str, list[str]]]]:
     thread): transformers only logs the keys it initialised at random because the checkpoint lacks them."""
     global _hook_users
     records: list[tuple[str, str, list[str]]] = []
-    original = PreTrainedModel.__dict__.get("_finalize_model_loading")
-    if not isinstance(original, staticmethod):  # pragma: no cover - another transformers version: nothing to hook
-        yield records
-        return
+    check_internals()
+    original = PreTrainedModel.__dict__["_finalize_model_loading"]
     with _hook_lock:
         if _hook_users == 0:
 

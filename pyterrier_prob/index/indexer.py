@@ -20,7 +20,7 @@ import pyterrier as pt
 from npids import Lookup
 
 from pyterrier_prob.atomic import atomic_directory, atomic_write, recover_directory
-from pyterrier_prob.validation import _missing, is_int, stack_arrays
+from pyterrier_prob.validation import is_int, is_missing, stack_arrays
 
 __all__ = ["AtomicIndexer", "IndexArtifact", "IndexingMode"]
 
@@ -349,7 +349,7 @@ def check_docnos(docnos: list, offset: int, seen: set[str]) -> None:
     """Docnos of records ``offset, offset + 1, ...``: str, no NUL character, not seen before (``seen`` grows)."""
     for i, docno in enumerate(docnos):
         if not isinstance(docno, str):
-            what = "missing" if _missing(docno) else "not a str"
+            what = "missing" if is_missing(docno) else "not a str"
             raise ValueError(
                 f"docno must be a str: docno of record #{offset + i} is {what} ({docno!r}, {type(docno).__name__})"
             )

@@ -21,7 +21,7 @@ from pyterrier_prob.index.exact import search_vectors, top_per_query
 from pyterrier_prob.index.mol import MoLIndex, as_mol_index
 from pyterrier_prob.index.search import GPU_MAX_K, Searcher, check_searcher, import_faiss
 from pyterrier_prob.mol.scoring import (
-    _SCORE_BUDGET,
+    SCORE_BUDGET,
     IndexDocs,
     MoLReranker,
     check_index_matches,
@@ -384,7 +384,7 @@ class MoLRetriever(Capped):
         Qt, Qft = tensor(Q, device, dtype), tensor(Qf, device, dtype)
         comps, feats = self.index.components(), self.index.features()
         per_doc = self.shapes.px * self.shapes.dim + 4 * B * self.shapes.pq * self.shapes.px
-        chunk = max(1, _SCORE_BUDGET // per_doc)
+        chunk = max(1, SCORE_BUDGET // per_doc)
         parts = [(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32))]  # (query, docid, score)
         pending = 0
         for c0 in range(0, N, chunk):

@@ -29,7 +29,7 @@ from pyterrier_prob.validation import (
 )
 from st_extensions.mol import inference
 
-_SCORE_BUDGET = 1 << 23  # float32 elements of one MoL scoring chunk (components + gate inputs), ~32 MiB
+SCORE_BUDGET = 1 << 23  # float32 elements of one MoL scoring chunk (components + gate inputs), ~32 MiB
 
 #: ``docs(rows)`` -> the components ``(n, P_x, d)`` and gate features ``(n, F)`` (or None) of pairs ``rows``.
 DocSource = Callable[[Any], "tuple[np.ndarray, np.ndarray | None]"]
@@ -200,14 +200,14 @@ def _padded(t: torch.Tensor, shape: tuple[int, ...], row: torch.Tensor, pos: tor
 def score_pairs(mol: Any, shapes: Shapes, Q: np.ndarray, Qf: np.ndarray | None, qi: np.ndarray, docs: DocSource):
     """phi (Eq. 1) of the pairs (query ``qi[i]``, document i), via ``mol.score_candidates``: each query's candidates
     are one zero-padded row of a batch (split over rows when too many), so query components are not repeated per
-    candidate; chunks hold at most ``_SCORE_BUDGET`` elements."""
+    candidate; chunks hold at most ``SCORE_BUDGET`` elements."""
     order = np.argsort(qi, kind="stable") if qi.size > 1 and bool((qi[1:] < qi[:-1]).any()) else None
     grouped = qi if order is None else qi[order]
     scores = np.empty(qi.size, np.float32)
     device, dtype = device_dtype(mol)
     Qt, Qft = tensor(Q, device, dtype), tensor(Qf, device, dtype)
     score = _candidate_scorer(mol)
-    cap = max(1, _SCORE_BUDGET // (shapes.px * shapes.dim + 4 * shapes.pq * shapes.px + (shapes.feature_dim or 0)))
+    cap = max(1, SCORE_BUDGET // (shapes.px * shapes.dim + 4 * shapes.pq * shapes.px + (shapes.feature_dim or 0)))
     for a, b, starts, width in _segments(grouped, cap):
         lens = np.diff(np.r_[starts, b])
         row = torch.from_numpy(np.repeat(np.arange(starts.size), lens)).to(device)

@@ -11,7 +11,7 @@ from typing import Any
 import ir_measures
 import pandas as pd
 
-from pyterrier_prob.evaluation import _parse_measures, per_query_set_measures
+from pyterrier_prob.evaluation import parse_measures, per_query_set_measures
 from st_extensions.checks import choice, finite_float, positive_int
 
 __all__ = ["hard_queries", "hard_query_table", "no_relevant_in_top", "per_query", "percent_no"]
@@ -26,7 +26,7 @@ def per_query(
     min_label: int = 1,
 ) -> pd.Series:
     """One ``ir_measures`` measure per evaluated query (0 where ``run`` has nothing), as a qid-indexed Series."""
-    (m,) = _parse_measures(measure)
+    (m,) = parse_measures(measure)
     values = per_query_set_measures({"run": run}, qrels, None, [m], topics=topics, min_label=min_label)
     return values.set_index("qid")[str(m)].rename(str(m))
 
@@ -87,7 +87,7 @@ def hard_query_table(
         raise ValueError("runs must be a non-empty mapping of name -> result frame")
     if isinstance(baseline, str):
         baseline = runs[choice("baseline", baseline, list(runs))]
-    ms = _parse_measures(measures)
+    ms = parse_measures(measures)
     hard = hard_queries(baseline, qrels, ms[0], fraction, topics=topics, min_label=min_label)
     per_q = per_query_set_measures(runs, qrels, None, ms, topics=topics, min_label=min_label)
     rows = []
