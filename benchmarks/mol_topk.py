@@ -608,7 +608,7 @@ def markdown_table(path: str) -> str:
     ]
     for setting in result["settings"]:
         for r in setting["rows"]:
-            s = r["searcher"]
+            s = r.get("searcher")  # absent in files written before it was recorded: the flat scan
             if r["method"] == "brute_force":
                 stage = "— (MoL on every document)"
             elif s is None:
@@ -621,7 +621,7 @@ def markdown_table(path: str) -> str:
                 f"| {setting['n_docs']:,} | {method} | {stage} | {r['relative_hr']['10']:.3f} "
                 f"| {r['relative_hr']['100']:.3f} | {lat['median'] / 1000:.3f} s ({lat['p90'] / 1000:.2f} s) "
                 f"| {sp['median_of_per_batch_ratios']:.1f}× ({sp['paired_batches']}) "
-                f"| {r['memory']['bytes'] / 2**30:.2f} GiB |"
+                + (f"| {r['memory']['bytes'] / 2**30:.2f} GiB |" if "memory" in r else "| – |")
             )
     return "\n".join(lines)
 
