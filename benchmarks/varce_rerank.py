@@ -10,7 +10,8 @@ trained model, pool, cache and score is reused; a killed run continues from its 
   and pseudo-queries cut from the nfcorpus corpus (titles and spans); CE, VarCE-MEANVAR, VarCE-VAR, and the CE and
   VarCE-VAR that read BM25's score as text (``--input-score``);
 - the ablation (``<output>-j1-pseudo``, ``-j2-train``, ``-j1-train``): the CE alone at 1 and 2 joint layers, on the same
-  rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher.
+  rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher;
+- ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows (J = 6, a plain CrossEncoder, needs a GPU).
 
 Which plain student at J >= 2 is the chosen row is decided by the dev points alone (the best of its learning curve
 over every J >= 2 run), a rule fixed before any test figure is read. ``p_vs_j1`` compares a row with the J = 1 CE
@@ -48,6 +49,7 @@ RUNS = {
     "j1-pseudo": (1, "train + pseudo-queries", ["--train-layers", "1", *PSEUDO, "--students", "CE"]),
     "j2-train": (2, "train", ["--train-layers", "2", "--students", "CE"]),
     "j1-train": (1, "train", ["--train-layers", "1", "--students", "CE"]),
+    "j3-pseudo": (3, "train + pseudo-queries", ["--train-layers", "3", *PSEUDO, "--students", "CE"]),
 }
 TEACHER = "models/distill-teacher"
 

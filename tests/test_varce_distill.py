@@ -400,6 +400,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert len(made) == pseudo["pool_pairs"] and summary["teacher"]["pool_queries"] > info["queries"]["train"]
     assert not (made["qid"].str.split("-", n=2).str[2] == made["docno"]).any()  # no query meets its own document
     assert summary["joint_layers"] == 1
+    assert set(summary["scoring"]) == set(STUDENTS) and all(v["pairs_scored"] > 0 for v in summary["scoring"].values())
     from scipy.stats import ttest_rel
 
     for row in summary["rows"]:  # the per-query values recompute every row's mean, test and interval

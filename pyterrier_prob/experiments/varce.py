@@ -395,16 +395,9 @@ class VarceRun:
                 tg.label: dict(split=tg.split, queries=len(tg.topics), queries_available=tg.available, depth=tg.depth)
                 for tg in self.targets
             },
-            "scoring": {n: _scoring_info(sc) for n, sc in self.scorers.items()},
+            "scoring": {n: sc.info() for n, sc in self.scorers.items()},
             "robustness_examples": examples,
         }
-
-
-def _scoring_info(sc: PairScorer) -> dict[str, Any]:
-    rate = round(sc.pairs / sc.seconds, 1) if sc.seconds else None
-    return dict(
-        pairs_scored=sc.pairs, pairs_from_earlier_runs=sc.loaded, seconds=round(sc.seconds, 1), pairs_per_s=rate
-    )
 
 
 def _dev_ndcg(dev: Target, rank: Callable[[float], pd.DataFrame], value: float) -> float:

@@ -600,6 +600,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         "dev_curves": curves,
         "calibration": calibration,
         "uncertainty": uncertainty,
+        "scoring": {s: sc.info() for s, sc in scorers.items()},
         "aurc": selective,
         "per_query": per_query_ndcg,
         "std_shift": std_shift(selective, targets[0].label) if selective else {},

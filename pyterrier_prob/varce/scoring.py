@@ -68,6 +68,16 @@ class PairScorer:
         if not lines or len(whole) < len(lines):  # a new file, or appends must not continue a cut line
             atomic_write(self.cache_path, head + "".join(whole))
 
+    def info(self) -> dict[str, Any]:
+        """What this scorer did in the run: pairs scored (their seconds, pairs/s) and pairs read from earlier runs."""
+        rate = round(self.pairs / self.seconds, 1) if self.seconds else None
+        return {
+            "pairs_scored": self.pairs,
+            "pairs_from_earlier_runs": self.loaded,
+            "seconds": round(self.seconds, 1),
+            "pairs_per_s": rate,
+        }
+
     def add(self, collection: str, scored: Iterable[tuple[str, str, float, float]], seconds: float = 0.0) -> None:
         """Record ``(query, docno, E[s], std[s])`` scores computed elsewhere (e.g. by :class:`SharedLayers`),
         appending them to the score file."""
