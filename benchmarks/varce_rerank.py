@@ -100,8 +100,9 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
         if curve.get("best") and "score as text" not in system
     }
     chosen = max(dev, key=lambda k: (dev[k], -list(RUNS).index(k[0]))) if dev else None
-    for row in rows:
-        row["chosen_on_dev"] = (row["run"], row["system"]) == chosen and row["depth"] == 100
+    for row in rows:  # the chosen student's rows at each collection's evaluated depth
+        depth = summaries[row["run"]]["evaluated"][row["collection"]]["depth"]
+        row["chosen_on_dev"] = (row["run"], row["system"]) == chosen and row["depth"] == depth
     main = {**main, "rows": rows, "chosen_on_dev": {"run": chosen[0], "system": chosen[1], "dev": dev[chosen]}}
     main["ablation_dev"] = {f"{run}/{system}": v for (run, system), v in dev.items()}
     main["per_query_runs"] = {run: s["per_query"] for run, s in summaries.items() if run != "main"}
