@@ -1,0 +1,120 @@
+"""Per-query re-ranking depth: the convention (re-ranked head, then the first stage's tail), the rules fitted on dev
+(fixed, statistic at a mean depth, conformal recall), the oracle depth and the PyTerrier stage, on small runs whose
+answers are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyterrier as pt
+import pytest
+
+from pyterrier_prob.rerank_depth import (
+    ConformalRecallDepth,
+    DepthRerank,
+    FixedDepth,
+    StatisticDepth,
+    oracle_depths,
+    rerank_at_depths,
+)
+
+
+def _run(n_q: int = 3, n: int = 6, seed: int = 0) -> pd.DataFrame:
+    """``n`` candidates per query, first-stage scores decreasing with rank, a query text, and a re-ranker column
+    ``ce`` that reverses the first stage's order."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for q in range(n_q):
+        scores = np.sort(rng.uniform(0, 10, n))[::-1]
+        for r in range(n):
+            rows.append({"qid": f"q{q}", "query": f"text {q}", "docno": f"d{q}-{r}", "score": scores[r], "rank": r})
+    run = pd.DataFrame(rows)
+    return run.assign(ce=run["rank"].astype(float))  # the deeper, the better for the re-ranker
+
+
+def test_convention_head_reranked_then_the_tail_in_first_stage_order():
+    run = _run()
+    out = rerank_at_depths(run, run["ce"], pd.Series({"q0": 3, "q1": 0, "q2": 6}))
+    q0 = out[out["qid"] == "q0"]
+    assert q0["docno"].tolist() == ["d0-2", "d0-1", "d0-0", "d0-3", "d0-4", "d0-5"]
+    assert q0["reranked"].tolist() == [True] * 3 + [False] * 3
+    assert out[out["qid"] == "q1"]["docno"].tolist() == [f"d1-{r}" for r in range(6)]  # depth 0: the first stage
+    assert out[out["qid"] == "q2"]["docno"].tolist() == [f"d2-{r}" for r in range(5, -1, -1)]
+    assert len(out) == len(run) and (out.groupby("qid")["rank"].apply(list) == [list(range(6))] * 3).all()
+    for _, g in out.groupby("qid"):  # scores strictly decreasing down each final list: the ranks and scores agree
+        assert (np.diff(g["score"].to_numpy()) < 0).all()
+    with pytest.raises(ValueError, match="no re-ranker score"):
+        rerank_at_depths(run, run["ce"].where(run["rank"] != 1), 3)
+
+
+def test_fixed_and_statistic_depths():
+    run = _run(n_q=4, n=10)
+    assert FixedDepth(4).depths(run).tolist() == [4, 4, 4, 4]
+    assert FixedDepth(40).depths(run).tolist() == [10] * 4  # never beyond the list
+    rule = StatisticDepth("zscore", mean_depth=5, max_depth=10).fit(run)
+    depths = rule.depths(run)
+    assert depths.mean() == pytest.approx(5, abs=0.25)  # the dev run's own mean depth, up to ties
+    z = pd.Series(run.groupby("qid")["score"].transform(lambda s: (s - s.mean()) / s.std(ddof=0)).to_numpy())
+    # scores decrease down each list, so z does: the depth counts the rows at or above the level (within 1e-9)
+    above, below = (z > rule.level + 1e-9).groupby(run["qid"]).sum(), (z >= rule.level - 1e-9).groupby(run["qid"]).sum()
+    assert (above <= depths).all() and (depths <= below).all()
+    with pytest.raises(ValueError, match="one of mean_depth"):
+        StatisticDepth("zscore")
+    with pytest.raises(ValueError, match="not fitted"):
+        StatisticDepth("score", mean_depth=3).depths(run)
+
+
+def test_conformal_recall_depth_keeps_its_promise_on_calibration():
+    """The relevant documents of each query sit at known ranks among its top 10; the rank rule's depth is the
+    shallowest fixed k whose conformal bound n/(n+1) mean(1 - recall) + 1/(n+1) <= 1 - target holds."""
+    run = _run(n_q=20, n=10, seed=1)
+    rng = np.random.default_rng(2)
+    rel = [(f"q{q}", f"d{q}-{r}", 1) for q in range(20) for r in rng.choice(10, size=2, replace=False)]
+    rel += [("q0", "d0-outside", 1)]  # beyond the first stage's list: not counted
+    qrels = pd.DataFrame(rel, columns=["qid", "docno", "label"])
+    target = 0.8
+    rule = ConformalRecallDepth(target, "rank", max_depth=10).fit(run, qrels)
+    k = int(rule.depths(run).iloc[0])
+    assert (rule.depths(run) == k).all()
+
+    def bound(k: int) -> float:
+        kept = qrels[qrels["docno"].str.split("-").str[1].isin([str(r) for r in range(k)])].groupby("qid").size()
+        recall = kept.reindex([f"q{q}" for q in range(20)]).fillna(0) / 2
+        return 20 / 21 * float((1 - recall).mean()) + 1 / 21
+
+    assert bound(k) <= 1 - target < bound(k - 1)
+    adaptive = ConformalRecallDepth(target, "zscore", max_depth=10).fit(run, qrels)
+    assert adaptive.reachable and adaptive.depths(run).between(1, 10).all()
+    with pytest.raises(ValueError, match="needs the calibration queries' qrels"):
+        ConformalRecallDepth(0.9).fit(run)
+
+
+def test_oracle_depth_is_the_shallowest_with_the_full_value():
+    """A re-ranker that puts each query's relevant document first once it is in the head: the oracle depth is its
+    first-stage rank + 1; a query with no relevant candidate needs no re-ranking (depth 0)."""
+    run = _run(n_q=3, n=6)
+    qrels = pd.DataFrame({"qid": ["q0", "q1"], "docno": ["d0-5", "d1-2"], "label": [1, 1]})
+    ce = run["docno"].isin(qrels["docno"]).astype(float)  # ties keep the first stage's order
+    assert oracle_depths(run, ce, qrels, max_depth=6).to_dict() == {"q0": 6, "q1": 3, "q2": 0}
+    reverse = oracle_depths(run, run["ce"], qrels, max_depth=6)  # reversing: only the full depth gives its value
+    assert reverse.to_dict() == {"q0": 6, "q1": 6, "q2": 0}
+
+
+def test_depth_rerank_stage_in_a_pipeline():
+    run = _run(n_q=3, n=8)
+    seen = []
+
+    def ce(frame: pd.DataFrame) -> pd.DataFrame:
+        seen.append(len(frame))
+        return frame.assign(score=frame["rank"].astype(float))
+
+    stage = DepthRerank(FixedDepth(3), pt.apply.generic(ce))
+    out = stage(run)
+    assert seen == [9] and stage.pairs_scored == 9  # 3 queries x depth 3
+    expected = rerank_at_depths(run, run["ce"], 3)
+    pd.testing.assert_frame_equal(out[["qid", "docno", "rank"]], expected[["qid", "docno", "rank"]])
+    top2 = (pt.Transformer.from_df(run, uniform=True) >> stage % 2)(run[["qid", "query"]].drop_duplicates())
+    assert top2.groupby("qid").size().tolist() == [2, 2, 2]
+    assert stage.fuse_rank_cutoff(2).num_results == 2 and "reranker" in stage.subtransformers()
+    with pytest.raises(TypeError, match="rule must be a DepthRule"):
+        DepthRerank(3, pt.apply.generic(ce))
