@@ -34,8 +34,11 @@ __all__ = [
     "ConformalRecallDepth",
     "DepthRerank",
     "DepthRule",
+    "FirstPassDepth",
     "FixedDepth",
+    "LearnedDepth",
     "StatisticDepth",
+    "list_features",
     "oracle_depths",
     "rerank_at_depths",
 ]
@@ -176,6 +179,136 @@ class ConformalRecallDepth(StatisticDepth):
 
     def __repr__(self) -> str:
         return f"ConformalRecallDepth({self.target}, {self.name!r}, level={self.level})"
+
+
+def list_features(ranked: pd.DataFrame, max_depth: int = 100) -> pd.DataFrame:
+    """Per query (in the order they come), features of its first-stage list's top ``max_depth`` scores for a learned
+    depth: the top score, its gap to the second and its standardised value, the spread, and the gaps at 10 and 50,
+    each over the list's standard deviation (scale-free), and the list's length."""
+    ranked = ranked[ranked["rank"] < max_depth]
+    rows = {}
+    for qid, g in ranked.groupby("qid", sort=False):
+        s = g["score"].to_numpy(dtype=np.float64)
+        sd = float(s.std()) or 1.0
+        at = s[np.minimum([1, 9, 49], len(s) - 1)]  # the 2nd, 10th and 50th scores (the last of a shorter list)
+        rows[qid] = {
+            "z_top1": (s[0] - s.mean()) / sd,
+            "gap_1_2": (s[0] - at[0]) / sd,
+            "gap_top10": (s[0] - at[1]) / sd,
+            "gap_top50": (s[0] - at[2]) / sd,
+            "spread": sd / (abs(s.mean()) or 1.0),
+            "length": float(len(s)),
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+class LearnedDepth(DepthRule):
+    """A supervised ranked-list-truncation baseline (as Lien et al., ICTIR 2019, and the methods Meng et al., SIGIR
+    2024, compare): ridge regression of log(1 + oracle depth) on :func:`list_features`, the ridge strength chosen among
+    ``alphas`` by ``folds``-fold cross-validation on the dev queries (:func:`oracle_depths` of the dev run gives the
+    targets), then the prediction scaled so that the dev queries re-rank ``mean_depth`` on average (None: as
+    predicted)."""
+
+    def __init__(
+        self,
+        mean_depth: float | None = None,
+        alphas: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0, 100.0),
+        folds: int = 5,
+        max_depth: int = 100,
+        min_depth: int = 1,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(max_depth, min_depth)
+        self.mean_depth, self.alphas, self.folds, self.seed = (
+            mean_depth,
+            tuple(alphas),
+            positive_int("folds", folds),
+            seed,
+        )
+        self.coef_: np.ndarray | None = None
+
+    def _design(self, ranked: pd.DataFrame) -> tuple[pd.Index, np.ndarray]:
+        f = list_features(ranked, self.max_depth)
+        return f.index, np.c_[np.ones(len(f)), (f.to_numpy() - self.mu_) / self.sd_]
+
+    @staticmethod
+    def _ridge(x: np.ndarray, y: np.ndarray, alpha: float) -> np.ndarray:
+        penalty = alpha * np.eye(x.shape[1])
+        penalty[0, 0] = 0.0  # the intercept is not shrunk
+        return np.linalg.solve(x.T @ x + penalty, x.T @ y)
+
+    def fit(
+        self, run: pd.DataFrame, qrels: pd.DataFrame | None = None, oracle: pd.Series | None = None
+    ) -> LearnedDepth:
+        if oracle is None:
+            raise ValueError("LearnedDepth.fit needs the dev queries' oracle depths (oracle_depths of the dev run)")
+        ranked = _ranked(run)
+        f = list_features(ranked, self.max_depth)
+        self.mu_, self.sd_ = f.mean().to_numpy(), f.std(ddof=0).replace(0.0, 1.0).to_numpy()
+        index, x = self._design(ranked)
+        y = np.log1p(oracle.reindex(index).astype(np.float64).to_numpy())
+        if np.isnan(y).any():
+            raise ValueError("oracle gives no depth for some dev queries of the run")
+        fold = np.random.default_rng(self.seed).permutation(len(y)) % min(self.folds, len(y))
+        errors = {}
+        for a in self.alphas:  # cross-validated squared error of each ridge strength
+            errors[a] = sum(
+                float(((x[fold == k] @ self._ridge(x[fold != k], y[fold != k], a) - y[fold == k]) ** 2).sum())
+                for k in np.unique(fold)
+            )
+        self.alpha_ = min(errors, key=lambda a: (errors[a], a))
+        self.coef_, self.scale_ = self._ridge(x, y, self.alpha_), 1.0
+        if self.mean_depth is not None:  # bisection on the scale of the predicted depth
+            lo, hi = 1e-3, 1e3
+            for _ in range(60):
+                mid = (lo * hi) ** 0.5
+                self.scale_ = mid
+                lo, hi = (mid, hi) if self.depths(ranked).mean() < self.mean_depth else (lo, mid)
+        return self
+
+    def _raw(self, ranked: pd.DataFrame) -> pd.Series:
+        if self.coef_ is None:
+            raise ValueError(f"{self!r} is not fitted: call .fit(dev_run, oracle=oracle_depths(...)) first")
+        index, x = self._design(ranked)
+        return pd.Series(np.rint(self.scale_ * np.expm1(x @ self.coef_)), index=index)
+
+    def __repr__(self) -> str:
+        return f"LearnedDepth(mean_depth={self.mean_depth})"
+
+
+class FirstPassDepth(DepthRule):
+    """A cheap first pass decides: each query's top ``prefix`` rows carry a first-pass statistic (column ``column``,
+    e.g. a VarCE's std[s] of those pairs, or a small cross-encoder's score spread), averaged per query; a query whose
+    mean is above ``level`` (uncertain) is re-ranked to ``max_depth``, the others to ``prefix``. :meth:`fit` sets the
+    level so that the dev queries re-rank ``mean_depth`` on average; the first pass's own pairs are the caller's to
+    count (they are the prefix's, so with the same re-ranker nothing is scored twice)."""
+
+    def __init__(self, prefix: int, mean_depth: float, column: str = "first_pass_std", max_depth: int = 100) -> None:
+        super().__init__(max_depth, min_depth=positive_int("prefix", prefix))
+        self.prefix, self.mean_depth, self.column, self.level = prefix, float(mean_depth), column, None
+
+    def _stat(self, ranked: pd.DataFrame) -> pd.Series:
+        if self.column not in ranked.columns:
+            raise ValueError(f"FirstPassDepth reads the first pass's column {self.column!r}: the run has none")
+        head = ranked[ranked["rank"] < self.prefix]
+        if head[self.column].isna().any():
+            raise ValueError(f"FirstPassDepth: {self.column!r} is missing on a row of some query's top {self.prefix}")
+        return head.groupby("qid", sort=False)[self.column].mean()
+
+    def fit(self, run: pd.DataFrame, qrels: pd.DataFrame | None = None) -> FirstPassDepth:
+        stat = self._stat(_ranked(run))
+        share = (self.mean_depth - self.prefix) / max(self.max_depth - self.prefix, 1)  # of queries sent deep
+        self.level = float(np.quantile(stat, 1.0 - min(max(share, 0.0), 1.0))) if share < 1 else -np.inf
+        return self
+
+    def _raw(self, ranked: pd.DataFrame) -> pd.Series:
+        if self.level is None:
+            raise ValueError(f"{self!r} is not fitted: call .fit(dev_run) first")
+        stat = self._stat(ranked)
+        return pd.Series(np.where(stat > self.level, self.max_depth, self.prefix), index=stat.index)
+
+    def __repr__(self) -> str:
+        return f"FirstPassDepth(prefix={self.prefix}, mean_depth={self.mean_depth}, level={self.level})"
 
 
 def _merge(ranked: pd.DataFrame, head_scores: np.ndarray, head: np.ndarray) -> pd.DataFrame:

@@ -118,3 +118,44 @@ def test_depth_rerank_stage_in_a_pipeline():
     assert stage.fuse_rank_cutoff(2).num_results == 2 and "reranker" in stage.subtransformers()
     with pytest.raises(TypeError, match="rule must be a DepthRule"):
         DepthRerank(3, pt.apply.generic(ce))
+
+
+def test_learned_depth_fits_a_depth_the_features_predict():
+    """Queries whose first-stage top score stands far above the rest have a shallow oracle depth and the others a
+    deep one: the cross-validated ridge regression on the list features learns it (test queries from the same law),
+    and the scale matches a dev mean depth."""
+    from pyterrier_prob.rerank_depth import LearnedDepth
+
+    rng = np.random.default_rng(0)
+
+    def runs(n_q: int, offset: int):
+        rows, oracle = [], {}
+        for q in range(n_q):
+            peaked = q % 2 == 0
+            scores = np.sort(rng.normal(0, 1, 30))[::-1] + np.r_[6.0 if peaked else 0.0, np.zeros(29)]
+            qid = f"q{offset + q}"
+            rows += [{"qid": qid, "docno": f"{qid}-{r}", "score": s, "rank": r} for r, s in enumerate(scores)]
+            oracle[qid] = 2 if peaked else 25
+        return pd.DataFrame(rows), pd.Series(oracle)
+
+    dev, dev_oracle = runs(40, 0)
+    test, test_oracle = runs(20, 100)
+    rule = LearnedDepth(max_depth=30).fit(dev, oracle=dev_oracle)
+    depths = rule.depths(test)
+    assert (depths[test_oracle.index[test_oracle == 2]] <= 6).all() and (depths[test_oracle == 25] >= 15).all()
+    matched = LearnedDepth(mean_depth=10, max_depth=30).fit(dev, oracle=dev_oracle)
+    assert matched.depths(dev).mean() == pytest.approx(10, abs=1.0)
+    with pytest.raises(ValueError, match="oracle depths"):
+        LearnedDepth().fit(dev)
+
+
+def test_first_pass_depth_sends_the_uncertain_queries_deep():
+    from pyterrier_prob.rerank_depth import FirstPassDepth
+
+    run = _run(n_q=4, n=20)
+    std = run["qid"].map({"q0": 0.1, "q1": 0.9, "q2": 0.2, "q3": 0.8})
+    run = run.assign(first_pass_std=np.where(run["rank"] < 5, std, np.nan))
+    rule = FirstPassDepth(prefix=5, mean_depth=12.5, max_depth=20).fit(run)  # half of the queries go deep
+    assert rule.depths(run).to_dict() == {"q0": 5, "q1": 20, "q2": 5, "q3": 20}
+    with pytest.raises(ValueError, match="reads the first pass's column"):
+        rule.depths(run.drop(columns=["first_pass_std"]))
