@@ -20,6 +20,7 @@ COMMANDS = {
     "mol": "Mixture-of-Logits: learned similarity against the dot-product bi-encoder, and its gate",
     "varce": "VarCrossEncoder: uncertainty-aware cross-encoder re-ranking of BM25 candidates",
     "unierf": "UniERF: two-branch query towers, merged recall at budget B, Table 2 ablation, branch overlap",
+    "depth": "per-query re-ranking depth: rules fitted on dev against fixed-k on the cost-effectiveness curve",
 }
 #: Subcommand -> module of :mod:`pyterrier_prob.experiments` (DESCRIPTION, add_arguments, config_from_args, run).
 PAPERS = {paper: f"pyterrier_prob.experiments.{paper}" for paper in COMMANDS}

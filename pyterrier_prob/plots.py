@@ -186,3 +186,24 @@ def risk_coverage_plot(
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+def depth_curves_plot(rows: list[Mapping], path: str | os.PathLike | None = None) -> Figure:
+    """One panel per collection: nDCG@10 against the mean number of re-ranked pairs per query, fixed-k as a line and
+    every per-query rule as points (a rule above the line beats fixed-k at its cost); saved at ``path`` if given."""
+    frame = pd.DataFrame(rows)
+    labels = list(dict.fromkeys(frame["collection"]))
+    fig = Figure(figsize=(4.6 * len(labels), 4.0))
+    for i, label in enumerate(labels):
+        ax, g = fig.add_subplot(1, len(labels), i + 1), frame[frame["collection"] == label]
+        fixed = g[g["rule"] == "fixed"].sort_values("mean_pairs")
+        ax.plot(fixed["mean_pairs"], fixed["nDCG@10"], color="0.3", marker="o", ms=3, label="fixed-k")
+        for rule, r in g[g["rule"] != "fixed"].groupby("rule", sort=False):
+            ax.plot(r["mean_pairs"], r["nDCG@10"], marker="x", ls="", ms=6, label=str(rule))
+        ax.set(xlabel="re-ranked pairs per query (mean)", ylabel="nDCG@10")
+        ax.set_title(os.path.basename(str(label).rstrip("/")), fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    if path is not None:
+        save_figure(fig, path)
+    return fig

@@ -38,6 +38,8 @@ __all__ = [
     "FixedDepth",
     "LearnedDepth",
     "StatisticDepth",
+    "fixed_at_depth",
+    "kept_recall",
     "list_features",
     "oracle_depths",
     "rerank_at_depths",
@@ -405,3 +407,32 @@ class DepthRerank(pt.Transformer):
     def __repr__(self) -> str:
         cut = f" % {self.num_results}" if self.num_results else ""
         return f"DepthRerank({self.rule!r}, {self.reranker!r}){cut}"
+
+
+def kept_recall(run: pd.DataFrame, depths: pd.Series, qrels: pd.DataFrame, max_depth: int = 100) -> float:
+    """The share of each query's relevant documents among the first stage's top ``max_depth`` that its depth keeps,
+    macro-averaged over the queries with at least one there (what :class:`ConformalRecallDepth` promises)."""
+    ranked = _ranked(run)
+    ranked = ranked[ranked["rank"] < max_depth].reset_index(drop=True)
+    qids = list(pd.unique(ranked["qid"]))
+    qidx, is_rel, _ = row_relevance(ranked, qrels, qids)
+    n_rel = np.bincount(qidx[is_rel], minlength=len(qids))
+    kept = is_rel & (ranked["rank"].to_numpy() < ranked["qid"].map(depths).fillna(0).to_numpy())
+    hits = np.bincount(qidx[kept], minlength=len(qids))
+    has = n_rel > 0
+    return float(np.mean(hits[has] / n_rel[has])) if has.any() else float("nan")
+
+
+def fixed_at_depth(fixed: Mapping[int, pd.Series], depth: float) -> pd.Series:
+    """Per-query values of fixed-k at a mean depth between the grid's ks: ``w * v(k_hi) + (1 - w) * v(k_lo)`` with
+    ``k_lo <= depth <= k_hi`` neighbours of the grid and ``w = (depth - k_lo) / (k_hi - k_lo)`` (the expected value of
+    choosing k_hi with probability w): fixed-k at the same mean number of re-ranked pairs."""
+    ks = sorted(fixed)
+    if not ks[0] <= depth <= ks[-1]:
+        raise ValueError(f"depth {depth:g} is outside the fixed-k grid [{ks[0]}, {ks[-1]}]")
+    hi = next(k for k in ks if k >= depth)
+    lo = max(k for k in ks if k <= depth)
+    if hi == lo:
+        return fixed[hi]
+    w = (depth - lo) / (hi - lo)
+    return w * fixed[hi] + (1 - w) * fixed[lo]
