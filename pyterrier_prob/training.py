@@ -420,8 +420,7 @@ def _stand_in(model: nn.Module, train: Dataset, recipe: Recipe, folder: str, cac
                 f"a SplitTransformer with {model[0].joint_layers} joint layers trains those under 'partial': "
                 f"got train_layers={recipe.train_layers}"
             )
-        texts = list(dict.fromkeys(t for pair in _pairs_of(train) for t in pair))
-        split_state_cache(model, folder, texts, show_progress_bar=show)
+        split_state_cache(model, folder, model[0].cache_texts(_pairs_of(train)), show_progress_bar=show)
         return model
     if recipe.caches_states:
         texts = _pairs_of(train) if cross else _texts_of(train)

@@ -200,7 +200,9 @@ def state_fingerprint(transformer: Transformer, frozen_layers: int) -> str:
     described = {
         "backbone": type(backbone).__name__,
         "config": {k: getattr(config, k, None) for k in _CONFIG_KEYS},
-        "transformer": transformer.get_config_dict(),
+        "transformer": {  # less the settings of the layers above (e.g. a split cross-encoder's joint ones)
+            k: v for k, v in transformer.get_config_dict().items() if k not in getattr(transformer, "top_only_keys", ())
+        },
         "tokenizer": _tokenizer_description(transformer.tokenizer),
         "frozen_layers": frozen_layers,
     }

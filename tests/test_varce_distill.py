@@ -134,6 +134,32 @@ def test_pseudo_queries_titles_spans_and_their_documents():
         pseudo_queries(corpus, ["summary"])
 
 
+def test_score_segment_reads_the_score_and_shares_the_documents_states(minilm_path, tmp_path):
+    """A student that reads the first stage's score as text: the score's tokens join the query's side, so one document's
+    cached lower-layer states serve every score (the cache holds queries and documents only); scored from the cache
+    or from the texts, the same; another score, another prediction; saved and loaded, the same model."""
+    from pyterrier_prob.varce.rerank import score_as_text
+
+    model = build_split_cross_encoder(minilm_path, score_segment=True, variant="VAR")
+    docs = score_as_text([p[1] for p in PAIRS], [7.5, 3.25, 12.0])
+    pairs = [(p[0], d) for p, d in zip(PAIRS, docs)]
+    plain, _ = model.predict(pairs, return_std=True)
+    other, _ = model.predict([(q, "0.10 [SEP] " + p[1]) for q, p in zip([p[0] for p in PAIRS], PAIRS)], return_std=True)
+    assert np.abs(plain - other).max() > 1e-3  # the score is read
+    assert model[0].cache_texts(pairs) == [t for p in PAIRS for t in p]  # no score in the cached texts
+    cache = split_state_cache(model, str(tmp_path / "states"), model[0].cache_texts(pairs))
+    cached, _ = model.predict(pairs, return_std=True)
+    np.testing.assert_allclose(cached, plain, atol=2e-2)  # fp16 states
+    model.predict([(PAIRS[0][0], "99.00 [SEP] " + PAIRS[0][1])])
+    assert not cache.missing([PAIRS[0][1]]) and len(cache) == 6  # a new score: no new document states
+    with pytest.raises(ValueError, match="reads the first stage's score as text"):
+        model.predict([PAIRS[0]])
+    model.save_pretrained(str(tmp_path / "m"))
+    again = load_model(str(tmp_path / "m"))
+    assert again[0].score_segment
+    np.testing.assert_allclose(again.predict(pairs, return_std=True)[0], plain, atol=1e-5)
+
+
 def test_cached_lower_layers_match_and_round_trip(minilm_path, tmp_path):
     model = build_split_cross_encoder(minilm_path, init_cross_bias=-3.0, variant="MEANVAR")
     with torch.no_grad():

@@ -323,7 +323,8 @@ def train_students(
         loss = MarginMSELoss if variant is None else partial(VariationalMarginMSELoss, beta=cfg.beta)
         settings = {**base, "variant": variant} | ({"beta": cfg.beta} if variant else {})
         settings |= {"input_score": INPUT_SCORE} if score else {}
-        build = partial(_student, folder, variant, cfg.max_seq_length, layers, cfg.init_cross_bias, cfg.score_scale)
+        shape = (layers, cfg.init_cross_bias, cfg.score_scale, score)
+        build = partial(_student, folder, variant, cfg.max_seq_length, *shape)
         kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
         model, _ = h.train(name, build, loss, rows[score], **kw)
         split_state_cache(model, h.state_cache_path(h.cfg.training_recipe(cfg.steps, train_layers=layers), model))
@@ -347,8 +348,10 @@ def attention_mass(build: Any, model: Any, cand: pd.DataFrame, seed: int) -> dic
     return {"pairs": len(pairs), "step_0": step_0, "kept": cross_attention_mass(model, pairs)}
 
 
-def _student(teacher: str, variant: str | None, max_seq_length: int, layers: int, bias: float, scale: float) -> Any:
-    shape = {"joint_layers": layers, "init_cross_bias": bias, "scale": scale}
+def _student(
+    teacher: str, variant: str | None, max_seq_length: int, layers: int, bias: float, scale: float, score: bool
+) -> Any:
+    shape = {"joint_layers": layers, "init_cross_bias": bias, "scale": scale, "score_segment": score}
     return build_split_cross_encoder(teacher, variant=variant, max_seq_length=max_seq_length, **shape)
 
 

@@ -18,6 +18,7 @@ from pyterrier_prob.validation import check_ids, check_texts
 from st_extensions import load_model
 from st_extensions.checks import finite_float, positive_int
 from st_extensions.cross_encoder import VarCrossEncoder, find_var_head, load_cross_encoder
+from st_extensions.cross_encoder.split import SCORE_SEPARATOR
 
 __all__ = ["VarCrossEncoderReranker", "risk_adjusted", "score_as_text"]
 
@@ -31,7 +32,7 @@ def score_as_text(texts: Sequence[str], scores: Sequence[float] | np.ndarray) ->
         raise ValueError(f"score_as_text: {len(texts)} texts but {len(scores)} scores")
     if not np.isfinite(scores).all():
         raise ValueError(f"score_as_text: a non-finite score at row {int(np.argmax(~np.isfinite(scores)))}")
-    return [f"{s:.2f} [SEP] {t}" for s, t in zip(scores.tolist(), texts)]
+    return [f"{s:.2f}{SCORE_SEPARATOR}{t}" for s, t in zip(scores.tolist(), texts)]
 
 
 def risk_adjusted(mean: np.ndarray, std: np.ndarray, risk: float) -> np.ndarray:

@@ -35,6 +35,7 @@ from st_extensions.partial import (
 __all__ = [
     "CrossAttentionBias",
     "LinearScoreHead",
+    "SCORE_SEPARATOR",
     "SegmentInteraction",
     "SplitTransformer",
     "build_split_cross_encoder",
@@ -44,6 +45,8 @@ __all__ = [
 
 QUERY_MASK = "query_token_mask"
 BIAS_FILE = "split_attention.safetensors"
+#: Between the first stage's score and the document in a score-as-text input: ``"12.34 [SEP] document"``.
+SCORE_SEPARATOR = " [SEP] "
 
 
 class CrossAttentionBias(nn.Module):
@@ -73,15 +76,24 @@ class SplitTransformer(Transformer):
     ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask`` (lower layers from ``state_cache`` when
     :func:`split_state_cache` set one). Single texts run the plain ``Transformer`` forward."""
 
-    config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias"]
+    config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias", "score_segment"]
+    #: Settings of the joint layers only: the lower layers' cached states do not depend on them.
+    top_only_keys: tuple[str, ...] = ("joint_layers", "init_cross_bias", "score_segment")
 
     def __init__(
-        self, model_name_or_path: str, *, joint_layers: int = 2, init_cross_bias: float = 0.0, **kwargs: Any
+        self,
+        model_name_or_path: str,
+        *,
+        joint_layers: int = 2,
+        init_cross_bias: float = 0.0,
+        score_segment: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(model_name_or_path, **kwargs)
         num_layers = len(check_partial_transformer(self).encoder.layer)
         self.joint_layers = check_layers("joint_layers", joint_layers, 1, num_layers, num_layers)
         self.init_cross_bias = finite_float("init_cross_bias", init_cross_bias, high=0.0)
+        self.score_segment = bool(score_segment)
         self.cross = CrossAttentionBias(joint_layers, self.init_cross_bias)
         self.state_cache: LayerStateCache | None = None
 
@@ -106,20 +118,48 @@ class SplitTransformer(Transformer):
         """The first layer that reads query and document together (L - ``joint_layers``)."""
         return len(self.auto_model.encoder.layer) - self.joint_layers
 
+    def split_score(self, document: str) -> tuple[str, str]:
+        """``(score text, document)`` of a score-as-text input ``"<score> [SEP] <document>"`` (a ValueError without
+        the separator)."""
+        score, sep, rest = document.partition(SCORE_SEPARATOR)
+        if not sep:
+            raise ValueError(
+                f"this cross-encoder reads the first stage's score as text: a document must come as "
+                f"'<score>{SCORE_SEPARATOR}<text>', got {document!r:.60}"
+            )
+        return score, rest
+
+    def cache_texts(self, pairs: Sequence[Any]) -> list[str]:
+        """The distinct texts whose lower-layer states the pairs need (queries and documents; a score read as text is
+        computed on the fly, so one document's states serve every score it comes with)."""
+        texts = (t for x in pairs for t in self._texts(pair_key(x)))
+        return list(dict.fromkeys(texts))
+
+    def _texts(self, pair: tuple[str, str]) -> tuple[str, str]:
+        return (pair[0], self.split_score(pair[1])[1]) if self.score_segment else pair
+
     def preprocess(self, inputs: Sequence[Any], prompt: str | None = None, **kwargs: Any) -> dict[str, Any]:
         inputs = list(inputs)
         if not inputs or all(isinstance(x, str) for x in inputs):
             return super().preprocess(inputs, prompt=prompt, **kwargs) if inputs else {}
         pairs = [pair_key(x) for x in inputs]
-        queries, documents = [q for q, _ in pairs], [d for _, d in pairs]
+        out: dict[str, Any] = {}
+        if self.score_segment:
+            scores = [self.split_score(d)[0] for _, d in pairs]
+            f = super().preprocess(scores, **kwargs)
+            out = {"score_input_ids": f["input_ids"], "score_attention_mask": f["attention_mask"]}
+        texts = [self._texts(p) for p in pairs]
+        queries, documents = [q for q, _ in texts], [d for _, d in texts]
         if self.state_cache is not None:
             if prompt:
                 raise ValueError("the layer-state cache holds texts without prompts; got a prompt")
             rows = self.state_cache.rows(queries + documents)
-            return {"query_rows": torch.tensor(rows[: len(pairs)]), "document_rows": torch.tensor(rows[len(pairs) :])}
+            out |= {"query_rows": torch.tensor(rows[: len(pairs)]), "document_rows": torch.tensor(rows[len(pairs) :])}
+            return out
         q = super().preprocess(queries, prompt=prompt, **kwargs)
         d = super().preprocess(documents, **kwargs)
-        return {f"{side}{k}": f[k] for side, f in (("", q), ("document_", d)) for k in ("input_ids", "attention_mask")}
+        side = {f"{name}{k}": f[k] for name, f in (("", q), ("document_", d)) for k in ("input_ids", "attention_mask")}
+        return out | side
 
     def _lower(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """States entering layer ``split_layer`` of one side's texts (embeddings, then the lower layers)."""
@@ -149,6 +189,10 @@ class SplitTransformer(Transformer):
             d = self._lower(features["document_input_ids"], d_mask)
         else:
             return None
+        if "score_input_ids" in features:  # the score read as text: a segment after the query's, on its side
+            s_mask = features["score_attention_mask"].to(q_mask.device)
+            s = self._lower(features["score_input_ids"].to(q_mask.device), s_mask).to(q.dtype)
+            q, q_mask = torch.cat([q, s], dim=1), torch.cat([q_mask, s_mask.to(q_mask.dtype)], dim=1)
         is_query = torch.cat([torch.ones_like(q_mask), torch.zeros_like(d_mask)], dim=1).bool()
         return torch.cat([q, d], dim=1), torch.cat([q_mask, d_mask], dim=1), is_query
 
@@ -213,6 +257,7 @@ def build_split_cross_encoder(
     *,
     joint_layers: int = 2,
     init_cross_bias: float = 0.0,
+    score_segment: bool = False,
     variant: Variant | None = None,
     scale: float = 20.0,
     max_seq_length: int = 128,
@@ -223,10 +268,16 @@ def build_split_cross_encoder(
     loads as ours (:func:`st_extensions.load_model`). ``base_model``: a bi-encoder (mean pooling) or BERT folder
     (default the packaged all-MiniLM-L6-v2); ``variant``: ``None`` (``Dense(d, 1)``) or a VarCE module; the head starts
     as ``scale * cos(query, document)``; ``init_log_var`` sets the starting score std ``scale * exp(init_log_var / 2) /
-    sqrt(d)``; ``max_seq_length`` per text."""
+    sqrt(d)``; ``max_seq_length`` per text; ``score_segment``: each document comes as ``"<score> [SEP] <text>"`` (the
+    first stage's score as text, Askari et al., ECIR 2023) and the score's tokens join the query's side of the joint
+    layers, their lower layers computed on the fly so that the document's cached states serve every score."""
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
-        path, joint_layers=joint_layers, init_cross_bias=init_cross_bias, max_seq_length=max_seq_length
+        path,
+        joint_layers=joint_layers,
+        init_cross_bias=init_cross_bias,
+        score_segment=score_segment,
+        max_seq_length=max_seq_length,
     )
     dim = transformer.get_embedding_dimension()
     transformer.auto_model.config.num_labels = 1
