@@ -28,6 +28,11 @@ ADDED = {
     "pyterrier_prob/varce/calibration.py": ("3deaec6", "the re-rankers' calibration: Platt map, reliability, ECE"),
     "st_extensions/model_card.py": ("d38ed7a", "model cards on every saved model"),
     "st_extensions/threads.py": ("d38ed7a", "thread counts from the usable CPUs; batch scheduling"),
+    "pyterrier_prob/varce/pseudo_queries.py": ("8c1cf96", "pseudo-queries cut from the training documents"),
+    "pyterrier_prob/varce/selective.py": ("5bddee9", "selective prediction: risk-coverage, AURC, NQC, WIG, MC dropout"),
+    "pyterrier_prob/rerank_depth.py": ("c0dfad9", "per-query re-ranking depth: DepthRerank and its rules"),
+    "pyterrier_prob/experiments/depth.py": ("74d8d18", "pyterrier-prob depth"),
+    "pyterrier_prob/index/backends/hnsw_sq.py": ("55996e9", "the hnsw_sq8 search backend"),
 }
 
 
