@@ -49,6 +49,7 @@ Statistic = Callable[[pd.DataFrame], np.ndarray]
 STATISTICS: dict[str, Statistic] = {
     "score": lambda r: r["score"].to_numpy(dtype=np.float64),
     "zscore": zscore_stat,
+    "rank": lambda r: -r["rank"].to_numpy(dtype=np.float64),  # a level on it is a fixed depth
 }
 
 
@@ -107,7 +108,7 @@ class FixedDepth(DepthRule):
 class StatisticDepth(DepthRule):
     """The longest prefix of each list whose statistic (running minimum down the list) is ``>= level``.
 
-    ``statistic``: ``"zscore"`` (the first stage's score standardised over the query's top ``max_depth``), ``"score"``,
+    ``statistic``: ``"zscore"`` (the first stage's score standardised over the query's top ``max_depth``), ``"score"``, ``"rank"``,
     or a callable ``ranked run -> array`` (``lambda r: law_stat(r, law)``: pEBR's CDF;
     :func:`~pyterrier_prob.pebr.rlt.gain_stat`: the recall gain; :func:`~pyterrier_prob.pebr.rlt.mixture_stat`: the
     score-distribution posterior). :meth:`fit` sets ``level`` so that the dev queries re-rank ``mean_depth``
@@ -162,10 +163,7 @@ class ConformalRecallDepth(StatisticDepth):
     ) -> None:
         if not (isinstance(target, int | float) and 0.0 < target < 1.0):
             raise ValueError(f"target must be a recall in (0, 1), got {target!r}")
-        rank = statistic == "rank"
-        super().__init__("score" if rank else statistic, level=0.0, max_depth=max_depth, min_depth=min_depth)
-        if rank:
-            self.name, self.statistic = "rank", lambda r: -r["rank"].to_numpy(dtype=np.float64)
+        super().__init__(statistic, level=0.0, max_depth=max_depth, min_depth=min_depth)  # the level: fitted below
         self.target, self.level, self.reachable = float(target), None, None
 
     def fit(self, run: pd.DataFrame, qrels: pd.DataFrame | None = None) -> ConformalRecallDepth:

@@ -218,7 +218,6 @@ def run(cfg: DepthConfig) -> dict[str, Any]:
         fresh=not cfg.reuse,
         progress=h.progress,
     )
-    os.makedirs(h.path("scores"), exist_ok=True)
     dev = dev_target(cfg, h, data, cfg.depth)
     with h.stage("score_dev", f"scoring BM25's top {cfg.depth} of {len(dev.topics)} dev queries"):
         dev_run = scored(h, scorer, dev, cfg.depth)
