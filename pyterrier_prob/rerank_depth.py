@@ -108,8 +108,9 @@ class FixedDepth(DepthRule):
 class StatisticDepth(DepthRule):
     """The longest prefix of each list whose statistic (running minimum down the list) is ``>= level``.
 
-    ``statistic``: ``"zscore"`` (the first stage's score standardised over the query's top ``max_depth``), ``"score"``, ``"rank"``,
-    or a callable ``ranked run -> array`` (``lambda r: law_stat(r, law)``: pEBR's CDF;
+    ``statistic``: ``"zscore"`` (the first stage's score standardised over the query's top ``max_depth``),
+    ``"score"``, ``"rank"`` (a fixed depth), or a callable ``ranked run -> array``
+    (``lambda r: law_stat(r, law)``: pEBR's CDF;
     :func:`~pyterrier_prob.pebr.rlt.gain_stat`: the recall gain; :func:`~pyterrier_prob.pebr.rlt.mixture_stat`: the
     score-distribution posterior). :meth:`fit` sets ``level`` so that the dev queries re-rank ``mean_depth``
     candidates on average (or keep a given ``level``)."""
