@@ -52,15 +52,22 @@ RUNS = {
     "j3-pseudo": (3, "train + pseudo-queries", ["--train-layers", "3", *PSEUDO, "--students", "CE"]),
 }
 TEACHER = "models/distill-teacher"
+#: The order the runs are made in: the main run's CE first (with the teacher it needs), then the J = 1 CE it is
+#: compared with, then the main run's other students, then the rest of the ablation (each run reuses what is made).
+ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)] + [(r, None) for r in ("j2-train", "j1-train", "j3-pseudo")]
 
 
 def run_folder(output: str, run: str) -> str:
     return output if run == "main" else f"{output}-{run}"
 
 
-def command(output: str, run: str) -> list[str]:
+def command(output: str, run: str, only: str | None = None) -> list[str]:
+    """The run's ``pyterrier-prob`` arguments; ``only``: that plain student alone (no score-as-text ones)."""
     teacher = "partial" if run == "main" else os.path.join(output, TEACHER)
-    return ["varce", *RECIPE, *RUNS[run][2], "--teacher", teacher, "--output", run_folder(output, run)]
+    options = RUNS[run][2]
+    if only is not None:
+        options = [o for o in options if o != "--input-score"] + ["--students", only]
+    return ["varce", *RECIPE, *options, "--teacher", teacher, "--output", run_folder(output, run)]
 
 
 def combine(output: str, runs: list[str]) -> dict[str, Any]:
@@ -120,8 +127,10 @@ def main() -> int:
     from benchmarks._machine import describe, write_result
     from pyterrier_prob.cli import main as cli
 
-    for run in a.runs:
-        args = command(a.output, run)
+    for run, only in ORDER:
+        if run not in a.runs:
+            continue
+        args = command(a.output, run, only)
         print("pyterrier-prob " + shlex.join(args), flush=True)
         if code := cli(args):
             return code
