@@ -54,7 +54,8 @@ RUNS = {
 TEACHER = "models/distill-teacher"
 #: The order the runs are made in: the main run's CE first (with the teacher it needs), then the J = 1 CE it is
 #: compared with, then the main run's other students, then the rest of the ablation (each run reuses what is made).
-ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)] + [(r, None) for r in ("j2-train", "j1-train", "j3-pseudo")]
+ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)]
+ORDER += [(run, None) for run in ("j2-train", "j1-train", "j3-pseudo")]
 
 
 def run_folder(output: str, run: str) -> str:
