@@ -34,10 +34,13 @@ __all__ = [
     "ConformalRecallDepth",
     "DepthRerank",
     "DepthRule",
+    "EET_ALPHA",
+    "EET_BETAS",
     "FirstPassDepth",
     "FixedDepth",
     "LearnedDepth",
     "StatisticDepth",
+    "eet",
     "fixed_at_depth",
     "kept_recall",
     "list_features",
@@ -435,3 +438,30 @@ def fixed_at_depth(fixed: Mapping[int, pd.Series], depth: float) -> pd.Series:
         return fixed[hi]
     w = (depth - lo) / (hi - lo)
     return w * fixed[hi] + (1 - w) * fixed[lo]
+
+
+#: The efficiency-effectiveness trade-off's settings of Meng et al. (SIGIR 2024): the depth penalty and the betas.
+EET_ALPHA = -0.001
+EET_BETAS = (0.0, 1.0, 2.0)
+
+
+def eet(
+    quality: np.ndarray | pd.Series,
+    quality_at_1: np.ndarray | pd.Series,
+    depth: np.ndarray | pd.Series,
+    alpha: float = EET_ALPHA,
+    beta: float = 1.0,
+) -> np.ndarray:
+    """Per query, the efficiency-effectiveness trade-off (EET) of re-ranking to ``depth`` (Meng et al., SIGIR 2024,
+    "Ranked List Truncation for Large Language Model-based Re-Ranking"): an F-measure of the effectiveness
+    ``e = max(0, quality - quality_at_1)`` (the gain over re-ranking the top 1 alone, i.e. over the first stage's
+    order) and the efficiency ``f = exp(alpha * k)``, ``k = max(depth, 1)``:
+    ``EET = (1 + beta^2) e f / (beta^2 e + f)``. ``beta = 0`` is the effectiveness alone; a larger ``beta`` weighs
+    the efficiency more (``beta -> inf``: ``f``). Their settings: ``alpha = -0.001``, ``beta`` in {0, 1, 2}."""
+    if alpha > 0:
+        raise ValueError(f"alpha must be <= 0 (a penalty on depth), got {alpha}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    e = np.clip(np.asarray(quality, dtype=np.float64) - np.asarray(quality_at_1, dtype=np.float64), 0.0, None)
+    f = np.exp(alpha * np.maximum(np.asarray(depth, dtype=np.float64), 1.0))
+    return (1 + beta**2) * e * f / (beta**2 * e + f)

@@ -51,6 +51,11 @@ def test_depth_run_end_to_end(small_beir, reranker, tmp_path):
     assert summary["chosen_on_dev"] is None or rows["chosen_on_dev"].sum() == 1
     oracle = summary["oracle"][str(folder)]
     assert oracle["nDCG@10"] == pytest.approx(oracle["fixed100_nDCG@10"]) and oracle["mean_depth"] <= 10
+    # Meng et al.'s EET: beta 0 is the mean gain over the first stage's order, clipped per query at 0 (so at least
+    # the gain of the means); every value a weighted harmonic mean of two numbers in [0, 1]
+    for r in [*rows.to_dict("records"), oracle]:
+        assert r["EET"]["alpha"] == -0.001 and all(0 <= r["EET"][f"beta={b}"] <= 1 for b in (0, 1, 2))
+        assert r["EET"]["beta=0"] >= r["nDCG@10"] - oracle["first_stage_nDCG@10"] - 1e-12
     assert (out / "depth_curves.png").stat().st_size > 0
     assert "oracle depth" in (out / "results.md").read_text()
 

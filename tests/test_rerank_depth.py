@@ -159,3 +159,19 @@ def test_first_pass_depth_sends_the_uncertain_queries_deep():
     assert rule.depths(run).to_dict() == {"q0": 5, "q1": 20, "q2": 5, "q3": 20}
     with pytest.raises(ValueError, match="reads the first pass's column"):
         rule.depths(run.drop(columns=["first_pass_std"]))
+
+
+def test_eet_closed_forms():
+    from pyterrier_prob.rerank_depth import eet
+
+    q, q1, k = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.4, 0.2]), np.array([10, 50, 0])
+    # beta 0: the gain over the first stage's order alone, clipped at 0
+    np.testing.assert_allclose(eet(q, q1, k, beta=0.0), [0.3, 0.0, 0.0])
+    # beta 1: the harmonic mean of the gain and exp(alpha k); a depth of 0 counts as 1
+    e, f = 0.3, np.exp(-0.001 * 10)
+    np.testing.assert_allclose(eet(q, q1, k, beta=1.0), [2 * e * f / (e + f), 0.0, 0.0])
+    # beta 2, and a larger beta tends to the efficiency
+    np.testing.assert_allclose(eet(q, q1, k, beta=2.0)[0], 5 * e * f / (4 * e + f))
+    assert abs(eet(q, q1, k, beta=1e4)[0] - f) < 1e-6
+    with pytest.raises(ValueError, match="alpha"):
+        eet(q, q1, k, alpha=0.1)

@@ -20,12 +20,15 @@ from pyterrier_prob.experiments.report import markdown_table
 from pyterrier_prob.experiments.varce_train import Target, dev_target, folder_fingerprint, target_stage
 from pyterrier_prob.pebr.rlt import mixture_stat
 from pyterrier_prob.rerank_depth import (
+    EET_ALPHA,
+    EET_BETAS,
     ConformalRecallDepth,
     DepthRule,
     FirstPassDepth,
     FixedDepth,
     LearnedDepth,
     StatisticDepth,
+    eet,
     fixed_at_depth,
     kept_recall,
     oracle_depths,
@@ -152,6 +155,7 @@ def evaluate(
     fixed: dict[float, pd.Series] = {}  # fixed-k by its mean pairs (below k where lists are shorter than k)
     for k in sorted(cfg.fixed):
         fixed.setdefault(float(depth_of[f"fixed-{k}"].mean()), by_k[k])
+    at_1 = ndcg_at_10(rerank_at_depths(run, run["rr"], 1), qrels, qids=qids)  # the first stage's order
     noninferior = [k for k in sorted(by_k) if _lower(paired_ci(by_k[k], full)) >= -cfg.margin]
     cheapest = min(noninferior) if noninferior else None
     rows = []
@@ -173,12 +177,22 @@ def evaluate(
         else:
             row["fixed_k_for_same_promise"] = None
         row["s_per_query"] = spp * pairs + seconds[name]
+        row["EET"] = eet_means(per[name], at_1, depth_of[name])
         rows.append(row)
     oracle = oracle_depths(run, run["rr"], qrels, cfg.depth)
     best = ndcg_at_10(rerank_at_depths(run, run["rr"], oracle), qrels, qids=qids)
     info = {"mean_depth": float(oracle.mean()), "nDCG@10": float(best.mean()), "fixed100_nDCG@10": float(full.mean())}
+    info["first_stage_nDCG@10"] = float(at_1.mean())
+    info["EET"] = eet_means(best, at_1, oracle)
     info["depths"] = oracle.to_dict()
     return rows, info
+
+
+def eet_means(ndcg: pd.Series, at_1: pd.Series, depths: pd.Series) -> dict[str, float]:
+    """The mean over queries of Meng et al.'s EET (:func:`~pyterrier_prob.rerank_depth.eet`) at their settings."""
+    d = depths.reindex(ndcg.index).fillna(0)
+    means = {f"beta={b:g}": float(eet(ndcg, at_1.reindex(ndcg.index), d, EET_ALPHA, b).mean()) for b in EET_BETAS}
+    return {"alpha": EET_ALPHA, **means}
 
 
 def _lower(ci: list[float] | None) -> float:
@@ -259,8 +273,11 @@ def report(rows: list[dict[str, Any]], oracle: dict[str, Any], chosen: str | Non
             same=g["fixed_k_nDCG@10_at_same_pairs"].map("{:.4f}".format),
             p=g["p_vs_fixed_k"].map(lambda v: "–" if v is None or pd.isna(v) else f"{v:.2g}"),
             ci=g["ci95_vs_fixed100"].map(lambda v: "–" if v is None else f"[{v[0]:+.4f}, {v[1]:+.4f}]"),
-        )[["name", "ndcg", "pairs", "same", "p", "ci"]]
-        cells.columns = ["rule", "nDCG@10", "mean pairs", "fixed-k at the same pairs", "p", "95% CI vs fixed-100"]
+            eet=g["EET"].map(lambda v: f"{v['beta=1']:.4f}"),
+        )[["name", "ndcg", "pairs", "same", "p", "ci", "eet"]]
+        cells.columns = ["rule", "nDCG@10", "mean pairs", "fixed-k at the same pairs", "p", "95% CI vs fixed-100"] + [
+            "EET (alpha -0.001, beta 1)"
+        ]
         o = oracle[label]
         text += [
             "",
