@@ -258,7 +258,8 @@ def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
     nor scores again; a saved VarCrossEncoder with --steps 0 is evaluated as given, also zero-shot (--ood)."""
     folder, info = small_beir
     out = tmp_path / "varce"
-    argv = ["varce", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    argv = ["varce", "--dataset", str(folder), "--teacher", "none", "--steps", "2", "--batch-size", "4"]
+    argv += ["--max-seq-length", "32"]
     argv += ["--depth", "5", "--robust-queries", "3", "--robust-depth", "3", "--output", str(out), "--quiet"]
     assert main(argv) == 0
 
@@ -311,7 +312,8 @@ def test_tiny_run_end_to_end(small_beir, small_beir_no_train_no_dev, tmp_path):
     assert "Training rows: 8 from" in (out / "results.md").read_text()
 
     given = tmp_path / "given"
-    argv = ["varce", "--dataset", str(folder), "--steps", "0", "--model", str(out / "models" / "VarCE-VAR")]
+    argv = ["varce", "--dataset", str(folder), "--teacher", "none", "--steps", "0"]
+    argv += ["--model", str(out / "models" / "VarCE-VAR")]
     argv += ["--depth", "5", "--max-queries", "6", "--robust-queries", "0", "--max-seq-length", "32"]
     argv += ["--ood", str(small_beir_no_train_no_dev[0]), "--ood-queries", "4", "--ood-depth", "3"]
     assert main([*argv, "--output", str(given), "--quiet"]) == 0
@@ -336,7 +338,8 @@ def test_patience_stops_the_curves_and_a_later_run_without_curves_reports_none(s
     monkeypatch.setattr(varce_train.DevRerank, "__call__", lambda self, model: 0.5)  # dev never improves
     folder, _ = small_beir
     out = tmp_path / "varce-patience"
-    argv = ["varce", "--dataset", str(folder), "--steps", "4", "--batch-size", "4", "--max-seq-length", "32"]
+    argv = ["varce", "--dataset", str(folder), "--teacher", "none", "--steps", "4", "--batch-size", "4"]
+    argv += ["--max-seq-length", "32"]
     argv += ["--depth", "5", "--robust-queries", "0", "--dev-queries", "4", "--dev-depth", "5", "--output", str(out)]
     partial_run = ["--recipe", "partial", "--train-layers", "1", "--dev-every", "1", "--patience", "1", "--quiet"]
     assert main([*argv, *partial_run]) == 0

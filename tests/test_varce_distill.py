@@ -373,12 +373,12 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
     assert varce_distill.joint_layers(config(*partial_)) == 2  # --train-layers: default 2 joint layers
     assert varce_distill.joint_layers(config(*partial_, "--train-layers", "1")) == 1
     with pytest.raises(ValueError, match="--recipe partial"):
-        varce_distill.check_options(config("--output", str(tmp_path)))
+        varce_distill.check_options(config("--output", str(tmp_path), "--recipe", "frozen"))
     with pytest.raises(ValueError, match="--steps 0"):
         varce_distill.check_options(config(*partial_, "--steps", "0"))
-    plain = ["--output", str(tmp_path)]
+    plain = ["--output", str(tmp_path), "--teacher", "none"]
     for argv, message in (
-        (["--students", "CE"], "--students chooses distilled students: it needs --teacher"),
+        (["--students", "CE"], "--students chooses distilled students: not under --teacher none"),
         (["--input-score"], "--input-score trains distilled students"),
         (["--pseudo-queries", "title"], "--pseudo-queries trains distilled students"),
     ):
@@ -389,6 +389,16 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
     cfg = config(*partial_)
     cfg.check()  # --train-layers left out under --teacher: the students' default, 2 joint layers
     assert cfg.train_layers == 2
+    # plain ``pyterrier-prob varce`` distils (a teacher fine-tuned in the run); --teacher none: the label recipe
+    cfg = varce.config_from_args(build_parser("varce").parse_args([]))
+    cfg.check()
+    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.train_layers) == ("partial", "partial", varce.DISTIL_STEPS, 2)
+    cfg = varce.config_from_args(build_parser("varce").parse_args(["--teacher", "none"]))
+    cfg.check()
+    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.train_layers) == (None, "frozen", varce.LABEL_STEPS, None)
+    cfg = varce.config_from_args(build_parser("varce").parse_args(["--steps", "7", "--recipe", "partial"]))
+    cfg.check()  # given values stay
+    assert (cfg.recipe, cfg.steps) == ("partial", 7)
     for argv in (["--robust-queries", "5"], ["--negatives-from", "bm25"], ["--positive-depth", "5"]):
         with pytest.raises(ValueError, match=f"{argv[0]} does not apply under --teacher"):
             varce_distill.check_options(config(*partial_, *argv))
@@ -532,7 +542,8 @@ def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_m
     assert (settings["settings"]["recipe"]["steps"], retrained["settings"]["recipe"]["steps"]) == (2, 3)
     assert [p["step"] for p in again["dev_curves"]["CE"]["points"]] == [0, 1, 2, 3]
 
-    plain = ["varce", "--dataset", str(folder), "--recipe", "partial", "--train-layers", "1", "--steps", "2"]
+    plain = ["varce", "--dataset", str(folder), "--teacher", "none", "--recipe", "partial", "--train-layers", "1"]
+    plain += ["--steps", "2"]
     plain += ["--batch-size", "4", "--max-seq-length", "32", "--depth", "5", "--max-queries", "3", "--robust-queries"]
     plain += ["0", "--dev-queries", "0", "--negatives-from", "bm25", "--output", str(out), "--quiet", "--reuse"]
     assert main(plain) == 0

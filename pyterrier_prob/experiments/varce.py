@@ -1,6 +1,7 @@
 """The VarCrossEncoder experiment (``pyterrier-prob varce``; ``shared/papers/var-cross-encoder.md``): CrossEncoder
 against VarCrossEncoder re-rankers of BM25 (E[s], Eq. 22; variance, Eq. 23; variational BCE, Eq. 10); the protocol:
-``docs/varce.md``. ``--teacher`` runs :mod:`pyterrier_prob.experiments.varce_distill` instead."""
+``docs/varce.md``. By default (``--teacher partial``, or a teacher folder)
+:mod:`pyterrier_prob.experiments.varce_distill` runs; ``--teacher none``: the label recipe (:func:`run_varce_job`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from st_extensions.cross_encoder.frozen import cached_cross_encoder
 
 __all__ = [
     "DESCRIPTION",
+    "DISTIL_STEPS",
+    "LABEL_STEPS",
     "MEASURES",
     "NOISE_ORDER",
     "VarceJobConfig",
@@ -45,12 +48,13 @@ __all__ = [
 ]
 
 DESCRIPTION = (
-    "VarCrossEncoder (uncertainty-aware cross-encoder re-ranking): fine-tune a CrossEncoder (BCE) and two "
-    "VarCrossEncoders (MEANVAR, VAR; variational BCE, Eq. 10) with the same budget on rows of one judged-relevant "
-    "document and N negatives mined from BM25 and the untrained dense model, re-rank the BM25 candidates of the test "
+    "VarCrossEncoder (uncertainty-aware cross-encoder re-ranking): by default, distil a CrossEncoder and two "
+    "VarCrossEncoders (MEANVAR, VAR) from a bi-encoder + BM25 teacher fine-tuned in the run (--teacher none: train "
+    "them with the same budget on the labels, BCE and variational BCE (Eq. 10), on rows of one judged-relevant "
+    "document and N negatives mined from BM25 and the untrained dense model), re-rank the BM25 candidates of the test "
     "collection, compare them with pt.Experiment (nDCG@10, RR@10, paired t-tests against CE), and report the score "
-    "uncertainty (spread, correlation with nDCG@10, risk-aware ranking), the hard queries (Table 8) and the "
-    "robustness to six query perturbations (Table 4)."
+    "uncertainty (spread, correlation with nDCG@10, risk-aware ranking, selective prediction), the hard queries "
+    "(Table 8) and, under --teacher none, the robustness to six query perturbations (Table 4)."
 )
 
 MEASURES = ("nDCG@10", "RR@10")
@@ -58,6 +62,8 @@ NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
 NEGATIVE_SOURCES = ("bm25", "dense")
 _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev", "zero-shot collections"
 _DISTIL = "distillation (--teacher)"
+#: The students' training steps by default (``--steps``) when distilling, and under the label recipe.
+DISTIL_STEPS, LABEL_STEPS = 200, 1000
 
 
 @dataclass
@@ -65,6 +71,8 @@ class VarceJobConfig(CommonConfig):
     """The ``pyterrier-prob varce`` options beyond :class:`CommonConfig`'s, each field's help its documentation."""
 
     output: str = "outputs/varce"
+    recipe: str | None = None  # check(): partial when distilling, frozen under --teacher none
+    steps: int | None = None  # check(): DISTIL_STEPS when distilling, LABEL_STEPS under --teacher none
     negatives: int = option(3, "negatives per relevant training doc, mined from --negatives-from")
     pool_depth: int = option(30, "depth of the first stages' rankings the negatives come from")
     beta: float = option(1e-7, "KL weight of VariationalBCELoss (Eq. 10)")
@@ -100,17 +108,18 @@ class VarceJobConfig(CommonConfig):
     dev_depth: int = option(30, "BM25 depth re-ranked per dev query of the learning curves", _DEV)
     dev_every: int | None = option(None, "steps between dev points (default: steps/10)", _DEV)
     teacher: str | None = option(
-        None,
-        "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first) fused with "
-        "BM25, into split-attention students whose top --train-layers layers (default 2) read both texts (default: "
-        "train on the labels)",
+        "partial",
+        "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first, for "
+        "--teacher-steps) fused with BM25, into split-attention students whose top --train-layers layers (default 2) "
+        "read both texts; 'none': the label recipe instead (heads trained on the judged labels, --recipe frozen by "
+        "default)",
         _DISTIL,
     )
-    teacher_steps: int = option(3000, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
+    teacher_steps: int = option(300, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
     teacher_layers: int = option(2, "--teacher partial: the teacher's top layers that train", _DISTIL)
     teacher_batch_size: int = option(32, "--teacher partial: the teacher's batch size (distinct queries)", _DISTIL)
     teacher_lr: float = option(5e-5, "--teacher partial: the teacher's learning rate", _DISTIL)
-    teacher_dev_every: int = option(200, "--teacher partial: steps between the teacher's dev points", _DISTIL)
+    teacher_dev_every: int = option(100, "--teacher partial: steps between the teacher's dev points", _DISTIL)
     bm25_train_depth: int = option(1000, "BM25 depth of the training pools (a candidate deeper scores 0)", _DISTIL)
     init_cross_bias: float = option(
         0.0,
@@ -146,8 +155,20 @@ class VarceJobConfig(CommonConfig):
         choices=("title", "span"),
     )
 
+    @property
+    def distils(self) -> bool:
+        """Whether the run distils students from a teacher (the default) rather than training on the labels."""
+        return self.teacher is not None and self.teacher != "none"
+
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first setting out of range (as its command-line flag)."""
+        """Raise ``ValueError`` naming the first setting out of range (as its command-line flag); the defaults that
+        depend on the recipe (``--recipe``, ``--steps``) filled in."""
+        if not self.distils:
+            self.teacher = None
+        if self.recipe is None:
+            self.recipe = "partial" if self.teacher else "frozen"
+        if self.steps is None:
+            self.steps = DISTIL_STEPS if self.teacher else LABEL_STEPS
         if self.teacher and self.train_layers is None:  # the students' joint layers (varce_distill.check_options)
             self.train_layers = 2
         super().check()
@@ -178,13 +199,13 @@ class VarceJobConfig(CommonConfig):
         if self.mc_dropout == 1:
             raise ValueError("--mc-dropout needs at least 2 passes for a spread (0: none), got 1")
         if self.input_score and not self.teacher:
-            raise ValueError("--input-score trains distilled students that read BM25's score: it needs --teacher")
+            raise ValueError("--input-score trains distilled students that read BM25's score: not under --teacher none")
         if tuple(self.students) != type(self)().students and not self.teacher:
-            raise ValueError("--students chooses distilled students: it needs --teacher")
+            raise ValueError("--students chooses distilled students: not under --teacher none")
         if len(set(self.students)) != len(self.students):
             raise ValueError(f"--students names a student twice: {list(self.students)}")
         if self.pseudo_queries and not self.teacher:
-            raise ValueError("--pseudo-queries trains distilled students: it needs --teacher")
+            raise ValueError("--pseudo-queries trains distilled students: not under --teacher none")
         if len(set(self.pseudo_queries)) != len(self.pseudo_queries):
             raise ValueError(f"--pseudo-queries names a kind twice: {list(self.pseudo_queries)}")
         if self.claims_json:  # (the option every experiment takes)
