@@ -392,10 +392,24 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
     # plain ``pyterrier-prob varce`` distils (a teacher fine-tuned in the run); --teacher none: the label recipe
     cfg = varce.config_from_args(build_parser("varce").parse_args([]))
     cfg.check()
-    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.train_layers) == ("partial", "partial", varce.DISTIL_STEPS, 2)
+    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers) == (
+        "partial",
+        "partial",
+        200,
+        16,
+        1e-4,
+        2,
+    )
     cfg = varce.config_from_args(build_parser("varce").parse_args(["--teacher", "none"]))
     cfg.check()
-    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.train_layers) == (None, "frozen", varce.LABEL_STEPS, None)
+    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers) == (
+        None,
+        "frozen",
+        1000,
+        64,
+        5e-5,
+        None,
+    )
     cfg = varce.config_from_args(build_parser("varce").parse_args(["--steps", "7", "--recipe", "partial"]))
     cfg.check()  # given values stay
     assert (cfg.recipe, cfg.steps) == ("partial", 7)

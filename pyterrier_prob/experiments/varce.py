@@ -35,8 +35,7 @@ from st_extensions.cross_encoder.frozen import cached_cross_encoder
 
 __all__ = [
     "DESCRIPTION",
-    "DISTIL_STEPS",
-    "LABEL_STEPS",
+    "RECIPE_DEFAULTS",
     "MEASURES",
     "NOISE_ORDER",
     "VarceJobConfig",
@@ -62,8 +61,18 @@ NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
 NEGATIVE_SOURCES = ("bm25", "dense")
 _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev", "zero-shot collections"
 _DISTIL = "distillation (--teacher)"
-#: The students' training steps by default (``--steps``) when distilling, and under the label recipe.
-DISTIL_STEPS, LABEL_STEPS = 200, 1000
+#: The training options' defaults when the run distils (the default) and under the label recipe (``--teacher none``).
+RECIPE_DEFAULTS = {
+    True: {"recipe": "partial", "steps": 200, "batch_size": 16, "lr": 1e-4},
+    False: {"recipe": "frozen", "steps": 1000, "batch_size": 64, "lr": 5e-5},
+}
+
+
+def _defaults(distils: bool) -> str:
+    return " ".join(
+        f"--{k.replace('_', '-')} {v:g}" if not isinstance(v, str) else f"--{k} {v}"
+        for k, v in RECIPE_DEFAULTS[distils].items()
+    )
 
 
 @dataclass
@@ -71,8 +80,10 @@ class VarceJobConfig(CommonConfig):
     """The ``pyterrier-prob varce`` options beyond :class:`CommonConfig`'s, each field's help its documentation."""
 
     output: str = "outputs/varce"
-    recipe: str | None = None  # check(): partial when distilling, frozen under --teacher none
-    steps: int | None = None  # check(): DISTIL_STEPS when distilling, LABEL_STEPS under --teacher none
+    recipe: str | None = None  # check(): RECIPE_DEFAULTS, by whether the run distils
+    steps: int | None = None
+    batch_size: int | None = None
+    lr: float | None = None
     negatives: int = option(3, "negatives per relevant training doc, mined from --negatives-from")
     pool_depth: int = option(30, "depth of the first stages' rankings the negatives come from")
     beta: float = option(1e-7, "KL weight of VariationalBCELoss (Eq. 10)")
@@ -111,8 +122,8 @@ class VarceJobConfig(CommonConfig):
         "partial",
         "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first, for "
         "--teacher-steps) fused with BM25, into split-attention students whose top --train-layers layers (default 2) "
-        "read both texts; 'none': the label recipe instead (heads trained on the judged labels, --recipe frozen by "
-        "default)",
+        "read both texts; 'none': the label recipe instead (heads trained on the judged labels). The training "
+        f"options' defaults follow: {_defaults(True)}; under 'none' {_defaults(False)}",
         _DISTIL,
     )
     teacher_steps: int = option(300, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
@@ -163,12 +174,11 @@ class VarceJobConfig(CommonConfig):
     def check(self) -> None:
         """Raise ``ValueError`` naming the first setting out of range (as its command-line flag); the defaults that
         depend on the recipe (``--recipe``, ``--steps``) filled in."""
-        if not self.distils:
-            self.teacher = None
-        if self.recipe is None:
-            self.recipe = "partial" if self.teacher else "frozen"
-        if self.steps is None:
-            self.steps = DISTIL_STEPS if self.teacher else LABEL_STEPS
+        distils = self.distils
+        self.teacher = self.teacher if distils else None
+        for name, value in RECIPE_DEFAULTS[distils].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         if self.teacher and self.train_layers is None:  # the students' joint layers (varce_distill.check_options)
             self.train_layers = 2
         super().check()
