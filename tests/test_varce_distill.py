@@ -24,6 +24,7 @@ from st_extensions.cross_encoder.split import (
     attention_probabilities,
     build_split_cross_encoder,
     cross_attention_mass,
+    joint_term,
     split_state_cache,
 )
 from st_extensions.loading import load_model
@@ -50,6 +51,46 @@ def test_closed_cross_attention_is_the_bi_encoder(minilm_path, bi_encoder):
     for variant in (None, "VAR", "MEANVAR"):
         model = build_split_cross_encoder(minilm_path, init_cross_bias=-1e4, variant=variant, scale=20.0)
         np.testing.assert_allclose(model.predict(PAIRS), expected, atol=1e-4)
+
+
+def test_bi_encoder_path_starts_as_the_bi_encoder_with_open_joint_layers(minilm_path, bi_encoder, tmp_path):
+    """With ``bi_encoder_path`` the model scores exactly scale * cosine of the bi-encoder at the start though its joint
+    layers attend across the pair (bias 0); the joint term's weights start at 0 and train (so do the joint layers),
+    the frozen copy does not; a trained model round-trips through save and load."""
+    q = bi_encoder.encode([p[0] for p in PAIRS], normalize_embeddings=True)
+    d = bi_encoder.encode([p[1] for p in PAIRS], normalize_embeddings=True)
+    expected = 20.0 * (q * d).sum(1)
+    for variant in (None, "VAR", "MEANVAR"):
+        model = build_split_cross_encoder(minilm_path, bi_encoder_path=True, variant=variant, scale=20.0)
+        np.testing.assert_allclose(model.predict(PAIRS), expected, atol=1e-4)
+    assert model[0].cross.bias.tolist() == [0.0, 0.0] and model[1].get_embedding_dimension() == 2 * 384
+    assert cross_attention_mass(model, PAIRS)[0]["query_to_document"] > 0.3  # the joint layers do attend across
+    assert not any(p.requires_grad for p in model[0].separate.parameters())
+    assert all(p.requires_grad for p in model[0].auto_model.encoder.layer[4].parameters())
+    model = build_split_cross_encoder(minilm_path, bi_encoder_path=True, scale=20.0)
+    start = joint_term(model, PAIRS)
+    assert start["joint_std"] == 0 and start["joint_share"] == 0
+    assert start["score_std"] == pytest.approx(float(np.std(expected, ddof=1)), rel=1e-3)
+    decoder = model[2].linear
+    assert torch.all(decoder.weight[0, 384:] == 0) and torch.allclose(decoder.weight[0, :384], torch.tensor(20 / 384))
+    # one step of gradient reaches the joint term and the joint layers, not the frozen copy
+    features = model.preprocess(PAIRS[:2])
+    loss = model(features)["scores"].sum()
+    loss.backward()
+    assert decoder.weight.grad[0, 384:].abs().sum() > 0
+    assert model[0].auto_model.encoder.layer[5].attention.self.query.weight.grad.abs().sum() == 0  # its term weighs 0
+    assert all(p.grad is None for p in model[0].separate.parameters())
+    with torch.no_grad():  # a trained-looking model: the joint term weighs in, the joint layers differ from the copy
+        decoder.weight[0, 384:] = 0.01
+        model[0].auto_model.encoder.layer[5].output.dense.bias.add_(0.1)
+    before = model.predict(PAIRS)
+    assert np.abs(before - expected).max() > 1e-3
+    moved = joint_term(model, PAIRS)
+    assert moved["joint_share"] > 0 and moved["score_std"] == pytest.approx(float(np.std(before, ddof=1)), rel=1e-3)
+    model.save(str(tmp_path / "m"))
+    loaded = load_model(str(tmp_path / "m"))
+    np.testing.assert_allclose(loaded.predict(PAIRS), before, atol=1e-5)
+    torch.testing.assert_close(loaded[0].separate.state_dict(), model[0].separate.state_dict())
 
 
 def test_open_cross_attention_changes_scores(minilm_path):

@@ -139,6 +139,14 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
+    score_from: str = option(
+        "both",
+        "what a student's score reads: both: a frozen copy of its top layers reading each text apart (the teacher's "
+        "bi-encoder) plus a term of the joint layers whose weights start at 0, so a student starts as the bi-encoder "
+        "and learns what reading the pair together adds; joint: the joint layers' pooled cosine alone",
+        _DISTIL,
+        choices=("both", "joint"),
+    )
     mc_dropout: int = option(
         8,
         "forward passes with dropout on per query's top 10 pairs: the MC-dropout confidence of the selective "

@@ -52,7 +52,12 @@ from pyterrier_prob.varce.pseudo_queries import KINDS, drop_sources, pseudo_quer
 from pyterrier_prob.varce.rerank import risk_adjusted, score_as_text
 from pyterrier_prob.varce.scoring import PairScorer
 from pyterrier_prob.varce.selective import mc_dropout_std, nqc, selective_table, top_k_mean, wig
-from st_extensions.cross_encoder.split import build_split_cross_encoder, cross_attention_mass, split_state_cache
+from st_extensions.cross_encoder.split import (
+    build_split_cross_encoder,
+    cross_attention_mass,
+    joint_term,
+    split_state_cache,
+)
 from st_extensions.defaults import default_model_path
 from st_extensions.loading import load_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, VariationalMarginMSELoss
@@ -310,6 +315,7 @@ def train_students(
     base = {"role": "distilled student", "teacher": fingerprint, "alpha": fusion["alpha"], "pool": len(fusion["pool"])}
     base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
     base |= {"joint_layers": layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.score_scale}
+    base |= {"score_from": cfg.score_from} if cfg.score_from != "joint" else {}  # (runs before the option: joint)
     base |= {"pseudo_queries": fusion["pseudo"]} if fusion.get("pseudo") else {}
     if evaluate is not None:
         base["dev"] = {"queries": cfg.dev_queries, "depth": cfg.dev_depth, "every": dev_every(cfg)}
@@ -323,7 +329,7 @@ def train_students(
         loss = MarginMSELoss if variant is None else partial(VariationalMarginMSELoss, beta=cfg.beta)
         settings = {**base, "variant": variant} | ({"beta": cfg.beta} if variant else {})
         settings |= {"input_score": INPUT_SCORE} if score else {}
-        shape = (layers, cfg.init_cross_bias, cfg.score_scale, score)
+        shape = (layers, cfg.init_cross_bias, cfg.score_scale, score, cfg.score_from == "both")
         build = partial(_student, folder, variant, cfg.max_seq_length, *shape)
         kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
         model, _ = h.train(name, build, loss, rows[score], **kw)
@@ -345,13 +351,24 @@ def attention_mass(build: Any, model: Any, cand: pd.DataFrame, seed: int) -> dic
     rows = cand.sample(n=min(ATTENTION_PAIRS, len(cand)), random_state=seed)
     pairs = list(zip(rows["query"], rows["text"]))
     step_0 = cross_attention_mass(build(), pairs)
-    return {"pairs": len(pairs), "step_0": step_0, "kept": cross_attention_mass(model, pairs)}
+    out = {"pairs": len(pairs), "step_0": step_0, "kept": cross_attention_mass(model, pairs)}
+    if model[0].bi_encoder_path:  # how much of the kept student's score its joint layers make
+        out["joint_term"] = joint_term(model, pairs)
+    return out
 
 
 def _student(
-    teacher: str, variant: str | None, max_seq_length: int, layers: int, bias: float, scale: float, score: bool
+    teacher: str,
+    variant: str | None,
+    max_seq_length: int,
+    layers: int,
+    bias: float,
+    scale: float,
+    score: bool,
+    bi_encoder_path: bool,
 ) -> Any:
     shape = {"joint_layers": layers, "init_cross_bias": bias, "scale": scale, "score_segment": score}
+    shape["bi_encoder_path"] = bi_encoder_path
     return build_split_cross_encoder(teacher, variant=variant, max_seq_length=max_seq_length, **shape)
 
 
@@ -418,14 +435,18 @@ def rerank_rows(
 
 def describe_students(rows: list[dict], cfg: VarceJobConfig, attention: dict[str, Any], curves: dict[str, Any]) -> None:
     """Each row's re-ranker: ``joint_layers`` (layers that read both texts; None for BM25 and the teacher's rows),
-    ``cross_attention_mass`` (per joint layer at the kept step), ``input_score`` (None: the first stage's score is not
-    read) and ``chosen_on_dev``: the plain student with the best dev point of this run (none without dev curves)."""
+    ``cross_attention_mass`` (per joint layer at the kept step), ``joint_share`` (with ``--score-from both``: the
+    share of the kept score's spread over dev pairs that its joint layers make, :func:`joint_term`), ``input_score``
+    (None: the first stage's score is not read) and ``chosen_on_dev``: the plain student with the best dev point of
+    this run (none without dev curves)."""
     best = {s: c["best"]["dev"] for s, c in curves.items() if c.get("best") and s in STUDENTS}  # plain ones
     chosen = max(best, key=lambda s: (best[s], -list(STUDENTS).index(s))) if best else None
     for row in rows:
         student = row["system"] in students(cfg)
         row["joint_layers"] = joint_layers(cfg) if student else None
         row["cross_attention_mass"] = attention.get(row["system"], {}).get("kept") if student else None
+        term = attention.get(row["system"], {}).get("joint_term") if student else None
+        row["joint_share"] = None if term is None else term["joint_share"]
         row["input_score"] = INPUT_SCORE if reads_score(row["system"]) else None
         row["chosen_on_dev"] = row["system"] == chosen
 

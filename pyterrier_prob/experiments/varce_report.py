@@ -233,6 +233,12 @@ def _attention_lines(summary: dict[str, Any]) -> list[str]:
             for a, b in zip(m["step_0"], m["kept"])
         ]
         text.append(f"- {name} ({m['pairs']} pairs): " + "; ".join(cells))
+        if term := m.get("joint_term"):
+            text.append(
+                f"  - its score at the kept step: the joint layers' term makes {term['joint_share']:.1%} of its spread "
+                f"over these pairs (std {term['joint_std']:.3f} of {term['score_std']:.3f}; the bi-encoder path "
+                f"{term['bi_encoder_std']:.3f}); at step 0 it made none"
+            )
     return text
 
 

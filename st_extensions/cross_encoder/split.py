@@ -5,6 +5,7 @@ cos``, close to the bi-encoder (``docs/varce.md``)."""
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,11 +41,14 @@ __all__ = [
     "SplitTransformer",
     "build_split_cross_encoder",
     "cross_attention_mass",
+    "joint_term",
     "split_state_cache",
 ]
 
 QUERY_MASK = "query_token_mask"
+SEPARATE = "separate_token_embeddings"
 BIAS_FILE = "split_attention.safetensors"
+SEPARATE_FILE = "bi_encoder_path.safetensors"
 #: Between the first stage's score and the document in a score-as-text input: ``"12.34 [SEP] document"``.
 SCORE_SEPARATOR = " [SEP] "
 
@@ -76,9 +80,11 @@ class SplitTransformer(Transformer):
     ``token_embeddings``, the joint ``attention_mask`` and ``query_token_mask`` (lower layers from ``state_cache`` when
     :func:`split_state_cache` set one). Single texts run the plain ``Transformer`` forward."""
 
-    config_keys: list[str] = [*Transformer.config_keys, "joint_layers", "init_cross_bias", "score_segment"]
+    config_keys: list[str] = [
+        *Transformer.config_keys, "joint_layers", "init_cross_bias", "score_segment", "bi_encoder_path"
+    ]  # fmt: skip
     #: Settings of the joint layers only: the lower layers' cached states do not depend on them.
-    top_only_keys: tuple[str, ...] = ("joint_layers", "init_cross_bias", "score_segment")
+    top_only_keys: tuple[str, ...] = ("joint_layers", "init_cross_bias", "score_segment", "bi_encoder_path")
 
     def __init__(
         self,
@@ -87,6 +93,7 @@ class SplitTransformer(Transformer):
         joint_layers: int = 2,
         init_cross_bias: float = 0.0,
         score_segment: bool = False,
+        bi_encoder_path: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(model_name_or_path, **kwargs)
@@ -94,12 +101,24 @@ class SplitTransformer(Transformer):
         self.joint_layers = check_layers("joint_layers", joint_layers, 1, num_layers, num_layers)
         self.init_cross_bias = finite_float("init_cross_bias", init_cross_bias, high=0.0)
         self.score_segment = bool(score_segment)
+        self.bi_encoder_path = bool(bi_encoder_path)
         self.cross = CrossAttentionBias(joint_layers, self.init_cross_bias)
+        # a frozen copy of the top layers: each text read apart, as the bi-encoder the model starts from
+        self.separate = (
+            nn.ModuleList(copy.deepcopy(self.auto_model.encoder.layer[self.split_layer :]))
+            if (self.bi_encoder_path)
+            else None
+        )
+        if self.separate is not None:
+            self.separate.requires_grad_(False)
         self.state_cache: LayerStateCache | None = None
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
         super().save(output_path, *args, safe_serialization=safe_serialization, **kwargs)
         save_file({"cross_bias": self.cross.bias.detach().cpu().contiguous()}, os.path.join(output_path, BIAS_FILE))
+        if self.separate is not None:
+            state = {k: v.detach().cpu().contiguous() for k, v in self.separate.state_dict().items()}
+            save_file(state, os.path.join(output_path, SEPARATE_FILE))
 
     @classmethod
     def load(cls, model_name_or_path: str, subfolder: str = "", **kwargs: Any) -> SplitTransformer:
@@ -111,6 +130,11 @@ class SplitTransformer(Transformer):
         if bias.shape != module.cross.bias.shape:
             raise ValueError(f"{path} holds {tuple(bias.shape)} biases, the config says {module.joint_layers} layers")
         module.cross.load_state_dict({"bias": bias})
+        if module.separate is not None:
+            path = os.path.join(model_name_or_path, subfolder, SEPARATE_FILE)
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is missing: the SplitTransformer's frozen bi-encoder layers")
+            module.separate.load_state_dict(load_file(path))
         return module
 
     @property
@@ -211,11 +235,27 @@ class SplitTransformer(Transformer):
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
+    def run_separate(self, hidden: Tensor, mask: Tensor, is_query: Tensor) -> Tensor:
+        """The frozen copy of the top layers over the same sequence with no attention between the two texts: each text
+        read apart, token for token what the bi-encoder the model started from computes (``bi_encoder_path``)."""
+        if self.separate is None:
+            raise ValueError("this SplitTransformer has no bi-encoder path (bi_encoder_path=False)")
+        low = torch.finfo(hidden.dtype).min
+        apart = (is_query[:, :, None] != is_query[:, None, :]) | (mask == 0)[:, None, :]  # (B, T, T)
+        additive = torch.zeros(apart.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(apart, low)
+        with torch.no_grad():
+            for layer in self.separate:
+                out = layer(hidden, attention_mask=additive[:, None])
+                hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         joint = self.joint_inputs(features)
         if joint is None:
             return super().forward(features, **kwargs)
         hidden, mask, is_query = joint
+        if self.separate is not None:
+            features[SEPARATE] = self.run_separate(hidden, mask, is_query)
         features["token_embeddings"] = self.run_joint(hidden, mask, is_query)
         features["attention_mask"] = mask
         features[QUERY_MASK] = (mask.bool() & is_query).long()
@@ -225,28 +265,38 @@ class SplitTransformer(Transformer):
 @register_module
 class SegmentInteraction(Module):
     """Pair feature ``hidden * normalize(mean_q) * normalize(mean_d)`` of a :class:`SplitTransformer`'s output (its sum
-    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``."""
+    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``; with ``bi_encoder_path``
+    the same feature of the frozen bi-encoder path first, then the joint layers': ``(batch, 2 * hidden)``."""
 
-    config_keys: list[str] = ["embedding_dimension"]
+    config_keys: list[str] = ["embedding_dimension", "bi_encoder_path"]
 
-    def __init__(self, embedding_dimension: int) -> None:
+    def __init__(self, embedding_dimension: int, bi_encoder_path: bool = False) -> None:
         super().__init__()
         self.embedding_dimension = int(embedding_dimension)
+        self.bi_encoder_path = bool(bi_encoder_path)
+
+    def _feature(self, tokens: Tensor, q_mask: Tensor, mask: Tensor) -> Tensor:
+        u_q, u_d = (  # the normalised mean token of the query and of the document
+            F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
+            for m in (q_mask, mask - q_mask)
+        )
+        return self.embedding_dimension * u_q * u_d
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if QUERY_MASK not in features:
             raise ValueError("SegmentInteraction reads a SplitTransformer's output (no query_token_mask)")
+        if self.bi_encoder_path and SEPARATE not in features:
+            raise ValueError("SegmentInteraction(bi_encoder_path=True) reads a SplitTransformer with a bi-encoder path")
         tokens = features["token_embeddings"]
-        q_mask = features[QUERY_MASK].to(tokens.dtype)
-        u_q, u_d = (  # the normalised mean token of the query and of the document
-            F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
-            for m in (q_mask, features["attention_mask"].to(tokens.dtype) - q_mask)
-        )
-        features["sentence_embedding"] = self.embedding_dimension * u_q * u_d
+        q_mask, mask = features[QUERY_MASK].to(tokens.dtype), features["attention_mask"].to(tokens.dtype)
+        joint = self._feature(tokens, q_mask, mask)
+        if self.bi_encoder_path:
+            joint = torch.cat([self._feature(features[SEPARATE], q_mask, mask), joint], dim=-1)
+        features["sentence_embedding"] = joint
         return features
 
     def get_embedding_dimension(self) -> int:
-        return self.embedding_dimension
+        return self.embedding_dimension * (2 if self.bi_encoder_path else 1)
 
     def save(self, output_path: str, *args: Any, **kwargs: Any) -> None:
         self.save_config(output_path)
@@ -258,6 +308,7 @@ def build_split_cross_encoder(
     joint_layers: int = 2,
     init_cross_bias: float = 0.0,
     score_segment: bool = False,
+    bi_encoder_path: bool = False,
     variant: Variant | None = None,
     scale: float = 20.0,
     max_seq_length: int = 128,
@@ -270,30 +321,39 @@ def build_split_cross_encoder(
     as ``scale * cos(query, document)``; ``init_log_var`` sets the starting score std ``scale * exp(init_log_var / 2) /
     sqrt(d)``; ``max_seq_length`` per text; ``score_segment``: each document comes as ``"<score> [SEP] <text>"`` (the
     first stage's score as text, Askari et al., ECIR 2023) and the score's tokens join the query's side of the joint
-    layers, their lower layers computed on the fly so that the document's cached states serve every score."""
+    layers, their lower layers computed on the fly so that the document's cached states serve every score;
+    ``bi_encoder_path``: a frozen copy of the top layers also reads each text apart, and the score is ``scale * cos``
+    of that bi-encoder path plus a linear term of the joint layers' feature whose weights start at 0, so the model
+    starts exactly as the bi-encoder while its joint layers attend across the pair from the first step (the residual
+    a cross-encoder adds to the bi-encoder is what trains)."""
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
         path,
         joint_layers=joint_layers,
         init_cross_bias=init_cross_bias,
         score_segment=score_segment,
+        bi_encoder_path=bi_encoder_path,
         max_seq_length=max_seq_length,
     )
     dim = transformer.get_embedding_dimension()
+    interaction = SegmentInteraction(dim, bi_encoder_path=bi_encoder_path)
+    features = interaction.get_embedding_dimension()
     transformer.auto_model.config.num_labels = 1
     if variant is None:
-        head = LinearScoreHead(dim, 1, activation_function=nn.Identity(), module_output_name="scores")
+        head = LinearScoreHead(features, 1, activation_function=nn.Identity(), module_output_name="scores")
         decoder, mean_branch, model_class = head.linear, None, CrossEncoder
     else:
-        head = VariationalHead(dim, variant=variant, init_log_var=init_log_var)
+        head = VariationalHead(features, variant=variant, init_log_var=init_log_var)
         decoder, mean_branch, model_class = head.decoder, head.mean_branch, VarCrossEncoder
     with torch.no_grad():
         decoder.weight.fill_(scale / dim)
+        if bi_encoder_path:  # the joint layers' term starts at 0: the score is the bi-encoder path's
+            decoder.weight[:, dim:] = 0.0
         decoder.bias.zero_()
         if mean_branch is not None:
-            mean_branch.weight.copy_(torch.eye(dim))
+            mean_branch.weight.copy_(torch.eye(features))
             mean_branch.bias.zero_()
-    return model_class(modules=[transformer, SegmentInteraction(dim), head], device=device, activation_fn=nn.Identity())
+    return model_class(modules=[transformer, interaction, head], device=device, activation_fn=nn.Identity())
 
 
 def split_state_cache(
@@ -360,3 +420,32 @@ def cross_attention_mass(model: CrossEncoder, pairs: Sequence[tuple[str, str]], 
         {"layer": split.split_layer + i, **{n: float(sums[i, j] / tokens[j % 2]) for j, n in enumerate(names)}}
         for i in range(split.joint_layers)
     ]
+
+
+def joint_term(model: CrossEncoder, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> dict[str, float]:
+    """How much of a ``bi_encoder_path`` student's score (E[s] for a VarCE) its joint layers make, over ``pairs``: the
+    score is linear in the pair feature, so the bi-encoder path's part is the score with the joint half of the feature
+    set to 0 and the joint part the rest. Returns the standard deviation over the pairs of the score and of each part,
+    and ``joint_share``: the joint part's over the score's (0: the model ranks as its bi-encoder path)."""
+    split, interaction, head = model[0], model[1], model[2]
+    if not (isinstance(split, SplitTransformer) and split.bi_encoder_path):
+        raise ValueError("joint_term needs a split cross-encoder built with bi_encoder_path=True")
+    if not pairs:
+        raise ValueError("joint_term needs at least one (query, document) pair")
+    dim, full, bi = split.get_embedding_dimension(), [], []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(pairs), batch_size):
+                features = batch_to_device(split.preprocess(list(pairs[start : start + batch_size])), model.device)
+                features = interaction(split(features))
+                apart = dict(features, sentence_embedding=features["sentence_embedding"].clone())
+                apart["sentence_embedding"][:, dim:] = 0.0
+                full.append(head(features)["scores"].reshape(-1))
+                bi.append(head(apart)["scores"].reshape(-1))
+    finally:
+        model.train(was_training)
+    s, b = torch.cat(full).double(), torch.cat(bi).double()
+    std = {"score_std": float(s.std()), "bi_encoder_std": float(b.std()), "joint_std": float((s - b).std())}
+    return {"pairs": len(s), **std, "joint_share": std["joint_std"] / max(std["score_std"], 1e-12)}
