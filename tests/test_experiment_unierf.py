@@ -38,6 +38,10 @@ def test_help_lists_the_options(capsys):
         (["--dev-quotas", "--doc-tower", "joint"], "--dev-quotas searches the dev queries"),
         (["--doc-tower", "joint"], "which --recipe frozen keeps frozen"),  # frozen: the default recipe
         (["--doc-tower", "joint", "--recipe", "frozen", "--steps", "2"], "use --recipe partial or full"),
+        (["--alpha-grid", "0.3", "1.2"], "--alpha-grid must lie in [-1, 1)"),
+        (["--alpha-grid", "0.3", "0.3"], "--alpha-grid must be distinct"),
+        (["--alpha-grid", "0.3"], "--alpha-grid chooses among two or more alphas"),
+        (["--alpha-grid", "0.3", "0.6"], "--alpha-grid chooses alpha on the dev curves"),  # frozen, no --dev-every
     ],
 )
 def test_bad_settings_are_refused(argv, message, capsys):
@@ -303,6 +307,29 @@ def test_dev_quotas_choose_the_trigger_share_on_dev_and_report_it(tmp_path, smal
     assert quotas["baseline"] == plain["baseline"] and quotas["baseline_value"] == plain["baseline_value"]
     assert quotas["system"] == "UniERF (all): merged, dev quotas"
     assert quotas["value"] == pytest.approx(results.loc["UniERF (all): merged, dev quotas", "R@100"])
+
+
+def test_alpha_grid_chooses_on_dev_and_reports_every_alpha(tmp_path, small_beir):
+    """--alpha-grid: one UniERF (all) per alpha, the best dev point (the curves on disk) names the chosen one, the
+    ablation trains at the chosen alpha and every alpha's model has its test row."""
+    folder, _ = small_beir
+    out = tmp_path / "unierf-grid"
+    argv = ["unierf", "--dataset", str(folder), "--steps", "2", "--batch-size", "4", "--max-seq-length", "32"]
+    argv += ["--budgets", "6", "--ablations", "table2", "--alpha-grid", "0.2", "0.6", "--dev-every", "1"]
+    assert main([*argv, "--output", str(out), "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    grid = summary["alpha_grid"]
+    best = {a: json.loads((out / "curves" / f"unierf-all-a{a}.json").read_text())["best"] for a in ("0.2", "0.6")}
+    assert {a: v["dev_R@100"] for a, v in grid.items()} == {a: b["dev"] for a, b in best.items()}
+    chosen = max(best, key=lambda a: (round(best[a]["dev"], 12), -abs(float(a) - 0.6)))
+    assert [a for a, v in grid.items() if v["chosen"]] == [chosen] and summary["alpha"] == float(chosen)
+    other = next(a for a in grid if a != chosen)
+    assert grid[other]["system"] == f"UniERF (all) at alpha {other}"
+    names = set(pd.read_csv(out / "results.csv")["name"])
+    assert {"UniERF (all): merged", f"UniERF (all) at alpha {other}: merged"} <= names
+    info = summary["training"]
+    assert info["UniERF (all)"]["alpha"] == float(chosen) and info["w/o diff. negatives"]["alpha"] == float(chosen)
+    assert "alpha chosen on dev" in (out / "results.md").read_text()
 
 
 @pytest.mark.slow

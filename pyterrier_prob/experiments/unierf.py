@@ -29,6 +29,7 @@ from pyterrier_prob.experiments.harness import (
     set_max_len,
     subcommand,
 )
+from pyterrier_prob.experiments.output import read_if_present
 from pyterrier_prob.training import complete_checkpoints, text_columns
 from pyterrier_prob.unierf.analysis import (
     RECORDED,
@@ -41,7 +42,7 @@ from pyterrier_prob.unierf.analysis import (
     merged_run,
 )
 from pyterrier_prob.unierf.branches import TriggerText, UniERFEncoder, unierf_training_data
-from st_extensions import build_unierf_model
+from st_extensions import build_unierf_model, load_model
 from st_extensions.judged import JudgedPairs, pair_labels
 from st_extensions.losses.unierf import FrozenDocumentTower
 from st_extensions.modules.branches import MultiBranchQueryEncoder
@@ -73,6 +74,7 @@ DESCRIPTION = (
 
 BRANCHES = ("semantic", "trigger")
 BASELINE = "UniERF (all)"
+PAPER_ALPHA = 0.6  #: the paper's diversity truncation alpha (Sec. 5.3.2)
 DEV_QUOTAS = f"{BASELINE}: merged, dev quotas"  #: the full model's merge with the trigger share chosen on dev
 SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  #: ``--dev-quotas``: the trigger shares of B tried on dev
 HEAD_PARAMS = r"(^|\.)heads\."  #: the branch heads' parameters (trained at ``--head-lr``)
@@ -118,6 +120,15 @@ class UniERFJobConfig(CommonConfig):
     )
     alpha: float = option(0.6, "truncation alpha of the diversity loss (Eq. 31; the paper's 0.6, Sec. 5.3.2)")
     low_alpha: float = option(0.3, "alpha of the 'UniERF (all, low alpha)' system")
+    alpha_grid: Sequence[float] = option(
+        (),
+        "choose alpha on dev from this grid (fixed before any test figure is read): UniERF (all) is trained at each "
+        "alpha, the one with the best dev merged R@100 (its dev curve's best point; ties: nearest the paper's 0.6) is "
+        "'UniERF (all)' and the alpha of the other systems (replacing --alpha), every other alpha's model is reported "
+        "as 'UniERF (all) at alpha A' with its test figures; needs dev curves (--recipe partial/full or --dev-every)",
+        nargs="*",
+        type=float,
+    )
     budgets: Sequence[int] = option((100, 300), "total budgets B (R@B; each branch's quota is B/2)")
     ablations: str = option(
         "table2",
@@ -144,9 +155,19 @@ class UniERFJobConfig(CommonConfig):
         super().check()
         if self.head_lr is not None and not (math.isfinite(self.head_lr) and self.head_lr > 0):
             raise ValueError(f"--head-lr must be finite and > 0, got {self.head_lr}")
-        for name, value in (("alpha", self.alpha), ("low-alpha", self.low_alpha)):
+        for name, value in (
+            ("alpha", self.alpha),
+            ("low-alpha", self.low_alpha),
+            *(("alpha-grid", a) for a in self.alpha_grid),
+        ):
             if not (math.isfinite(value) and -1.0 <= value < 1.0):
                 raise ValueError(f"--{name} must lie in [-1, 1) (a cosine), got {value}")
+        if len(set(self.alpha_grid)) != len(self.alpha_grid):
+            raise ValueError(f"--alpha-grid must be distinct, got {list(self.alpha_grid)}")
+        if len(self.alpha_grid) == 1:
+            raise ValueError("--alpha-grid chooses among two or more alphas (one alpha: --alpha)")
+        if self.alpha_grid and not (self.dev_every or self.training_recipe(1).trains_encoder):
+            raise ValueError("--alpha-grid chooses alpha on the dev curves: use --recipe partial/full or --dev-every")
         if not self.budgets or any(int(b) != b or b < 2 for b in self.budgets):
             raise ValueError(f"--budgets must be integers >= 2 (each branch gets B/2), got {list(self.budgets)}")
         if len(set(self.budgets)) != len(self.budgets):
@@ -249,6 +270,8 @@ class UniERFRun:
     dev: Any = None  # the dev curves' scores (_MergedDev), shared by every system
     train_index: Any = None  # the start model's index of the collection the dev queries search
     shares: dict[int, dict[str, Any]] = field(default_factory=dict)  # --dev-quotas: B -> the share chosen on dev
+    alpha: float | None = None  # the diversity alpha of the systems (--alpha, or the one --alpha-grid chose)
+    alpha_grid: dict[str, dict[str, Any]] = field(default_factory=dict)  # --alpha-grid: alpha -> dev figures
 
     @property
     def budgets(self) -> list[int]:
@@ -328,8 +351,12 @@ def train_systems(run: UniERFRun) -> None:
     cfg = run.cfg
     wanted = ABLATIONS[cfg.ablations] if run.rows is not None else ()
     hard_cols = [negative_column(b) for b in BRANCHES]
+    run.alpha = cfg.alpha
     for s in (s for s in JOINT if s.key in wanted):
-        alpha = cfg.low_alpha if s.low_alpha else cfg.alpha
+        if s.key == "all" and cfg.alpha_grid:
+            run.alpha = choose_alpha(run)
+            continue
+        alpha = cfg.low_alpha if s.low_alpha else run.alpha
         ignore = [] if s.hard_negatives else hard_cols
         q, index = _train_one(run, f"unierf-{s.key}", s.name, BRANCHES, ignore, s.diversity, alpha)
         run.add_lists(s.name, {b: q for b in BRANCHES}, {b: index for b in BRANCHES})
@@ -338,8 +365,40 @@ def train_systems(run: UniERFRun) -> None:
         for b in BRANCHES:
             ignore = [c for o in BRANCHES if o != b for c in (anchor_column(o), negative_column(o))]
             name = f"{INDEPENDENT} {b}"
-            frames[b], indexes[b] = _train_one(run, f"independent-{b}", name, (b,), ignore, False, cfg.alpha)
+            frames[b], indexes[b] = _train_one(run, f"independent-{b}", name, (b,), ignore, False, run.alpha)
         run.add_lists(INDEPENDENT, frames, indexes)
+
+
+def grid_name(alpha: float) -> str:
+    """The system name of ``--alpha-grid``'s model at ``alpha`` when another alpha was chosen."""
+    return f"{BASELINE} at alpha {alpha:g}"
+
+
+def choose_alpha(run: UniERFRun) -> float:
+    """``--alpha-grid``: UniERF (all) trained at each alpha; the chosen alpha (the best dev merged R@100 of its dev
+    curve, ties nearest the paper's 0.6) names its model ``UniERF (all)``, every other is ``grid_name(alpha)``;
+    ``run.alpha_grid`` holds each alpha's dev figures. Test figures play no part."""
+    cfg, h, found = run.cfg, run.h, {}
+    for a in cfg.alpha_grid:
+        slug = f"unierf-all-a{a:g}"
+        frame, index = _train_one(run, slug, grid_name(a), BRANCHES, [], True, a)
+        curve = read_if_present(h.path("curves", f"{slug}.json")) or {}
+        if not curve.get("best"):
+            raise ValueError(f"--alpha-grid: {slug} has no dev curve ({h.path('curves', f'{slug}.json')})")
+        found[a] = (frame, index, slug, curve["best"])
+    chosen = max(found, key=lambda a: (round(found[a][3]["dev"], 12), -abs(a - PAPER_ALPHA)))
+    for a, (frame, index, _, best) in found.items():
+        name = BASELINE if a == chosen else grid_name(a)
+        if a == chosen:
+            run.info[BASELINE] = run.info.pop(grid_name(a))
+        run.add_lists(name, {b: frame for b in BRANCHES}, {b: index for b in BRANCHES})
+        run.alpha_grid[f"{a:g}"] = {"system": name, "dev_R@100": best["dev"], "best_step": best["step"]}
+        run.alpha_grid[f"{a:g}"]["chosen"] = a == chosen
+    if cfg.dev_quotas:
+        model = load_model(h.path("models", found[chosen][2]), device="cpu")
+        choose_quota_shares(run, model)
+        del model
+    return chosen
 
 
 def _train_one(
@@ -528,6 +587,8 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
         "identical_batches": (len(set(prints.values())) == 1) if len(info) == len(prints) > 1 else None,
         "frozen_tower": run.tower.stats if run.tower is not None else None,
         "dev_quotas": {str(b): v for b, v in run.shares.items()} or None,
+        "alpha": run.alpha,
+        "alpha_grid": run.alpha_grid or None,
         "training": info,
         **{
             k: f.astype(object).where(f.notna(), None).to_dict("records")
@@ -566,6 +627,16 @@ def _markdown(
             1,
             f"`{DEV_QUOTAS}`: the same lists merged with the trigger branch's share of B chosen on {n} dev queries "
             f"(R@B over the shares {', '.join(map(str, SHARES))}): {chosen}.",
+        )
+    if summary.get("alpha_grid"):
+        cells = ", ".join(
+            f"{a}: {v['dev_R@100']:.4f} (step {v['best_step']})" + (" **chosen**" if v["chosen"] else "")
+            for a, v in summary["alpha_grid"].items()
+        )
+        parts.insert(
+            1,
+            f"alpha chosen on dev (`--alpha-grid`, merged R@100 at each model's best dev step): {cells}; the other "
+            f"alphas' models are the rows '{BASELINE} at alpha A', with their test figures.",
         )
     if len(training):
         same = summary.get("identical_batches")
