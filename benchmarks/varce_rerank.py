@@ -11,7 +11,12 @@ trained model, pool, cache and score is reused; a killed run continues from its 
   VarCE-VAR that read BM25's score as text (``--input-score``);
 - the ablation (``<output>-j1-pseudo``, ``-j2-train``, ``-j1-train``): the CE alone at 1 and 2 joint layers, on the same
   rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher;
-- ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows (J = 6, a plain CrossEncoder, needs a GPU).
+- ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows (J = 6, a plain CrossEncoder, needs a GPU);
+- ``<output>-j2-joint``: the main run's CE with its score read from the joint layers alone (``--score-from joint``: no
+  frozen bi-encoder path), which starts far below the bi-encoder it is built from.
+
+Every student but the last scores through both paths (``--score-from both``, the default): a frozen copy of its top
+layers reads each text apart, as the teacher's bi-encoder, and the joint layers' term starts at weight 0.
 
 Which plain student at J >= 2 is the chosen row is decided by the dev points alone (the best of its learning curve
 over every J >= 2 run), a rule fixed before any test figure is read. ``p_vs_j1`` compares a row with the J = 1 CE
@@ -50,12 +55,17 @@ RUNS = {
     "j2-train": (2, "train", ["--train-layers", "2", "--students", "CE"]),
     "j1-train": (1, "train", ["--train-layers", "1", "--students", "CE"]),
     "j3-pseudo": (3, "train + pseudo-queries", ["--train-layers", "3", *PSEUDO, "--students", "CE"]),
+    "j2-joint": (
+        2,
+        "train + pseudo-queries",
+        ["--train-layers", "2", *PSEUDO, "--students", "CE", "--score-from", "joint"],
+    ),
 }
 TEACHER = "models/distill-teacher"
 #: The order the runs are made in: the main run's CE first (with the teacher it needs), then the J = 1 CE it is
 #: compared with, then the main run's other students, then the rest of the ablation (each run reuses what is made).
 ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)]
-ORDER += [(run, None) for run in ("j2-train", "j1-train", "j3-pseudo")]
+ORDER += [(run, None) for run in ("j2-train", "j1-train", "j3-pseudo", "j2-joint")]
 
 
 def run_folder(output: str, run: str) -> str:

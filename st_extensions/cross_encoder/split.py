@@ -264,23 +264,25 @@ class SplitTransformer(Transformer):
 
 @register_module
 class SegmentInteraction(Module):
-    """Pair feature ``hidden * normalize(mean_q) * normalize(mean_d)`` of a :class:`SplitTransformer`'s output (its sum
-    is the query-document cosine), written as ``sentence_embedding`` ``(batch, hidden)``; with ``bi_encoder_path``
-    the same feature of the frozen bi-encoder path first, then the joint layers': ``(batch, 2 * hidden)``."""
+    """Pair feature ``scale * normalize(mean_q) * normalize(mean_d)`` of a :class:`SplitTransformer`'s output (its sum
+    is ``scale`` times the query-document cosine; ``scale`` defaults to ``hidden``), written as ``sentence_embedding``
+    ``(batch, hidden)``; with ``bi_encoder_path`` the same feature of the frozen bi-encoder path first, then the joint
+    layers': ``(batch, 2 * hidden)``."""
 
-    config_keys: list[str] = ["embedding_dimension", "bi_encoder_path"]
+    config_keys: list[str] = ["embedding_dimension", "bi_encoder_path", "scale"]
 
-    def __init__(self, embedding_dimension: int, bi_encoder_path: bool = False) -> None:
+    def __init__(self, embedding_dimension: int, bi_encoder_path: bool = False, scale: float | None = None) -> None:
         super().__init__()
         self.embedding_dimension = int(embedding_dimension)
         self.bi_encoder_path = bool(bi_encoder_path)
+        self.scale = float(self.embedding_dimension if scale is None else finite_float("scale", scale, low=0.0))
 
     def _feature(self, tokens: Tensor, q_mask: Tensor, mask: Tensor) -> Tensor:
         u_q, u_d = (  # the normalised mean token of the query and of the document
             F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
             for m in (q_mask, mask - q_mask)
         )
-        return self.embedding_dimension * u_q * u_d
+        return self.scale * u_q * u_d
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if QUERY_MASK not in features:
@@ -325,7 +327,8 @@ def build_split_cross_encoder(
     ``bi_encoder_path``: a frozen copy of the top layers also reads each text apart, and the score is ``scale * cos``
     of that bi-encoder path plus a linear term of the joint layers' feature whose weights start at 0, so the model
     starts exactly as the bi-encoder while its joint layers attend across the pair from the first step (the residual
-    a cross-encoder adds to the bi-encoder is what trains)."""
+    a cross-encoder adds to the bi-encoder is what trains); its feature carries ``scale`` and the head's weights start
+    at 1 (bi-encoder path) and 0 (joint), so that the head's optimiser steps are small beside its weights."""
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
         path,
@@ -336,7 +339,7 @@ def build_split_cross_encoder(
         max_seq_length=max_seq_length,
     )
     dim = transformer.get_embedding_dimension()
-    interaction = SegmentInteraction(dim, bi_encoder_path=bi_encoder_path)
+    interaction = SegmentInteraction(dim, bi_encoder_path=bi_encoder_path, scale=scale if bi_encoder_path else None)
     features = interaction.get_embedding_dimension()
     transformer.auto_model.config.num_labels = 1
     if variant is None:
@@ -346,7 +349,7 @@ def build_split_cross_encoder(
         head = VariationalHead(features, variant=variant, init_log_var=init_log_var)
         decoder, mean_branch, model_class = head.decoder, head.mean_branch, VarCrossEncoder
     with torch.no_grad():
-        decoder.weight.fill_(scale / dim)
+        decoder.weight.fill_(scale / interaction.scale)
         if bi_encoder_path:  # the joint layers' term starts at 0: the score is the bi-encoder path's
             decoder.weight[:, dim:] = 0.0
         decoder.bias.zero_()
