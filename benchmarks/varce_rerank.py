@@ -48,9 +48,10 @@ RECIPE = [
     "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--resume", "--reuse",
 ]  # fmt: skip
 PSEUDO = ["--pseudo-queries", "title", "span"]
+ALL = ["CE", "VarCE-MEANVAR", "VarCE-VAR"]
 #: run -> (joint layers, training rows, its options); ``main`` trains the teacher the others use.
 RUNS = {
-    "main": (2, "train + pseudo-queries", ["--train-layers", "2", *PSEUDO, "--input-score"]),
+    "main": (2, "train + pseudo-queries", ["--train-layers", "2", *PSEUDO, "--input-score", "--students", *ALL]),
     "j1-pseudo": (1, "train + pseudo-queries", ["--train-layers", "1", *PSEUDO, "--students", "CE"]),
     "j2-train": (2, "train", ["--train-layers", "2", "--students", "CE"]),
     "j1-train": (1, "train", ["--train-layers", "1", "--students", "CE"]),
@@ -77,7 +78,7 @@ def command(output: str, run: str, only: str | None = None) -> list[str]:
     teacher = "partial" if run == "main" else os.path.join(output, TEACHER)
     options = RUNS[run][2]
     if only is not None:
-        options = [o for o in options if o != "--input-score"] + ["--students", only]
+        options = [o for o in options[: options.index("--input-score")]] + ["--students", only]
     return ["varce", *RECIPE, *options, "--teacher", teacher, "--output", run_folder(output, run)]
 
 

@@ -411,7 +411,7 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
         return varce.config_from_args(build_parser("varce").parse_args(["--teacher", "T", *argv]))
 
     partial_ = ["--recipe", "partial", "--output", str(tmp_path / "o")]
-    assert varce_distill.joint_layers(config(*partial_)) == 2  # --train-layers: default 2 joint layers
+    assert varce_distill.joint_layers(config(*partial_)) == 1  # --train-layers: default 1 joint layer
     assert varce_distill.joint_layers(config(*partial_, "--train-layers", "1")) == 1
     with pytest.raises(ValueError, match="--recipe partial"):
         varce_distill.check_options(config("--output", str(tmp_path), "--recipe", "frozen"))
@@ -428,19 +428,13 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
     with pytest.raises(ValueError, match="names a student twice"):
         config(*partial_, "--students", "CE", "CE").check()
     cfg = config(*partial_)
-    cfg.check()  # --train-layers left out under --teacher: the students' default, 2 joint layers
-    assert cfg.train_layers == 2
+    cfg.check()  # --train-layers left out under --teacher: the students' default, 1 joint layer
+    assert cfg.train_layers == 1
     # plain ``pyterrier-prob varce`` distils (a teacher fine-tuned in the run); --teacher none: the label recipe
     cfg = varce.config_from_args(build_parser("varce").parse_args([]))
     cfg.check()
-    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers) == (
-        "partial",
-        "partial",
-        200,
-        16,
-        1e-4,
-        2,
-    )
+    want = ("partial", "partial", 100, 16, 1e-4, 1, ("CE", "VarCE-VAR"))
+    assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers, cfg.students) == want
     cfg = varce.config_from_args(build_parser("varce").parse_args(["--teacher", "none"]))
     cfg.check()
     assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers) == (
@@ -465,6 +459,7 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
 def _teacher_argv(folder, teacher, out, *extra):
     argv = ["varce", "--dataset", str(folder), "--teacher", teacher, "--recipe", "partial", "--train-layers", "1"]
     argv += ["--steps", "2", "--batch-size", "4", "--max-seq-length", "32", "--depth", "20", "--pool-depth", "12"]
+    argv += ["--students", *STUDENTS]  # every student (a plain run trains the CE and VarCE-VAR)
     return argv + ["--dev-queries", "4", "--dev-depth", "3", "--output", str(out), "--quiet", *extra]
 
 

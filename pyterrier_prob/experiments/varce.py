@@ -63,8 +63,8 @@ _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev
 _DISTIL = "distillation (--teacher)"
 #: The training options' defaults when the run distils (the default) and under the label recipe (``--teacher none``).
 RECIPE_DEFAULTS = {
-    True: {"recipe": "partial", "steps": 200, "batch_size": 16, "lr": 1e-4},
-    False: {"recipe": "frozen", "steps": 1000, "batch_size": 64, "lr": 5e-5},
+    True: {"recipe": "partial", "steps": 100, "batch_size": 16, "lr": 1e-4, "train_layers": varce_distill.TRAIN_LAYERS},
+    False: {"recipe": "frozen", "steps": 1000, "batch_size": 64, "lr": 5e-5, "train_layers": None},
 }
 
 
@@ -72,6 +72,7 @@ def _defaults(distils: bool) -> str:
     return " ".join(
         f"--{k.replace('_', '-')} {v:g}" if not isinstance(v, str) else f"--{k} {v}"
         for k, v in RECIPE_DEFAULTS[distils].items()
+        if v is not None
     )
 
 
@@ -121,7 +122,7 @@ class VarceJobConfig(CommonConfig):
     teacher: str | None = option(
         "partial",
         "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first, for "
-        "--teacher-steps) fused with BM25, into split-attention students whose top --train-layers layers (default 2) "
+        "--teacher-steps) fused with BM25, into split-attention students whose top --train-layers layers "
         "read both texts; 'none': the label recipe instead (heads trained on the judged labels). The training "
         f"options' defaults follow: {_defaults(True)}; under 'none' {_defaults(False)}",
         _DISTIL,
@@ -154,7 +155,7 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     students: Sequence[str] = option(
-        ("CE", "VarCE-MEANVAR", "VarCE-VAR"),
+        ("CE", "VarCE-VAR"),
         "the distilled students to train (an ablation may train the CE alone)",
         _DISTIL,
         choices=("CE", "VarCE-MEANVAR", "VarCE-VAR"),
@@ -187,8 +188,6 @@ class VarceJobConfig(CommonConfig):
         for name, value in RECIPE_DEFAULTS[distils].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if self.teacher and self.train_layers is None:  # the students' joint layers (varce_distill.check_options)
-            self.train_layers = 2
         super().check()
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
         lowest |= {"robust_depth": 1, "ood_queries": 0, "ood_depth": 1, "inference_batch_size": 1}

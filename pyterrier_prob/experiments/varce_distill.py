@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MODEL_PREFIX",
+    "TRAIN_LAYERS",
     "NOT_UNDER_TEACHER",
     "SCORE_STUDENTS",
     "STUDENTS",
@@ -76,6 +77,8 @@ __all__ = [
     "students",
 ]
 
+#: The students' joint (and trained) top layers when ``--train-layers`` is not given.
+TRAIN_LAYERS = 1
 #: The students (their rows' system names) and their VarCE variant (None: the CE).
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
 #: The students that read BM25's score as text before the document (``--input-score``; their own rows).
@@ -106,14 +109,14 @@ def reads_score(system: str) -> bool:
 
 def check_options(cfg: VarceJobConfig) -> None:
     """``ValueError`` naming an option that cannot apply to a distillation run; ``--train-layers`` (the students'
-    joint layers) set to its default, 2, when not given."""
+    joint layers) set to its distillation default when not given."""
     if cfg.recipe != "partial":
         raise ValueError(
             f"--teacher trains split-attention students under --recipe partial (their joint top layers on lower "
             f"layers cached per text), got --recipe {cfg.recipe}"
         )
     if cfg.train_layers is None:
-        cfg.train_layers = 2
+        cfg.train_layers = TRAIN_LAYERS
     if cfg.steps == 0:
         raise ValueError("--teacher distils students by training them: --steps 0 leaves nothing to distil")
     defaults = type(cfg)()
@@ -294,8 +297,8 @@ class _Rows:
 
 
 def joint_layers(cfg: VarceJobConfig) -> int:
-    """The students' top layers that read both texts (and train): ``--train-layers`` (:func:`check_options`: 2)."""
-    return int(cfg.train_layers or 2)
+    """The students' top layers that read both texts (and train): ``--train-layers`` (default :data:`TRAIN_LAYERS`)."""
+    return int(cfg.train_layers or TRAIN_LAYERS)
 
 
 def train_students(
