@@ -45,7 +45,7 @@ RECIPE = [
     "--dev-queries", "100", "--dev-depth", "30", "--dev-every", "100",
     "--teacher-steps", "6000", "--teacher-dev-every", "200",
     "--ood", "irds:beir/scifact", "irds:cranfield", "--ood-queries", "0", "--ood-depth", "100",
-    "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--resume", "--reuse",
+    "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--mc-dropout", "8", "--resume", "--reuse",
 ]  # fmt: skip
 PSEUDO = ["--pseudo-queries", "title", "span"]
 ALL = ["CE", "VarCE-MEANVAR", "VarCE-VAR"]

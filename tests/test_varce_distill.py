@@ -433,9 +433,9 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
     # plain ``pyterrier-prob varce`` distils (a teacher fine-tuned in the run); --teacher none: the label recipe
     cfg = varce.config_from_args(build_parser("varce").parse_args([]))
     cfg.check()
-    want = ("partial", "partial", 60, 16, 1e-4, 1, ("CE", "VarCE-VAR"))
+    want = ("partial", "partial", 50, 16, 1e-4, 1, ("CE", "VarCE-VAR"))
     assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers, cfg.students) == want
-    assert (cfg.dev_every, cfg.teacher_steps, cfg.teacher_dev_every) == (20, 150, 50)
+    assert (cfg.dev_every, cfg.teacher_steps, cfg.teacher_dev_every, cfg.mc_dropout) == (25, 100, 100, 0)
     cfg = varce.config_from_args(build_parser("varce").parse_args(["--teacher", "none"]))
     cfg.check()
     assert (cfg.teacher, cfg.recipe, cfg.steps, cfg.batch_size, cfg.lr, cfg.train_layers) == (

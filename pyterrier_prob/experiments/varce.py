@@ -63,7 +63,7 @@ _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev
 _DISTIL = "distillation (--teacher)"
 #: The training options' defaults when the run distils (the default) and under the label recipe (``--teacher none``).
 RECIPE_DEFAULTS = {
-    True: {"recipe": "partial", "steps": 60, "batch_size": 16, "lr": 1e-4, "train_layers": varce_distill.TRAIN_LAYERS},
+    True: {"recipe": "partial", "steps": 50, "batch_size": 16, "lr": 1e-4, "train_layers": varce_distill.TRAIN_LAYERS},
     False: {"recipe": "frozen", "steps": 1000, "batch_size": 64, "lr": 5e-5, "train_layers": None},
 }
 
@@ -118,7 +118,7 @@ class VarceJobConfig(CommonConfig):
         100, "seeded dev queries of the learning curves and of the lambda/alpha choice (0: none)", _DEV
     )
     dev_depth: int = option(30, "BM25 depth re-ranked per dev query of the learning curves", _DEV)
-    dev_every: int | None = option(None, "steps between dev points (default: steps/10; distilling: steps/3)", _DEV)
+    dev_every: int | None = option(None, "steps between dev points (default: steps/10; distilling: steps/2)", _DEV)
     teacher: str | None = option(
         "partial",
         "distil CE and VarCEs from this fine-tuned bi-encoder (a folder; 'partial': fine-tune one first, for "
@@ -127,11 +127,11 @@ class VarceJobConfig(CommonConfig):
         f"options' defaults follow: {_defaults(True)}; under 'none' {_defaults(False)}",
         _DISTIL,
     )
-    teacher_steps: int = option(150, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
+    teacher_steps: int = option(100, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
     teacher_layers: int = option(2, "--teacher partial: the teacher's top layers that train", _DISTIL)
     teacher_batch_size: int = option(32, "--teacher partial: the teacher's batch size (distinct queries)", _DISTIL)
     teacher_lr: float = option(5e-5, "--teacher partial: the teacher's learning rate", _DISTIL)
-    teacher_dev_every: int = option(50, "--teacher partial: steps between the teacher's dev points", _DISTIL)
+    teacher_dev_every: int = option(100, "--teacher partial: steps between the teacher's dev points", _DISTIL)
     bm25_train_depth: int = option(1000, "BM25 depth of the training pools (a candidate deeper scores 0)", _DISTIL)
     init_cross_bias: float = option(
         0.0,
@@ -149,9 +149,10 @@ class VarceJobConfig(CommonConfig):
         choices=("both", "joint"),
     )
     mc_dropout: int = option(
-        8,
+        0,
         "forward passes with dropout on per query's top 10 pairs: the MC-dropout confidence of the selective "
-        "prediction table (0: none; the lower layers' states are cached, so dropout acts in the joint layers)",
+        "prediction table (0: none, the default, as 8 passes over every test query cost minutes; the lower layers' "
+        "states are cached, so dropout acts in the joint layers)",
         _DISTIL,
     )
     students: Sequence[str] = option(
@@ -189,7 +190,7 @@ class VarceJobConfig(CommonConfig):
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if distils and self.dev_every is None and self.steps:  # a short run's few dev points
-            self.dev_every = max(1, self.steps // 3)
+            self.dev_every = max(1, self.steps // 2)
         super().check()
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
         lowest |= {"robust_depth": 1, "ood_queries": 0, "ood_depth": 1, "inference_batch_size": 1}
