@@ -78,7 +78,7 @@ def command(output: str, run: str, only: str | None = None) -> list[str]:
     teacher = "partial" if run == "main" else os.path.join(output, TEACHER)
     options = RUNS[run][2]
     if only is not None:
-        options = [o for o in options[: options.index("--input-score")]] + ["--students", only]
+        options = [*options[: options.index("--input-score")], "--students", only]  # the main run's plain options
     return ["varce", *RECIPE, *options, "--teacher", teacher, "--output", run_folder(output, run)]
 
 

@@ -47,13 +47,13 @@ __all__ = [
 ]
 
 DESCRIPTION = (
-    "VarCrossEncoder (uncertainty-aware cross-encoder re-ranking): by default, distil a CrossEncoder and two "
-    "VarCrossEncoders (MEANVAR, VAR) from a bi-encoder + BM25 teacher fine-tuned in the run (--teacher none: train "
-    "them with the same budget on the labels, BCE and variational BCE (Eq. 10), on rows of one judged-relevant "
-    "document and N negatives mined from BM25 and the untrained dense model), re-rank the BM25 candidates of the test "
-    "collection, compare them with pt.Experiment (nDCG@10, RR@10, paired t-tests against CE), and report the score "
-    "uncertainty (spread, correlation with nDCG@10, risk-aware ranking, selective prediction), the hard queries "
-    "(Table 8) and, under --teacher none, the robustness to six query perturbations (Table 4)."
+    "VarCrossEncoder (uncertainty-aware cross-encoder re-ranking): by default, distil a CrossEncoder and a "
+    "VarCrossEncoder (VAR; --students adds MEANVAR) from a bi-encoder + BM25 teacher fine-tuned in the run (--teacher "
+    "none: train CE, MEANVAR and VAR with the same budget on the labels, BCE and variational BCE (Eq. 10), on rows of "
+    "one judged-relevant document and N negatives mined from BM25 and the untrained dense model), re-rank the BM25 "
+    "candidates of the test collection, compare them with pt.Experiment (nDCG@10, RR@10, paired t-tests against CE), "
+    "and report the score uncertainty (spread, correlation with nDCG@10, risk-aware ranking, selective prediction), "
+    "the hard queries (Table 8) and, under --teacher none, the robustness to six query perturbations (Table 4)."
 )
 
 MEASURES = ("nDCG@10", "RR@10")

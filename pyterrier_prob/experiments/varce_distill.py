@@ -371,7 +371,7 @@ def _student(
     bi_encoder_path: bool,
 ) -> Any:
     shape = {"joint_layers": layers, "init_cross_bias": bias, "scale": scale, "score_segment": score}
-    shape["bi_encoder_path"] = bi_encoder_path
+    shape |= {"bi_encoder_path": bi_encoder_path}
     return build_split_cross_encoder(teacher, variant=variant, max_seq_length=max_seq_length, **shape)
 
 
