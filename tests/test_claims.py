@@ -67,14 +67,21 @@ def test_pebr_claims_take_the_rule_best_on_calibration_not_on_test():
         {
             "name": ["top-k", "CDF cutoff", "recall-gain cutoff", "oracle depth (qrels known)"] * 2,
             "k": [50] * 4 + [100] * 4,
+            "test_mean_depth": [50.0, 52.5, 48.0, 50.0, 100.0, 97.3, 103.7, 100.0],
             "SetR": [0.30, 0.31, 0.33, 0.50, 0.40, 0.39, 0.42, 0.60],
-            "SetR p-value": [np.nan, 0.2, 0.5, 0.0, np.nan, 0.6, 0.04, 0.0],
             "calibration_SetR": [0.28, 0.35, 0.30, np.nan, 0.41, 0.40, 0.45, np.nan],
+            "topk_SetR_at_same_depth": [0.30, 0.305, 0.295, 0.30, 0.40, 0.398, 0.419, 0.40],
+            "p_vs_topk_at_same_depth": [np.nan, 0.2, 0.5, 0.0, np.nan, 0.6, 0.04, 0.0],
         }
     )
     rows = cutoff_claims(SimpleNamespace(test_topics=pd.DataFrame({"qid": ["1", "2", "3"]})), matched)
-    assert [(r["claim"], r["rule"], r["value"], r["baseline_value"], r["p"], r["calibration_SetR"]) for r in rows] == [
-        ("cutoff_vs_topk_k50", "CDF cutoff", 0.31, 0.30, 0.2, 0.35),
-        ("cutoff_vs_topk_k100", "recall-gain cutoff", 0.42, 0.40, 0.04, 0.45),
+    # the baseline is top-k at the chosen rule's own test mean depth, never top-k at k
+    got = [
+        (r["claim"], r["rule"], r["depth"], r["value"], r["baseline_value"], r["p"], r["calibration_SetR"])
+        for r in rows
+    ]
+    assert got == [
+        ("cutoff_vs_topk_k50", "CDF cutoff", 52.5, 0.31, 0.305, 0.2, 0.35),
+        ("cutoff_vs_topk_k100", "recall-gain cutoff", 103.7, 0.42, 0.419, 0.04, 0.45),
     ]
     assert {r["metric"] for r in rows} == {"SetR"} and {r["queries"] for r in rows} == {3}

@@ -255,7 +255,7 @@ def test_conformal_resplits_against_explicit_splits():
 def test_topk_depth_for_a_recall_top_k_reaches_at_the_list_end():
     """The recall-targets table's "top-k k for same recall": a rule keeping whole lists has top-k's recall at the list
     length, though the two means, summed in different orders, may differ in the last bits; beyond it: None."""
-    from pyterrier_prob.experiments.pebr_cutoffs import _topk_depth_for, _topk_recall_curve
+    from pyterrier_prob.experiments.pebr_cutoffs import _topk_depth_for, _topk_recall_matrix
     from pyterrier_prob.pebr.rlt import mean_measures
 
     rng, nq, cap = np.random.default_rng(0), 12, 15
@@ -263,7 +263,7 @@ def test_topk_depth_for_a_recall_top_k_reaches_at_the_list_end():
     for _ in range(200):  # lists whose mean recall, taken both ways, differs in the last bits
         is_rel = rng.random(nq * cap) < 0.1
         n_rel = np.bincount(qidx[is_rel], minlength=nq) + rng.integers(0, 3, nq)
-        curve = _topk_recall_curve(ranks, qidx, is_rel, n_rel, cap)
+        curve = _topk_recall_matrix(ranks, qidx, is_rel, n_rel, cap).mean(axis=0)
         recall = mean_measures(qidx, is_rel, n_rel, np.ones(nq * cap, bool), nq)[1]
         if recall > curve[-1]:
             break
@@ -272,3 +272,49 @@ def test_topk_depth_for_a_recall_top_k_reaches_at_the_list_end():
     assert k == int(np.argmax(curve >= curve[-1]) + 1)  # the first depth at which top-k has that recall
     assert _topk_depth_for(curve, curve[-1] + 0.01) is None
     assert _topk_depth_for(curve, 0.0) == 1
+
+
+def test_topk_at_a_rules_own_mean_depth_is_interpolated_per_query_and_tested_paired():
+    """The cutoff-vs-top-k comparison: top-k's per-query recall at a fractional mean depth is linear between the
+    neighbouring k (a loop over the lists), its mean is the mean curve's value there, and the paired t-test is
+    scipy's on the per-query recalls (NaN for top-k against itself)."""
+    from scipy.stats import ttest_rel
+
+    from pyterrier_prob.experiments.pebr_cutoffs import _same_depth_test, _Split, _topk_recall_at, _topk_recall_matrix
+
+    rng, nq, cap = np.random.default_rng(1), 9, 12
+    qidx, ranks = np.repeat(np.arange(nq), cap), np.tile(np.arange(cap), nq)
+    is_rel = rng.random(nq * cap) < 0.25
+    n_rel = np.bincount(qidx[is_rel], minlength=nq) + rng.integers(0, 2, nq)
+    n_rel[0] = 0  # a query without a relevant document takes no part
+    is_rel[qidx == 0] = False
+    per_query = _topk_recall_matrix(ranks, qidx, is_rel, n_rel, cap)
+    has = np.flatnonzero(n_rel > 0)
+    assert per_query.shape == (len(has), cap)
+
+    def recall_at(q, k):  # top-k recall of query q by a loop
+        return sum(1 for r in range(k) if is_rel[q * cap + r]) / n_rel[q]
+
+    for depth in (0.0, 1.0, 3.4, 7.75, float(cap)):
+        lo, frac = int(depth), depth - int(depth)
+        want = [recall_at(q, lo) + frac * (recall_at(q, min(lo + 1, cap)) - recall_at(q, lo)) for q in has]
+        np.testing.assert_allclose(_topk_recall_at(per_query, depth), want, atol=1e-12)
+        mean_curve = np.r_[0.0, per_query.mean(axis=0)]
+        assert _topk_recall_at(per_query, depth).mean() == pytest.approx(
+            np.interp(depth, np.arange(cap + 1), mean_curve)
+        )
+
+    ranked = pd.DataFrame({"qid": qidx.astype(str), "rank": ranks}, index=pd.RangeIndex(nq * cap) * 10)
+    split = _Split(ranked, [str(q) for q in range(nq)], [], pd.DataFrame(), pd.DataFrame(), (qidx, is_rel, n_rel))
+    depths = rng.integers(0, cap + 1, nq)  # a variable-depth rule: keep each query's first depths[q] rows
+    run = ranked[ranks < depths[qidx]]
+    topk, p = _same_depth_test(split, run, per_query)
+    rule = np.array([recall_at(q, depths[q]) for q in has])
+    at = _topk_recall_at(per_query, depths.mean())
+    assert topk == pytest.approx(at.mean())
+    assert p == pytest.approx(ttest_rel(rule, at).pvalue)
+    topk_run = ranked[ranks < 5]
+    assert _same_depth_test(split, topk_run, per_query) == (
+        pytest.approx(per_query[:, 4].mean()),
+        pytest.approx(np.nan, nan_ok=True),
+    )

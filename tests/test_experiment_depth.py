@@ -4,7 +4,9 @@ replayed on test, the figures recomputed from the rows, and a rerun with --reuse
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import numpy as np
 import pandas as pd
 import pytest
 from helpers import assert_same_figures, pisa_threads_finish_backwards
@@ -56,6 +58,7 @@ def test_depth_run_end_to_end(small_beir, reranker, tmp_path):
     for r in [*rows.to_dict("records"), oracle]:
         assert r["EET"]["alpha"] == -0.001 and all(0 <= r["EET"][f"beta={b}"] <= 1 for b in (0, 1, 2))
         assert r["EET"]["beta=0"] >= r["nDCG@10"] - oracle["first_stage_nDCG@10"] - 1e-12
+    assert {"z_top1", "gap_1_2", "spread", "std_prefix"} <= set(oracle["depth_rho"])  # the VarCE's std[s] too
     assert (out / "depth_curves.png").stat().st_size > 0
     assert "oracle depth" in (out / "results.md").read_text()
 
@@ -83,3 +86,29 @@ def test_depth_options_are_checked(reranker, tmp_path):
     with pytest.raises(ValueError, match="--targets must be recalls"):
         config("--reranker", reranker, "--targets", "1.2")
     assert config("--reranker", reranker).depth == 100
+
+
+def test_oracle_depth_rho_is_spearman_of_each_list_feature():
+    """Which list features predict the oracle depth: per query, the top score's z-value (and the others) against the
+    oracle depth, Spearman's rho by scipy; the VarCE's mean std[s] over the prefix; None for a constant feature."""
+    from scipy.stats import spearmanr
+
+    from pyterrier_prob.experiments.depth import oracle_depth_rho
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for q in range(8):
+        scores = np.sort(rng.normal(size=12))[::-1] * (1 + q)
+        rows += [
+            {"qid": f"q{q}", "docno": f"d{r}", "rank": r, "score": s, "rr_std": 0.1 * q + 0.01 * r}
+            for r, s in enumerate(scores)
+        ]
+    run = pd.DataFrame(rows)
+    oracle = pd.Series(rng.integers(0, 12, 8), index=[f"q{q}" for q in range(8)])
+    cfg = SimpleNamespace(depth=12, prefix=3)
+    rho = oracle_depth_rho(cfg, run, oracle)
+    z = [((g["score"].iloc[0] - g["score"].mean()) / g["score"].std(ddof=0)) for _, g in run.groupby("qid")]
+    assert rho["z_top1"] == pytest.approx(spearmanr(z, oracle).statistic)
+    std = [g[g["rank"] < 3]["rr_std"].mean() for _, g in run.groupby("qid")]
+    assert rho["std_prefix"] == pytest.approx(spearmanr(std, oracle).statistic)
+    assert rho["length"] is None  # every list has 12 documents

@@ -307,6 +307,10 @@ def test_dev_quotas_choose_the_trigger_share_on_dev_and_report_it(tmp_path, smal
     assert quotas["baseline"] == plain["baseline"] and quotas["baseline_value"] == plain["baseline_value"]
     assert quotas["system"] == "UniERF (all): merged, dev quotas"
     assert quotas["value"] == pytest.approx(results.loc["UniERF (all): merged, dev quotas", "R@100"])
+    # every claims figure is in the run's own JSON too (the claims file adds the run's recipe, device and command)
+    own = {r["claim"]: r for r in summary["claims"]}
+    assert own.keys() == rows.keys()
+    assert all(rows[c][k] == v for c, r in own.items() for k, v in r.items())
 
 
 def test_alpha_grid_chooses_on_dev_and_reports_every_alpha(tmp_path, small_beir):

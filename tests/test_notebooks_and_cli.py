@@ -192,6 +192,11 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     assert (topk["test_mean_k"] == topk["k"]).all()  # the folder has far more than 20 documents
     assert results[["SetR", "SetP"]].apply(lambda c: c.between(0, 1)).all().all()
     assert results[results["name"] == "pEBR top-k"]["SetR p-value"].isna().all()  # the significance baseline
+    ptk = results[results["name"] == "pEBR top-k"]  # at its own depth (exactly k) pEBR top-k is its own comparator
+    assert (ptk["pebr_topk_SetR_at_same_k"] - ptk["SetR"]).abs().max() < 1e-9
+    assert ptk["p_vs_pebr_topk_at_same_k"].isna().all()
+    untrained = results[results["name"] == "untrained top-k"]  # another model at the same depth: a real comparison
+    assert (untrained["pebr_topk_SetR_at_same_k"] - ptk["SetR"].to_numpy()).abs().max() < 1e-9
     cal = pd.read_csv(out / "calibration.csv")
     assert len(cal) == 6
     assert ((cal["dev_mean_k"] - cal["k"]).abs() <= 0.01 * cal["k"]).all()
@@ -208,6 +213,15 @@ def test_main_job_tiny_budget(tmp_path, small_beir, capfd):
     assert set(matched["name"]) == {*RULES, "oracle depth (qrels known)"}
     topk = matched[matched["name"] == "top-k"]  # at depth exactly k, top-k's interpolated recall is its SetR
     assert (topk["topk_SetR_at_same_depth"] - topk["SetR"]).abs().max() < 1e-9
+    assert topk["p_vs_topk_at_same_depth"].isna().all()  # equal to itself for every query: no test
+    claims = json.loads((out / "summary.json").read_text())["claims"]  # against top-k at the rule's own depth
+    assert {r["claim"] for r in claims} == {"cutoff_vs_topk_k5", "cutoff_vs_topk_k20"}
+    for r in claims:
+        row = matched[
+            (matched["k"] == int(r["claim"].removeprefix("cutoff_vs_topk_k"))) & (matched["name"] == r["rule"])
+        ]
+        assert r["depth"] == pytest.approx(row["test_mean_depth"].item())
+        assert r["baseline_value"] == pytest.approx(row["topk_SetR_at_same_depth"].item())
     oracle = matched[matched["name"] == "oracle depth (qrels known)"]  # compared with itself
     assert (oracle["depth_abs_diff_vs_oracle"] == 0).all()
     assert ((oracle["depth_rho_vs_oracle"] - 1.0).abs() < 1e-12).all()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+from scipy.stats import spearmanr
 
 from pyterrier_prob.experiments.harness import CommonConfig, Harness, option, slug, subcommand
 from pyterrier_prob.experiments.report import markdown_table
@@ -31,6 +32,7 @@ from pyterrier_prob.rerank_depth import (
     eet,
     fixed_at_depth,
     kept_recall,
+    list_features,
     oracle_depths,
     rerank_at_depths,
 )
@@ -184,8 +186,26 @@ def evaluate(
     info = {"mean_depth": float(oracle.mean()), "nDCG@10": float(best.mean()), "fixed100_nDCG@10": float(full.mean())}
     info["first_stage_nDCG@10"] = float(at_1.mean())
     info["EET"] = eet_means(best, at_1, oracle)
+    info["depth_rho"] = oracle_depth_rho(cfg, run, oracle)
     info["depths"] = oracle.to_dict()
     return rows, info
+
+
+def oracle_depth_rho(cfg: DepthConfig, run: pd.DataFrame, oracle: pd.Series) -> dict[str, float | None]:
+    """Which list features predict the oracle depth: Spearman's rho of each first-stage list feature
+    (:func:`~pyterrier_prob.rerank_depth.list_features`) and, for a VarCE, of the mean std[s] over the first
+    ``--prefix`` candidates, with the oracle depth over the queries (None where either is constant)."""
+    feats = list_features(run, cfg.depth)
+    if run["rr_std"].notna().all():
+        head = run[run["rank"] < cfg.prefix]
+        feats["std_prefix"] = head.groupby("qid", sort=False)["rr_std"].mean().reindex(feats.index)
+    o = oracle.reindex(feats.index).astype(float)
+    out: dict[str, float | None] = {}
+    for name, col in feats.items():
+        ok = col.notna() & o.notna()
+        constant = col[ok].nunique() < 2 or o[ok].nunique() < 2
+        out[name] = None if constant else float(spearmanr(col[ok], o[ok]).statistic)
+    return out
 
 
 def eet_means(ndcg: pd.Series, at_1: pd.Series, depths: pd.Series) -> dict[str, float]:
@@ -282,7 +302,9 @@ def report(rows: list[dict[str, Any]], oracle: dict[str, Any], chosen: str | Non
         text += [
             "",
             f"{label}: oracle depth {o['mean_depth']:.1f} on average reaches fixed-100's {o['fixed100_nDCG@10']:.4f}; "
-            f"the cheapest fixed-k non-inferior to fixed-100: {g['cheapest_noninferior_fixed_k'].iloc[0]}",
+            f"the cheapest fixed-k non-inferior to fixed-100: {g['cheapest_noninferior_fixed_k'].iloc[0]}; "
+            "Spearman's rho of the oracle depth with each list feature: "
+            + ", ".join(f"{k} {'–' if v is None else f'{v:+.2f}'}" for k, v in o.get("depth_rho", {}).items()),
             "",
             markdown_table(cells),
         ]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy.stats import spearmanr
+from scipy.stats import spearmanr, ttest_rel
 
 from pyterrier_prob.dense import PARAM_COLUMNS
 from pyterrier_prob.evaluation import evaluate_set_measures
@@ -42,7 +42,17 @@ from pyterrier_prob.pebr.rlt import (
 )
 from pyterrier_prob.plots import pit_plot, truncation_curves_plot
 
-__all__ = ["RULES", "StudyConfig", "cutoff_study", "relevant_cosines", "study_markdown"]
+__all__ = [
+    "RULES",
+    "StudyConfig",
+    "cutoff_study",
+    "matched_table",
+    "relevant_cosines",
+    "run_recall_per_query",
+    "study_markdown",
+    "topk_recall_per_query",
+    "versus_topk_at_same_depth",
+]
 
 
 def relevant_cosines(index: Any, queries: pd.DataFrame, qrels: pd.DataFrame) -> list[np.ndarray]:
@@ -141,9 +151,10 @@ def cutoff_study(
     with h.stage("rule_statistics", "per-row statistics of every truncation rule"):
         stats = {s: _rule_statistics(splits[s], laws[s], study) for s in ("dev", "test")}
     test = splits["test"]
-    topk_recall = _topk_recall_curve(test.ranked["rank"].to_numpy(), *test.relinfo, study.cap)
+    topk_per_query = _topk_recall_matrix(test.ranked["rank"].to_numpy(), *test.relinfo, study.cap)
+    topk_recall = topk_per_query.mean(axis=0)
     with h.stage("matched_depth", f"every rule at matched mean depth {list(study.ks)} (levels from {data.cal_source})"):
-        out["matched"] = _matched_depth(h, data, splits, stats, study.ks, topk_recall)
+        out["matched"] = _matched_depth(h, data, splits, stats, study.ks, topk_per_query)
     what = f"recall targets {', '.join(f'{t:g}' for t in study.targets)} by conformal risk control"
     with h.stage("recall_targets", what):
         out["targets"] = _recall_targets(splits, stats, study.targets, topk_recall, indexes["dev"] is indexes["test"])
@@ -221,9 +232,12 @@ def _level(stats: dict[str, np.ndarray], rule: str, n_queries: int, k: int) -> f
 
 
 def _matched_depth(
-    h: Any, data: Any, splits: dict[str, _Split], stats: dict[str, Any], ks: Sequence[int], topk_recall: np.ndarray
+    h: Any, data: Any, splits: dict[str, _Split], stats: dict[str, Any], ks: Sequence[int], topk_per_query: np.ndarray
 ) -> pd.DataFrame:
-    """Every rule and the oracle depth at each mean depth k on test (levels from the calibration queries)."""
+    """Every rule and the oracle depth at each mean depth k on test (levels from the calibration queries), each
+    against top-k at the rule's own test mean depth: ``topk_SetR_at_same_depth`` and the paired t-test
+    ``p_vs_topk_at_same_depth`` over the queries with a relevant document (``topk_per_query``:
+    :func:`_topk_recall_matrix` of the test lists)."""
     dev, test = splits["dev"], splits["test"]
     rows = []
     for k in ks:
@@ -236,13 +250,16 @@ def _matched_depth(
         cal = evaluate_set_measures(cal_runs, data.cal_qrels, measures=("SetR",), topics=dev.qids)
         qidx, is_rel, n_rel = test.relinfo
         runs["oracle depth (qrels known)"] = oracle_runs(test.ranked, is_rel, qidx, n_rel, k, len(test.qids))
-        exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"], baseline="top-k")
+        exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"])
         counts = {n: r.groupby("qid").size().reindex(test.qids, fill_value=0) for n, r in runs.items()}
         insert_columns(exp, 1, k=k, test_mean_depth=[float(counts[n].mean()) for n in exp["name"]])
-        # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k's recall at
-        # the rule's own test mean depth is the comparison that leaves no depth advantage
+        # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k at the rule's
+        # own test mean depth (interpolated per query between the neighbouring k) is the comparison that leaves no
+        # depth advantage, and the only one made
         exp["calibration_SetR"] = exp["name"].map(dict(zip(cal["name"], cal["SetR"], strict=True)))
-        exp["topk_SetR_at_same_depth"] = [_interp(topk_recall, d) for d in exp["test_mean_depth"]]
+        same_depth = {n: _same_depth_test(test, runs[n], topk_per_query) for n in exp["name"]}
+        exp["topk_SetR_at_same_depth"] = [same_depth[n][0] for n in exp["name"]]
+        exp["p_vs_topk_at_same_depth"] = [same_depth[n][1] for n in exp["name"]]
         # how far each rule's per-query depths are from the oracle's, and whether they follow the number of
         # relevant documents (Spearman's rho; NaN for a constant depth such as top-k's)
         oracle = counts["oracle depth (qrels known)"]
@@ -295,6 +312,27 @@ def _curves(test: _Split, stats: dict[str, np.ndarray], cap: int) -> dict[str, p
     return curves
 
 
+def matched_table(m: pd.DataFrame) -> pd.DataFrame:
+    """The matched-depth table as the report prints it, from the study's ``matched`` frame (or its records in a
+    results JSON's ``tables``): every rule against top-k at the rule's own test mean depth."""
+    return pd.DataFrame(
+        {
+            "k": m["k"],
+            "rule": m["name"],
+            "test mean depth": m["test_mean_depth"].map("{:.1f}".format),
+            "calibration SetR": m["calibration_SetR"].map(lambda v: "—" if pd.isna(v) else f"{v:.4f}"),
+            **{s: [measure_cell(r, s) for _, r in m.iterrows()] for s in ("SetR", "SetP", "SetF")},
+            "top-k SetR at the same test depth": m["topk_SetR_at_same_depth"].map("{:.4f}".format),
+            "p vs top-k at the same depth": m["p_vs_topk_at_same_depth"].map(
+                lambda p: "—" if pd.isna(p) else f"{p:.3g}"
+            ),
+            "mean abs(depth - oracle's)": m["depth_abs_diff_vs_oracle"].map("{:.1f}".format),
+            "rho(depth, oracle's)": m["depth_rho_vs_oracle"].map(_fmt_rho),
+            "rho(depth, relevant)": m["depth_rho_vs_num_relevant"].map(_fmt_rho),
+        }
+    )
+
+
 def study_markdown(study: dict[str, Any], cal_source: str) -> str:
     """The cutoff study's tables (issue #13) as Markdown."""
     per_query = study["pit_per_query"]
@@ -327,19 +365,7 @@ def study_markdown(study: dict[str, Any], cal_source: str) -> str:
             for _, r in t.iterrows()
         ]
         targets["share in [r-0.02, r+0.05]"] = t["resplit_share_in_range"].map("{:.2f}".format)
-    matched = pd.DataFrame(
-        {
-            "k": m["k"],
-            "rule": m["name"],
-            "test mean depth": m["test_mean_depth"].map("{:.1f}".format),
-            "calibration SetR": m["calibration_SetR"].map(lambda v: "—" if pd.isna(v) else f"{v:.4f}"),
-            **{s: [measure_cell(r, s) for _, r in m.iterrows()] for s in ("SetR", "SetP", "SetF")},
-            "top-k SetR at the same test depth": m["topk_SetR_at_same_depth"],
-            "mean abs(depth - oracle's)": m["depth_abs_diff_vs_oracle"].map("{:.1f}".format),
-            "rho(depth, oracle's)": m["depth_rho_vs_oracle"].map(_fmt_rho),
-            "rho(depth, relevant)": m["depth_rho_vs_num_relevant"].map(_fmt_rho),
-        }
-    )
+    matched = matched_table(m)
     return f"""## Per-query cutoffs: calibrated law, recall targets, ranked-list-truncation baselines
 
 Levels chosen on {cal_source}; lists = the pEBR model's top documents per query.
@@ -354,8 +380,9 @@ Recall targets (level by conformal risk control on the calibration queries; achi
 {markdown_table(targets)}
 
 Matched mean depth (levels from the calibration queries; "calibration SetR": each rule's recall on those queries, \
-what picks a rule without looking at test; `*`: p < 0.05, paired t-test against top-k at k; "top-k SetR at the same \
-test depth": top-k's SetR at the rule's own test mean depth, interpolated; then each rule's per-query depths \
+what picks a rule without looking at test; "top-k SetR at the same \
+test depth": top-k's SetR at the rule's own test mean depth, interpolated per query between the neighbouring k, \
+with its paired t-test's p; then each rule's per-query depths \
 against the oracle's: mean absolute difference and Spearman's rho, and rho against the number of relevant documents):
 
 {markdown_table(matched)}
@@ -372,11 +399,6 @@ def _fmt_rho(r: float) -> str:
     return "—" if np.isnan(r) else f"{r:+.2f}"
 
 
-def _interp(curve: np.ndarray, depth: float) -> float:
-    """Mean recall of top-k at a fractional mean depth, linear between integer depths (0 at 0)."""
-    return float(np.interp(depth, np.arange(len(curve) + 1), np.r_[0.0, curve]))
-
-
 def _topk_depth_for(topk_recall: np.ndarray, recall: float) -> int | None:
     """The smallest k at which top-k's mean recall (``topk_recall[k - 1]``) reaches ``recall``; None beyond the list.
     Both means are float sums in different orders: equal recalls may differ in the last bits, hence the tolerance."""
@@ -385,8 +407,54 @@ def _topk_depth_for(topk_recall: np.ndarray, recall: float) -> int | None:
     return int(np.searchsorted(topk_recall, recall - 1e-12) + 1)
 
 
-def _topk_recall_curve(ranks: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, cap: int):
-    """Mean recall of top-k for k = 1..cap over the queries with a relevant document (non-decreasing)."""
+def _topk_recall_matrix(ranks: np.ndarray, qidx: np.ndarray, is_rel: np.ndarray, n_rel: np.ndarray, cap: int):
+    """Per-query recall of top-k for k = 1..cap, one row per query with a relevant document (the mean over rows is
+    top-k's mean recall curve, non-decreasing)."""
     hits = np.zeros((len(n_rel), cap))
     np.add.at(hits, (qidx[is_rel], ranks[is_rel].astype(int)), 1.0)
-    return (np.cumsum(hits, axis=1) / np.maximum(n_rel, 1)[:, None])[n_rel > 0].mean(axis=0)
+    return (np.cumsum(hits, axis=1) / np.maximum(n_rel, 1)[:, None])[n_rel > 0]
+
+
+def _topk_recall_at(per_query: np.ndarray, depth: float) -> np.ndarray:
+    """Each query's top-k recall at a fractional depth, linear between the neighbouring integer k (0 at 0): their
+    mean is the mean curve's value at ``depth``, interpolated the same way."""
+    curve = np.pad(per_query, ((0, 0), (1, 0)))
+    depth = min(max(depth, 0.0), per_query.shape[1])
+    lo = int(np.floor(depth))
+    hi = min(lo + 1, per_query.shape[1])
+    return curve[:, lo] + (depth - lo) * (curve[:, hi] - curve[:, lo])
+
+
+def _same_depth_test(test: _Split, run: pd.DataFrame, topk_per_query: np.ndarray) -> tuple[float, float]:
+    """:func:`versus_topk_at_same_depth` of a rule's run, a subset of the test lists' rows."""
+    qidx, is_rel, n_rel = test.relinfo
+    keep = test.ranked.index.isin(run.index)
+    hits = np.bincount(qidx[keep & is_rel], minlength=len(n_rel))
+    has = n_rel > 0
+    return versus_topk_at_same_depth(hits[has] / n_rel[has], float(keep.sum()) / len(n_rel), topk_per_query)
+
+
+def versus_topk_at_same_depth(recall: np.ndarray, depth: float, topk_per_query: np.ndarray) -> tuple[float, float]:
+    """Top-k's mean recall at a run's mean ``depth`` (interpolated per query between the neighbouring k) and the
+    paired t-test p-value of the run's per-query ``recall`` against it, both over the queries with a relevant
+    document in the same order as ``topk_per_query``'s rows (NaN when the two are equal for every query)."""
+    topk = _topk_recall_at(topk_per_query, depth)
+    p = float("nan") if np.allclose(recall - topk, 0.0, atol=1e-12) else float(ttest_rel(recall, topk).pvalue)
+    return float(topk.mean()), p
+
+
+def topk_recall_per_query(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str], depth: int) -> np.ndarray:
+    """Per-query recall of top-k for k = 1..``depth`` of ranked lists (0-based ``rank``), one row per query of
+    ``qids`` with a relevant document."""
+    ranked = ranked[ranked["rank"] < depth].assign(qid=lambda f: f["qid"].astype(str))
+    qidx, is_rel, n_rel = row_relevance(ranked, qrels, qids)
+    return _topk_recall_matrix(ranked["rank"].to_numpy(), qidx, is_rel, n_rel, depth)
+
+
+def run_recall_per_query(run: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]) -> np.ndarray:
+    """Per-query set recall of ``run`` over the queries of ``qids`` with a relevant document (in their order)."""
+    run = run[run["qid"].astype(str).isin(set(qids))].assign(qid=lambda f: f["qid"].astype(str))
+    qidx, is_rel, n_rel = row_relevance(run, qrels, qids)
+    hits = np.bincount(qidx[is_rel].astype(int), minlength=len(qids))
+    has = n_rel > 0
+    return hits[has] / n_rel[has]

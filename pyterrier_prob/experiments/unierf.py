@@ -595,10 +595,11 @@ def report(run: UniERFRun, results: pd.DataFrame, overlap: pd.DataFrame) -> dict
             for k, f in (("recall", results), ("overlap", overlap))
         },
     }
+    summary["claims"] = claims(run)  # the claims file's rows, in the run's own JSON too
     md = _markdown(results, overlap, training, run.budgets, summary)
     title = "UniERF: merged recall at budget B, Table 2 ablation and branch overlap"
     tables = {"results": results, "overlap": overlap, "training": training}
-    record_claims(cfg, claims(run))
+    record_claims(cfg, summary["claims"])
     return {**tables, "summary": run.h.finish(title, md, tables, summary, run.data)}
 
 
