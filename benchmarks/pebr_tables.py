@@ -2,10 +2,10 @@
 measurement, only the JSON's ``tables``, printed as the run's ``results.md`` prints them.
 
     python benchmarks/pebr_tables.py --table benchmarks/results/pebr_frozen.json            # matched mean depth
-    python benchmarks/pebr_tables.py --table benchmarks/results/pebr_frozen.json --part targets
+    python benchmarks/pebr_tables.py --table benchmarks/results/pebr_frozen.json --part table1
 
-The matched-depth table compares every rule with top-k at the rule's own test mean depth (interpolated per query
-between the neighbouring k), with the paired t-test's p."""
+Both compare with top-k at a system's own test mean depth (interpolated per query between the neighbouring k), with
+the paired t-test's p; Table 1's ``*`` marks, as the paper compares, are against pEBR top-k at k."""
 
 from __future__ import annotations
 
@@ -15,19 +15,20 @@ import json
 import pandas as pd
 
 from pyterrier_prob.experiments.harness import markdown_table
+from pyterrier_prob.experiments.pebr import table1
 from pyterrier_prob.experiments.pebr_cutoffs import matched_table
 
-PARTS = {"matched": "cutoffs_matched_depth"}
+PARTS = {"table1": ("results", table1), "matched": ("cutoffs_matched_depth", matched_table)}
 
 
 def table(path: str, part: str = "matched") -> str:
     """The ``part`` table of the results file ``path`` as Markdown."""
     with open(path, encoding="utf8") as f:
         tables = json.load(f)["tables"]
-    key = PARTS[part]
+    key, render = PARTS[part]
     if not isinstance(tables.get(key), list):
         raise ValueError(f"{path}: tables.{key} holds no rows (a results JSON of `pyterrier-prob pebr`?)")
-    return markdown_table(matched_table(pd.DataFrame(tables[key])))
+    return markdown_table(render(pd.DataFrame(tables[key])))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -281,31 +281,49 @@ def run(cfg: DepthConfig) -> dict[str, Any]:
     )
 
 
+def rule_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """One collection's rows as the report prints them: every rule's nDCG@10 and mean pairs against fixed-k at the
+    same pairs and fixed-100, its recall promise and what it kept, and Meng et al.'s EET."""
+    g = pd.DataFrame(rows)
+    cells = pd.DataFrame(
+        {
+            "rule": [_name(r) + (" (chosen on dev)" if r["chosen_on_dev"] else "") for r in rows],
+            "nDCG@10": g["nDCG@10"].map("{:.4f}".format),
+            "mean pairs": g["mean_pairs"].map("{:.1f}".format),
+            "fixed-k at the same pairs": g["fixed_k_nDCG@10_at_same_pairs"].map("{:.4f}".format),
+            "p": g["p_vs_fixed_k"].map(lambda v: "–" if v is None or pd.isna(v) else f"{v:.2g}"),
+            "95% CI vs fixed-100": g["ci95_vs_fixed100"].map(
+                lambda v: "–" if v is None else f"[{v[0]:+.4f}, {v[1]:+.4f}]"
+            ),
+            "promised / kept recall": [
+                f"{r['kept_recall']:.3f}"
+                if r["promised_recall"] is None
+                else f"{r['promised_recall']:g} / {r['kept_recall']:.3f}"
+                for r in rows
+            ],
+            "fixed-k for the same promise": g["fixed_k_for_same_promise"].map(
+                lambda v: "–" if v is None or pd.isna(v) else f"{int(v)}"
+            ),
+            "EET (alpha -0.001, beta 1)": g["EET"].map(lambda v: f"{v['beta=1']:.4f}"),
+        }
+    )
+    return cells
+
+
 def report(rows: list[dict[str, Any]], oracle: dict[str, Any], chosen: str | None) -> str:
-    """The report: per collection, every rule's nDCG@10 and mean pairs against fixed-k, and the oracle."""
+    """The report: per collection, every rule's nDCG@10 and mean pairs against fixed-k (:func:`rule_table`), and the
+    oracle."""
     frame = pd.DataFrame(rows)
     text = []
     for label, g in frame.groupby("collection", sort=False):
-        cells = g.assign(
-            name=[_name(r) + (" (chosen on dev)" if r["chosen_on_dev"] else "") for r in g.to_dict("records")],
-            ndcg=g["nDCG@10"].map("{:.4f}".format),
-            pairs=g["mean_pairs"].map("{:.1f}".format),
-            same=g["fixed_k_nDCG@10_at_same_pairs"].map("{:.4f}".format),
-            p=g["p_vs_fixed_k"].map(lambda v: "–" if v is None or pd.isna(v) else f"{v:.2g}"),
-            ci=g["ci95_vs_fixed100"].map(lambda v: "–" if v is None else f"[{v[0]:+.4f}, {v[1]:+.4f}]"),
-            eet=g["EET"].map(lambda v: f"{v['beta=1']:.4f}"),
-        )[["name", "ndcg", "pairs", "same", "p", "ci", "eet"]]
-        cells.columns = ["rule", "nDCG@10", "mean pairs", "fixed-k at the same pairs", "p", "95% CI vs fixed-100"] + [
-            "EET (alpha -0.001, beta 1)"
-        ]
         o = oracle[label]
+        rho = ", ".join(f"{k} {'–' if v is None else f'{v:+.2f}'}" for k, v in o.get("depth_rho", {}).items())
         text += [
             "",
             f"{label}: oracle depth {o['mean_depth']:.1f} on average reaches fixed-100's {o['fixed100_nDCG@10']:.4f}; "
             f"the cheapest fixed-k non-inferior to fixed-100: {g['cheapest_noninferior_fixed_k'].iloc[0]}; "
-            "Spearman's rho of the oracle depth with each list feature: "
-            + ", ".join(f"{k} {'–' if v is None else f'{v:+.2f}'}" for k, v in o.get("depth_rho", {}).items()),
+            f"Spearman's rho of the oracle depth with each list feature: {rho}",
             "",
-            markdown_table(cells),
+            markdown_table(rule_table(g.to_dict("records"))),
         ]
     return "\n".join(text) + "\n"

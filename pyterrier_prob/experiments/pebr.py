@@ -405,11 +405,6 @@ def _markdown(
     """The job's tables as Markdown (what goes into the README; the cutoff study's: :func:`study_markdown`)."""
     experiment, per_stratum = tested["experiment"], tested["per_stratum"]
     ranked = [[r["name"], *(measure_cell(r, m) for m in RANKING_MEASURES)] for _, r in ranking.iterrows()]
-    main = [
-        [r["k"], r["name"], r["setting"], f"{r['test_mean_k']:.1f}", measure_cell(r, "SetR"), measure_cell(r, "SetP")]
-        + [f"{r['pebr_topk_SetR_at_same_k']:.4f}", _p_cell(r["p_vs_pebr_topk_at_same_k"])]
-        for _, r in experiment.iterrows()
-    ]
     strata = [s for s in ("all", "head", "torso", "tail") if s in set(per_stratum["stratum"])]
     by_stratum = [
         [k, name, *(f"{measure_cell(g.loc[s], 'SetR')} ({g.loc[s, 'mean_k']:.0f})" for s in strata)]
@@ -428,17 +423,36 @@ def _markdown(
         "k, so the last two columns compare its SetR with pEBR top-k at the system's own test mean k (interpolated "
         "per query between the neighbouring k; paired t-test):"
     )
-    main_columns = ["k", "system", "setting", "test mean k", "SetR", "SetP"]
     cal_columns = ["k", "system", "parameter", "value", "dev mean k", "within 1%"]
     parts = [
         (ranking_title, ranked, ["model", *RANKING_MEASURES]),
-        (main_title, main, [*main_columns, "pEBR top-k SetR at the same test mean k", "p (same k)"]),
-        (f"Per stratum ({summary['strata_basis']}): SetR (mean k)", by_stratum, ["k", "system", *strata]),
+        (main_title, table1(experiment).to_numpy().tolist(), TABLE1_COLUMNS),
+        (
+            f"Per stratum ({summary['strata_basis']}): SetR (mean k; `*` against pEBR top-k at k)",
+            by_stratum,
+            ["k", "system", *strata],
+        ),
         ("Table 3 (pEBR CDF cutoff, test queries): mean retrieved documents per query", t3, ["stratum", *ps]),
         ("Calibration (mean depth reached on the calibration queries):", cal, cal_columns),
     ]
     tables = (f"{title}\n\n{markdown_table(pd.DataFrame(rows, columns=cols))}" for title, rows, cols in parts)
     return "\n\n".join(tables) + "\n"
+
+
+TABLE1_COLUMNS = ["k", "system", "setting", "test mean k", "SetR", "SetP"]
+TABLE1_COLUMNS += ["pEBR top-k SetR at the same test mean k", "p (same k)"]
+
+
+def table1(experiment: pd.DataFrame) -> pd.DataFrame:
+    """Table 1 as the report prints it, from the run's ``results`` frame (or its records in a results JSON's
+    ``tables``): every system at each k, ``*`` against pEBR top-k at k, then against pEBR top-k at its own test
+    mean k."""
+    rows = [
+        [r["k"], r["name"], r["setting"], f"{r['test_mean_k']:.1f}", measure_cell(r, "SetR"), measure_cell(r, "SetP")]
+        + [f"{r['pebr_topk_SetR_at_same_k']:.4f}", _p_cell(r["p_vs_pebr_topk_at_same_k"])]
+        for _, r in experiment.iterrows()
+    ]
+    return pd.DataFrame(rows, columns=TABLE1_COLUMNS)
 
 
 def _p_cell(p: float) -> str:
