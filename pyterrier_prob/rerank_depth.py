@@ -181,6 +181,14 @@ class ConformalRecallDepth(StatisticDepth):
         self.level, self.reachable = conformal_recall_level(self._stat(ranked), qidx, is_rel, n_rel, self.target)
         return self
 
+    @property
+    def fixed_k(self) -> int | None:
+        """With ``statistic="rank"``, once fitted: the one depth k the promise needs (a level on ``-rank`` keeps
+        ranks ``0 .. floor(-level)``); otherwise None."""
+        if self.name != "rank" or self.level is None:
+            return None
+        return int(min(np.floor(-self.level) + 1, self.max_depth))
+
     def __repr__(self) -> str:
         return f"ConformalRecallDepth({self.target}, {self.name!r}, level={self.level})"
 

@@ -50,6 +50,9 @@ def test_depth_run_end_to_end(small_beir, reranker, tmp_path):
         assert r["mean_pairs"] <= 10 and 0 <= r["kept_recall"] <= 1
     conformal = rows[rows["rule"] == "conformal-recall"].iloc[0]
     assert conformal["promised_recall"] == 0.8 and conformal["fixed_k_for_same_promise"] >= 1
+    fixed_promise = rows[rows["rule"] == "conformal-fixed"].iloc[0]  # the same k for every query with k documents
+    assert fixed_promise["mean_pairs"] <= conformal["fixed_k_for_same_promise"]
+    assert summary["chosen_on_dev"] is None or not summary["chosen_on_dev"].startswith(("fixed", "conformal-fixed"))
     assert summary["chosen_on_dev"] is None or rows["chosen_on_dev"].sum() == 1
     oracle = summary["oracle"][str(folder)]
     assert oracle["nDCG@10"] == pytest.approx(oracle["fixed100_nDCG@10"]) and oracle["mean_depth"] <= 10

@@ -83,8 +83,11 @@ def test_conformal_recall_depth_keeps_its_promise_on_calibration():
         return 20 / 21 * float((1 - recall).mean()) + 1 / 21
 
     assert bound(k) <= 1 - target < bound(k - 1)
+    assert rule.fixed_k == k  # the promise's fixed depth, read from the level (a short list does not hide it)
+    short = run[~((run["qid"] == "q0") & (run["rank"] >= 1))]  # q0's list: one document
+    assert int(rule.depths(short).iloc[0]) == 1 and rule.fixed_k == k
     adaptive = ConformalRecallDepth(target, "zscore", max_depth=10).fit(run, qrels)
-    assert adaptive.reachable and adaptive.depths(run).between(1, 10).all()
+    assert adaptive.reachable and adaptive.depths(run).between(1, 10).all() and adaptive.fixed_k is None
     with pytest.raises(ValueError, match="needs the calibration queries' qrels"):
         ConformalRecallDepth(0.9).fit(run)
 

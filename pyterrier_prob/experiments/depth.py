@@ -174,10 +174,8 @@ def evaluate(
         row |= {"ci95_vs_fixed100": paired_ci(per[name], full), "cheapest_noninferior_fixed_k": cheapest}
         promised = getattr(rule, "target", None)
         row |= {"promised_recall": promised, "kept_recall": kept_recall(run, depth_of[name], qrels, cfg.depth)}
-        if isinstance(rule, ConformalRecallDepth) and rule.name != "rank":
-            row["fixed_k_for_same_promise"] = int(rules[f"conformal-fixed@{promised:g}"].depths(run).iloc[0])
-        else:
-            row["fixed_k_for_same_promise"] = None
+        same_promise = rules.get(f"conformal-fixed@{promised:g}") if isinstance(rule, ConformalRecallDepth) else None
+        row["fixed_k_for_same_promise"] = same_promise.fixed_k if same_promise is not None else None
         row["s_per_query"] = spp * pairs + seconds[name]
         row["EET"] = eet_means(per[name], at_1, depth_of[name])
         rows.append(row)
@@ -223,10 +221,15 @@ def _level(name: str) -> float | None:
     return float(name.split("@")[1]) if "@" in name else float(name.split("-")[1]) if name.startswith("fixed") else None
 
 
+#: rules that re-rank one depth for every query (conformal-fixed: the fixed k that keeps a recall promise)
+FIXED_RULES = ("fixed", "conformal-fixed")
+
+
 def choose_on_dev(cfg: DepthConfig, dev_rows: list[dict[str, Any]]) -> str | None:
-    """The rule chosen on dev before test is read: among the per-query rules non-inferior to fixed-100 on dev (the 95%
-    interval's lower bound >= -``--margin``), the one with the fewest mean pairs (None: none is)."""
-    ok = [r for r in dev_rows if r["rule"] != "fixed" and _lower(r["ci95_vs_fixed100"]) >= -cfg.margin]
+    """The rule chosen on dev before test is read: among the per-query rules (not :data:`FIXED_RULES`) non-inferior to
+    fixed-100 on dev (the 95% interval's lower bound >= -``--margin``), the one with the fewest mean pairs (None: none
+    is)."""
+    ok = [r for r in dev_rows if r["rule"] not in FIXED_RULES and _lower(r["ci95_vs_fixed100"]) >= -cfg.margin]
     best = min(ok, key=lambda r: (r["mean_pairs"], r["rule"])) if ok else None
     return None if best is None else _name(best)
 
@@ -297,7 +300,7 @@ def rule_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
             ),
             "promised / kept recall": [
                 f"{r['kept_recall']:.3f}"
-                if r["promised_recall"] is None
+                if r["promised_recall"] is None or pd.isna(r["promised_recall"])
                 else f"{r['promised_recall']:g} / {r['kept_recall']:.3f}"
                 for r in rows
             ],
