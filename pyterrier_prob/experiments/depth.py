@@ -288,7 +288,7 @@ def rule_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """One collection's rows as the report prints them: every rule's nDCG@10 and mean pairs against fixed-k at the
     same pairs and fixed-100, its recall promise and what it kept, and Meng et al.'s EET."""
     g = pd.DataFrame(rows)
-    cells = pd.DataFrame(
+    return pd.DataFrame(
         {
             "rule": [_name(r) + (" (chosen on dev)" if r["chosen_on_dev"] else "") for r in rows],
             "nDCG@10": g["nDCG@10"].map("{:.4f}".format),
@@ -310,7 +310,6 @@ def rule_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
             "EET (alpha -0.001, beta 1)": g["EET"].map(lambda v: f"{v['beta=1']:.4f}"),
         }
     )
-    return cells
 
 
 def report(rows: list[dict[str, Any]], oracle: dict[str, Any], chosen: str | None) -> str:
