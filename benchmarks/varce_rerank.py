@@ -87,7 +87,7 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
     chosen on dev."""
     import pandas as pd
 
-    from pyterrier_prob.varce.analysis import paired_p
+    from pyterrier_prob.evaluation import paired_p
 
     summaries = {}
     for run in runs:

@@ -497,14 +497,25 @@ def per_query_set_measures(
     return pd.concat(frames, ignore_index=True)
 
 
-def _paired_p(x: pd.Series, y: pd.Series) -> float:
-    """p-value of the paired t-test of ``x`` against ``y`` (aligned on the index); nan where it is undefined."""
-    y = y.reindex(x.index)
-    if len(x) < 2 or np.allclose(x.to_numpy() - y.to_numpy(), 0.0):
-        return math.nan
+def paired_p(x: pd.Series, y: pd.Series) -> float | None:
+    """The paired t-test's p-value (``scipy.stats.ttest_rel``) of two per-query series over the qids both hold; None
+    when there is nothing to test (fewer than two queries, or the same values)."""
+    a, b = x.align(y, join="inner")
+    if len(a) < 2 or np.allclose(a.to_numpy(), b.to_numpy()):
+        return None
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return float(stats.ttest_rel(x.to_numpy(), y.to_numpy()).pvalue)
+        warnings.simplefilter("ignore", RuntimeWarning)  # a constant non-zero difference: p = 0
+        return float(stats.ttest_rel(a.to_numpy(), b.to_numpy()).pvalue)
+
+
+def paired_ci(x: pd.Series, y: pd.Series, level: float = 0.95) -> list[float] | None:
+    """The ``level`` confidence interval of the mean paired difference ``x - y`` (Student's t over the queries both
+    hold); None when there is nothing to test (as :func:`paired_p`)."""
+    a, b = x.align(y, join="inner")
+    if paired_p(a, b) is None:
+        return None
+    ci = stats.ttest_rel(a.to_numpy(), b.to_numpy()).confidence_interval(level)
+    return [float(ci.low), float(ci.high)]
 
 
 def evaluate_set_measures(
@@ -541,7 +552,8 @@ def evaluate_set_measures(
             if baseline is not None:
                 base = per_q[(per_q["name"] == baseline) & in_group].set_index("qid")
                 for m in names:
-                    row[f"{m} p-value"] = math.nan if name == baseline else _paired_p(sel[m], base[m])
+                    p = paired_p(sel[m], base[m])  # None for the baseline itself and wherever undefined
+                    row[f"{m} p-value"] = math.nan if p is None else p
             rows.append(row)
     return pd.DataFrame(rows)
 

@@ -280,7 +280,7 @@ def test_topk_at_a_rules_own_mean_depth_is_interpolated_per_query_and_tested_pai
     scipy's on the per-query recalls (NaN for top-k against itself)."""
     from scipy.stats import ttest_rel
 
-    from pyterrier_prob.experiments.pebr_cutoffs import _same_depth_test, _Split, _topk_recall_at, _topk_recall_matrix
+    from pyterrier_prob.experiments.pebr_cutoffs import _topk_recall_at, _topk_recall_matrix, same_depth_columns
 
     rng, nq, cap = np.random.default_rng(1), 9, 12
     qidx, ranks = np.repeat(np.arange(nq), cap), np.tile(np.arange(cap), nq)
@@ -304,17 +304,19 @@ def test_topk_at_a_rules_own_mean_depth_is_interpolated_per_query_and_tested_pai
             np.interp(depth, np.arange(cap + 1), mean_curve)
         )
 
-    ranked = pd.DataFrame({"qid": qidx.astype(str), "rank": ranks}, index=pd.RangeIndex(nq * cap) * 10)
-    split = _Split(ranked, [str(q) for q in range(nq)], [], pd.DataFrame(), pd.DataFrame(), (qidx, is_rel, n_rel))
+    docno = np.array([f"d{i}" for i in range(nq * cap)])
+    ranked = pd.DataFrame({"qid": qidx.astype(str), "docno": docno, "rank": ranks})
+    qids = [str(q) for q in range(nq)]
+    judged = [(str(q), d, 1) for q, d in zip(qidx[is_rel], docno[is_rel], strict=True)]
+    judged += [(str(q), f"unretrieved{q}", 1) for q in range(nq) if n_rel[q] > is_rel[qidx == q].sum()]
+    qrels = pd.DataFrame(judged + [("1", "d13", 0)], columns=["qid", "docno", "label"])  # label 0: not relevant
     depths = rng.integers(0, cap + 1, nq)  # a variable-depth rule: keep each query's first depths[q] rows
-    run = ranked[ranks < depths[qidx]]
-    topk, p = _same_depth_test(split, run, per_query)
+    runs = {"rule": ranked[ranks < depths[qidx]], "top-5": ranked[ranks < 5]}
+    exp = pd.DataFrame({"name": ["rule", "top-5"], "test_mean_depth": [depths.mean(), 5.0]})
+    same_depth_columns(exp, runs, qrels, qids, per_query)
     rule = np.array([recall_at(q, depths[q]) for q in has])
     at = _topk_recall_at(per_query, depths.mean())
-    assert topk == pytest.approx(at.mean())
-    assert p == pytest.approx(ttest_rel(rule, at).pvalue)
-    topk_run = ranked[ranks < 5]
-    assert _same_depth_test(split, topk_run, per_query) == (
-        pytest.approx(per_query[:, 4].mean()),
-        pytest.approx(np.nan, nan_ok=True),
-    )
+    assert exp.loc[0, "topk_SetR_at_same_depth"] == pytest.approx(at.mean())
+    assert exp.loc[0, "p_vs_topk_at_same_depth"] == pytest.approx(ttest_rel(rule, at).pvalue)
+    assert exp.loc[1, "topk_SetR_at_same_depth"] == pytest.approx(per_query[:, 4].mean())
+    assert np.isnan(exp.loc[1, "p_vs_topk_at_same_depth"])  # top-k against itself: nothing to test

@@ -39,8 +39,8 @@ def test_help_lists_the_options(capsys):
         (["--doc-tower", "joint"], "which --recipe frozen keeps frozen"),  # frozen: the default recipe
         (["--doc-tower", "joint", "--recipe", "frozen", "--steps", "2"], "use --recipe partial or full"),
         (["--alpha-grid", "0.3", "1.2"], "--alpha-grid must lie in [-1, 1)"),
-        (["--alpha-grid", "0.3", "0.3"], "--alpha-grid must be distinct"),
-        (["--alpha-grid", "0.3"], "--alpha-grid chooses among two or more alphas"),
+        (["--alpha-grid", "0.3", "0.3"], "--alpha-grid takes two or more distinct alphas"),
+        (["--alpha-grid", "0.3"], "--alpha-grid takes two or more distinct alphas"),
         (["--alpha-grid", "0.3", "0.6"], "--alpha-grid chooses alpha on the dev curves"),  # frozen, no --dev-every
     ],
 )

@@ -12,9 +12,9 @@ from typing import Any
 
 import pandas as pd
 import torch
-from scipy.stats import ttest_rel
 
 from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.evaluation import paired_p
 from st_extensions.atomic import locked
 
 __all__ = ["KEY", "paired_claim", "perquery_claims", "record_claims", "write_claims"]
@@ -38,15 +38,13 @@ def paired_claim(
 ) -> dict[str, Any]:
     """A claim row's figures from per-query values (qid -> value) of ``system`` and ``baseline``: the means over the
     queries both have and the paired t-test's p on them (None when undefined: fewer than 2 queries, no variance)."""
-    v, b = pd.Series(values, dtype=float), pd.Series(baseline_values, dtype=float)
-    v.index, b.index = v.index.astype(str), b.index.astype(str)
-    qids = v.index.intersection(b.index)
-    if qids.empty:
+    v, b = (pd.Series(x, dtype=float).rename(index=str) for x in (values, baseline_values))
+    v, b = v.align(b, join="inner")
+    if v.empty:
         raise ValueError(f"claim {claim!r}: {system!r} and {baseline!r} have no query in common")
-    v, b = v[qids], b[qids]
-    p = _num(ttest_rel(v, b).pvalue) if len(qids) > 1 and (v - b).std() > 0 else None
     row = {"paper": paper, "claim": claim, "system": system, "baseline": baseline, "metric": metric}
-    return {**row, "value": float(v.mean()), "baseline_value": float(b.mean()), "p": p, "queries": len(qids)}
+    row |= {"value": float(v.mean()), "baseline_value": float(b.mean()), "p": paired_p(v, b)}
+    return {**row, "queries": len(v)}
 
 
 def perquery_claims(

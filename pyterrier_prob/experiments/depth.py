@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 from scipy.stats import spearmanr
 
+from pyterrier_prob.evaluation import paired_ci, paired_p
 from pyterrier_prob.experiments.harness import CommonConfig, Harness, option, slug, subcommand
 from pyterrier_prob.experiments.report import markdown_table
 from pyterrier_prob.experiments.varce_train import Target, dev_target, folder_fingerprint, target_stage
@@ -36,7 +37,6 @@ from pyterrier_prob.rerank_depth import (
     oracle_depths,
     rerank_at_depths,
 )
-from pyterrier_prob.varce.analysis import paired_ci, paired_p
 from pyterrier_prob.varce.distill import ndcg_at_10, score_pairs
 from pyterrier_prob.varce.scoring import PairScorer
 from st_extensions.loading import load_model

@@ -17,6 +17,7 @@ import pandas as pd
 from scipy.stats import spearmanr
 
 from pyterrier_prob.evaluation import Calibration, assign_strata, calibrate_mean_k, evaluate_set_measures, table3_grid
+from pyterrier_prob.experiments import pebr_cutoffs
 from pyterrier_prob.experiments.claims import record_claims
 from pyterrier_prob.experiments.harness import (
     CommonConfig,
@@ -30,14 +31,7 @@ from pyterrier_prob.experiments.harness import (
     option,
     subcommand,
 )
-from pyterrier_prob.experiments.pebr_cutoffs import (
-    StudyConfig,
-    cutoff_study,
-    run_recall_per_query,
-    study_markdown,
-    topk_recall_per_query,
-    versus_topk_at_same_depth,
-)
+from pyterrier_prob.experiments.report import cell
 from pyterrier_prob.pebr import CDFCutoffRetriever, ProbBiEncoder, ScoreCutoffRetriever, TopKRetriever
 from pyterrier_prob.plots import retrieved_count_histogram, table3_plot
 from st_extensions import build_pebr_model, load_model
@@ -140,7 +134,8 @@ def run_pebr_job(cfg: PebrJobConfig) -> dict[str, Any]:
             str(r["name"]): {m: float(r[m]) for m in RANKING_MEASURES} for _, r in ranking.iterrows()
         },
     }
-    md = _markdown(ranking, tested, table3, calibration, summary) + "\n" + study_markdown(study, data.cal_source)
+    md = _markdown(ranking, tested, table3, calibration, summary)
+    md += "\n" + pebr_cutoffs.study_markdown(study, data.cal_source)
     out = {"experiment": tested["experiment"], "strata": tested["per_stratum"], "table3": table3}
     out["calibration"] = calibration
     tables = {"results": out["experiment"], "ranking": ranking, "strata": out["strata"], "table3": table3}
@@ -319,16 +314,11 @@ def test_runs(
             counts = {n: r.groupby("qid").size().reindex(topics["qid"], fill_value=0) for n, r in runs.items()}
             mean_k = [float(counts[n].mean()) for n in exp["name"]]
             insert_columns(exp, 1, k=k, test_mean_k=mean_k, setting=[_setting(n, settings[k]) for n in exp["name"]])
-            # a system's test mean k is near k, not k: pEBR top-k at the system's own test mean k is the comparison
-            # that leaves no depth advantage (interpolated per query between the neighbouring k)
+            # a system's test mean k is near k, not k: pEBR top-k is also taken at the system's own test mean k
             deep = math.ceil(max(mean_k)) + 1
-            topk = topk_recall_per_query(enc.topk("pebr", deep), qrels, qids, deep)
-            same = [
-                versus_topk_at_same_depth(run_recall_per_query(runs[n], qrels, qids), d, topk)
-                for n, d in zip(exp["name"], mean_k, strict=True)
-            ]
-            exp["pebr_topk_SetR_at_same_k"] = [v for v, _ in same]
-            exp["p_vs_pebr_topk_at_same_k"] = [p for _, p in same]
+            topk = pebr_cutoffs.topk_recall_per_query(enc.topk("pebr", deep), qrels, qids, deep)
+            names = ("pebr_topk_SetR_at_same_k", "p_vs_pebr_topk_at_same_k")
+            pebr_cutoffs.same_depth_columns(exp, runs, qrels, qids, topk, "test_mean_k", names)
             experiments.append(exp)
             st = evaluate_set_measures(runs, qrels, strata, measures=MEASURES, baseline=SIGNIFICANCE_BASELINE)
             per_stratum.append(insert_columns(st, 1, k=k))
@@ -386,9 +376,9 @@ def cutoffs(cfg: PebrJobConfig, h: Harness, data: Data, enc: Encoded) -> dict[st
     if data.train_collection is not coll and data.dev is not None:
         cal_index = h.dense_index("pebr", enc.encoders["pebr"], data.train_collection)
     cap = min(cfg.study_cap, coll.num_docs, data.train_collection.num_docs)
-    study = StudyConfig(family=cfg.family, dim=enc.dim, ks=cfg.ks, cap=cap, targets=cfg.recall_targets)
+    study = pebr_cutoffs.StudyConfig(family=cfg.family, dim=enc.dim, ks=cfg.ks, cap=cap, targets=cfg.recall_targets)
     queries = {s: enc.queries[("pebr", s)] for s in ("dev", "test")}
-    return cutoff_study(h, data, {"dev": cal_index, "test": enc.indexes["pebr"]}, queries, study)
+    return pebr_cutoffs.cutoff_study(h, data, {"dev": cal_index, "test": enc.indexes["pebr"]}, queries, study)
 
 
 def _setting(name: str, s: dict[str, float]) -> str:
@@ -449,14 +439,10 @@ def table1(experiment: pd.DataFrame) -> pd.DataFrame:
     mean k."""
     rows = [
         [r["k"], r["name"], r["setting"], f"{r['test_mean_k']:.1f}", measure_cell(r, "SetR"), measure_cell(r, "SetP")]
-        + [f"{r['pebr_topk_SetR_at_same_k']:.4f}", _p_cell(r["p_vs_pebr_topk_at_same_k"])]
+        + [f"{r['pebr_topk_SetR_at_same_k']:.4f}", cell(r["p_vs_pebr_topk_at_same_k"], ".3g")]
         for _, r in experiment.iterrows()
     ]
     return pd.DataFrame(rows, columns=TABLE1_COLUMNS)
-
-
-def _p_cell(p: float) -> str:
-    return "—" if pd.isna(p) else f"{p:.3g}"
 
 
 run = run_pebr_job  # what ``pyterrier-prob pebr`` runs

@@ -4,17 +4,17 @@ per-query laws and their PIT, recall targets by conformal risk control, and ever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy.stats import spearmanr, ttest_rel
+from scipy.stats import spearmanr
 
 from pyterrier_prob.dense import PARAM_COLUMNS
-from pyterrier_prob.evaluation import evaluate_set_measures
-from pyterrier_prob.experiments.harness import insert_columns, markdown_table, measure_cell
+from pyterrier_prob.evaluation import evaluate_set_measures, paired_p
+from pyterrier_prob.experiments.report import cell, insert_columns, markdown_table, measure_cell
 from pyterrier_prob.pebr.calibration import (
     CalibratedLaw,
     beta_mle_laws,
@@ -48,10 +48,9 @@ __all__ = [
     "cutoff_study",
     "matched_table",
     "relevant_cosines",
-    "run_recall_per_query",
+    "same_depth_columns",
     "study_markdown",
     "topk_recall_per_query",
-    "versus_topk_at_same_depth",
 ]
 
 
@@ -253,13 +252,9 @@ def _matched_depth(
         exp = h.experiment(runs, data.test_topics, data.test_qrels, ["SetR", "SetP", "SetF"])
         counts = {n: r.groupby("qid").size().reindex(test.qids, fill_value=0) for n, r in runs.items()}
         insert_columns(exp, 1, k=k, test_mean_depth=[float(counts[n].mean()) for n in exp["name"]])
-        # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k at the rule's
-        # own test mean depth (interpolated per query between the neighbouring k) is the comparison that leaves no
-        # depth advantage, and the only one made
+        # levels come from the calibration queries, so a rule's test depth is near k, not k: top-k is taken there
         exp["calibration_SetR"] = exp["name"].map(dict(zip(cal["name"], cal["SetR"], strict=True)))
-        same_depth = {n: _same_depth_test(test, runs[n], topk_per_query) for n in exp["name"]}
-        exp["topk_SetR_at_same_depth"] = [same_depth[n][0] for n in exp["name"]]
-        exp["p_vs_topk_at_same_depth"] = [same_depth[n][1] for n in exp["name"]]
+        same_depth_columns(exp, runs, data.test_qrels, test.qids, topk_per_query)
         # how far each rule's per-query depths are from the oracle's, and whether they follow the number of
         # relevant documents (Spearman's rho; NaN for a constant depth such as top-k's)
         oracle = counts["oracle depth (qrels known)"]
@@ -320,15 +315,13 @@ def matched_table(m: pd.DataFrame) -> pd.DataFrame:
             "k": m["k"],
             "rule": m["name"],
             "test mean depth": m["test_mean_depth"].map("{:.1f}".format),
-            "calibration SetR": m["calibration_SetR"].map(lambda v: "—" if pd.isna(v) else f"{v:.4f}"),
+            "calibration SetR": m["calibration_SetR"].map(lambda v: cell(v, ".4f")),
             **{s: [measure_cell(r, s) for _, r in m.iterrows()] for s in ("SetR", "SetP", "SetF")},
             "top-k SetR at the same test depth": m["topk_SetR_at_same_depth"].map("{:.4f}".format),
-            "p vs top-k at the same depth": m["p_vs_topk_at_same_depth"].map(
-                lambda p: "—" if pd.isna(p) else f"{p:.3g}"
-            ),
+            "p vs top-k at the same depth": m["p_vs_topk_at_same_depth"].map(lambda p: cell(p, ".3g")),
             "mean abs(depth - oracle's)": m["depth_abs_diff_vs_oracle"].map("{:.1f}".format),
-            "rho(depth, oracle's)": m["depth_rho_vs_oracle"].map(_fmt_rho),
-            "rho(depth, relevant)": m["depth_rho_vs_num_relevant"].map(_fmt_rho),
+            "rho(depth, oracle's)": m["depth_rho_vs_oracle"].map(lambda r: cell(r, "+.2f")),
+            "rho(depth, relevant)": m["depth_rho_vs_num_relevant"].map(lambda r: cell(r, "+.2f")),
         }
     )
 
@@ -353,7 +346,7 @@ def study_markdown(study: dict[str, Any], cal_source: str) -> str:
             "test mean recall": t["test_mean_recall"].map("{:.3f}".format),
             "test mean depth": t["test_mean_depth"].map("{:.1f}".format),
             "test SetP": t["test_SetP"].map("{:.3f}".format),
-            "top-k k for same recall": t["topk_k_for_same_recall"].map(lambda k: "—" if pd.isna(k) else f"{int(k)}"),
+            "top-k k for same recall": t["topk_k_for_same_recall"].map(lambda k: cell(k, ".0f")),
         }
     )
     resplits = ""
@@ -395,10 +388,6 @@ def _rho(a: Any, b: Any) -> float:
     return float("nan") if np.ptp(a) == 0 or np.ptp(b) == 0 else float(spearmanr(a, b).statistic)
 
 
-def _fmt_rho(r: float) -> str:
-    return "—" if np.isnan(r) else f"{r:+.2f}"
-
-
 def _topk_depth_for(topk_recall: np.ndarray, recall: float) -> int | None:
     """The smallest k at which top-k's mean recall (``topk_recall[k - 1]``) reaches ``recall``; None beyond the list.
     Both means are float sums in different orders: equal recalls may differ in the last bits, hence the tolerance."""
@@ -419,28 +408,7 @@ def _topk_recall_at(per_query: np.ndarray, depth: float) -> np.ndarray:
     """Each query's top-k recall at a fractional depth, linear between the neighbouring integer k (0 at 0): their
     mean is the mean curve's value at ``depth``, interpolated the same way."""
     curve = np.pad(per_query, ((0, 0), (1, 0)))
-    depth = min(max(depth, 0.0), per_query.shape[1])
-    lo = int(np.floor(depth))
-    hi = min(lo + 1, per_query.shape[1])
-    return curve[:, lo] + (depth - lo) * (curve[:, hi] - curve[:, lo])
-
-
-def _same_depth_test(test: _Split, run: pd.DataFrame, topk_per_query: np.ndarray) -> tuple[float, float]:
-    """:func:`versus_topk_at_same_depth` of a rule's run, a subset of the test lists' rows."""
-    qidx, is_rel, n_rel = test.relinfo
-    keep = test.ranked.index.isin(run.index)
-    hits = np.bincount(qidx[keep & is_rel], minlength=len(n_rel))
-    has = n_rel > 0
-    return versus_topk_at_same_depth(hits[has] / n_rel[has], float(keep.sum()) / len(n_rel), topk_per_query)
-
-
-def versus_topk_at_same_depth(recall: np.ndarray, depth: float, topk_per_query: np.ndarray) -> tuple[float, float]:
-    """Top-k's mean recall at a run's mean ``depth`` (interpolated per query between the neighbouring k) and the
-    paired t-test p-value of the run's per-query ``recall`` against it, both over the queries with a relevant
-    document in the same order as ``topk_per_query``'s rows (NaN when the two are equal for every query)."""
-    topk = _topk_recall_at(topk_per_query, depth)
-    p = float("nan") if np.allclose(recall - topk, 0.0, atol=1e-12) else float(ttest_rel(recall, topk).pvalue)
-    return float(topk.mean()), p
+    return np.array([np.interp(depth, np.arange(curve.shape[1]), row) for row in curve])
 
 
 def topk_recall_per_query(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str], depth: int) -> np.ndarray:
@@ -451,10 +419,25 @@ def topk_recall_per_query(ranked: pd.DataFrame, qrels: pd.DataFrame, qids: Seque
     return _topk_recall_matrix(ranked["rank"].to_numpy(), qidx, is_rel, n_rel, depth)
 
 
-def run_recall_per_query(run: pd.DataFrame, qrels: pd.DataFrame, qids: Sequence[str]) -> np.ndarray:
-    """Per-query set recall of ``run`` over the queries of ``qids`` with a relevant document (in their order)."""
-    run = run[run["qid"].astype(str).isin(set(qids))].assign(qid=lambda f: f["qid"].astype(str))
-    qidx, is_rel, n_rel = row_relevance(run, qrels, qids)
-    hits = np.bincount(qidx[is_rel].astype(int), minlength=len(qids))
-    has = n_rel > 0
-    return hits[has] / n_rel[has]
+def same_depth_columns(
+    exp: pd.DataFrame,
+    runs: Mapping[str, pd.DataFrame],
+    qrels: pd.DataFrame,
+    qids: Sequence[str],
+    topk_per_query: np.ndarray,
+    depth: str = "test_mean_depth",
+    names: Sequence[str] = ("topk_SetR_at_same_depth", "p_vs_topk_at_same_depth"),
+) -> None:
+    """Each run of ``exp`` (its rows' ``name``) against top-k at the run's own mean depth (its ``depth`` column), over
+    the queries of ``qids`` with a relevant document: top-k's mean recall there (interpolated per query between the
+    neighbouring k of ``topk_per_query``, :func:`topk_recall_per_query`) and the paired t-test's p of the run's
+    per-query set recall against it (NaN when they are equal), added as the two ``names`` columns."""
+    values, ps = [], []
+    for name, d in zip(exp["name"], exp[depth], strict=True):
+        run = runs[name][runs[name]["qid"].astype(str).isin(set(qids))].assign(qid=lambda f: f["qid"].astype(str))
+        qidx, is_rel, n_rel = row_relevance(run, qrels, qids)
+        recall = np.bincount(qidx[is_rel].astype(int), minlength=len(qids))[n_rel > 0] / n_rel[n_rel > 0]
+        topk = _topk_recall_at(topk_per_query, d)
+        values.append(float(topk.mean()))
+        ps.append(paired_p(pd.Series(recall), pd.Series(topk)))
+    exp[names[0]], exp[names[1]] = values, np.array(ps, dtype=float)

@@ -14,6 +14,7 @@ from pyterrier_prob.experiments.splits import Data
 from pyterrier_prob.training import Recipe
 
 __all__ = [
+    "cell",
     "insert_columns",
     "json_default",
     "kept_untrained",
@@ -36,6 +37,11 @@ def slug(text: str, sep: str = "-") -> str:
 def p_mark(p: float | None) -> str:
     """`` *`` for p < 0.05 (a paired test against the table's baseline), else ``""``."""
     return " *" if p is not None and np.isfinite(p) and p < 0.05 else ""
+
+
+def cell(value: Any, fmt: str) -> str:
+    """A table's cell: ``value`` formatted with ``fmt``, "—" where it is missing (None or NaN)."""
+    return "—" if value is None or pd.isna(value) else format(value, fmt)
 
 
 def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:

@@ -155,17 +155,12 @@ class UniERFJobConfig(CommonConfig):
         super().check()
         if self.head_lr is not None and not (math.isfinite(self.head_lr) and self.head_lr > 0):
             raise ValueError(f"--head-lr must be finite and > 0, got {self.head_lr}")
-        for name, value in (
-            ("alpha", self.alpha),
-            ("low-alpha", self.low_alpha),
-            *(("alpha-grid", a) for a in self.alpha_grid),
-        ):
+        named = {"alpha": [self.alpha], "low-alpha": [self.low_alpha], "alpha-grid": self.alpha_grid}
+        for name, value in ((n, v) for n, values in named.items() for v in values):
             if not (math.isfinite(value) and -1.0 <= value < 1.0):
                 raise ValueError(f"--{name} must lie in [-1, 1) (a cosine), got {value}")
-        if len(set(self.alpha_grid)) != len(self.alpha_grid):
-            raise ValueError(f"--alpha-grid must be distinct, got {list(self.alpha_grid)}")
-        if len(self.alpha_grid) == 1:
-            raise ValueError("--alpha-grid chooses among two or more alphas (one alpha: --alpha)")
+        if len(self.alpha_grid) == 1 or len(set(self.alpha_grid)) != len(self.alpha_grid):
+            raise ValueError(f"--alpha-grid takes two or more distinct alphas (one: --alpha), got {self.alpha_grid}")
         if self.alpha_grid and not (self.dev_every or self.training_recipe(1).trains_encoder):
             raise ValueError("--alpha-grid chooses alpha on the dev curves: use --recipe partial/full or --dev-every")
         if not self.budgets or any(int(b) != b or b < 2 for b in self.budgets):

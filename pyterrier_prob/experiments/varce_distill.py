@@ -24,6 +24,7 @@ from sentence_transformers.cross_encoder.losses import MarginMSELoss
 from pyterrier_prob.atomic import atomic_write, make_dirs, read_checked
 from pyterrier_prob.collections import Collection
 from pyterrier_prob.curves import DevCurve
+from pyterrier_prob.evaluation import paired_ci, paired_p
 from pyterrier_prob.experiments.harness import Data, Harness, TrainingPairs, slug
 from pyterrier_prob.experiments.options import flag
 from pyterrier_prob.experiments.varce_report import distill_markdown
@@ -41,8 +42,6 @@ from pyterrier_prob.varce import distill
 from pyterrier_prob.varce.analysis import (
     DevRerank,
     choose_risk,
-    paired_ci,
-    paired_p,
     ranked,
     system_rows,
     uncertainty_stats,

@@ -12,8 +12,9 @@ import ir_measures
 import numpy as np
 import pandas as pd
 import pyterrier as pt
-from scipy.stats import spearmanr, ttest_rel
+from scipy.stats import spearmanr
 
+from pyterrier_prob.evaluation import paired_p
 from pyterrier_prob.fusion import interpolate
 from pyterrier_prob.varce.distill import ndcg_at_10, score_pairs
 from pyterrier_prob.varce.hard_queries import per_query
@@ -23,8 +24,6 @@ __all__ = [
     "DevRerank",
     "choose_risk",
     "interpolated",
-    "paired_ci",
-    "paired_p",
     "ranked",
     "rerank_rows",
     "risk_table",
@@ -54,25 +53,6 @@ def interpolated(cand: pd.DataFrame, mean: np.ndarray, alpha: float) -> pd.DataF
 def top10(run: pd.DataFrame) -> pd.Series:
     """Each query's top 10 docnos (a tuple per qid)."""
     return run[run["rank"] < 10].groupby("qid")["docno"].apply(tuple)
-
-
-def paired_p(x: pd.Series, y: pd.Series) -> float | None:
-    """The paired t-test's p-value of two per-query series (aligned on their qids); None when there is nothing to
-    test (fewer than two queries, or the same values)."""
-    a, b = x.align(y, join="inner")
-    if len(a) < 2 or np.allclose(a.to_numpy(), b.to_numpy()):
-        return None
-    return float(ttest_rel(a.to_numpy(), b.to_numpy()).pvalue)
-
-
-def paired_ci(x: pd.Series, y: pd.Series, level: float = 0.95) -> list[float] | None:
-    """The ``level`` confidence interval of the mean paired difference ``x - y`` (Student's t over the queries both
-    hold); None when there is nothing to test (as :func:`paired_p`)."""
-    a, b = x.align(y, join="inner")
-    if len(a) < 2 or np.allclose(a.to_numpy(), b.to_numpy()):
-        return None
-    ci = ttest_rel(a.to_numpy(), b.to_numpy()).confidence_interval(level)
-    return [float(ci.low), float(ci.high)]
 
 
 def system_rows(per: Mapping[str, pd.Series], collection: str, depth: int, baseline: str = "CE") -> list[dict]:
