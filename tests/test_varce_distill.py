@@ -427,6 +427,9 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
             varce.config_from_args(build_parser("varce").parse_args([*plain, *argv])).check()
     with pytest.raises(ValueError, match="names a student twice"):
         config(*partial_, "--students", "CE", "CE").check()
+    for bad in ("0", "-1e-3", "nan"):
+        with pytest.raises(ValueError, match="--head-lr must be a finite number > 0"):
+            config(*partial_, f"--head-lr={bad}").check()
     cfg = config(*partial_)
     cfg.check()  # --train-layers left out under --teacher: the students' default, 1 joint layer
     assert cfg.train_layers == 1
@@ -577,8 +580,9 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
 def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_models(
     small_beir, minilm_path, tmp_path
 ):
-    """A --reuse rerun with another --steps trains the students again (their settings differ); a plain (label) run
-    in the same folder trains its own models (models/CE, ...) and leaves the distilled ones alone."""
+    """A --reuse rerun with another --steps and --head-lr (the score heads' own rate) trains the students again
+    (their settings differ); a plain (label) run in the same folder trains its own models (models/CE, ...) and leaves
+    the distilled ones alone."""
     from pyterrier_prob.cli import main
 
     folder, _ = small_beir
@@ -586,11 +590,15 @@ def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_m
     argv = _teacher_argv(folder, minilm_path, out, "--max-queries", "3", "--ood-queries", "3")
     assert main(argv) == 0
     settings = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
-    assert main([*argv, "--reuse", "--steps", "3"]) == 0
+    assert main([*argv, "--reuse", "--steps", "3", "--head-lr", "0.02"]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert {f"train_distilled-{s}" for s in STUDENTS} <= set(again["timings_s"])  # retrained, not reused
     retrained = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
     assert (settings["settings"]["recipe"]["steps"], retrained["settings"]["recipe"]["steps"]) == (2, 3)
+    assert "head_lr" not in settings["settings"] and retrained["settings"]["head_lr"] == 0.02
+    assert retrained["settings"]["recipe"]["module_learning_rates"] == {"LinearScoreHead": 0.02}  # the head's own
+    var = json.loads((out / "models" / "distilled-VarCE-VAR" / "train_settings.json").read_text())["settings"]
+    assert var["recipe"]["module_learning_rates"] == {"VariationalHead": 0.02}
     assert [p["step"] for p in again["dev_curves"]["CE"]["points"]] == [0, 1, 2, 3]
 
     plain = ["varce", "--dataset", str(folder), "--teacher", "none", "--recipe", "partial", "--train-layers", "1"]

@@ -140,6 +140,9 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
+    head_lr: float | None = option(
+        None, "the students' score head's learning rate (default: the rate the head declares, 1e-3)", _DISTIL
+    )
     score_from: str = option(
         "both",
         "what a student's score reads: both: a frozen copy of its top layers reading each text apart (the teacher's "
@@ -209,8 +212,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--pool-depth ({self.pool_depth}) must be at least --negatives ({self.negatives})")
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise ValueError(f"--beta must be finite and >= 0, got {self.beta}")
-        for name in ("teacher_lr", "score_scale"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+        for name in ("teacher_lr", "score_scale", "head_lr"):
+            if getattr(self, name) is not None and not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(self, name)}")
         if not math.isfinite(self.init_cross_bias):
             raise ValueError(f"--init-cross-bias must be finite, got {self.init_cross_bias}")

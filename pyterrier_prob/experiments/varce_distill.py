@@ -51,7 +51,9 @@ from pyterrier_prob.varce.pseudo_queries import KINDS, drop_sources, pseudo_quer
 from pyterrier_prob.varce.rerank import risk_adjusted, score_as_text
 from pyterrier_prob.varce.scoring import PairScorer
 from pyterrier_prob.varce.selective import mc_dropout_std, nqc, selective_table, top_k_mean, wig
+from st_extensions.cross_encoder.head import VariationalHead
 from st_extensions.cross_encoder.split import (
+    LinearScoreHead,
     build_split_cross_encoder,
     cross_attention_mass,
     joint_term,
@@ -333,7 +335,10 @@ def train_students(
         settings |= {"input_score": INPUT_SCORE} if score else {}
         shape = (layers, cfg.init_cross_bias, cfg.score_scale, score, cfg.score_from == "both")
         build = partial(_student, folder, variant, cfg.max_seq_length, *shape)
+        settings |= {"head_lr": cfg.head_lr} if cfg.head_lr is not None else {}
         kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
+        head = (LinearScoreHead if variant is None else VariationalHead).__name__
+        kw["module_learning_rates"] = {head: cfg.head_lr} if cfg.head_lr is not None else None
         model, _ = h.train(name, build, loss, rows[score], **kw)
         split_state_cache(model, h.state_cache_path(h.cfg.training_recipe(cfg.steps, train_layers=layers), model))
         models[system] = model
