@@ -284,6 +284,26 @@ def test_candidate_pool_and_teacher_scores():
         distill.add_cosines(pool.assign(docno=["a", "b", "zz"]), ["1"], q_emb, ["a", "b", "e"], d_emb)
 
 
+def test_teacher_in_student_units_ranks_as_the_fused_teacher_and_starts_at_the_students_score():
+    """Per query the fused teacher times scale * sd_q(cos) / alpha plus a constant: the same ranking and margins in
+    proportion; the cosine part is scale * cos (alpha 1: exactly the student's starting score)."""
+    rng = np.random.default_rng(0)
+    pool = pd.DataFrame(
+        {"qid": np.repeat(["1", "2", "3"], 7), "dense": rng.uniform(0, 1, 21), "bm25": rng.gamma(2, 3, 21)}
+    )
+    pool.loc[pool["qid"] == "3", "bm25"] = 4.0  # a query whose BM25 scores are all equal: its z-scores are 0
+    for alpha in (0.3, 0.8, 1.0):
+        fused, mine = distill.teacher_scores(pool, alpha), distill.teacher_in_student_units(pool, alpha, 10.0)
+        for _, g in pool.groupby("qid"):
+            i = g.index.to_numpy()
+            sd = g["dense"].std(ddof=0)
+            np.testing.assert_allclose(np.diff(mine[i]), 10.0 * sd / alpha * np.diff(fused[i]), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(mine[pool["qid"] == "3"], 10.0 * pool.loc[pool["qid"] == "3", "dense"])
+    np.testing.assert_allclose(distill.teacher_in_student_units(pool, 1.0, 7.0), 7.0 * pool["dense"])
+    with pytest.raises(ValueError, match="alpha must lie in"):
+        distill.teacher_in_student_units(pool, 0.0, 10.0)
+
+
 def test_choose_teacher_picks_the_better_signal():
     # query 1: BM25 puts the relevant doc last, the dense score first -> alpha 1 is best
     pool = pd.DataFrame({"qid": ["1"] * 3, "docno": ["r", "x", "y"], "bm25": [1.0, 5.0, 4.0], "dense": [0.9, 0.1, 0.2]})
@@ -580,7 +600,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
 def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_models(
     small_beir, minilm_path, tmp_path
 ):
-    """A --reuse rerun with another --steps and --head-lr (the score heads' own rate) trains the students again
+    """A --reuse rerun with other --steps, --head-lr and --teacher-units trains the students again
     (their settings differ); a plain (label) run in the same folder trains its own models (models/CE, ...) and leaves
     the distilled ones alone."""
     from pyterrier_prob.cli import main
@@ -590,12 +610,13 @@ def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_m
     argv = _teacher_argv(folder, minilm_path, out, "--max-queries", "3", "--ood-queries", "3")
     assert main(argv) == 0
     settings = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
-    assert main([*argv, "--reuse", "--steps", "3", "--head-lr", "0.02"]) == 0
+    assert main([*argv, "--reuse", "--steps", "3", "--head-lr", "0.02", "--teacher-units", "student"]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert {f"train_distilled-{s}" for s in STUDENTS} <= set(again["timings_s"])  # retrained, not reused
     retrained = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
     assert (settings["settings"]["recipe"]["steps"], retrained["settings"]["recipe"]["steps"]) == (2, 3)
     assert "head_lr" not in settings["settings"] and retrained["settings"]["head_lr"] == 0.02
+    assert "teacher_units" not in settings["settings"] and retrained["settings"]["teacher_units"] == "student"
     assert retrained["settings"]["recipe"]["module_learning_rates"] == {"LinearScoreHead": 0.02}  # the head's own
     var = json.loads((out / "models" / "distilled-VarCE-VAR" / "train_settings.json").read_text())["settings"]
     assert var["recipe"]["module_learning_rates"] == {"VariationalHead": 0.02}

@@ -140,6 +140,14 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
+    teacher_units: str = option(
+        "z",
+        "the teacher scores the students learn: z: the fusion's per-query z-scores, alpha * z(cos) + (1 - alpha) * "
+        "z(bm25); student: the same ranking in a student's own units, scale * (cos + (1 - alpha) / alpha * sd(cos) * "
+        "z(bm25)), whose cosine part is the score a student starts with (Margin-MSE is then left the lexical part)",
+        _DISTIL,
+        choices=("z", "student"),
+    )
     head_lr: float | None = option(
         None, "the students' score head's learning rate (default: the rate the head declares, 1e-3)", _DISTIL
     )

@@ -292,6 +292,9 @@ class _Rows:
     def __call__(self) -> Any:
         if self.rows is None:
             n, pool, queries = self.cfg.steps * self.cfg.batch_size, self.fusion["pool"], self.fusion["queries"]
+            if self.cfg.teacher_units == "student":  # the same ranking, in the students' units
+                scores = distill.teacher_in_student_units(pool, self.fusion["alpha"], self.cfg.score_scale)
+                pool = pool.assign(teacher=scores)
             kw = {"negatives": self.cfg.negatives, "seed": self.cfg.seed, "score_column": self.score}
             self.rows = distill.distillation_rows(pool, queries, self.corpus, n, **kw)
         return self.rows
@@ -320,6 +323,7 @@ def train_students(
     base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
     base |= {"joint_layers": layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.score_scale}
     base |= {"score_from": cfg.score_from} if cfg.score_from != "joint" else {}  # (runs before the option: joint)
+    base |= {"teacher_units": cfg.teacher_units} if cfg.teacher_units != "z" else {}  # (runs before it: z)
     base |= {"pseudo_queries": fusion["pseudo"]} if fusion.get("pseudo") else {}
     if evaluate is not None:
         base["dev"] = {"queries": cfg.dev_queries, "depth": cfg.dev_depth, "every": dev_every(cfg)}

@@ -16,7 +16,11 @@ import pandas as pd
 from datasets import Dataset
 
 from pyterrier_prob.atomic import atomic_write, read_checked
-from pyterrier_prob.fusion import ALPHAS, interpolate  # ALPHAS: the teacher's fusion weights searched on dev
+from pyterrier_prob.fusion import (
+    ALPHAS,
+    interpolate,
+    zscore_per_query,
+)  # ALPHAS: the teacher's fusion weights searched on dev
 from pyterrier_prob.varce.rerank import score_as_text
 from st_extensions.cross_encoder import VarCrossEncoder
 
@@ -31,6 +35,7 @@ __all__ = [
     "encode",
     "ndcg_at_10",
     "score_pairs",
+    "teacher_in_student_units",
     "teacher_scores",
 ]
 
@@ -88,6 +93,19 @@ def add_cosines(
 def teacher_scores(pool: pd.DataFrame, alpha: float) -> np.ndarray:
     """``alpha * z(dense) + (1 - alpha) * z(bm25)`` with per-query z-scores over each query's candidates."""
     return interpolate(pool["qid"], pool["bm25"], pool["dense"], alpha)
+
+
+def teacher_in_student_units(pool: pd.DataFrame, alpha: float, scale: float) -> np.ndarray:
+    """:func:`teacher_scores` in a student's units: ``scale * (dense + (1 - alpha) / alpha * sd_q(dense) *
+    z_q(bm25))``: per query the fused score times ``scale * sd_q / alpha`` plus a constant (the same ranking, every
+    margin in proportion), whose dense part is ``scale * cos``, the score a student built from the
+    teacher's bi-encoder starts with: what is left to learn is the lexical part alone, not a per-query rescaling of
+    what the student already ranks by (``sd_q``: the population sd of the query's cosines, as in the z-scores)."""
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must lie in (0, 1] for the teacher in a student's units, got {alpha}")
+    dense = pool["dense"].to_numpy(np.float64)
+    sd = pd.Series(dense).groupby(pool["qid"].to_numpy()).transform("std", ddof=0).to_numpy()
+    return scale * (dense + (1.0 - alpha) / alpha * sd * zscore_per_query(pool["qid"], pool["bm25"]))
 
 
 def ndcg_at_10(
