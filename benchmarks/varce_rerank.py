@@ -15,6 +15,11 @@ trained model, pool, cache and score is reused; a killed run continues from its 
 - ``<output>-j2-joint``: the main run's CE with its score read from the joint layers alone (``--score-from joint``: no
   frozen bi-encoder path), which starts far below the bi-encoder it is built from.
 
+The students learn the teacher's ranking in their own units (``--teacher-units student``: Margin-MSE at their start
+is the lexical part alone) and their learning curves re-rank BM25's top 100 of 150 dev queries, where the fused
+teacher is visibly above its bi-encoder (``benchmarks/distill_targets.py``; BM25's top 30 of 100 queries could not see
+the gap).
+
 Every student but the last scores through both paths (``--score-from both``, the default): a frozen copy of its top
 layers reads each text apart, as the teacher's bi-encoder, and the joint layers' term starts at weight 0.
 
@@ -42,7 +47,7 @@ RECIPE = [
     "--dataset", "irds:beir/nfcorpus", "--recipe", "partial",
     "--steps", "3000", "--batch-size", "16", "--lr", "1e-4", "--max-seq-length", "128",
     "--pool-depth", "100", "--depth", "100", "--patience", "3",
-    "--dev-queries", "100", "--dev-depth", "30", "--dev-every", "100",
+    "--dev-queries", "150", "--dev-depth", "100", "--dev-every", "300", "--teacher-units", "student",
     "--teacher-steps", "6000", "--teacher-dev-every", "200",
     "--ood", "irds:beir/scifact", "irds:cranfield", "--ood-queries", "0", "--ood-depth", "100",
     "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--mc-dropout", "8", "--resume", "--reuse",
