@@ -16,11 +16,7 @@ import pandas as pd
 from datasets import Dataset
 
 from pyterrier_prob.atomic import atomic_write, read_checked
-from pyterrier_prob.fusion import (
-    ALPHAS,
-    interpolate,
-    zscore_per_query,
-)  # ALPHAS: the teacher's fusion weights searched on dev
+from pyterrier_prob.fusion import ALPHAS, interpolate, zscore_per_query  # ALPHAS: the fusion weights tried on dev
 from pyterrier_prob.varce.rerank import score_as_text
 from st_extensions.cross_encoder import VarCrossEncoder
 
@@ -100,7 +96,8 @@ def teacher_in_student_units(pool: pd.DataFrame, alpha: float, scale: float) -> 
     z_q(bm25))``: per query the fused score times ``scale * sd_q / alpha`` plus a constant (the same ranking, every
     margin in proportion), whose dense part is ``scale * cos``, the score a student built from the
     teacher's bi-encoder starts with: what is left to learn is the lexical part alone, not a per-query rescaling of
-    what the student already ranks by (``sd_q``: the population sd of the query's cosines, as in the z-scores)."""
+    what the student already ranks by (``sd_q``: the population sd of the query's cosines, as in the z-scores; a query
+    of equal cosines keeps them, its BM25 part vanishing with ``sd_q``)."""
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must lie in (0, 1] for the teacher in a student's units, got {alpha}")
     dense = pool["dense"].to_numpy(np.float64)
