@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from helpers import assert_same_figures, pisa_threads_finish_backwards
+from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 
 from pyterrier_prob.experiments.harness import slug
@@ -450,6 +451,8 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
     for bad in ("0", "-1e-3", "nan"):
         with pytest.raises(ValueError, match="--head-lr must be a finite number > 0"):
             config(*partial_, f"--head-lr={bad}").check()
+    with pytest.raises(ValueError, match="--cross-bias-lr must be a finite number >= 0"):
+        config(*partial_, "--cross-bias-lr=-1").check()
     cfg = config(*partial_)
     cfg.check()  # --train-layers left out under --teacher: the students' default, 1 joint layer
     assert cfg.train_layers == 1
@@ -600,7 +603,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
 def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_models(
     small_beir, minilm_path, tmp_path
 ):
-    """A --reuse rerun with other --steps, --head-lr and --teacher-units trains the students again
+    """A --reuse rerun with other --steps, rates and --teacher-units trains the students again
     (their settings differ); a plain (label) run in the same folder trains its own models (models/CE, ...) and leaves
     the distilled ones alone."""
     from pyterrier_prob.cli import main
@@ -610,16 +613,21 @@ def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_m
     argv = _teacher_argv(folder, minilm_path, out, "--max-queries", "3", "--ood-queries", "3")
     assert main(argv) == 0
     settings = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
-    assert main([*argv, "--reuse", "--steps", "3", "--head-lr", "0.02", "--teacher-units", "student"]) == 0
+    rates = ["--head-lr", "0.02", "--cross-bias-lr", "0"]
+    assert main([*argv, "--reuse", "--steps", "3", *rates, "--teacher-units", "student"]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert {f"train_distilled-{s}" for s in STUDENTS} <= set(again["timings_s"])  # retrained, not reused
     retrained = json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())
     assert (settings["settings"]["recipe"]["steps"], retrained["settings"]["recipe"]["steps"]) == (2, 3)
-    assert "head_lr" not in settings["settings"] and retrained["settings"]["head_lr"] == 0.02
+    wanted = {"LinearScoreHead": 0.02, "CrossAttentionBias": 0.0}
+    assert "module_learning_rates" not in settings["settings"]
+    assert retrained["settings"]["module_learning_rates"] == wanted
     assert "teacher_units" not in settings["settings"] and retrained["settings"]["teacher_units"] == "student"
-    assert retrained["settings"]["recipe"]["module_learning_rates"] == {"LinearScoreHead": 0.02}  # the head's own
+    assert retrained["settings"]["recipe"]["module_learning_rates"] == wanted  # the head's and the bias's own
     var = json.loads((out / "models" / "distilled-VarCE-VAR" / "train_settings.json").read_text())["settings"]
-    assert var["recipe"]["module_learning_rates"] == {"VariationalHead": 0.02}
+    assert var["recipe"]["module_learning_rates"] == {"VariationalHead": 0.02, "CrossAttentionBias": 0.0}
+    bias = load_file(str(out / "models" / "distilled-CE" / "split_attention.safetensors"))
+    assert all(float(t.abs().max()) == 0.0 for t in bias.values())  # rate 0: kept at --init-cross-bias (0)
     assert [p["step"] for p in again["dev_curves"]["CE"]["points"]] == [0, 1, 2, 3]
 
     plain = ["varce", "--dataset", str(folder), "--teacher", "none", "--recipe", "partial", "--train-layers", "1"]

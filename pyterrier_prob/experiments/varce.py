@@ -151,6 +151,12 @@ class VarceJobConfig(CommonConfig):
     head_lr: float | None = option(
         None, "the students' score head's learning rate (default: the rate the head declares, 1e-3)", _DISTIL
     )
+    cross_bias_lr: float | None = option(
+        None,
+        "the learning rate of the students' attention bias between the two texts (default: its declared 1e-2; 0: "
+        "kept at --init-cross-bias)",
+        _DISTIL,
+    )
     score_from: str = option(
         "both",
         "what a student's score reads: both: a frozen copy of its top layers reading each text apart (the teacher's "
@@ -223,6 +229,8 @@ class VarceJobConfig(CommonConfig):
         for name in ("teacher_lr", "score_scale", "head_lr"):
             if getattr(self, name) is not None and not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(self, name)}")
+        if self.cross_bias_lr is not None and not (math.isfinite(self.cross_bias_lr) and self.cross_bias_lr >= 0):
+            raise ValueError(f"--cross-bias-lr must be a finite number >= 0, got {self.cross_bias_lr}")
         if not math.isfinite(self.init_cross_bias):
             raise ValueError(f"--init-cross-bias must be finite, got {self.init_cross_bias}")
         if not self.risks or any(not math.isfinite(r) for r in self.risks):

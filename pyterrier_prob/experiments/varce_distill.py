@@ -53,6 +53,7 @@ from pyterrier_prob.varce.scoring import PairScorer
 from pyterrier_prob.varce.selective import mc_dropout_std, nqc, selective_table, top_k_mean, wig
 from st_extensions.cross_encoder.head import VariationalHead
 from st_extensions.cross_encoder.split import (
+    CrossAttentionBias,
     LinearScoreHead,
     build_split_cross_encoder,
     cross_attention_mass,
@@ -339,10 +340,12 @@ def train_students(
         settings |= {"input_score": INPUT_SCORE} if score else {}
         shape = (layers, cfg.init_cross_bias, cfg.score_scale, score, cfg.score_from == "both")
         build = partial(_student, folder, variant, cfg.max_seq_length, *shape)
-        settings |= {"head_lr": cfg.head_lr} if cfg.head_lr is not None else {}
-        kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
         head = (LinearScoreHead if variant is None else VariationalHead).__name__
-        kw["module_learning_rates"] = {head: cfg.head_lr} if cfg.head_lr is not None else None
+        rates = {head: cfg.head_lr, CrossAttentionBias.__name__: cfg.cross_bias_lr}
+        rates = {k: v for k, v in rates.items() if v is not None}  # the others: the rates their modules declare
+        settings |= {"module_learning_rates": rates} if rates else {}
+        kw = {"settings": settings, "callbacks": [curve] if curve else [], "train_layers": layers}
+        kw["module_learning_rates"] = rates or None
         model, _ = h.train(name, build, loss, rows[score], **kw)
         split_state_cache(model, h.state_cache_path(h.cfg.training_recipe(cfg.steps, train_layers=layers), model))
         models[system] = model
