@@ -25,7 +25,7 @@ def test_help_lists_the_options(capsys):
 BAD_SETTINGS = {
     "--negatives 0": "--negatives must be >= 1",
     "--negatives 5 --pool-depth 4": "--pool-depth (4) must be at least --negatives (5)",
-    "--beta -1": "--beta must be finite and >= 0",
+    "--beta -1": "--beta must be a finite number >= 0",
     "--depth 0": "--depth must be >= 1",
     "--max-queries 0": "--max-queries must be >= 1",
     "--robust-queries -1": "--robust-queries must be >= 0",

@@ -140,23 +140,9 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     score_scale: float = option(10.0, "the students' cosine scale", _DISTIL)
-    teacher_units: str = option(
-        "z",
-        "the teacher scores the students learn: z: the fusion's per-query z-scores, alpha * z(cos) + (1 - alpha) * "
-        "z(bm25); student: the same ranking in a student's own units, scale * (cos + (1 - alpha) / alpha * sd(cos) * "
-        "z(bm25)), whose cosine part is the score a student starts with (Margin-MSE is then left the lexical part)",
-        _DISTIL,
-        choices=("z", "student"),
-    )
-    head_lr: float | None = option(
-        None, "the students' score head's learning rate (default: the rate the head declares, 1e-3)", _DISTIL
-    )
-    cross_bias_lr: float | None = option(
-        None,
-        "the learning rate of the students' attention bias between the two texts (default: its declared 1e-2; 0: "
-        "kept at --init-cross-bias)",
-        _DISTIL,
-    )
+    teacher_units: str = option("z", "teacher scores: z-scores or students' units", _DISTIL, choices=("z", "student"))
+    head_lr: float | None = option(None, "the students' score head's rate (default: its declared 1e-3)", _DISTIL)
+    cross_bias_lr: float | None = option(None, "the students' cross-text attention bias's rate (0: fixed)", _DISTIL)
     score_from: str = option(
         "both",
         "what a student's score reads: both: a frozen copy of its top layers reading each text apart (the teacher's "
@@ -224,13 +210,10 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--extra-depths must be >= 1, got {list(self.extra_depths)}")
         if self.pool_depth < self.negatives:
             raise ValueError(f"--pool-depth ({self.pool_depth}) must be at least --negatives ({self.negatives})")
-        if not (math.isfinite(self.beta) and self.beta >= 0):
-            raise ValueError(f"--beta must be finite and >= 0, got {self.beta}")
-        for name in ("teacher_lr", "score_scale", "head_lr"):
-            if getattr(self, name) is not None and not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(self, name)}")
-        if self.cross_bias_lr is not None and not (math.isfinite(self.cross_bias_lr) and self.cross_bias_lr >= 0):
-            raise ValueError(f"--cross-bias-lr must be a finite number >= 0, got {self.cross_bias_lr}")
+        for name in ("beta", "cross_bias_lr", "teacher_lr", "score_scale", "head_lr"):  # the first two may be 0
+            value, op = getattr(self, name), ">=" if name in ("beta", "cross_bias_lr") else ">"
+            if value is not None and not (math.isfinite(value) and (value >= 0 if op == ">=" else value > 0)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number {op} 0, got {value}")
         if not math.isfinite(self.init_cross_bias):
             raise ValueError(f"--init-cross-bias must be finite, got {self.init_cross_bias}")
         if not self.risks or any(not math.isfinite(r) for r in self.risks):
