@@ -37,7 +37,7 @@ def paired_claim(
     baseline_values: Mapping[str, float] | pd.Series,
 ) -> dict[str, Any]:
     """A claim row's figures from per-query values (qid -> value) of ``system`` and ``baseline``: the means over the
-    queries both have and the paired t-test's p on them (None when undefined: fewer than 2 queries, no variance)."""
+    queries both have and the paired t-test's p on them (None when undefined: fewer than 2 queries, or equal values)."""
     v, b = (pd.Series(x, dtype=float).rename(index=str) for x in (values, baseline_values))
     v, b = v.align(b, join="inner")
     if v.empty:
