@@ -690,3 +690,50 @@ def test_teacher_run_with_score_as_text(small_beir, minilm_path, tmp_path):
         "input_score"
         not in json.loads((out / "models" / "distilled-CE" / "train_settings.json").read_text())["settings"]
     )
+
+
+def test_kernel_pooling_brute_force_and_kernel_student_starts_as_the_bi_encoder(minilm_path, bi_encoder, tmp_path):
+    """``kernel_pooling`` against a loop over query and document tokens (KNRM, Eq. 3-5 with log1p and the query-token
+    average); a ``joint_feature="kernels"`` student scores 20 * cos of its bi-encoder at the start, its kernel weights
+    get gradient, the feature has 384 + J * 11 columns, and a trained-looking model round-trips."""
+    from st_extensions.cross_encoder.split import KERNEL_MUS, kernel_pooling
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randn(2, 7, 5, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]])
+    q_mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0]])
+    mus, sigmas = [1.0, 0.5, -0.2], [1e-3, 0.1, 0.3]
+    got = kernel_pooling(tokens, q_mask, mask, mus, sigmas)
+    n = tokens / tokens.norm(dim=-1, keepdim=True)
+    for b in range(2):
+        qi = [i for i in range(7) if q_mask[b, i]]
+        di = [j for j in range(7) if mask[b, j] and not q_mask[b, j]]
+        for k, (mu, s) in enumerate(zip(mus, sigmas)):
+            per = [np.log1p(sum(np.exp(-((float(n[b, i] @ n[b, j]) - mu) ** 2) / (2 * s * s)) for j in di)) for i in qi]
+            assert float(got[b, k]) == pytest.approx(float(np.mean(per)), rel=1e-9, abs=1e-12)
+    # an exact copy of a query token in the document counts once in the exact-match kernel
+    copy = tokens.clone()
+    copy[0, 2] = copy[0, 0] * 3.0
+    assert float(kernel_pooling(copy, q_mask, mask, [1.0], [1e-3])[0, 0]) >= np.log1p(1.0) / 2 - 1e-9
+
+    q = bi_encoder.encode([p[0] for p in PAIRS], normalize_embeddings=True)
+    d = bi_encoder.encode([p[1] for p in PAIRS], normalize_embeddings=True)
+    expected = 20.0 * (q * d).sum(1)
+    for variant in (None, "VAR"):
+        model = build_split_cross_encoder(
+            minilm_path, bi_encoder_path=True, joint_feature="kernels", variant=variant, scale=20.0
+        )
+        np.testing.assert_allclose(model.predict(PAIRS), expected, atol=1e-4)
+    assert model[1].get_embedding_dimension() == 384 + 2 * len(KERNEL_MUS)
+    model = build_split_cross_encoder(minilm_path, bi_encoder_path=True, joint_feature="kernels", scale=20.0)
+    decoder = model[2].linear
+    model(model.preprocess(PAIRS[:2]))["scores"].sum().backward()
+    assert decoder.weight.grad[0, 384:].abs().sum() > 0
+    with torch.no_grad():
+        decoder.weight[0, 384:] = 0.05
+    before = model.predict(PAIRS)
+    assert np.abs(before - expected).max() > 1e-3 and joint_term(model, PAIRS)["joint_share"] > 0
+    model.save(str(tmp_path / "k"))
+    np.testing.assert_allclose(load_model(str(tmp_path / "k")).predict(PAIRS), before, atol=1e-5)
+    with pytest.raises(ValueError, match="bi_encoder_path=True"):
+        build_split_cross_encoder(minilm_path, joint_feature="kernels")

@@ -147,9 +147,10 @@ class VarceJobConfig(CommonConfig):
         "both",
         "what a student's score reads: both: a frozen copy of its top layers reading each text apart (the teacher's "
         "bi-encoder) plus a term of the joint layers whose weights start at 0, so a student starts as the bi-encoder "
-        "and learns what reading the pair together adds; joint: the joint layers' pooled cosine alone",
+        "and learns what reading the pair together adds; kernels: the same with the joint term read from each joint "
+        "layer's token similarities by kernel pooling (CEDR-KNRM); joint: the joint layers' pooled cosine alone",
         _DISTIL,
-        choices=("both", "joint"),
+        choices=("both", "kernels", "joint"),
     )
     mc_dropout: int = option(
         0,

@@ -338,7 +338,7 @@ def train_students(
         loss = MarginMSELoss if variant is None else partial(VariationalMarginMSELoss, beta=cfg.beta)
         settings = {**base, "variant": variant} | ({"beta": cfg.beta} if variant else {})
         settings |= {"input_score": INPUT_SCORE} if score else {}
-        shape = (layers, cfg.init_cross_bias, cfg.score_scale, score, cfg.score_from == "both")
+        shape = (layers, cfg.init_cross_bias, cfg.score_scale, score, cfg.score_from)
         build = partial(_student, folder, variant, cfg.max_seq_length, *shape)
         head = (LinearScoreHead if variant is None else VariationalHead).__name__
         rates = {head: cfg.head_lr, CrossAttentionBias.__name__: cfg.cross_bias_lr}
@@ -379,10 +379,11 @@ def _student(
     bias: float,
     scale: float,
     score: bool,
-    bi_encoder_path: bool,
+    score_from: str,
 ) -> Any:
     shape = {"joint_layers": layers, "init_cross_bias": bias, "scale": scale, "score_segment": score}
-    shape |= {"bi_encoder_path": bi_encoder_path}
+    feature = "kernels" if score_from == "kernels" else "cosine"
+    shape |= {"bi_encoder_path": score_from != "joint", "joint_feature": feature}
     return build_split_cross_encoder(teacher, variant=variant, max_seq_length=max_seq_length, **shape)
 
 

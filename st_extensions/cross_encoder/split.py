@@ -35,6 +35,7 @@ from st_extensions.partial import (
 
 __all__ = [
     "CrossAttentionBias",
+    "KernelInteraction",
     "LinearScoreHead",
     "SCORE_SEPARATOR",
     "SegmentInteraction",
@@ -42,11 +43,14 @@ __all__ = [
     "build_split_cross_encoder",
     "cross_attention_mass",
     "joint_term",
+    "kernel_pooling",
     "split_state_cache",
 ]
 
 QUERY_MASK = "query_token_mask"
 SEPARATE = "separate_token_embeddings"
+#: Each joint layer's output, bottom to top (the last is ``token_embeddings``).
+JOINT_STATES = "joint_layer_states"
 BIAS_FILE = "split_attention.safetensors"
 SEPARATE_FILE = "bi_encoder_path.safetensors"
 #: Between the first stage's score and the document in a score-as-text input: ``"12.34 [SEP] document"``.
@@ -221,10 +225,16 @@ class SplitTransformer(Transformer):
         return torch.cat([q, d], dim=1), torch.cat([q_mask, d_mask], dim=1), is_query
 
     def run_joint(
-        self, hidden: Tensor, mask: Tensor, is_query: Tensor, observe: Callable[..., None] | None = None
+        self,
+        hidden: Tensor,
+        mask: Tensor,
+        is_query: Tensor,
+        observe: Callable[..., None] | None = None,
+        outputs: list[Tensor] | None = None,
     ) -> Tensor:
         """The top ``joint_layers`` layers over the joint sequence; ``observe(i, layer, hidden, additive_mask)`` sees
-        the input of joint layer ``i`` (what :func:`cross_attention_mass` measures)."""
+        the input of joint layer ``i`` (what :func:`cross_attention_mass` measures); ``outputs`` collects each joint
+        layer's output."""
         cross = (is_query[:, :, None] != is_query[:, None, :]).unsqueeze(1).to(hidden.dtype)  # (B, 1, T, T)
         padding = torch.zeros_like(mask, dtype=hidden.dtype).masked_fill(mask == 0, torch.finfo(hidden.dtype).min)
         for i, (bias, layer) in enumerate(zip(self.cross.bias, self.auto_model.encoder.layer[self.split_layer :])):
@@ -233,6 +243,8 @@ class SplitTransformer(Transformer):
                 observe(i, layer, hidden, additive)
             out = layer(hidden, attention_mask=additive)
             hidden = out[0] if isinstance(out, tuple) else out
+            if outputs is not None:
+                outputs.append(hidden)
         return hidden
 
     def run_separate(self, hidden: Tensor, mask: Tensor, is_query: Tensor) -> Tensor:
@@ -256,10 +268,21 @@ class SplitTransformer(Transformer):
         hidden, mask, is_query = joint
         if self.separate is not None:
             features[SEPARATE] = self.run_separate(hidden, mask, is_query)
-        features["token_embeddings"] = self.run_joint(hidden, mask, is_query)
+        features[JOINT_STATES] = []
+        features["token_embeddings"] = self.run_joint(hidden, mask, is_query, outputs=features[JOINT_STATES])
         features["attention_mask"] = mask
         features[QUERY_MASK] = (mask.bool() & is_query).long()
         return features
+
+
+def segment_product(tokens: Tensor, q_mask: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """``scale * normalize(mean_q) * normalize(mean_d)`` of a pair's token states ``(batch, hidden)``: its sum is
+    ``scale`` times the cosine of the query's and the document's mean tokens (``q_mask``: the query's tokens)."""
+    u_q, u_d = (
+        F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
+        for m in (q_mask, mask - q_mask)
+    )
+    return scale * u_q * u_d
 
 
 @register_module
@@ -278,11 +301,7 @@ class SegmentInteraction(Module):
         self.scale = float(self.embedding_dimension if scale is None else finite_float("scale", scale, low=0.0))
 
     def _feature(self, tokens: Tensor, q_mask: Tensor, mask: Tensor) -> Tensor:
-        u_q, u_d = (  # the normalised mean token of the query and of the document
-            F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
-            for m in (q_mask, mask - q_mask)
-        )
-        return self.scale * u_q * u_d
+        return segment_product(tokens, q_mask, mask, self.scale)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if QUERY_MASK not in features:
@@ -304,6 +323,76 @@ class SegmentInteraction(Module):
         self.save_config(output_path)
 
 
+#: KNRM's kernel means (Xiong et al., SIGIR 2017, Sec. 3): exact match at 1, then soft matches 0.9 ... -0.9.
+KERNEL_MUS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.1, -0.1, -0.3, -0.5, -0.7, -0.9)
+#: The exact-match kernel's width; the soft kernels' is :data:`KERNEL_SIGMA`.
+EXACT_SIGMA, KERNEL_SIGMA = 1e-3, 0.1
+
+
+def kernel_pooling(
+    tokens: Tensor, q_mask: Tensor, mask: Tensor, mus: Sequence[float], sigmas: Sequence[float]
+) -> Tensor:
+    """KNRM's kernel pooling (Xiong et al., SIGIR 2017, Eq. 3-5) of one layer's pair states ``(batch, T, hidden)``:
+    the cosine ``M_ij`` of each query token ``i`` with each document token ``j``, the soft term frequency
+    ``K_k(i) = sum_j exp(-(M_ij - mu_k)^2 / (2 sigma_k^2))`` per kernel, and ``log(1 + K_k(i))`` averaged over the
+    query's tokens: ``(batch, len(mus))``. ``log1p`` where KNRM takes ``log`` saturates as BM25's TF does and stays
+    finite on a document with no match; the average over query tokens keeps the feature's scale apart from the query's
+    length (within a query the ranking is the same as KNRM's sum)."""
+    n = F.normalize(tokens, dim=-1)
+    d_mask = (mask - q_mask).to(n.dtype)
+    sim = n @ n.transpose(1, 2)  # (B, T, T): every token against every token; rows: query, columns: document
+    mu = torch.as_tensor(mus, dtype=n.dtype, device=n.device)
+    sigma = torch.as_tensor(sigmas, dtype=n.dtype, device=n.device)
+    k = torch.exp(-((sim.unsqueeze(-1) - mu) ** 2) / (2 * sigma**2)) * d_mask[:, None, :, None]  # (B, T, T, K)
+    soft_tf = torch.log1p(k.sum(2))  # (B, T, K)
+    q = q_mask.to(n.dtype).unsqueeze(-1)
+    return (soft_tf * q).sum(1) / q.sum(1).clamp_min(1.0)
+
+
+@register_module
+class KernelInteraction(Module):
+    """Pair feature of a ``bi_encoder_path`` :class:`SplitTransformer`: the frozen bi-encoder path's ``scale *
+    normalize(mean_q) * normalize(mean_d)`` (its sum is ``scale * cos``), then per joint layer the kernel pooling of its
+    query-document token similarities (:func:`kernel_pooling`, CEDR-KNRM: MacAvaney et al., SIGIR 2019, Sec. 3.2,
+    on each layer that reads both texts), times ``scale`` so that its weights train at the pace of the cosine's;
+    written as ``sentence_embedding`` ``(batch, hidden + joint_layers * len(mus))``."""
+
+    config_keys: list[str] = ["embedding_dimension", "joint_layers", "mus", "sigmas", "scale"]
+
+    def __init__(
+        self,
+        embedding_dimension: int,
+        joint_layers: int,
+        mus: Sequence[float] = KERNEL_MUS,
+        sigmas: Sequence[float] | None = None,
+        scale: float = 20.0,
+    ) -> None:
+        super().__init__()
+        self.embedding_dimension, self.joint_layers = int(embedding_dimension), int(joint_layers)
+        self.mus = [finite_float("mus", m, low=-1.0, high=1.0) for m in mus]
+        sigmas = [EXACT_SIGMA if m == 1.0 else KERNEL_SIGMA for m in self.mus] if sigmas is None else sigmas
+        self.sigmas = [finite_float("sigmas", x, low=1e-6) for x in sigmas]
+        if not self.mus or len(self.sigmas) != len(self.mus):
+            raise ValueError(f"KernelInteraction needs one sigma per kernel mean: {len(self.mus)} mus, {len(sigmas)}")
+        self.scale = finite_float("scale", scale, low=0.0)
+
+    def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        if SEPARATE not in features or JOINT_STATES not in features:
+            raise ValueError("KernelInteraction reads a SplitTransformer built with bi_encoder_path=True")
+        states = features[JOINT_STATES]
+        q_mask, mask = features[QUERY_MASK].to(states[-1].dtype), features["attention_mask"].to(states[-1].dtype)
+        parts = [segment_product(features[SEPARATE], q_mask, mask, self.scale)]
+        parts += [self.scale * kernel_pooling(x, q_mask, mask, self.mus, self.sigmas) for x in states]
+        features["sentence_embedding"] = torch.cat(parts, dim=-1)
+        return features
+
+    def get_embedding_dimension(self) -> int:
+        return self.embedding_dimension + self.joint_layers * len(self.mus)
+
+    def save(self, output_path: str, *args: Any, **kwargs: Any) -> None:
+        self.save_config(output_path)
+
+
 def build_split_cross_encoder(
     base_model: str | None = None,
     *,
@@ -311,6 +400,7 @@ def build_split_cross_encoder(
     init_cross_bias: float = 0.0,
     score_segment: bool = False,
     bi_encoder_path: bool = False,
+    joint_feature: str = "cosine",
     variant: Variant | None = None,
     scale: float = 20.0,
     max_seq_length: int = 128,
@@ -328,7 +418,14 @@ def build_split_cross_encoder(
     of that bi-encoder path plus a linear term of the joint layers' feature whose weights start at 0, so the model
     starts exactly as the bi-encoder while its joint layers attend across the pair from the first step (the residual
     a cross-encoder adds to the bi-encoder is what trains); its feature carries ``scale`` and the head's weights start
-    at 1 (bi-encoder path) and 0 (joint), so that the head's optimiser steps are small beside its weights."""
+    at 1 (bi-encoder path) and 0 (joint), so that the head's optimiser steps are small beside its weights;
+    ``joint_feature``: what the joint layers' term reads, ``"cosine"`` (their pooled segments' product) or
+    ``"kernels"`` (:class:`KernelInteraction`: kernel pooling of each joint layer's token similarities; needs
+    ``bi_encoder_path``)."""
+    if joint_feature not in ("cosine", "kernels"):
+        raise ValueError(f"joint_feature must be 'cosine' or 'kernels', got {joint_feature!r}")
+    if joint_feature == "kernels" and not bi_encoder_path:
+        raise ValueError("joint_feature='kernels' needs bi_encoder_path=True (the score's bi-encoder part)")
     path = base_model if base_model is not None else default_model_path()
     transformer = SplitTransformer(
         path,
@@ -339,7 +436,10 @@ def build_split_cross_encoder(
         max_seq_length=max_seq_length,
     )
     dim = transformer.get_embedding_dimension()
-    interaction = SegmentInteraction(dim, bi_encoder_path=bi_encoder_path, scale=scale if bi_encoder_path else None)
+    if joint_feature == "kernels":
+        interaction: Module = KernelInteraction(dim, joint_layers, scale=scale)
+    else:
+        interaction = SegmentInteraction(dim, bi_encoder_path=bi_encoder_path, scale=scale if bi_encoder_path else None)
     features = interaction.get_embedding_dimension()
     transformer.auto_model.config.num_labels = 1
     if variant is None:
