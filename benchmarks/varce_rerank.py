@@ -20,8 +20,10 @@ is the lexical part alone) and their learning curves re-rank BM25's top 100 of 1
 teacher is visibly above its bi-encoder (``benchmarks/distill_targets.py``; BM25's top 30 of 100 queries could not see
 the gap).
 
-Every student but the last scores through both paths (``--score-from both``, the default): a frozen copy of its top
-layers reads each text apart, as the teacher's bi-encoder, and the joint layers' term starts at weight 0.
+Every student but the last scores through both paths (``--score-from kernels``): a frozen copy of its top layers reads
+each text apart, as the teacher's bi-encoder, and the joint layers' term, the kernel pooling of each joint layer's
+query-document token similarities (CEDR-KNRM), starts at weight 0. (The joint layers' pooled cosine as that term,
+``--score-from both``, learnt the training rows but not dev: ``docs/varce.md``.)
 
 Which plain student at J >= 2 is the chosen row is decided by the dev points alone (the best of its learning curve
 over every J >= 2 run), a rule fixed before any test figure is read. ``p_vs_j1`` compares a row with the J = 1 CE
@@ -48,6 +50,7 @@ RECIPE = [
     "--steps", "3000", "--batch-size", "16", "--lr", "1e-4", "--max-seq-length", "128",
     "--pool-depth", "100", "--depth", "100", "--patience", "3",
     "--dev-queries", "150", "--dev-depth", "100", "--dev-every", "300", "--teacher-units", "student",
+    "--score-from", "kernels",
     "--teacher-steps", "6000", "--teacher-dev-every", "200",
     "--ood", "irds:beir/scifact", "irds:cranfield", "--ood-queries", "0", "--ood-depth", "100",
     "--risks", "0", "0.25", "0.5", "1", "2", "--inference-batch-size", "64", "--mc-dropout", "8", "--resume", "--reuse",
