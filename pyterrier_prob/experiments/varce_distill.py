@@ -282,8 +282,9 @@ def add_pseudo_queries(cfg: VarceJobConfig, h: Harness, data: Data, side: Side, 
 
 
 # ------------------------------------------------------------------------------------------------ train: the students
-class _Rows:
-    """The Margin-MSE rows of the students (:meth:`Harness.train`'s ``data``), made on first use."""
+class StudentRows:
+    """The Margin-MSE rows of the students (:meth:`Harness.train`'s ``data``; ``benchmarks/gpu_students.py`` exports the
+    same rows), made on first use."""
 
     def __init__(
         self, cfg: VarceJobConfig, fusion: dict[str, Any], corpus: dict[str, str], score: str | None = None
@@ -319,7 +320,7 @@ def train_students(
     its lower layers' state cache) and ``{system: attention}`` (:func:`attention_mass`; empty without dev pairs)."""
     folder, fingerprint = teacher
     layers = joint_layers(cfg)
-    rows = {False: _Rows(cfg, fusion, corpus), True: _Rows(cfg, fusion, corpus, score="bm25")}
+    rows = {False: StudentRows(cfg, fusion, corpus), True: StudentRows(cfg, fusion, corpus, score="bm25")}
     base = {"role": "distilled student", "teacher": fingerprint, "alpha": fusion["alpha"], "pool": len(fusion["pool"])}
     base |= {"pool_depth": cfg.pool_depth, "bm25_train_depth": cfg.bm25_train_depth, "negatives": cfg.negatives}
     base |= {"joint_layers": layers, "init_cross_bias": cfg.init_cross_bias, "scale": cfg.score_scale}

@@ -1,0 +1,79 @@
+"""The GPU students' script (``benchmarks/gpu_students.py``) at a tiny size on the CPU: its own nDCG@10 (the device
+has no ir_measures) against ir_measures, and its device step end to end on a hand-made bundle."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import pathlib
+
+import ir_measures
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    spec = importlib.util.spec_from_file_location("gpu_students", ROOT / "benchmarks" / "gpu_students.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_ndcg_is_ir_measures(gpu):
+    rng = np.random.default_rng(0)
+    pairs = pd.DataFrame({"qid": np.repeat(["a", "b", "c"], 15), "docno": [f"d{i}" for i in range(45)]})
+    scores = rng.normal(size=45).round(1)  # ties on purpose
+    qrels = pd.DataFrame({"qid": ["a", "a", "b", "b", "a"], "docno": ["d3", "d7", "d20", "d99", "d1"]})
+    qrels["label"] = [2, 1, 1, 2, 0]
+    ours = gpu.ndcg_at_10(pairs, scores, qrels)
+    run = pairs.assign(score=scores).rename(columns={"qid": "query_id", "docno": "doc_id"})
+    ref = {
+        m.query_id: m.value
+        for m in ir_measures.iter_calc(
+            [ir_measures.nDCG @ 10], qrels.rename(columns={"qid": "query_id", "docno": "doc_id", "label": "relevance"}),
+            run,
+        )
+    }  # fmt: skip
+    for qid in ("a", "b"):
+        assert ours[qid] == pytest.approx(ref[qid], abs=1e-12)
+    assert ours["c"] == 0.0
+
+
+def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
+    """Two steps of each student on four rows, the dev curve at steps 0, 1, 2 and the test scores of the best dev
+    point, all from the bundle's files."""
+    from sentence_transformers import SentenceTransformer
+
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    texts = ["vitamin d bones", "statins heart", "Vitamin D helps bones.", "Statins lower cholesterol.",
+             "Pandas eat bamboo.", "Rain falls in spring.", "Bones need calcium.", "Hearts pump blood."]  # fmt: skip
+    idx = np.array([[0, 2, 4, 5, 6], [1, 3, 5, 4, 7], [0, 6, 5, 7, 4], [1, 7, 4, 6, 5]], dtype=np.int32)
+    label = np.array([[5, 1, 0, 2], [5, 0, 1, 2], [4, 0, 1, 0], [4, 1, 0, 0]], dtype=np.float32)
+    np.savez_compressed(bundle / "rows.npz", idx=idx, label=label)
+    with gzip.open(bundle / "texts.json.gz", "wt", encoding="utf8") as f:
+        json.dump(texts, f)
+    pairs = pd.DataFrame({"qid": ["q0"] * 3 + ["q1"] * 3, "docno": ["D2", "D4", "D6", "D3", "D5", "D7"]})
+    pairs["q"], pairs["t"] = np.array([0, 0, 0, 1, 1, 1]), np.array([2, 4, 6, 3, 5, 7])
+    qrels = pd.DataFrame({"qid": ["q0", "q1"], "docno": ["D2", "D3"], "label": [1, 1]})
+    splits = {}
+    for name, key in (("dev", "dev"), ("beir/nfcorpus", "beir_nfcorpus")):
+        pairs.to_parquet(bundle / f"pairs-{key}.parquet")
+        qrels.to_parquet(bundle / f"qrels-{key}.parquet")
+        splits[name] = {"file": key, "pairs": len(pairs), "queries": 2}
+    manifest = {"rows": 4, "documents_per_row": 4, "splits": splits, "steps": 2, "batch_size": 2, "max_seq_length": 32}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    SentenceTransformer(minilm_path, device="cpu").half().save(str(bundle / "teacher"))
+    out = tmp_path / "out"
+    gpu.device(str(bundle), str(out), ["CE", "VarCE-VAR"], steps=2, eval_every=1, lr=1e-4, batch=2)
+    for student in ("CE", "VarCE-VAR"):
+        curve = json.loads((out / student / "curve.json").read_text())
+        assert [p["step"] for p in curve["points"]] == [0, 1, 2] and curve["card"] == "CPU" and curve["rows"] == 4
+        assert curve["best"]["dev"] == max(p["dev"] for p in curve["points"])
+        scores = np.load(out / student / "beir_nfcorpus.npy")
+        assert scores.shape == (6,) and np.isfinite(scores).all()
