@@ -77,3 +77,37 @@ def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
         assert curve["best"]["dev"] == max(p["dev"] for p in curve["points"])
         scores = np.load(out / student / "beir_nfcorpus.npy")
         assert scores.shape == (6,) and np.isfinite(scores).all()
+
+
+def test_collect_rows_against_the_main_run(gpu, tmp_path):
+    """``collect`` evaluates a returned student's test scores with ir_measures and pairs them with the main run's
+    per-query figures: the row's nDCG@10 is the mean of per-query values a loop gives, and its p against the
+    bi-encoder is scipy's paired t-test on them."""
+    from scipy.stats import ttest_rel
+
+    bundle, scores, output = tmp_path / "b", tmp_path / "s", tmp_path / "o"
+    for p in (bundle, scores / "CE", output):
+        p.mkdir(parents=True)
+    qids = [f"q{i}" for i in range(6)]
+    pairs = pd.DataFrame({"qid": np.repeat(qids, 3), "docno": [f"d{i}" for i in range(18)]})
+    pairs["q"], pairs["t"] = 0, 0
+    qrels = pd.DataFrame({"qid": qids, "docno": [f"d{3 * i + i % 3}" for i in range(6)], "label": 1})
+    pairs.to_parquet(bundle / "pairs-x.parquet")
+    qrels.to_parquet(bundle / "qrels-x.parquet")
+    splits = {"dev": {"file": "dev"}, "coll": {"file": "x"}}
+    (bundle / "manifest.json").write_text(json.dumps({"splits": splits}))
+    s = np.tile([3.0, 2.0, 1.0], 6)  # each query's first document on top: reciprocal gains 1, 1/log2(3), 1/2
+    np.save(scores / "CE" / "x.npy", s.astype(np.float32))
+    (scores / "CE" / "curve.json").write_text(json.dumps({"card": "TestCard", "best": {"step": 3, "dev": 0.5}}))
+    rng = np.random.default_rng(1)
+    ref = {name: dict(zip(qids, rng.uniform(size=6))) for name in ("BM25", "Teacher (bi-encoder)", "CE")}
+    (output / "summary.json").write_text(json.dumps({"per_query": {"coll": ref}}))
+    result = gpu.collect(str(bundle), str(scores), str(output))
+    (row,) = result["rows"]
+    expected = np.array([[1.0, 1 / np.log2(3), 0.5][i % 3] for i in range(6)])
+    assert row["system"] == "CE (J = 6, TestCard)" and row["queries"] == 6 and row["best_dev_step"] == 3
+    assert row["nDCG@10"] == pytest.approx(expected.mean(), abs=1e-9)
+    bi = np.array([ref["Teacher (bi-encoder)"][q] for q in qids])
+    assert row["p_vs_bi_encoder"] == pytest.approx(ttest_rel(expected, bi).pvalue, rel=1e-9)
+    low, high = row["ci95_vs_bm25"]
+    assert low < (expected - np.array([ref["BM25"][q] for q in qids])).mean() < high
