@@ -365,6 +365,40 @@ def test_ece_and_platt():
     assert 0.5 < p_unsure[0] < p_sure[0]  # integrating a Gaussian score out moves the probability towards 1/2
 
 
+def test_ranking_calibration_pairs_fit_and_error():
+    """preference_pairs against a brute-force loop (top 3 per query, pairs with different labels, the higher-scored
+    first); fit_preference recovers a Bradley-Terry slope; a model calibrated by construction has a small ranking
+    calibration error and a miscalibrated one (its differences scaled by 5) a large one."""
+    frame = pd.DataFrame({"qid": list("aaaabbb"), "docno": list("1234567"), "s": [0.3, 0.9, 0.1, 0.5, 2.0, 1.0, 3.0]})
+    frame["s_std"] = [0.1, 0.2, 0.3, 0.4, 1.0, 1.0, 2.0]
+    qrels = pd.DataFrame({"qid": list("aaab"), "docno": ["2", "1", "4", "6"], "label": [2, 1, 1, 1]})
+    got = cal.preference_pairs(frame, qrels, "s", "s_std", depth=3)
+    expected = []
+    for q in "ab":
+        g = frame[frame["qid"] == q].sort_values("s", ascending=False).head(3)
+        lab = {d: g_ for qq, d, g_ in qrels.itertuples(index=False) if qq == q}
+        rows = list(g.itertuples(index=False))
+        for x in range(len(rows)):
+            for y in range(x + 1, len(rows)):
+                hi, lo = rows[x], rows[y]
+                if lab.get(hi.docno, 0) != lab.get(lo.docno, 0):
+                    agree = float(lab.get(hi.docno, 0) > lab.get(lo.docno, 0))
+                    expected.append((hi.s - lo.s, hi.s_std**2 + lo.s_std**2, agree))
+    np.testing.assert_allclose(got[["delta", "var", "agree"]].to_numpy(), np.array(expected))
+    assert cal.preference_probability(np.array([1.0]), 2.0)[0] == pytest.approx(1 / (1 + np.exp(-2.0)))
+    rng = np.random.default_rng(0)
+    delta = np.abs(rng.normal(size=20000))
+    agree = (rng.random(20000) < 1 / (1 + np.exp(-1.5 * delta))).astype(float)
+    assert cal.fit_preference(delta, agree) == pytest.approx(1.5, abs=0.1)
+    pairs = pd.DataFrame({"delta": delta, "var": 0.0, "agree": agree})
+    good = cal.ranking_calibration(pairs.iloc[:10000], pairs.iloc[10000:])
+    assert good["a"] == pytest.approx(1.5, abs=0.15) and good["rce"] < 0.02 and "rce_without_std" not in good
+    worse = cal.expected_calibration_error(cal.preference_probability(delta[10000:], 7.5), agree[10000:])
+    assert worse > 0.1
+    with_std = cal.ranking_calibration(pairs.assign(var=1.0).iloc[:10000], pairs.assign(var=1.0).iloc[10000:])
+    assert with_std["rce_without_std"] == pytest.approx(good["rce"], abs=1e-6)
+
+
 def test_uncertainty_spread_and_hard_queries():
     """One measure of the spread of std[s] and of whether uncertain queries are hard (analysis.uncertainty_stats,
     which the distillation's report uses too); a share with a zero denominator is NaN, not 0."""

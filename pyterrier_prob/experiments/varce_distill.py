@@ -470,7 +470,8 @@ def describe_students(rows: list[dict], cfg: VarceJobConfig, attention: dict[str
 def calibration_stage(
     dev: pd.DataFrame, test: pd.DataFrame, dev_qrels: pd.DataFrame, test_qrels: pd.DataFrame, students: list[str]
 ) -> dict[str, Any]:
-    """Platt map per student fitted on the dev pairs, ECE and the reliability curve on the test pairs."""
+    """Platt map per student fitted on the dev pairs, ECE and the reliability curve on the test pairs; the ranking
+    calibration error over each query's top 10 (:func:`~pyterrier_prob.varce.calibration.ranking_calibration`)."""
     y_dev, y_test = cal.relevance_labels(dev, dev_qrels), cal.relevance_labels(test, test_qrels)
     out = {}
     for s in students:
@@ -483,6 +484,10 @@ def calibration_stage(
         if std_test is not None:  # the same map without the uncertainty: what integrating it out changes
             prob_mean = cal.relevance_probability(test[s].to_numpy(), cal.fit_platt(dev[s].to_numpy(), y_dev))
             out[s]["ece_without_std"] = cal.expected_calibration_error(prob_mean, y_test)
+        std = std_col if std_test is not None else None
+        pairs = [cal.preference_pairs(f, q, s, std) for f, q in ((dev, dev_qrels), (test, test_qrels))]
+        if len(pairs[0]) and len(pairs[1]):
+            out[s]["ranking"] = cal.ranking_calibration(*pairs)
     return out
 
 
