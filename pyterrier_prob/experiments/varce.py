@@ -144,11 +144,11 @@ class VarceJobConfig(CommonConfig):
     head_lr: float | None = option(None, "the students' score head's rate (default: its declared 1e-3)", _DISTIL)
     cross_bias_lr: float | None = option(None, "the students' cross-text attention bias's rate (0: fixed)", _DISTIL)
     score_from: str = option(
-        "both",
-        "what a student's score reads: both: a frozen copy of its top layers reading each text apart (the teacher's "
-        "bi-encoder) plus a term of the joint layers whose weights start at 0, so a student starts as the bi-encoder "
-        "and learns what reading the pair together adds; kernels: the same with the joint term read from each joint "
-        "layer's token similarities by kernel pooling (CEDR-KNRM); joint: the joint layers' pooled cosine alone",
+        "kernels",
+        "what a student's score reads: kernels: a frozen copy of its top layers reading each text apart (the "
+        "teacher's bi-encoder) plus a term of the joint layers whose weights start at 0, kernel pooling of each joint "
+        "layer's token similarities (CEDR-KNRM), so a student starts as the bi-encoder and learns what reading the "
+        "pair together adds; both: the same with the joint layers' pooled cosine as that term; joint: the cosine alone",
         _DISTIL,
         choices=("both", "kernels", "joint"),
     )

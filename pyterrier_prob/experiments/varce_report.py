@@ -209,6 +209,10 @@ def distill_markdown(summary: dict[str, Any]) -> str:
         for name, c in summary["calibration"].items():
             extra = f" (without std[s]: {c['ece_without_std']:.4f})" if "ece_without_std" in c else ""
             text.append(f"- {name}: ECE {c['ece']:.4f}{extra}")
+            if "ranking" in c:  # how often the higher-scored of two top-10 documents is the more relevant, calibrated
+                r = c["ranking"]
+                extra = f" (without std[s]: {r['rce_without_std']:.4f})" if "rce_without_std" in r else ""
+                text[-1] += f"; ranking calibration error {r['rce']:.4f} over {r['pairs']} top-10 pairs{extra}"
     text += _attention_lines(summary) + _aurc_lines(summary)
     return "\n".join(text) + "\n"
 
