@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 
 import numpy as np
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     from benchmarks._machine import describe, write_result
 
-    result = {"command": "python benchmarks/joint_term_probe.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    result = {"command": "python benchmarks/joint_term_probe.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
     result["runs"] = {name: run_record(folder, log) for name, folder, log in a.run}
     if a.scale:
         result["joint_scale"] = joint_scale(a.scale, a.alpha)
