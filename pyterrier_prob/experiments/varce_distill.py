@@ -451,8 +451,9 @@ def rerank_rows(
 
 def describe_students(rows: list[dict], cfg: VarceJobConfig, attention: dict[str, Any], curves: dict[str, Any]) -> None:
     """Each row's re-ranker: ``joint_layers`` (layers that read both texts; None for BM25 and the teacher's rows),
-    ``cross_attention_mass`` (per joint layer at the kept step), ``joint_share`` (with ``--score-from both``: the
-    share of the kept score's spread over dev pairs that its joint layers make, :func:`joint_term`), ``input_score``
+    ``cross_attention_mass`` (per joint layer at the kept step), ``joint_share`` (with a bi-encoder path, ``--score-from
+    kernels`` or ``both``: the share of the kept score's spread over dev pairs that its joint layers make,
+    :func:`joint_term`), ``input_score``
     (None: the first stage's score is not read) and ``chosen_on_dev``: the plain student with the best dev point of
     this run (none without dev curves)."""
     best = {s: c["best"]["dev"] for s, c in curves.items() if c.get("best") and s in STUDENTS}  # plain ones
