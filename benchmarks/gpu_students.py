@@ -5,7 +5,7 @@ and a VarCE-VAR, [CLS] head) trained on a lent GPU on the same rows as the CPU s
 The GPU machine has sentence-transformers and torch but no PyTerrier, PISA, ir_datasets or faiss, and nothing can be
 fetched there, so the work is split in three:
 
-    python benchmarks/gpu_students.py prepare --output outputs/v52 --bundle outputs/gpu-bundle   # here (51 MB)
+    python benchmarks/gpu_students.py prepare --output outputs/v52 --bundle outputs/gpu-bundle   # here
     python benchmarks/gpu_students.py device --bundle outputs/gpu-bundle --out $OUT     # there (sentence-transformers)
     python benchmarks/gpu_students.py collect --bundle outputs/gpu-bundle --scores RETURNED --output outputs/v52
 

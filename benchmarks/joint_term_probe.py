@@ -66,9 +66,7 @@ def joint_scale(checkpoint: str, alpha: float, seed: int = 0, queries: int = 150
     within-query Spearman rho of its joint term with BM25 and nDCG@10 of ``bi-encoder path + c * joint term``, beside
     the teacher's bi-encoder and its fusion with BM25 at ``alpha``."""
     import pandas as pd
-    import torch
     from scipy.stats import spearmanr
-    from sentence_transformers.util import batch_to_device
 
     from pyterrier_prob.cli import build_parser
     from pyterrier_prob.experiments import varce
@@ -77,6 +75,7 @@ def joint_scale(checkpoint: str, alpha: float, seed: int = 0, queries: int = 150
     from pyterrier_prob.fusion import interpolate
     from pyterrier_prob.varce import distill
     from st_extensions import load_model
+    from st_extensions.cross_encoder.split import score_parts
 
     argv = ["--dataset", "irds:beir/nfcorpus", "--recipe", "partial", "--train-layers", "2", "--seed", str(seed)]
     argv += ["--dev-queries", str(queries), "--teacher", TEACHER, "--output", "outputs/distill-targets", "--quiet"]
@@ -84,20 +83,9 @@ def joint_scale(checkpoint: str, alpha: float, seed: int = 0, queries: int = 150
     h = Harness("varce", cfg)
     tg = dev_target(cfg, h, h.load_data(calibrate=True), depth)
     cand = tg.candidates(h, tg.topics, depth).reset_index(drop=True)
-    model = load_model(checkpoint, device="cpu")
-    model.eval()
-    split, interaction, head = model[0], model[1], model[2]
-    dim, full, bi = split.get_embedding_dimension(), [], []
-    pairs = list(zip(cand["query"], cand["text"]))
-    with torch.no_grad():
-        for start in range(0, len(pairs), 64):
-            f = interaction(split(batch_to_device(split.preprocess(pairs[start : start + 64]), "cpu")))
-            apart = dict(f, sentence_embedding=f["sentence_embedding"].clone())
-            apart["sentence_embedding"][:, dim:] = 0.0
-            full.append(head(f)["scores"].reshape(-1))
-            bi.append(head(apart)["scores"].reshape(-1))
-    cand["bi_path"] = torch.cat(bi).numpy()
-    cand["joint"] = torch.cat(full).numpy() - cand["bi_path"]
+    full, bi = score_parts(load_model(checkpoint, device="cpu"), list(zip(cand["query"], cand["text"])), 64)
+    cand["bi_path"] = bi.numpy()
+    cand["joint"] = full.numpy() - cand["bi_path"]
     teacher = load_model(TEACHER, device="cpu")
     q = teacher.encode(cand["query"].tolist(), normalize_embeddings=True, batch_size=64)
     d = teacher.encode(cand["text"].tolist(), normalize_embeddings=True, batch_size=64)

@@ -44,6 +44,7 @@ __all__ = [
     "cross_attention_mass",
     "joint_term",
     "kernel_pooling",
+    "score_parts",
     "split_state_cache",
 ]
 
@@ -525,16 +526,15 @@ def cross_attention_mass(model: CrossEncoder, pairs: Sequence[tuple[str, str]], 
     ]
 
 
-def joint_term(model: CrossEncoder, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> dict[str, float]:
-    """How much of a ``bi_encoder_path`` student's score (E[s] for a VarCE) its joint layers make, over ``pairs``: the
-    score is linear in the pair feature, so the bi-encoder path's part is the score with the joint half of the feature
-    set to 0 and the joint part the rest. Returns the standard deviation over the pairs of the score and of each part,
-    and ``joint_share``: the joint part's over the score's (0: the model ranks as its bi-encoder path)."""
+def score_parts(model: CrossEncoder, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> tuple[Tensor, Tensor]:
+    """Per pair, a ``bi_encoder_path`` student's score (E[s] for a VarCE) and its bi-encoder path's part: the score is
+    linear in the pair feature, so that part is the score with the joint half of the feature set to 0 (the joint
+    layers' part is the difference)."""
     split, interaction, head = model[0], model[1], model[2]
     if not (isinstance(split, SplitTransformer) and split.bi_encoder_path):
-        raise ValueError("joint_term needs a split cross-encoder built with bi_encoder_path=True")
+        raise ValueError("score_parts and joint_term need a split cross-encoder built with bi_encoder_path=True")
     if not pairs:
-        raise ValueError("joint_term needs at least one (query, document) pair")
+        raise ValueError("score_parts and joint_term need at least one (query, document) pair")
     dim, full, bi = split.get_embedding_dimension(), [], []
     was_training = model.training
     model.eval()
@@ -549,6 +549,14 @@ def joint_term(model: CrossEncoder, pairs: Sequence[tuple[str, str]], batch_size
                 bi.append(head(apart)["scores"].reshape(-1))
     finally:
         model.train(was_training)
-    s, b = torch.cat(full).double(), torch.cat(bi).double()
+    return torch.cat(full), torch.cat(bi)
+
+
+def joint_term(model: CrossEncoder, pairs: Sequence[tuple[str, str]], batch_size: int = 32) -> dict[str, float]:
+    """How much of a ``bi_encoder_path`` student's score its joint layers make, over ``pairs`` (:func:`score_parts`):
+    the standard deviation over the pairs of the score and of each part, and ``joint_share``: the joint part's over
+    the score's (0: the model ranks as its bi-encoder path)."""
+    full, bi = score_parts(model, pairs, batch_size)
+    s, b = full.double(), bi.double()
     std = {"score_std": float(s.std()), "bi_encoder_std": float(b.std()), "joint_std": float((s - b).std())}
     return {"pairs": len(s), **std, "joint_share": std["joint_std"] / max(std["score_std"], 1e-12)}
