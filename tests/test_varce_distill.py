@@ -623,6 +623,9 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert teacher_files == sorted([f"{slug(str(f), '_')}-{w}" for f in (folder, ood) for w in ("docs", "queries")]
                                    + [f"{slug(str(folder), '_')}-queries"] * 3)  # dev, train, pseudo  # fmt: skip
     assert not [p for p in out.rglob(".*") if re.search(r"\.\w+-\d+-[0-9a-f]{12}$", p.name)]  # no temporary left
+    mc_files = sorted((out / "scores").glob("mc-dropout-*.json"))  # per student and collection, read back below
+    assert len(mc_files) == 2 * len(STUDENTS)
+    stamps = {p.name: p.stat().st_mtime_ns for p in mc_files}
 
     with pisa_threads_finish_backwards():  # BM25's queries in another order: everything reused, the same figures
         assert main([*argv, "--reuse"]) == 0
@@ -632,6 +635,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
                 "cross_attention_mass", "aurc", "std_shift"):  # fmt: skip
         assert_same_figures(again[key], summary[key])
     assert again["train_steps_per_s"] == summary["train_steps_per_s"]  # a reused student reports its training's
+    assert {p.name: p.stat().st_mtime_ns for p in mc_files} == stamps  # the MC-dropout passes were not run again
 
 
 def test_teacher_rerun_with_other_steps_retrains_and_plain_runs_keep_their_own_models(

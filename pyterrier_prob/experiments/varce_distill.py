@@ -10,6 +10,7 @@ uncertainty) -> report (:meth:`Harness.finish`)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -522,7 +523,35 @@ def uncertainty_stage(
     return out
 
 
+def mc_dropout_cached(
+    h: Harness, system: str, model: Any, label: str, top: pd.DataFrame, cfg: VarceJobConfig
+) -> np.ndarray:
+    """:func:`~pyterrier_prob.varce.selective.mc_dropout_std` of ``top``'s pairs, kept in
+    ``scores/mc-dropout-<model>-<collection>.json`` and read back (``--reuse``) when the model's saved settings, the
+    passes, the seed and the pairs are the same: a run killed later does not pay for the passes again."""
+    key = {
+        "fingerprint": settings_fingerprint(h, MODEL_PREFIX + system),
+        "passes": cfg.mc_dropout,
+        "seed": cfg.seed,
+        "pairs": [[str(q), str(d)] for q, d in zip(top["qid"], top["docno"])],
+    }
+    path = h.path("scores", f"mc-dropout-{MODEL_PREFIX}{system}-{slug(label, '_')}.json")
+    if key["fingerprint"] is not None and cfg.reuse and os.path.isfile(path):
+        kept = read_json(path)
+        if {k: kept.get(k) for k in key} == key:
+            return np.asarray(kept["std"], dtype=np.float64)
+    spread = mc_dropout_std(
+        model, top["query"].tolist(), top["text"].tolist(), cfg.mc_dropout, cfg.seed, cfg.inference_batch_size
+    )
+    if key["fingerprint"] is not None:
+        make_dirs(os.path.dirname(path))
+        atomic_write(path, json.dumps({**key, "std": [float(v) for v in spread]}))
+    return spread
+
+
 def selective_stage(
+    h: Harness,
+    label: str,
     frame: pd.DataFrame,
     per_query: dict[str, pd.Series],
     models: dict[str, Any],
@@ -530,8 +559,9 @@ def selective_stage(
     cfg: VarceJobConfig,
 ) -> dict[str, Any]:
     """Per student, query-level selective prediction (:func:`~pyterrier_prob.varce.selective.selective_table`: AURC
-    and E-AURC, risk 1 - nDCG@10) of its confidences: its mean score over its top 10, for a VarCE minus its mean std[s]
-    there, NQC and WIG of BM25's scores, and minus the mean MC-dropout spread over its top 10 (``--mc-dropout``)."""
+    and E-AURC, risk 1 - nDCG@10) of its confidences on collection ``label``: its mean score over its top 10, for a
+    VarCE minus its mean std[s] there, NQC and WIG of BM25's scores, and minus the mean MC-dropout spread over its top
+    10 (``--mc-dropout``, :func:`mc_dropout_cached`)."""
     first_stage = {"NQC (BM25)": nqc(frame, score="bm25"), "WIG (BM25)": wig(frame, queries, score="bm25")}
     out = {}
     for s, model in models.items():
@@ -542,9 +572,7 @@ def selective_stage(
         if cfg.mc_dropout:
             top = frame.sort_values(["qid", s], ascending=[True, False], kind="stable").groupby("qid").head(10)
             top = with_score_text(top, "bm25") if reads_score(s) else top
-            spread = mc_dropout_std(
-                model, top["query"].tolist(), top["text"].tolist(), cfg.mc_dropout, cfg.seed, cfg.inference_batch_size
-            )
+            spread = mc_dropout_cached(h, s, model, label, top, cfg)
             conf["MC dropout (top 10)"] = -top.assign(mc=spread).groupby("qid")["mc"].mean()
         out[s] = selective_table(1.0 - per_query[s], conf)
         if f"{s}_std" in frame:
@@ -615,7 +643,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         evaluated[tg.label] |= {"depth": tg.depth, "zero_shot": zero_shot}
         with h.stage(f"selective_{slug(tg.label, '_')}", f"selective prediction on {tg.label}"):
             selective[tg.label] = selective_stage(
-                frame, kept, models, dict(zip(tg.topics["qid"], tg.topics["query"])), cfg
+                h, tg.label, frame, kept, models, dict(zip(tg.topics["qid"], tg.topics["query"])), cfg
             )
         if dev_scored is None:
             continue
