@@ -200,13 +200,44 @@ def test_export_graph_is_the_fusable_one_and_attention_is_restored(saved):
     assert "MatMulInteger" in {n.op_type for n in q.node} or "DynamicQuantizeMatMul" in {n.op_type for n in q.node}
 
 
-def test_split_attention_cross_encoder_is_refused_on_runtimes(tmp_path, minilm_path):
-    """A split-attention student has no single joint graph to export: the runtimes refuse it by name, torch loads it."""
+def test_split_attention_cross_encoder_on_runtimes(tmp_path, minilm_path):
+    """A split-attention student (lower layers apart, 2 joint layers, kernel pooling over them, the frozen bi-encoder
+    path) exports its whole pair path as one graph: ONNX fp32 gives torch's scores, int8 ranks alike but is quantised;
+    a change of its learned cross bias makes the export stale; a VarCE reading the score as text gives torch's E[s] and
+    std[s]; a model holding a layer-state cache is refused."""
+    from st_extensions.cross_encoder.backends import _weights_sha256, export_backbone
+    from st_extensions.cross_encoder.split import SCORE_SEPARATOR, split_state_cache
+
+    torch.manual_seed(0)
     path = str(tmp_path / "split")
-    model = build_split_cross_encoder(minilm_path, max_seq_length=32, device="cpu")
+    model = build_split_cross_encoder(
+        minilm_path, bi_encoder_path=True, joint_feature="kernels", max_seq_length=32, device="cpu"
+    )
+    with torch.no_grad():  # the joint layers' kernel term in the score (it starts at 0)
+        model[2].linear.weight[:, 384:].normal_(0.0, 0.05)
     model.save(path)
-    expected = model.predict(PAIRS[:2])
-    with pytest.raises(ValueError, match="split-attention.*backend='torch' only"):
-        load_cross_encoder(path, backend="onnx")
-    assert not os.path.exists(os.path.join(path, "onnx")), "nothing is exported for a refused model"
-    np.testing.assert_allclose(load_cross_encoder(path).predict(PAIRS[:2]), expected, rtol=1e-5, atol=1e-6)
+    ref = _scores(model.eval())[0]
+    fp32 = load_cross_encoder(path, backend="onnx")
+    np.testing.assert_allclose(_scores(fp32)[0], ref, atol=1e-4, rtol=0)
+    assert ref.std() > 1e-2
+    int8 = _scores(load_cross_encoder(path, backend="onnx", precision="int8"))[0]
+    assert spearmanr(ref, int8)[0] > 0.9 and np.abs(int8 - ref).max() > 1e-5
+    before = _weights_sha256(path)
+    model[0].cross.bias.data += 1.0
+    model[0].save(path)  # the SplitTransformer's files only: the cross bias changed
+    assert _weights_sha256(path) != before and not _is_fresh(path, FILES["onnx", "fp32"], {})
+
+    var_path = str(tmp_path / "split-var")
+    var = build_split_cross_encoder(minilm_path, score_segment=True, variant="VAR", max_seq_length=32, device="cpu")
+    with torch.no_grad():
+        var.head.var_branch.weight.normal_(0.0, 0.05)
+    var.save(var_path)
+    pairs = [(q, f"{i * 1.7:.2f}{SCORE_SEPARATOR}{d}") for i, (q, d) in enumerate(PAIRS)]
+    ref_mean, ref_std = _scores(var.eval(), pairs)
+    mean, std = _scores(load_cross_encoder(var_path, backend="onnx"), pairs)
+    np.testing.assert_allclose(mean, ref_mean, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(std, ref_std, atol=1e-4, rtol=0)
+    assert ref_std.std() > 1e-4
+    split_state_cache(model, None)
+    with pytest.raises(ValueError, match="layer-state cache"):
+        export_backbone(path, "onnx", model=model)  # stale (the bias changed): it would export, but not this model

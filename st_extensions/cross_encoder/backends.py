@@ -23,11 +23,19 @@ from torch import nn
 
 from st_extensions.atomic import atomic_write, locked
 from st_extensions.checks import choice, positive_int
-from st_extensions.cross_encoder.split import SplitTransformer
+from st_extensions.cross_encoder.split import (
+    BIAS_FILE,
+    JOINT_STATES,
+    QUERY_MASK,
+    SCORE_SEPARATOR,
+    SEPARATE,
+    SEPARATE_FILE,
+    SplitTransformer,
+)
 from st_extensions.frozen import evaluating
 from st_extensions.loading import load_model
 
-__all__ = ["BACKENDS", "PRECISIONS", "RuntimeBackbone", "export_backbone", "load_cross_encoder"]
+__all__ = ["BACKENDS", "PRECISIONS", "RuntimeBackbone", "RuntimeSplit", "export_backbone", "load_cross_encoder"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,15 @@ INFO_FILE = "export_info.json"
 ONNX_OPSET = 17
 #: the encoder inputs an export takes, in this order, where the tokenizer produces them
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
+#: the inputs of a split-attention cross-encoder's export (:meth:`SplitTransformer.preprocess`'s), in this order: the
+#: query's tokens, the document's and, for a model that reads the first stage's score as text, the score's
+SPLIT_INPUT_NAMES: tuple[str, ...] = (
+    "input_ids", "attention_mask", "document_input_ids", "document_attention_mask", "score_input_ids",
+    "score_attention_mask",
+)  # fmt: skip
+#: its outputs: each joint layer's states (J, B, T, H), the joint sequence's mask and query tokens, and the bi-encoder
+#: path's states where the model has one
+SPLIT_OUTPUT_NAMES: tuple[str, ...] = ("joint_layer_states", "joint_attention_mask", "query_token_mask", "separate")
 #: calibration pairs used at most for OpenVINO int8 (sentence-transformers' calibration set has 300 samples)
 MAX_CALIBRATION_PAIRS = 300
 #: exports of encoders with more weight bytes than this keep them in a file beside the ``.onnx`` (protobuf's 2 GB)
@@ -97,8 +114,38 @@ class _EncoderFunction(nn.Module):
         return self.encoder(**{k: v for k, v in inputs.items() if v is not None}, return_dict=True).last_hidden_state
 
 
+class _SplitFunction(nn.Module):
+    """A :class:`SplitTransformer`'s pair path as one function of the tokenised pairs (:data:`SPLIT_INPUT_NAMES`) ->
+    :data:`SPLIT_OUTPUT_NAMES`: the lower layers on each text apart, the joint layers on the pair, the bi path."""
+
+    def __init__(self, split: SplitTransformer) -> None:
+        super().__init__()
+        self.split = split
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        document_input_ids: torch.Tensor,
+        document_attention_mask: torch.Tensor,
+        score_input_ids: torch.Tensor | None = None,
+        score_attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        given = dict(zip(SPLIT_INPUT_NAMES, (input_ids, attention_mask, document_input_ids, document_attention_mask)))
+        if score_input_ids is not None:
+            given |= {"score_input_ids": score_input_ids, "score_attention_mask": score_attention_mask}
+        hidden, mask, is_query = self.split.joint_inputs(given)
+        states: list[torch.Tensor] = []
+        self.split.run_joint(hidden, mask, is_query, outputs=states)
+        out = (torch.stack(states), mask, (mask.bool() & is_query).long())
+        if self.split.separate is not None:
+            out += (self.split.run_separate(hidden, mask, is_query),)
+        return out
+
+
 def _backbone(model: CrossEncoder) -> Transformer:
-    """The model's first module, checked to be a text feature-extraction ``Transformer`` on torch."""
+    """The model's first module, checked to be a text feature-extraction ``Transformer`` (or a split-attention one) on
+    torch."""
     first = model[0] if len(model) else None
     if not isinstance(first, Transformer) or first.transformer_task != "feature-extraction":
         raise ValueError(
@@ -107,20 +154,27 @@ def _backbone(model: CrossEncoder) -> Transformer:
             f"{type(first).__name__ if first is not None else 'no module'}"
         )
     if isinstance(first, SplitTransformer):
-        raise ValueError(
-            "load_cross_encoder exports one joint encoder; a split-attention cross-encoder (SplitTransformer: its "
-            "lower layers read query and document apart) has no such graph and runs on backend='torch' only"
-        )
+        if first.state_cache is not None:
+            raise ValueError("a SplitTransformer with a layer-state cache runs on torch: export the model as saved")
+        return first
     text = first.modality_config.get("text", {})
     if text.get("method") != "forward" or text.get("method_output_name") not in ("last_hidden_state",):
         raise ValueError(f"the backbone's text modality must run forward -> last_hidden_state, got {text}")
     return first
 
 
+def _input_names(model: CrossEncoder) -> tuple[str, ...]:
+    return SPLIT_INPUT_NAMES if isinstance(model[0], SplitTransformer) else INPUT_NAMES
+
+
 def _example_inputs(model: CrossEncoder) -> dict[str, torch.Tensor]:
-    """Two pairs tokenised as ``predict`` does, the shorter padded: the export traces the attention-mask path."""
-    features = model.preprocess([("query one two", "a document of some words"), ("query", "document")])
-    names = [n for n in INPUT_NAMES if n in features]
+    """Two pairs tokenised as ``predict`` does, the shorter padded (each text of a split model: its query, document and
+    score): the export traces the attention-mask path."""
+    pairs = [("query one two", "a document of some words"), ("query", "document")]
+    if isinstance(model[0], SplitTransformer) and model[0].score_segment:
+        pairs = [(q, f"{s}{SCORE_SEPARATOR}{d}") for (q, d), s in zip(pairs, ("12.75", "3"))]
+    features = model.preprocess(pairs)
+    names = [n for n in _input_names(model) if n in features]
     if "input_ids" not in names or "attention_mask" not in names:
         raise ValueError(f"the tokenizer gives {sorted(features)}; an export needs input_ids and attention_mask")
     return {n: features[n].to("cpu") for n in names}
@@ -154,18 +208,25 @@ def _quiet_exporter() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _eager_attention(encoder: nn.Module) -> Iterator[None]:
-    """Eager attention while exporting: its MatMul-Softmax-MatMul is what ONNX Runtime fuses (SDPA's graph is not)."""
+def _eager_attention(encoder: nn.Module, extra: nn.Module | None = None) -> Iterator[None]:
+    """Eager attention while exporting: its MatMul-Softmax-MatMul is what ONNX Runtime fuses (SDPA's graph is not);
+    ``extra``: layers copied out of the encoder (a split model's bi-encoder path), whose configs are their own."""
+    configs = {id(c): c for m in (extra.modules() if extra is not None else ()) if (c := getattr(m, "config", None))}
+    saved = {k: c._attn_implementation for k, c in configs.items() if hasattr(c, "_attn_implementation")}
+    for k in saved:
+        configs[k]._attn_implementation = "eager"
     before = getattr(getattr(encoder, "config", None), "_attn_implementation", None)
     setter = getattr(encoder, "set_attn_implementation", None)
-    if setter is None or before in (None, "eager"):
-        yield
-        return
-    setter("eager")
+    change = setter is not None and before not in (None, "eager")
+    if change:
+        setter("eager")
     try:
         yield
     finally:
-        setter(before)
+        if change:
+            setter(before)
+        for k, value in saved.items():
+            configs[k]._attn_implementation = value
 
 
 def _weight_files(path: str) -> list[str]:
@@ -173,7 +234,8 @@ def _weight_files(path: str) -> list[str]:
     return sorted(
         name
         for name in os.listdir(path)
-        if name == "config.json" or (name.startswith("model") and name.endswith((".safetensors", ".safetensors.json")))
+        if name in ("config.json", BIAS_FILE, SEPARATE_FILE)  # a split model's cross bias and bi-encoder path
+        or (name.startswith("model") and name.endswith((".safetensors", ".safetensors.json")))
     )
 
 
@@ -256,33 +318,43 @@ def _record(path: str, rel: str, extra: dict[str, Any]) -> None:
 
 
 def _export_onnx_fp32(path: str, model: CrossEncoder, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
-    encoder = _backbone(model).model
+    transformer = _backbone(model)
     example = _example_inputs(model)
-    weight_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
-    axes = {name: {0: "batch_size", 1: "sequence_length"} for name in [*example, "last_hidden_state"]}
+    if isinstance(transformer, SplitTransformer):  # the whole pair path: lower layers apart, joint layers, bi path
+        function, module, encoder = _SplitFunction(transformer), transformer, transformer.auto_model
+        outputs = list(SPLIT_OUTPUT_NAMES[: 3 + (transformer.separate is not None)])
+        side = {n: n.split("_")[0] if n.startswith(("document_", "score_")) else "query" for n in example}
+        axes = {n: {0: "batch_size", 1: f"{side[n]}_length"} for n in example}
+        axes |= {n: {0: "batch_size", 1: "pair_length"} for n in outputs[1:]}
+        axes[outputs[0]] = {1: "batch_size", 2: "pair_length"}
+    else:
+        encoder = module = transformer.model
+        function, outputs = _EncoderFunction(encoder), ["last_hidden_state"]
+        axes = {name: {0: "batch_size", 1: "sequence_length"} for name in [*example, *outputs]}
+    weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     with (
-        evaluating(encoder),
+        evaluating(module),
         torch.no_grad(),
         _quiet_exporter(),
-        _eager_attention(encoder),
+        _eager_attention(encoder, getattr(transformer, "separate", None)),
         open(os.devnull, "w") as null,
         contextlib.redirect_stdout(null),
     ):
         # the TorchScript exporter: its BERT graph is the one ONNX Runtime fuses and quantises (docs/varce.md)
         torch.onnx.export(
-            _EncoderFunction(encoder),
+            function,
             (),
             os.path.join(tmp, main),
             kwargs=example,
             dynamo=False,
             input_names=list(example),
-            output_names=["last_hidden_state"],
+            output_names=outputs,
             dynamic_axes=axes,
             opset_version=ONNX_OPSET,
             external_data=weight_bytes > _EXTERNAL_DATA_BYTES,
         )
     exporter = f"torch.onnx.export(dynamo=False, opset {ONNX_OPSET}), eager attention"
-    return {"exporter": exporter, "inputs": list(example)}
+    return {"exporter": exporter, "inputs": list(example), "outputs": outputs}
 
 
 def _export_onnx_int8(path: str, model: Any, tmp: str, main: str, pairs: Any) -> dict[str, Any]:
@@ -319,7 +391,7 @@ def _calibration_items(model: CrossEncoder, pairs: Sequence[Sequence[str]]) -> l
         if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(t, str) for t in pair):
             raise ValueError(f"calibration_pairs must be (query, document) pairs of str, got {pair!r:.80}")
     features = [model.preprocess([tuple(pair)]) for pair in pairs]
-    return [{n: f[n].numpy() for n in INPUT_NAMES if n in f} for f in features]
+    return [{n: f[n].numpy() for n in _input_names(model) if n in f} for f in features]
 
 
 def _pairs_sha256(pairs: Sequence[Sequence[str]]) -> str:
@@ -427,7 +499,15 @@ class RuntimeBackbone(nn.Module):
     """Stands in for the Hugging Face encoder in a ``Transformer``: runs an ONNX Runtime session or OpenVINO compiled
     model on ``file`` returning ``{"last_hidden_state": float32 CPU tensor}``; ``config``: the encoder's. Unsaveable."""
 
-    def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
+    def __init__(
+        self,
+        file: str,
+        backend: str,
+        precision: str,
+        config: Any,
+        num_threads: int,
+        known_inputs: Sequence[str] = INPUT_NAMES,
+    ) -> None:
         super().__init__()
         self.file, self.backend, self.precision, self.config = file, backend, precision, config
         self.num_threads = int(num_threads)
@@ -450,8 +530,18 @@ class RuntimeBackbone(nn.Module):
             self.input_names = tuple(p.get_any_name() for p in compiled.inputs)
         else:
             raise ValueError(f"backend must be 'onnx' or 'openvino', got {backend!r}")
-        if unknown := sorted(set(self.input_names) - set(INPUT_NAMES)):
+        if unknown := sorted(set(self.input_names) - set(known_inputs)):
             raise ValueError(f"{file} takes inputs {unknown} that a cross-encoder's tokenizer does not give")
+
+    def run(self, given: dict[str, Any]) -> list[np.ndarray]:
+        """The graph's outputs, in order, for the tensors ``given`` by input name."""
+        if missing := [name for name in self.input_names if given.get(name) is None]:
+            raise ValueError(f"{self.file} needs the input {missing[0]!r}, which the tokenizer did not give")
+        feeds = {n: np.ascontiguousarray(given[n].detach().cpu().numpy(), dtype=np.int64) for n in self.input_names}
+        if self.backend == "onnx":
+            return self._session.run(None, feeds)
+        outputs = self._request.infer(feeds, share_inputs=True, share_outputs=False)
+        return [outputs[i] for i in range(len(outputs))]
 
     @property
     def device(self) -> torch.device:
@@ -465,13 +555,7 @@ class RuntimeBackbone(nn.Module):
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
         given = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
-        if missing := [name for name in self.input_names if given[name] is None]:
-            raise ValueError(f"{self.file} needs the input {missing[0]!r}, which the tokenizer did not give")
-        feeds = {n: np.ascontiguousarray(given[n].detach().cpu().numpy(), dtype=np.int64) for n in self.input_names}
-        if self.backend == "onnx":
-            out = self._session.run(None, feeds)[0]
-        else:
-            out = self._request.infer(feeds, share_inputs=True, share_outputs=False)[0]
+        out = self.run(given)[0]
         return {"last_hidden_state": torch.from_numpy(np.asarray(out, dtype=np.float32))}
 
     def save_pretrained(self, *args: Any, **kwargs: Any) -> None:
@@ -482,6 +566,23 @@ class RuntimeBackbone(nn.Module):
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, precision={self.precision!r}, file={self.file!r}, threads={self.num_threads}"
+
+
+class RuntimeSplit(RuntimeBackbone):
+    """A split-attention cross-encoder's pair path on a runtime (:class:`_SplitFunction`'s export): tokenised pairs ->
+    the :class:`SplitTransformer` outputs the interaction and head read (its ``runtime``)."""
+
+    def __init__(self, file: str, backend: str, precision: str, config: Any, num_threads: int) -> None:
+        super().__init__(file, backend, precision, config, num_threads, known_inputs=SPLIT_INPUT_NAMES)
+
+    def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        out = [torch.from_numpy(np.asarray(x)) for x in self.run(features)]
+        states = out[0].float()
+        result = {JOINT_STATES: list(states.unbind(0)), "token_embeddings": states[-1]}
+        result |= {"attention_mask": out[1].long(), QUERY_MASK: out[2].long()}
+        if len(out) > 3:
+            result[SEPARATE] = out[3].float()
+        return result
 
 
 def _load_torch(path: str, device: str | None = "cpu") -> CrossEncoder:
@@ -522,9 +623,13 @@ def load_cross_encoder(
     file = export_backbone(path, backend, precision, model=model, calibration_pairs=calibration_pairs)
     threads = num_threads or max(1, torch.get_num_threads())
     with _locked(os.path.dirname(file), shared=True):  # no writer replaces the files while they are read
-        runtime = RuntimeBackbone(file, backend, precision, transformer.model.config, threads)
-    transformer.model = runtime  # the torch encoder is dropped: the runtime replaces it
-    transformer.backend = backend
+        kind = RuntimeSplit if isinstance(transformer, SplitTransformer) else RuntimeBackbone
+        runtime = kind(file, backend, precision, transformer.model.config, threads)
+    if isinstance(transformer, SplitTransformer):
+        transformer.runtime = runtime  # pairs run on it; single texts (never scored) stay on torch
+    else:
+        transformer.model = runtime  # the torch encoder is dropped: the runtime replaces it
+        transformer.backend = backend
     # BaseModel.save would write the folder's configs before the Transformer refused: refuse before anything
     model.save = model.save_pretrained = runtime.save_pretrained  # type: ignore[method-assign]
     return model.eval()

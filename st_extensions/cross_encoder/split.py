@@ -117,6 +117,10 @@ class SplitTransformer(Transformer):
         if self.separate is not None:
             self.separate.requires_grad_(False)
         self.state_cache: LayerStateCache | None = None
+        #: runs the pair path on another runtime (:func:`st_extensions.cross_encoder.load_cross_encoder`): tokenised
+        #: pairs -> this module's pair outputs (``token_embeddings``, ``attention_mask``, ``query_token_mask``,
+        #: each joint layer's states and the bi-encoder path's); None: torch
+        self.runtime: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def save(self, output_path: str, *args: Any, safe_serialization: bool = True, **kwargs: Any) -> None:
         super().save(output_path, *args, safe_serialization=safe_serialization, **kwargs)
@@ -255,7 +259,7 @@ class SplitTransformer(Transformer):
             raise ValueError("this SplitTransformer has no bi-encoder path (bi_encoder_path=False)")
         low = torch.finfo(hidden.dtype).min
         apart = (is_query[:, :, None] != is_query[:, None, :]) | (mask == 0)[:, None, :]  # (B, T, T)
-        additive = torch.zeros(apart.shape, dtype=hidden.dtype, device=hidden.device).masked_fill(apart, low)
+        additive = torch.zeros_like(apart, dtype=hidden.dtype).masked_fill(apart, low)
         with torch.no_grad():
             for layer in self.separate:
                 out = layer(hidden, attention_mask=additive[:, None])
@@ -263,6 +267,9 @@ class SplitTransformer(Transformer):
         return hidden
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        if self.runtime is not None and "document_input_ids" in features:
+            features.update(self.runtime(features))
+            return features
         joint = self.joint_inputs(features)
         if joint is None:
             return super().forward(features, **kwargs)
