@@ -15,6 +15,8 @@ trained model, pool, cache and score is reused; a killed run continues from its 
 - ``<output>-j2-joint``: the main run's CE with its score read from the joint layers alone (``--score-from joint``: no
   frozen bi-encoder path), which starts far below the bi-encoder it is built from.
 
+The ablation's runs skip the MC-dropout passes (``--mc-dropout 0``): they are there for nDCG@10.
+
 The students learn the teacher's ranking in their own units (``--teacher-units student``: Margin-MSE at their start
 is the lexical part alone) and their learning curves re-rank BM25's top 100 of 150 dev queries, where the fused
 teacher is visibly above its bi-encoder (``benchmarks/distill_targets.py``; BM25's top 30 of 100 queries could not see
@@ -71,6 +73,8 @@ RUNS = {
     ),
 }
 TEACHER = "models/distill-teacher"
+#: The ablation's runs compare nDCG@10: no MC-dropout passes (its selective prediction keeps the other confidences).
+ABLATION_ONLY = ["--mc-dropout", "0"]
 #: The order the runs are made in: the main run's CE first (with the teacher it needs), then the J = 1 CE it is
 #: compared with, then the main run's other students, then the rest of the ablation (each run reuses what is made).
 ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)]
@@ -87,6 +91,8 @@ def command(output: str, run: str, only: str | None = None) -> list[str]:
     options = RUNS[run][2]
     if only is not None:
         options = [*options[: options.index("--input-score")], "--students", only]  # the main run's plain options
+    if run != "main":
+        options = [*options, *ABLATION_ONLY]
     return ["varce", *RECIPE, *options, "--teacher", teacher, "--output", run_folder(output, run)]
 
 
