@@ -139,7 +139,129 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
     main = {**main, "rows": rows, "chosen_on_dev": {"run": chosen[0], "system": chosen[1], "dev": dev[chosen]}}
     main["ablation_dev"] = {f"{run}/{system}": v for (run, system), v in dev.items()}
     main["per_query_runs"] = {run: s["per_query"] for run, s in summaries.items() if run != "main"}
+    others = {run: s for run, s in summaries.items() if run != "main"}
+    main["ablation_curves"] = {run: s.get("dev_curves", {}) for run, s in others.items()}
+    main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
+    main["goal"] = goal(main)
     return main
+
+
+def _p(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2g}"
+
+
+def _label(row: dict[str, Any]) -> str:
+    if row.get("run") in (None, "main") or row["joint_layers"] is None:
+        return row["system"]
+    return f"{row['system']}, J = {row['joint_layers']}, {row['training_queries']} ({row['run']})"
+
+
+def goal(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's goal, checked on the figures: the row chosen on dev against the J = 1 CE on the same rows
+    (significantly above), against halfway from the bi-encoder alone to the fused teacher (in domain), and against BM25
+    on each zero-shot collection (the paired difference's 95% interval above -0.02)."""
+    evaluated = result["evaluated"]
+    home = next(label for label, e in evaluated.items() if not e["zero_shot"])
+    rows = [r for r in result["rows"] if r["depth"] == evaluated[r["collection"]]["depth"]]
+    chosen = [r for r in rows if r["chosen_on_dev"]]
+    if not chosen:
+        return {"chosen": None}
+    run, system = chosen[0]["run"], chosen[0]["system"]
+    at = {r["collection"]: r for r in chosen}
+    here = {r["system"]: r["nDCG@10"] for r in rows if r["collection"] == home and r["run"] == "main"}
+    bi = here["Teacher (bi-encoder)"]
+    fused_name = next(n for n in here if n.startswith("Teacher (bi-encoder + BM25"))
+    halfway = bi + (here[fused_name] - bi) / 2
+    training = RUNS[run][1]
+    j1_run = next((r for r, v in RUNS.items() if v[:2] == (1, training)), None)
+    j1 = next((r for r in rows if r["collection"] == home and (r["run"], r["system"]) == (j1_run, "CE")), None)
+    out: dict[str, Any] = {"chosen": f"{run}/{system}", "collection": home, "nDCG@10": at[home]["nDCG@10"]}
+    out["bi_encoder"], out["fused_teacher"], out["halfway"] = bi, here[fused_name], halfway
+    out["share_of_gap"] = (at[home]["nDCG@10"] - bi) / (here[fused_name] - bi)
+    out["halfway_met"] = at[home]["nDCG@10"] >= halfway
+    out["j1"] = None if j1 is None else j1["nDCG@10"]
+    p = at[home].get("p_vs_j1")
+    out["p_vs_j1"] = p
+    out["above_j1_met"] = j1 is not None and p is not None and p < 0.05 and at[home]["nDCG@10"] > j1["nDCG@10"]
+    out["zero_shot"] = {
+        label: {"nDCG@10": r["nDCG@10"], "ci95_vs_bm25": r["ci95_vs_bm25"]}
+        | {"non_inferior": r["ci95_vs_bm25"] is not None and r["ci95_vs_bm25"][0] >= -0.02}
+        for label, r in at.items()
+        if label != home
+    }
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables docs/varce.md shows, from ``varce_rerank.json``: nDCG@10 per collection (p vs BM25 / the bi-encoder
+    alone / the J = 1 CE on the same rows / the CE of the same run), the goal, AURC per collection, the attention mass
+    between the texts and the dev curves."""
+    evaluated = result["evaluated"]
+    labels = list(evaluated)
+    rows = [r for r in result["rows"] if r["depth"] == evaluated[r["collection"]]["depth"]]
+    names = list(dict.fromkeys(_label(r) for r in rows))
+    cell = {(_label(r), r["collection"]): r for r in rows}
+    head = [f"{c} ({evaluated[c]['queries']} q.{', zero-shot' if evaluated[c]['zero_shot'] else ''})" for c in labels]
+    out = ["nDCG@10 on BM25's top 100 (p vs BM25 / vs the bi-encoder alone / vs the J = 1 CE on the same rows / vs "
+           "the CE of the same run; paired t-tests; **bold**: the row chosen on dev):", "",
+           "| system | " + " | ".join(head) + " |", "|---|" + "---|" * len(labels)]  # fmt: skip
+    for name in names:
+        cells = []
+        for c in labels:
+            r = cell.get((name, c))
+            if r is None:
+                cells.append("–")
+                continue
+            ps = " / ".join(_p(r.get(k)) for k in ("p_vs_bm25", "p_vs_bi_encoder", "p_vs_j1", "p_vs_CE"))
+            value = f"**{r['nDCG@10']:.4f}**" if r["chosen_on_dev"] else f"{r['nDCG@10']:.4f}"
+            cells.append(f"{value} ({ps})")
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    g = goal(result)
+    if g["chosen"] is not None:
+        out += ["", f"Chosen on dev: {g['chosen']} ({result['chosen_on_dev']['dev']:.4f} on dev).", ""]
+        out.append(
+            f"- {g['collection']}: {g['nDCG@10']:.4f} against the bi-encoder alone {g['bi_encoder']:.4f} and the "
+            f"fused teacher {g['fused_teacher']:.4f}: {100 * g['share_of_gap']:.0f}% of the way (halfway "
+            f"{g['halfway']:.4f}: {'met' if g['halfway_met'] else 'missed'})."
+        )
+        if g["j1"] is not None:
+            verdict = "met" if g["above_j1_met"] else "missed"
+            out.append(f"- Against the J = 1 CE on the same rows, {g['j1']:.4f}: p = {_p(g['p_vs_j1'])} ({verdict}).")
+        for label, z in g["zero_shot"].items():
+            ci = z["ci95_vs_bm25"]
+            span = "–" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+            verdict = "non-inferior" if z["non_inferior"] else "not shown non-inferior"
+            out.append(f"- {label}: {z['nDCG@10']:.4f}; 95% interval of (it − BM25) {span} ({verdict} at −0.02).")
+    for label, systems in result.get("aurc", {}).items():
+        confidences = list(dict.fromkeys(k for t in systems.values() for k in t["aurc"]))
+        out += ["", f"AURC on {label} (E-AURC; risk 1 − nDCG@10; lower is better; random: the mean risk):", ""]
+        out.append("| re-ranker | " + " | ".join(confidences) + " | random | optimal |")
+        out.append("|---|" + "---|" * (len(confidences) + 2))
+        for s, t in systems.items():
+            vals = [f"{t['aurc'][c]:.4f} ({t['e_aurc'][c]:.4f})" if c in t["aurc"] else "–" for c in confidences]
+            out.append(f"| {s} | " + " | ".join(vals) + f" | {t['random']:.4f} | {t['optimal']:.4f} |")
+    out += ["", "Attention between the texts per joint layer, step 0 → kept (uniform: what uniform attention gives):"]
+    out += ["", "| run / student | layer | query→document | uniform | document→query | uniform |"]
+    out.append("|---|---|---|---|---|---|")
+    masses = {("main", s): m for s, m in result.get("cross_attention_mass", {}).items()}
+    for run, summary in result.get("ablation_attention", {}).items():
+        masses |= {(run, s): m for s, m in summary.items()}
+    for (run, s), m in masses.items():
+        for first, kept in zip(m["step_0"], m["kept"]):
+            out.append(
+                f"| {run}/{s} | {first['layer']} | {first['query_to_document']:.3f} → {kept['query_to_document']:.3f} "
+                f"| {kept['uniform_query_to_document']:.3f} | {first['document_to_query']:.3f} → "
+                f"{kept['document_to_query']:.3f} | {kept['uniform_document_to_query']:.3f} |"
+            )
+    out += ["", "Dev curves (nDCG@10 by step; best kept):", ""]
+    curves = {("main", s): c for s, c in result.get("dev_curves", {}).items()}
+    for run, summary in result.get("ablation_curves", {}).items():
+        curves |= {(run, s): c for s, c in summary.items()}
+    for (run, s), c in curves.items():
+        points = " → ".join(f"{p['dev']:.4f} ({p['step']})" for p in c["points"])
+        best = c.get("best") or {}
+        out.append(f"- {run}/{s}: {points}; kept step {best.get('step')}")
+    return "\n".join(out) + "\n"
 
 
 def main() -> int:
@@ -148,7 +270,12 @@ def main() -> int:
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="the runs to make, in order")
     ap.add_argument("--out", default="benchmarks/results/varce_rerank.json")
     ap.add_argument("--no-write", action="store_true", help="make the runs only")
+    ap.add_argument("--markdown", action="store_true", help="print the tables of --out (written before) and stop")
     a = ap.parse_args()
+    if a.markdown:
+        with open(a.out, encoding="utf8") as f:
+            print(markdown(json.load(f)), end="")
+        return 0
 
     from benchmarks._machine import describe, write_result
     from pyterrier_prob.cli import main as cli

@@ -1,5 +1,5 @@
 """``benchmarks/varce_rerank.py``: the runs' commands and how their summaries combine (``p_vs_j1``, the row chosen on
-dev), on made-up summaries whose figures are known."""
+dev, the goal and the tables), on made-up summaries whose figures are known."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 from scipy.stats import ttest_rel
 
@@ -15,22 +16,45 @@ import varce_rerank  # noqa: E402
 
 from pyterrier_prob.cli import build_parser  # noqa: E402
 
-COLL = "irds:beir/nfcorpus"
+HOME, OOD = "irds:beir/nfcorpus", "irds:beir/scifact"
 QIDS = [f"q{i}" for i in range(6)]
+FUSED = "Teacher (bi-encoder + BM25, alpha 0.8)"
+MASS = {"layer": 4, "query_to_document": 0.5, "document_to_query": 0.2}
+MASS |= {"uniform_query_to_document": 0.9, "uniform_document_to_query": 0.1}
+AURC = {"aurc": {"score (top 10)": 0.5}, "e_aurc": {"score (top 10)": 0.1}, "random": 0.6, "optimal": 0.4}
 
 
 def _summary(systems: dict[str, tuple[int | None, list[float], float | None]]) -> dict:
-    """``systems``: name -> (joint layers, per-query nDCG@10, best dev point)."""
-    rows = [
-        {"collection": COLL, "depth": d, "system": name, "joint_layers": j, "nDCG@10": sum(v) / len(v)}
-        for d in (100, 20)
-        for name, (j, v, _) in systems.items()
-    ]
+    """``systems``: name -> (joint layers, per-query nDCG@10 in domain, best dev point); zero-shot values are those
+    minus 0.1. Each row carries its p against BM25 and its interval, as a run's summary does."""
+    per_query = {
+        c: {name: dict(zip(QIDS, np.asarray(v) - shift)) for name, (_, v, _) in systems.items()}
+        for c, shift in ((HOME, 0.0), (OOD, 0.1))
+    }
+    rows = []
+    for c in (HOME, OOD):
+        bm25 = list(per_query[c].get("BM25", {}).values())
+        for d in (100, 20):
+            for name, (j, _, _) in systems.items():
+                mine = list(per_query[c][name].values())
+                test = ttest_rel(mine, bm25) if bm25 and name != "BM25" else None
+                rows.append({
+                    "collection": c, "depth": d, "system": name, "joint_layers": j, "nDCG@10": float(np.mean(mine)),
+                    "p_vs_bm25": None if test is None else float(test.pvalue), "p_vs_bi_encoder": None,
+                    "p_vs_CE": None, "ci95_vs_bm25": None if test is None else list(test.confidence_interval(0.95)),
+                })  # fmt: skip
+    curves = {
+        name: {"points": [{"step": 0, "dev": 0.3}, {"step": 300, "dev": dev}], "best": {"step": 300, "dev": dev}}
+        for name, (j, _, dev) in systems.items()
+        if j is not None
+    }
     return {
         "rows": rows,
-        "per_query": {COLL: {name: dict(zip(QIDS, v)) for name, (_, v, _) in systems.items()}},
-        "dev_curves": {name: {"best": {"dev": dev}} for name, (j, _, dev) in systems.items() if j is not None},
-        "evaluated": {COLL: {"depth": 100}},
+        "per_query": per_query,
+        "dev_curves": curves,
+        "evaluated": {c: {"depth": 100, "zero_shot": c == OOD, "queries": 6} for c in (HOME, OOD)},
+        "cross_attention_mass": {n: {"step_0": [MASS], "kept": [MASS]} for n, (j, _, _) in systems.items() if j},
+        "aurc": {HOME: {"CE": AURC}},
     }
 
 
@@ -50,27 +74,46 @@ def test_ablation_runs_skip_mc_dropout_and_the_main_run_keeps_it():
     assert only.students == ["CE"] and not only.input_score and only.mc_dropout == 8
 
 
-def test_combine_p_vs_j1_and_the_row_chosen_on_dev(tmp_path):
+def test_combine_p_vs_j1_the_row_chosen_on_dev_and_the_goal(tmp_path):
     out = str(tmp_path / "v")
-    ce2 = [0.5, 0.4, 0.6, 0.3, 0.7, 0.2]
-    ce1 = [0.4, 0.4, 0.5, 0.3, 0.5, 0.1]
-    text = [0.9] * 6
+    bm25 = [0.3, 0.2, 0.4, 0.3, 0.3, 0.2]
+    bi = [0.35, 0.3, 0.4, 0.35, 0.4, 0.3]  # mean 0.35
+    fused = [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]  # mean 0.45: halfway is 0.40
+    ce2 = [0.5, 0.4, 0.6, 0.3, 0.5, 0.2]  # mean 0.4167
+    ce1 = [0.4, 0.4, 0.5, 0.3, 0.4, 0.1]
     _write(out, _summary({
-        "BM25": (None, [0.3] * 6, None),
-        "CE": (2, ce2, 0.31),
-        "VarCE-VAR": (2, [0.5] * 6, 0.30),
-        "CE (score as text)": (2, text, 0.99),  # never the chosen row, however high on dev
+        "BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bi, None), FUSED: (None, fused, None),
+        "CE": (2, ce2, 0.31), "VarCE-VAR": (2, [0.5] * 6, 0.30),
+        "CE (score as text)": (2, [0.9] * 6, 0.99),  # never the chosen row, however high on dev
     }))  # fmt: skip
-    _write(f"{out}-j1-pseudo", _summary({"BM25": (None, [0.3] * 6, None), "CE": (1, ce1, 0.5)}))
+    _write(f"{out}-j1-pseudo", _summary({"BM25": (None, bm25, None), "CE": (1, ce1, 0.5)}))
     _write(f"{out}-j3-pseudo", _summary({"CE": (3, [0.1] * 6, 0.31)}))  # ties main's CE on dev: main comes first
     combined = varce_rerank.combine(out, list(varce_rerank.RUNS))
-    rows = {(r["run"], r["system"], r["depth"]): r for r in combined["rows"]}
-    assert ("j1-pseudo", "BM25", 100) not in rows  # the baselines come from the main run only
-    assert rows["main", "CE", 100]["p_vs_j1"] == pytest.approx(ttest_rel(ce2, ce1).pvalue)
-    assert rows["j1-pseudo", "CE", 100]["p_vs_j1"] is None
-    assert "p_vs_j1" not in rows["main", "BM25", 100]
+    rows = {(r["run"], r["system"], r["collection"], r["depth"]): r for r in combined["rows"]}
+    assert ("j1-pseudo", "BM25", HOME, 100) not in rows  # the baselines come from the main run only
+    assert rows["main", "CE", HOME, 100]["p_vs_j1"] == pytest.approx(ttest_rel(ce2, ce1).pvalue)
+    assert rows["j1-pseudo", "CE", HOME, 100]["p_vs_j1"] is None
+    assert "p_vs_j1" not in rows["main", "BM25", HOME, 100]
     assert combined["chosen_on_dev"] == {"run": "main", "system": "CE", "dev": 0.31}
     chosen = [k for k, r in rows.items() if r["chosen_on_dev"]]
-    assert chosen == [("main", "CE", 100)]  # at the evaluated depth only
+    assert chosen == [("main", "CE", HOME, 100), ("main", "CE", OOD, 100)]  # at the evaluated depth only
     assert combined["ablation_dev"] == {"main/CE": 0.31, "main/VarCE-VAR": 0.30, "j3-pseudo/CE": 0.31}
-    assert set(combined["per_query_runs"]) == {"j1-pseudo", "j3-pseudo"}
+    assert set(combined["per_query_runs"]) == set(combined["ablation_curves"]) == {"j1-pseudo", "j3-pseudo"}
+
+    g = combined["goal"]
+    assert g["chosen"] == "main/CE" and g["collection"] == HOME
+    assert g["halfway"] == pytest.approx(0.40) and g["halfway_met"]
+    assert g["share_of_gap"] == pytest.approx((np.mean(ce2) - 0.35) / 0.10)
+    assert g["p_vs_j1"] == pytest.approx(ttest_rel(ce2, ce1).pvalue) and g["j1"] == pytest.approx(np.mean(ce1))
+    assert g["above_j1_met"] == (ttest_rel(ce2, ce1).pvalue < 0.05)
+    low = ttest_rel(np.asarray(ce2) - 0.1, np.asarray(bm25) - 0.1).confidence_interval(0.95).low
+    assert g["zero_shot"][OOD]["ci95_vs_bm25"][0] == pytest.approx(low)
+    assert g["zero_shot"][OOD]["non_inferior"] == (low >= -0.02)
+
+    text = varce_rerank.markdown(combined)
+    assert f"**{np.mean(ce2):.4f}**" in text  # the chosen row, bold
+    assert f"| CE, J = 1, train + pseudo-queries (j1-pseudo) | {np.mean(ce1):.4f} (" in text
+    assert f"{100 * g['share_of_gap']:.0f}% of the way (halfway 0.4000: met)" in text
+    assert "| CE | 0.5000 (0.1000) | 0.6000 | 0.4000 |" in text  # AURC (E-AURC), random, optimal
+    assert "| j1-pseudo/CE | 4 | 0.500 → 0.500 | 0.900 | 0.200 → 0.200 | 0.100 |" in text
+    assert "- main/CE: 0.3000 (0) → 0.3100 (300); kept step 300" in text
