@@ -142,6 +142,7 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
     others = {run: s for run, s in summaries.items() if run != "main"}
     main["ablation_curves"] = {run: s.get("dev_curves", {}) for run, s in others.items()}
     main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
+    main["runs_combined"] = {run: s.get("students") for run, s in summaries.items()}  # the runs and students so far
     main["goal"] = goal(main)
     return main
 
@@ -271,6 +272,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/varce_rerank.json")
     ap.add_argument("--no-write", action="store_true", help="make the runs only")
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out (written before) and stop")
+    ap.add_argument("--write-only", action="store_true", help="make no run: combine the summaries there are")
     a = ap.parse_args()
     if a.markdown:
         with open(a.out, encoding="utf8") as f:
@@ -281,7 +283,7 @@ def main() -> int:
     from pyterrier_prob.cli import main as cli
 
     for run, only in ORDER:
-        if run not in a.runs:
+        if run not in a.runs or a.write_only:
             continue
         args = command(a.output, run, only)
         print("pyterrier-prob " + shlex.join(args), flush=True)

@@ -99,6 +99,7 @@ def test_combine_p_vs_j1_the_row_chosen_on_dev_and_the_goal(tmp_path):
     assert chosen == [("main", "CE", HOME, 100), ("main", "CE", OOD, 100)]  # at the evaluated depth only
     assert combined["ablation_dev"] == {"main/CE": 0.31, "main/VarCE-VAR": 0.30, "j3-pseudo/CE": 0.31}
     assert set(combined["per_query_runs"]) == set(combined["ablation_curves"]) == {"j1-pseudo", "j3-pseudo"}
+    assert list(combined["runs_combined"]) == ["main", "j1-pseudo", "j3-pseudo"]
 
     g = combined["goal"]
     assert g["chosen"] == "main/CE" and g["collection"] == HOME
