@@ -295,7 +295,9 @@ def main() -> int:
     result = {
         "benchmark": "Cross-encoders reading query and document together, distilled from a bi-encoder + BM25 "
         "teacher, as BM25 re-rankers (nDCG@10)",
-        "command": f"python benchmarks/varce_rerank.py --output {a.output}",
+        "command": f"python benchmarks/varce_rerank.py --output {a.output}"
+        + " --write-only" * a.write_only
+        + (f" --out {a.out}" if a.out != ap.get_default("out") else ""),
         "experiment_commands": {r: "pyterrier-prob " + shlex.join(command(a.output, r)) for r in RUNS},
         "machine": describe(),
         **summary,
