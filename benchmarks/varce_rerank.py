@@ -193,10 +193,9 @@ def goal(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The tables docs/varce.md shows, from ``varce_rerank.json``: nDCG@10 per collection (p vs BM25 / the bi-encoder
-    alone / the J = 1 CE on the same rows / the CE of the same run), the goal, AURC per collection, the attention mass
-    between the texts and the dev curves."""
+def ndcg_table(result: dict[str, Any]) -> list[str]:
+    """nDCG@10 per system and collection at its evaluated depth (p vs BM25 / the bi-encoder alone / the J = 1 CE on
+    the same rows / the CE of the same run); the row chosen on dev in bold."""
     evaluated = result["evaluated"]
     labels = list(evaluated)
     rows = [r for r in result["rows"] if r["depth"] == evaluated[r["collection"]]["depth"]]
@@ -217,6 +216,13 @@ def markdown(result: dict[str, Any]) -> str:
             value = f"**{r['nDCG@10']:.4f}**" if r["chosen_on_dev"] else f"{r['nDCG@10']:.4f}"
             cells.append(f"{value} ({ps})")
         out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables docs/varce.md shows, from ``varce_rerank.json``: :func:`ndcg_table`, the goal, AURC per collection,
+    the attention mass between the texts and the dev curves."""
+    out = ndcg_table(result)
     g = goal(result)
     if g["chosen"] is not None:
         out += ["", f"Chosen on dev: {g['chosen']} ({result['chosen_on_dev']['dev']:.4f} on dev).", ""]
@@ -273,10 +279,12 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="make the runs only")
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out (written before) and stop")
     ap.add_argument("--write-only", action="store_true", help="make no run: combine the summaries there are")
+    ap.add_argument("--table", default=None, help="print the nDCG@10 table of this JSON (written before) and stop")
     a = ap.parse_args()
-    if a.markdown:
-        with open(a.out, encoding="utf8") as f:
-            print(markdown(json.load(f)), end="")
+    if a.markdown or a.table:
+        with open(a.table or a.out, encoding="utf8") as f:
+            result = json.load(f)
+        print("\n".join(ndcg_table(result)) + "\n" if a.table else markdown(result), end="")
         return 0
 
     from benchmarks._machine import describe, write_result
