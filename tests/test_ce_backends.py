@@ -222,6 +222,10 @@ def test_split_attention_cross_encoder_on_runtimes(tmp_path, minilm_path):
     assert ref.std() > 1e-2
     int8 = _scores(load_cross_encoder(path, backend="onnx", precision="int8"))[0]
     assert spearmanr(ref, int8)[0] > 0.9 and np.abs(int8 - ref).max() > 1e-5
+    onnx = pytest.importorskip("onnx")
+    graph = onnx.load(os.path.join(path, FILES["onnx", "fp32"]), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("Softmax") == 4 * 2 + 2 + 2 and "IsNaN" not in ops  # eager: 4 layers a text, 2 joint, 2 apart
     before = _weights_sha256(path)
     model[0].cross.bias.data += 1.0
     model[0].save(path)  # the SplitTransformer's files only: the cross bias changed

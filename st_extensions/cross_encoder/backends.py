@@ -1,5 +1,6 @@
 """Fast CPU inference for our cross-encoders: the backbone on ONNX Runtime or OpenVINO, fp32 or int8, while pooling and
-head stay in torch (so ``predict(pairs, return_std=True)``, VarCE Eq. 22-23, works on every backend). Exports are made
+head stay in torch (so ``predict(pairs, return_std=True)``, VarCE Eq. 22-23, works on every backend); for a
+split-attention cross-encoder the backbone is its whole pair path (:class:`_SplitFunction`). Exports are made
 once, atomically, in the model folder (sentence-transformers' layout), anew when the torch weights change; details
 and why not Optimum: ``docs/varce.md`` (fast CPU inference)."""
 
@@ -607,7 +608,8 @@ def load_cross_encoder(
     """Load a saved cross-encoder (plain or :class:`~st_extensions.cross_encoder.VarCrossEncoder`) with its backbone on
     ``backend`` (``"torch"``, or ``"onnx"`` / ``"openvino"`` on CPU) in ``precision`` (``"fp32"``; ``"int8"``: onnx
     dynamic, openvino static on ``calibration_pairs``); pooling and head stay in torch (``predict(pairs,
-    return_std=True)``, Eq. 22-23). The first load exports the backbone into the (writable) model folder
+    return_std=True)``, Eq. 22-23). A split-attention model runs its pair path (lower layers on each text apart, joint
+    layers, bi-encoder path) on the runtime. The first load exports the backbone into the (writable) model folder
     (:func:`export_backbone`); ``num_threads`` defaults to ``torch.get_num_threads()``. Returns the model in eval mode
     (not saveable with a runtime backbone)."""
     backend, precision = _check_choices(backend, precision)
