@@ -312,10 +312,12 @@ def main() -> int:
     }
     write_result(a.out, result, indent=1)
     print(f"wrote {a.out}")
+    # the plots beside the JSON: varce_<plot> for the default --out, <its stem>_<plot> for another (an interim one)
+    stem = "varce" if a.out == ap.get_default("out") else os.path.splitext(os.path.basename(a.out))[0]
     for name in ("reliability.png", "risk_coverage.png"):
         plot = os.path.join(a.output, name)
         if os.path.isfile(plot):
-            shutil.copyfile(plot, os.path.join(os.path.dirname(os.path.abspath(a.out)), f"varce_{name}"))
+            shutil.copyfile(plot, os.path.join(os.path.dirname(os.path.abspath(a.out)), f"{stem}_{name}"))
     return 0
 
 
