@@ -138,8 +138,8 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
         row["chosen_on_dev"] = (row["run"], row["system"]) == chosen and row["depth"] == depth
     main = {**main, "rows": rows, "chosen_on_dev": {"run": chosen[0], "system": chosen[1], "dev": dev[chosen]}}
     main["ablation_dev"] = {f"{run}/{system}": v for (run, system), v in dev.items()}
-    main["per_query_runs"] = {run: s["per_query"] for run, s in summaries.items() if run != "main"}
     others = {run: s for run, s in summaries.items() if run != "main"}
+    main["per_query_runs"] = {run: s["per_query"] for run, s in others.items()}
     main["ablation_curves"] = {run: s.get("dev_curves", {}) for run, s in others.items()}
     main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
     main["runs_combined"] = {run: s.get("students") for run, s in summaries.items()}  # the runs and students so far
@@ -157,13 +157,18 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['system']}, J = {row['joint_layers']}, {row['training_queries']} ({row['run']})"
 
 
+def _evaluated_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows at each collection's evaluated depth (not the extra depths)."""
+    return [r for r in result["rows"] if r["depth"] == result["evaluated"][r["collection"]]["depth"]]
+
+
 def goal(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's goal, checked on the figures: the row chosen on dev against the J = 1 CE on the same rows
     (significantly above), against halfway from the bi-encoder alone to the fused teacher (in domain), and against BM25
     on each zero-shot collection (the paired difference's 95% interval above -0.02)."""
     evaluated = result["evaluated"]
     home = next(label for label, e in evaluated.items() if not e["zero_shot"])
-    rows = [r for r in result["rows"] if r["depth"] == evaluated[r["collection"]]["depth"]]
+    rows = _evaluated_rows(result)
     chosen = [r for r in rows if r["chosen_on_dev"]]
     if not chosen:
         return {"chosen": None}
@@ -198,7 +203,7 @@ def ndcg_table(result: dict[str, Any]) -> list[str]:
     the same rows / the CE of the same run); the row chosen on dev in bold."""
     evaluated = result["evaluated"]
     labels = list(evaluated)
-    rows = [r for r in result["rows"] if r["depth"] == evaluated[r["collection"]]["depth"]]
+    rows = _evaluated_rows(result)
     names = list(dict.fromkeys(_label(r) for r in rows))
     cell = {(_label(r), r["collection"]): r for r in rows}
     head = [f"{c} ({evaluated[c]['queries']} q.{', zero-shot' if evaluated[c]['zero_shot'] else ''})" for c in labels]
