@@ -69,6 +69,8 @@ import pandas as pd
 sys.path.insert(0, os.path.dirname(__file__))
 from _machine import describe, write_result  # noqa: E402
 
+from pyterrier_prob.experiments.report import MISSING  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(ROOT, "outputs", "mol-bench")
 REAL_MODEL = os.path.join(ROOT, "outputs", "mol", "models", "mol")  # the MoL model of `pyterrier-prob mol`
@@ -621,7 +623,7 @@ def markdown_table(path: str) -> str:
                 f"| {setting['n_docs']:,} | {method} | {stage} | {r['relative_hr']['10']:.3f} "
                 f"| {r['relative_hr']['100']:.3f} | {lat['median'] / 1000:.3f} s ({lat['p90'] / 1000:.2f} s) "
                 f"| {sp['median_of_per_batch_ratios']:.1f}× ({sp['paired_batches']}) "
-                + (f"| {r['memory']['bytes'] / 2**30:.2f} GiB |" if "memory" in r else "| – |")
+                + (f"| {r['memory']['bytes'] / 2**30:.2f} GiB |" if "memory" in r else f"| {MISSING} |")
             )
     return "\n".join(lines)
 

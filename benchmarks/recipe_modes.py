@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyterrier_prob.experiments.report import MISSING, cell  # noqa: E402
 
 SYSTEMS = ("mnrl", "pebr")
 MEASURES = ("nDCG@10", "R@100")
@@ -366,7 +367,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     full = {(r["device"], r["system"]): r["s_per_step"] for r in rows if r["mode"] == "full"}
 
     def fmt(v: Any, spec: str = ".4f") -> str:
-        return "–" if v is None else format(v, spec)
+        return cell(v, spec)
 
     for r in rows:
         mode = r["mode"] + (f" (top {r['train_layers']})" if r["mode"] == "partial" else "")
@@ -380,11 +381,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             mode,
             fmt(r["s_per_step"], ".3f"),
             fmt(r["s_per_step"] / ref if ref else None, ".2f"),
-            str(r.get("best_step", "–")),
+            str(r.get("best_step", MISSING)),
             fmt(dev),
             fmt(t.get("nDCG@10")),
             fmt(t.get("R@100")),
-            f"{fmt(p.get('nDCG@10'), '.2g')} / {fmt(p.get('R@100'), '.2g')}" if p else "–",
+            f"{fmt(p.get('nDCG@10'), '.2g')} / {fmt(p.get('R@100'), '.2g')}" if p else MISSING,
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

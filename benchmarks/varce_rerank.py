@@ -46,6 +46,7 @@ import sys
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pyterrier_prob.experiments.report import MISSING, cell  # noqa: E402
 
 RECIPE = [
     "--dataset", "irds:beir/nfcorpus", "--recipe", "partial",
@@ -148,7 +149,7 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
 
 
 def _p(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2g}"
+    return cell(value, ".2g")
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -215,7 +216,7 @@ def ndcg_table(result: dict[str, Any]) -> list[str]:
         for c in labels:
             r = cell.get((name, c))
             if r is None:
-                cells.append("–")
+                cells.append(MISSING)
                 continue
             ps = " / ".join(_p(r.get(k)) for k in ("p_vs_bm25", "p_vs_bi_encoder", "p_vs_j1", "p_vs_CE"))
             value = f"**{r['nDCG@10']:.4f}**" if r["chosen_on_dev"] else f"{r['nDCG@10']:.4f}"
@@ -241,7 +242,7 @@ def markdown(result: dict[str, Any]) -> str:
             out.append(f"- Against the J = 1 CE on the same rows, {g['j1']:.4f}: p = {_p(g['p_vs_j1'])} ({verdict}).")
         for label, z in g["zero_shot"].items():
             ci = z["ci95_vs_bm25"]
-            span = "–" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+            span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
             verdict = "non-inferior" if z["non_inferior"] else "not shown non-inferior"
             out.append(f"- {label}: {z['nDCG@10']:.4f}; 95% interval of (it − BM25) {span} ({verdict} at −0.02).")
     for label, systems in result.get("aurc", {}).items():
@@ -250,7 +251,7 @@ def markdown(result: dict[str, Any]) -> str:
         out.append("| re-ranker | " + " | ".join(confidences) + " | random | optimal |")
         out.append("|---|" + "---|" * (len(confidences) + 2))
         for s, t in systems.items():
-            vals = [f"{t['aurc'][c]:.4f} ({t['e_aurc'][c]:.4f})" if c in t["aurc"] else "–" for c in confidences]
+            vals = [f"{t['aurc'][c]:.4f} ({t['e_aurc'][c]:.4f})" if c in t["aurc"] else MISSING for c in confidences]
             out.append(f"| {s} | " + " | ".join(vals) + f" | {t['random']:.4f} | {t['optimal']:.4f} |")
     out += ["", "Attention between the texts per joint layer, step 0 → kept (uniform: what uniform attention gives):"]
     out += ["", "| run / student | layer | query→document | uniform | document→query | uniform |"]

@@ -18,7 +18,7 @@ from scipy.stats import spearmanr
 
 from pyterrier_prob.evaluation import paired_ci, paired_p
 from pyterrier_prob.experiments.harness import CommonConfig, Harness, option, slug, subcommand
-from pyterrier_prob.experiments.report import markdown_table
+from pyterrier_prob.experiments.report import MISSING, cell, markdown_table
 from pyterrier_prob.experiments.varce_train import Target, dev_target, folder_fingerprint, target_stage
 from pyterrier_prob.pebr.rlt import mixture_stat
 from pyterrier_prob.rerank_depth import (
@@ -294,9 +294,9 @@ def rule_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
             "nDCG@10": g["nDCG@10"].map("{:.4f}".format),
             "mean pairs": g["mean_pairs"].map("{:.1f}".format),
             "fixed-k at the same pairs": g["fixed_k_nDCG@10_at_same_pairs"].map("{:.4f}".format),
-            "p": g["p_vs_fixed_k"].map(lambda v: "–" if v is None or pd.isna(v) else f"{v:.2g}"),
+            "p": g["p_vs_fixed_k"].map(lambda v: cell(v, ".2g")),
             "95% CI vs fixed-100": g["ci95_vs_fixed100"].map(
-                lambda v: "–" if v is None else f"[{v[0]:+.4f}, {v[1]:+.4f}]"
+                lambda v: MISSING if v is None else f"[{v[0]:+.4f}, {v[1]:+.4f}]"
             ),
             "promised / kept recall": [
                 f"{r['kept_recall']:.3f}"
@@ -304,9 +304,7 @@ def rule_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
                 else f"{r['promised_recall']:g} / {r['kept_recall']:.3f}"
                 for r in rows
             ],
-            "fixed-k for the same promise": g["fixed_k_for_same_promise"].map(
-                lambda v: "–" if v is None or pd.isna(v) else f"{int(v)}"
-            ),
+            "fixed-k for the same promise": g["fixed_k_for_same_promise"].map(lambda v: cell(v, ".0f")),
             "EET (alpha -0.001, beta 1)": g["EET"].map(lambda v: f"{v['beta=1']:.4f}"),
         }
     )
@@ -319,7 +317,7 @@ def report(rows: list[dict[str, Any]], oracle: dict[str, Any], chosen: str | Non
     text = []
     for label, g in frame.groupby("collection", sort=False):
         o = oracle[label]
-        rho = ", ".join(f"{k} {'–' if v is None else f'{v:+.2f}'}" for k, v in o.get("depth_rho", {}).items())
+        rho = ", ".join(f"{k} {MISSING if v is None else f'{v:+.2f}'}" for k, v in o.get("depth_rho", {}).items())
         text += [
             "",
             f"{label}: oracle depth {o['mean_depth']:.1f} on average reaches fixed-100's {o['fixed100_nDCG@10']:.4f}; "

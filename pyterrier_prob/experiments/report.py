@@ -3,15 +3,16 @@ which models kept their untrained weights, a model's rows for its card."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
-from pyterrier_prob.experiments.splits import Data
-from pyterrier_prob.training import Recipe
+if TYPE_CHECKING:  # only the report head needs them: the table helpers stay cheap to import (benchmarks' --table)
+    from pyterrier_prob.experiments.splits import Data
 
 __all__ = [
     "cell",
@@ -39,9 +40,14 @@ def p_mark(p: float | None) -> str:
     return " *" if p is not None and np.isfinite(p) and p < 0.05 else ""
 
 
+MISSING = "—"
+"""What every report's table prints where a value is missing."""
+
+
 def cell(value: Any, fmt: str) -> str:
-    """A table's cell: ``value`` formatted with ``fmt``, "—" where it is missing (None or NaN)."""
-    return "—" if value is None or pd.isna(value) else format(value, fmt)
+    """A table's cell: ``value`` formatted with ``fmt``, :data:`MISSING` where it is missing (None, NaN or ±inf)."""
+    missing = value is None or pd.isna(value) or (isinstance(value, float) and not math.isfinite(value))
+    return MISSING if missing else format(value, fmt)
 
 
 def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:
@@ -117,6 +123,8 @@ def report_head(title: str, data: Data | None, recipes: Mapping[str, Mapping[str
         if d["notes"]:
             head += ["", *[f"- {n}" for n in d["notes"]]]
         head.append("")
+    from pyterrier_prob.training import Recipe  # torch and transformers: imported only where a report is written
+
     by_recipe: dict[str, list[str]] = {}
     for name, values in recipes.items():
         by_recipe.setdefault(Recipe.from_dict(values).describe(), []).append(name)

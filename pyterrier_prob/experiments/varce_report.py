@@ -9,6 +9,7 @@ from typing import Any
 import pandas as pd
 
 from pyterrier_prob.experiments.harness import markdown_table, measure_cell, p_mark
+from pyterrier_prob.experiments.report import MISSING, cell
 from pyterrier_prob.varce.noise import NOISE_DESCRIPTIONS
 
 __all__ = ["distill_markdown", "markdown"]
@@ -174,11 +175,6 @@ def _scoring(summary: dict[str, Any]) -> str:
     )
 
 
-def _p_or_dash(p: float | None) -> str:
-    """A p value, or ``–`` where there is none (a system against itself; NaN once the rows are a frame)."""
-    return "–" if p is None or not math.isfinite(p) else f"{p:.2g}"
-
-
 def distill_markdown(summary: dict[str, Any]) -> str:
     """The distillation run's report (``varce --teacher``): the re-ranking table at each collection's depth (nDCG@10,
     p vs BM25 / CE), the evaluated collections, the teacher's choice on dev, the students' ECE, the attention between
@@ -187,7 +183,7 @@ def distill_markdown(summary: dict[str, Any]) -> str:
     evaluated = summary["evaluated"]
     rows = rows[[d == evaluated[c]["depth"] for c, d in zip(rows["collection"], rows["depth"])]].copy()
     cells = zip(rows["nDCG@10"], rows["p_vs_bm25"], rows["p_vs_CE"])
-    rows["cell"] = [f"{v:.4f} ({_p_or_dash(a)} / {_p_or_dash(b)})" for v, a, b in cells]
+    rows["cell"] = [f"{v:.4f} ({cell(a, '.2g')} / {cell(b, '.2g')})" for v, a, b in cells]
     names = zip(rows["collection"], rows["queries"])
     rows["collection"] = [f"{c} ({n} q., top {evaluated[c]['depth']})" for c, n in names]
     table = rows.pivot_table(index="system", columns="collection", values="cell", aggfunc="first")
@@ -198,7 +194,7 @@ def distill_markdown(summary: dict[str, Any]) -> str:
         "BM25's top k re-ranked, nDCG@10 (p vs BM25 / p vs CE, paired t-tests over all queries"
         + (f"; zero-shot: {', '.join(shot)}" if shot else "") + "):",
         "",
-        markdown_table(table.fillna("–").reset_index()),
+        markdown_table(table.fillna(MISSING).reset_index()),
         "",
         f"Teacher: {teacher['model']} fused with BM25 at alpha {teacher['alpha']} (chosen on dev: "
         + ", ".join(f"{a}: {v:.4f}" for a, v in teacher["dev_nDCG@10_by_alpha"].items())
@@ -259,6 +255,6 @@ def _aurc_lines(summary: dict[str, Any]) -> list[str]:
             f"Selective prediction on {label} ({first['queries']} queries; risk 1 - nDCG@10): AURC per confidence "
             "(lower is better):",
             "",
-            markdown_table(frame.map(lambda v: f"{v:.4f}" if pd.notna(v) else "–").rename_axis("system").reset_index()),
+            markdown_table(frame.map(lambda v: cell(v, ".4f")).rename_axis("system").reset_index()),
         ]
     return text
