@@ -506,9 +506,10 @@ def test_teacher_options_that_cannot_apply_are_refused(tmp_path, small_beir):
         5e-5,
         None,
     )
+    assert cfg.dev_every == 100  # the label recipe's dev points: a tenth of its steps (a distilling run: half)
     cfg = varce.config_from_args(build_parser("varce").parse_args(["--steps", "7", "--recipe", "partial"]))
     cfg.check()  # given values stay
-    assert (cfg.recipe, cfg.steps) == ("partial", 7)
+    assert (cfg.recipe, cfg.steps, cfg.dev_every) == ("partial", 7, 3)
     for argv in (["--robust-queries", "5"], ["--negatives-from", "bm25"], ["--positive-depth", "5"]):
         with pytest.raises(ValueError, match=f"{argv[0]} does not apply under --teacher"):
             varce_distill.check_options(config(*partial_, *argv))

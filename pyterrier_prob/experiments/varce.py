@@ -20,6 +20,7 @@ from pyterrier_prob.experiments.varce_train import (
     BASELINE,
     Target,
     Trained,
+    dev_every,
     dev_target,
     recipe_summary,
     score_fingerprint,
@@ -193,8 +194,8 @@ class VarceJobConfig(CommonConfig):
         for name, value in RECIPE_DEFAULTS[distils].items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
-        if distils and self.dev_every is None and self.steps:  # a short run's few dev points
-            self.dev_every = max(1, self.steps // 2)
+        if self.dev_every is None and self.steps:  # varce_train.dev_every's rule, shown in the run's settings
+            self.dev_every = dev_every(self)
         super().check()
         lowest = {"negatives": 1, "pool_depth": 1, "depth": 1, "max_queries": 1, "robust_queries": 0}
         lowest |= {"robust_depth": 1, "ood_queries": 0, "ood_depth": 1, "inference_batch_size": 1}

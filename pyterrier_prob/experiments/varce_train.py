@@ -194,7 +194,9 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def dev_every(cfg: VarceJobConfig) -> int:
-    return cfg.dev_every or max(1, cfg.steps // 10)
+    """Steps between dev points: ``--dev-every``, else a tenth of the steps (a distilling run: half of them, a short
+    run's few dev points). The one rule: :meth:`VarceJobConfig.check` fills the option from it."""
+    return cfg.dev_every or max(1, cfg.steps // (2 if cfg.distils else 10))
 
 
 def dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | None:
