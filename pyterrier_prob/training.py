@@ -99,7 +99,8 @@ def head_learning_rates(
     default: float | None = None,
 ) -> dict[str, float]:
     """``learning_rate_mapping`` for the trainer: every parameter of a module that declares a ``learning_rate`` (the
-    modules our builders add) trains at that rate, at ``default``, or at ``by_class[<class name>]`` (0: kept as built);
+    modules our builders add) trains at that rate, at ``default``, or at ``by_class[<class name>]`` (0: kept as built),
+    times the module's ``parameter_rate_scales`` for a child module's parameters (e.g. a VarCE head's mean branch);
     keys are exact parameter names as the trainer sees them (through ``loss``)."""
     heads = [m for m in model.modules() if isinstance(getattr(type(m), "learning_rate", None), float)]
     by_class, declared = dict(by_class or {}), sorted({type(m).__name__ for m in heads})
@@ -108,6 +109,9 @@ def head_learning_rates(
     rates: dict[int, float] = {}
     for m in heads:
         lr = by_class.get(type(m).__name__, type(m).learning_rate if default is None else default)
+        for child, scale in dict(getattr(m, "parameter_rate_scales", None) or {}).items():
+            for p in getattr(m, child).parameters():
+                rates.setdefault(id(p), float(lr) * float(scale))
         for p in m.parameters():
             rates.setdefault(id(p), float(lr))
     return {f"^{re.escape(n)}$": rates[id(p)] for n, p in loss.named_parameters() if id(p) in rates}

@@ -163,6 +163,23 @@ def test_harness_training_stops_on_patience_and_keeps_the_best_steps_weights(sma
     assert curve["measure"] == "nDCG@10" and curve["evaluations"] == 3
 
 
+def test_resume_continues_only_checkpoints_of_the_same_settings(tmp_path):
+    """``--resume`` trusts a run folder without ``settings.json`` (as before), continues one made with the same
+    settings, and trains afresh (checkpoints dropped by ``fine_tune(resume=False)``) after the settings changed, e.g.
+    a head's learning rate that the recipe does not hold."""
+    from pyterrier_prob.experiments.harness import CommonConfig, Harness
+
+    h = Harness("t", CommonConfig(output=str(tmp_path / "o"), quiet=True))
+    wanted = {"variant": "MEANVAR", "mean_branch_rate": "head rate / width"}
+    assert h._resumable("m", wanted)  # no settings.json yet: trusted
+    saved = tmp_path / "o" / "runs" / "m" / "settings.json"
+    assert json.loads(saved.read_text()) == wanted
+    assert h._resumable("m", dict(wanted))
+    assert not h._resumable("m", {"variant": "MEANVAR"})  # the head's rate changed: afresh
+    assert json.loads(saved.read_text()) == {"variant": "MEANVAR"}
+    assert h._resumable("m", {"variant": "MEANVAR"})
+
+
 def test_dev_options_are_checked():
     from pyterrier_prob.experiments.harness import CommonConfig
 

@@ -776,3 +776,46 @@ def test_kernel_pooling_brute_force_and_kernel_student_starts_as_the_bi_encoder(
     np.testing.assert_allclose(load_model(str(tmp_path / "k")).predict(PAIRS), before, atol=1e-5)
     with pytest.raises(ValueError, match="bi_encoder_path=True"):
         build_split_cross_encoder(minilm_path, joint_feature="kernels")
+
+
+def test_meanvar_mean_branch_trains_at_the_head_rate_over_its_width(minilm_path, tmp_path):
+    """A kernel MEANVAR student's identity-started mean branch trains at the head's rate / width (``mean_branch_rate``,
+    saved with the head): one Adam step moves its effective kernel weights (decoder @ mean branch) by about the head's
+    rate, as a CE's linear head moves, where the branch at the head's own rate moves them by ~width times that."""
+    from pyterrier_prob.training import head_learning_rates
+
+    lr = 1e-3
+
+    def effective_kernel_step(model) -> float:
+        head = model[2]
+        loss = VariationalMarginMSELoss(model)
+        by_name = dict(loss.named_parameters())
+        mapping = head_learning_rates(model, loss)
+        groups = [{"params": [by_name[k[1:-1].replace("\\", "")]], "lr": v} for k, v in mapping.items()]
+        opt = torch.optim.Adam(groups)
+
+        def eff() -> torch.Tensor:
+            return (head.decoder.weight @ head.mean_branch.weight)[0, 384:].detach().clone()
+
+        before = eff()
+        rows = [[PAIRS[0][0], PAIRS[2][0]], [PAIRS[0][1], PAIRS[2][1]], [PAIRS[1][1], PAIRS[0][1]]]
+        loss(rows, torch.tensor([[2.0, -1.0], [0.5, 1.5]])).backward()
+        opt.step()
+        return float((eff() - before).abs().max()), mapping
+
+    torch.manual_seed(0)
+    model = build_split_cross_encoder(minilm_path, bi_encoder_path=True, joint_feature="kernels", variant="MEANVAR")
+    width = model[1].get_embedding_dimension()
+    assert model[2].mean_branch_rate == pytest.approx(1.0 / width)
+    step, mapping = effective_kernel_step(model)
+    rates = {k[1:-1].replace("\\", ""): v for k, v in mapping.items()}
+    assert sorted(v for k, v in rates.items() if ".mean_branch." in k) == pytest.approx([lr / width] * 2)
+    assert sorted(v for k, v in rates.items() if ".decoder." in k or ".var_branch." in k) == [lr] * 4
+    assert step <= 2.5 * lr  # the decoder's own step (lr) + the branch's (lr / width a weight, over width): 1.95 here
+    torch.manual_seed(0)  # the rate before: each of the branch's width weights moves by lr
+    fresh = build_split_cross_encoder(minilm_path, bi_encoder_path=True, joint_feature="kernels", variant="MEANVAR")
+    fresh[2].mean_branch_rate = 1.0
+    assert effective_kernel_step(fresh)[0] > 50 * lr  # 1 + width (385) times lr here
+    model.save(str(tmp_path / "mv"))
+    assert load_model(str(tmp_path / "mv"))[2].mean_branch_rate == pytest.approx(1.0 / width)
+    assert not build_split_cross_encoder(minilm_path, variant="VAR")[2].parameter_rate_scales

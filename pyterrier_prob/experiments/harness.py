@@ -216,7 +216,8 @@ class Harness:
             own_cache = recipe.caches_features and encoder_cache is None
             rows = data()  # before the loss: a loss may use what the rows' making found (e.g. the judged pairs)
             rate, training_loss = StepRate(), loss(model)
-            run = {"output_dir": self.path("runs", name), "resume": self.cfg.resume, "show_progress": self.verbose}
+            resume = self._resumable(name, wanted) and self.cfg.resume  # (writes the settings in any case)
+            run = {"output_dir": self.path("runs", name), "resume": resume, "show_progress": self.verbose}
             run["encoder_cache"] = self.encoder_cache(model) if own_cache else encoder_cache
             run["state_cache"] = self.state_cache_path(recipe, model) if recipe.caches_states else None
             losses = fine_tune(
@@ -263,6 +264,19 @@ class Harness:
             wanted |= {"held_out_dev": self._held_out} if self._held_out else {}
         self._model_settings[name] = json.loads(json.dumps({**wanted, **(settings or {})}, default=str))
         return self._model_settings[name]
+
+    def _resumable(self, name: str, wanted: dict[str, Any]) -> bool:
+        """Whether ``--resume`` may continue ``runs/<name>``'s checkpoints: they were made with the ``wanted`` settings
+        (``runs/<name>/settings.json``, written here; a folder without one is trusted as before). Checkpoints of other
+        settings (another head, rows or teacher under the same recipe) are dropped and the model trains afresh."""
+        run_dir = self.path("runs", name)
+        saved = read_if_present(os.path.join(run_dir, "settings.json"))
+        if saved is not None and saved != wanted and self.verbose:
+            changed = sorted(k for k in {*saved, *wanted} if saved.get(k) != wanted.get(k))
+            print(f"{name}: its checkpoints were made with other settings ({', '.join(changed)}): training afresh")
+        make_dirs(run_dir)
+        atomic_write(os.path.join(run_dir, "settings.json"), json.dumps(wanted, indent=1))
+        return saved is None or saved == wanted
 
     def _reused_model(self, name: str, wanted: dict[str, Any]) -> tuple[Any, list[float]] | None:
         """With ``--reuse``: the saved model ``name`` and its losses when it was made with the ``wanted`` settings."""

@@ -339,6 +339,7 @@ def train_students(
         curve = None if dev is None else DevCurve(dev_every(cfg), dev, path, patience=cfg.patience)
         loss = MarginMSELoss if variant is None else partial(VariationalMarginMSELoss, beta=cfg.beta)
         settings = {**base, "variant": variant} | ({"beta": cfg.beta} if variant else {})
+        settings |= {"mean_branch_rate": "head rate / width"} if variant == "MEANVAR" else {}  # (before: the head's)
         settings |= {"input_score": INPUT_SCORE} if score else {}
         shape = (layers, cfg.init_cross_bias, cfg.score_scale, score, cfg.score_from)
         build = partial(_student, folder, variant, cfg.max_seq_length, *shape)

@@ -26,11 +26,14 @@ class VariationalHead(SafetensorsModule):
     Eq. 22) and ``score_var`` (``W^T Sigma W``, Eq. 23). log Sigma (in ``MEAN`` the embedding itself) is clamped to
     ``[min_log_var, max_log_var]``; the variance branch starts at zero weights and bias ``init_log_var`` (Sigma = I).
     ``variant``: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"``; ``latent_dim`` K must equal ``in_features`` except for
-    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate)."""
+    ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate). ``mean_branch_rate``: the
+    mean branch's learning rate as a multiple of the head's (:attr:`parameter_rate_scales`; a mean branch started as
+    the identity trains at the head's rate divided by its width, so that E[s] moves per step as a linear head's does:
+    Adam moves every weight by about the rate, and the identity-started branch sums ``in_features`` of them)."""
 
     config_keys: list[str] = [
         "in_features", "variant", "latent_dim", "bias", "init_log_var", "min_log_var", "max_log_var",
-        "module_input_name",
+        "module_input_name", "mean_branch_rate",
     ]  # fmt: skip
     #: this head's :attr:`SafetensorsModule.learning_rate` (chosen by ``benchmarks/recipe_search.py`` as the default)
     learning_rate: float = 1e-3
@@ -45,8 +48,10 @@ class VariationalHead(SafetensorsModule):
         min_log_var: float = -20.0,
         max_log_var: float = 10.0,
         module_input_name: str = "sentence_embedding",
+        mean_branch_rate: float = 1.0,
     ) -> None:
         super().__init__()
+        self.mean_branch_rate = finite_float("mean_branch_rate", mean_branch_rate, low=0.0)
         positive_int("in_features", in_features)
         canonical = str(variant).upper().replace("-", "").replace("_", "")
         canonical = {"VARM": "VAR", "MEANVARM": "MEANVAR", "MEANM": "MEAN"}.get(canonical, canonical)
@@ -74,6 +79,11 @@ class VariationalHead(SafetensorsModule):
             nn.init.zeros_(self.var_branch.weight)
             nn.init.constant_(self.var_branch.bias, self.init_log_var)
         self.decoder = nn.Linear(latent_dim, 1, bias=self.bias)
+
+    @property
+    def parameter_rate_scales(self) -> dict[str, float]:
+        """Child module -> multiple of this head's rate (:func:`pyterrier_prob.training.head_learning_rates`)."""
+        return {"mean_branch": self.mean_branch_rate} if self.mean_branch is not None else {}
 
     def distribution(self, cls_embedding: Tensor) -> tuple[Tensor, Tensor]:
         """``(mu, diag Sigma)``, each ``(batch, K)``, of p(z | t) (Eq. 3) for [CLS] embeddings ``(batch, d)``."""

@@ -426,7 +426,8 @@ def build_split_cross_encoder(
     of that bi-encoder path plus a linear term of the joint layers' feature whose weights start at 0, so the model
     starts exactly as the bi-encoder while its joint layers attend across the pair from the first step (the residual
     a cross-encoder adds to the bi-encoder is what trains); its feature carries ``scale`` and the head's weights start
-    at 1 (bi-encoder path) and 0 (joint), so that the head's optimiser steps are small beside its weights;
+    at 1 (bi-encoder path) and 0 (joint), so that the head's optimiser steps are small beside its weights (a MEANVAR's
+    mean branch starts as the identity and trains at the head's rate divided by its width, ``mean_branch_rate``);
     ``joint_feature``: what the joint layers' term reads, ``"cosine"`` (their pooled segments' product) or
     ``"kernels"`` (:class:`KernelInteraction`: kernel pooling of each joint layer's token similarities; needs
     ``bi_encoder_path``)."""
@@ -455,6 +456,8 @@ def build_split_cross_encoder(
         decoder, mean_branch, model_class = head.linear, None, CrossEncoder
     else:
         head = VariationalHead(features, variant=variant, init_log_var=init_log_var)
+        if head.mean_branch is not None:  # started as the identity (below): the head's rate / width (VariationalHead)
+            head.mean_branch_rate = 1.0 / features
         decoder, mean_branch, model_class = head.decoder, head.mean_branch, VarCrossEncoder
     with torch.no_grad():
         decoder.weight.fill_(scale / interaction.scale)
