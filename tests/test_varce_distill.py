@@ -819,3 +819,21 @@ def test_meanvar_mean_branch_trains_at_the_head_rate_over_its_width(minilm_path,
     model.save(str(tmp_path / "mv"))
     assert load_model(str(tmp_path / "mv"))[2].mean_branch_rate == pytest.approx(1.0 / width)
     assert not build_split_cross_encoder(minilm_path, variant="VAR")[2].parameter_rate_scales
+
+
+def test_a_model_folders_fingerprint_ignores_its_card(tmp_path):
+    """``--teacher FOLDER``'s fingerprint (what decides ``--reuse``) stays when a run rewrites the model card with its
+    figures, and changes when a file of the model changes."""
+    import os
+
+    from pyterrier_prob.experiments.varce_train import folder_fingerprint
+
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "README.md").write_text("card")
+    before = folder_fingerprint(str(tmp_path), 128)
+    os.utime(tmp_path / "README.md", (1e9, 1e9))
+    (tmp_path / "README.md").write_text("card with a run's figures")
+    assert folder_fingerprint(str(tmp_path), 128) == before
+    assert folder_fingerprint(str(tmp_path), 256) != before
+    os.utime(tmp_path / "model.safetensors", (1e9, 1e9))
+    assert folder_fingerprint(str(tmp_path), 128) != before

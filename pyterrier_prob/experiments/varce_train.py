@@ -322,9 +322,14 @@ def settings_fingerprint(h: Harness, name: str) -> str | None:
     return _digest(read_json(path).get("settings"))
 
 
+#: A saved model's card (:func:`st_extensions.model_card.set_card_figures` rewrites it), not part of what it computes.
+MODEL_CARD = "README.md"
+
+
 def folder_fingerprint(folder: str, max_seq_length: int) -> str:
-    """What identifies a model given as a folder: its real path, its files' modification times and the token budget."""
-    stamp = [(f, os.path.getmtime(os.path.join(folder, f))) for f in sorted(os.listdir(folder))]
+    """What identifies a model given as a folder: its real path, its files' modification times and the token budget.
+    The model card (``README.md``) is left out: every run that uses a model of ours writes its figures into it."""
+    stamp = [(f, os.path.getmtime(os.path.join(folder, f))) for f in sorted(os.listdir(folder)) if f != MODEL_CARD]
     return _digest([os.path.realpath(folder), max_seq_length, stamp])
 
 
