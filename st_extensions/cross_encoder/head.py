@@ -27,9 +27,10 @@ class VariationalHead(SafetensorsModule):
     ``[min_log_var, max_log_var]``; the variance branch starts at zero weights and bias ``init_log_var`` (Sigma = I).
     ``variant``: ``"VAR"``, ``"MEANVAR"`` or ``"MEAN"``; ``latent_dim`` K must equal ``in_features`` except for
     ``MEANVAR``; ``bias``: a decoder bias (not in Eq. 8; lets BCE fit the base rate). ``mean_branch_rate``: the
-    mean branch's learning rate as a multiple of the head's (:attr:`parameter_rate_scales`; a mean branch started as
-    the identity trains at the head's rate divided by its width, so that E[s] moves per step as a linear head's does:
-    Adam moves every weight by about the rate, and the identity-started branch sums ``in_features`` of them)."""
+    mean branch's learning rate as a multiple of the head's (:attr:`parameter_rate_scales`). The split students start
+    their mean branch as the identity and set it to 1 / ``in_features``, so that E[s] moves per step as a linear
+    head's does: Adam moves every weight by about the rate, and E[s]'s weight on a feature sums ``in_features`` of
+    the branch's."""
 
     config_keys: list[str] = [
         "in_features", "variant", "latent_dim", "bias", "init_log_var", "min_log_var", "max_log_var",
