@@ -50,14 +50,8 @@ def main() -> None:
         rs = slice(b * a.batch_size, (b + 1) * a.batch_size)
         inputs = [[texts[i] for i in idx[rs, j]] for j in range(idx.shape[1])]
         labels = torch.tensor(label[rs]).float()
-        moments = [loss.moments(list(zip(inputs[0], docs))) for docs in inputs[1:]]
-        mean, var, _ = (torch.stack(m, dim=1) for m in zip(*moments))
-        margin, target = mean[:, :1] - mean[:, 1:], labels[:, :1] - labels[:, 1:]
-        spread = (var[:, :1] + var[:, 1:]).clamp_min(1e-8)
-        terms = {
-            "mse": (margin - target).pow(2).mean(),  # the loss's own terms (VariationalMarginMSELoss.forward)
-            "nll": 0.5 * ((margin.detach() - target).pow(2) / spread + torch.log(spread)).mean(),
-        }
+        terms = loss.terms(inputs, labels)  # the loss's own terms, unweighted
+        terms = {"mse": terms["margin_mse"], "nll": terms["nll"]}
         grads = {}
         for t, term in terms.items():
             gs = torch.autograd.grad(term, [p for _, p in params], retain_graph=True, allow_unused=True)

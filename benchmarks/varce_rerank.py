@@ -206,7 +206,7 @@ def ndcg_table(result: dict[str, Any]) -> list[str]:
     labels = list(evaluated)
     rows = _evaluated_rows(result)
     names = list(dict.fromkeys(_label(r) for r in rows))
-    cell = {(_label(r), r["collection"]): r for r in rows}
+    by_cell = {(_label(r), r["collection"]): r for r in rows}
     head = [f"{c} ({evaluated[c]['queries']} q.{', zero-shot' if evaluated[c]['zero_shot'] else ''})" for c in labels]
     out = ["nDCG@10 on BM25's top 100 (p vs BM25 / vs the bi-encoder alone / vs the J = 1 CE on the same rows / vs "
            "the CE of the same run; paired t-tests; **bold**: the row chosen on dev):", "",
@@ -214,7 +214,7 @@ def ndcg_table(result: dict[str, Any]) -> list[str]:
     for name in names:
         cells = []
         for c in labels:
-            r = cell.get((name, c))
+            r = by_cell.get((name, c))
             if r is None:
                 cells.append(MISSING)
                 continue

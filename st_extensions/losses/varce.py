@@ -149,6 +149,17 @@ class VariationalMarginMSELoss(_VarCELoss):
     def forward(
         self, inputs: list[list[str]], labels: Tensor, prompt: str | None = None, task: str | None = None
     ) -> Tensor:
+        terms = self.terms(inputs, labels, prompt, task)
+        loss = terms["margin_mse"]
+        if self.nll_weight:
+            loss = loss + self.nll_weight * terms["nll"]
+        return loss + self.beta * terms["kl"] if self.beta else loss
+
+    def terms(
+        self, inputs: list[list[str]], labels: Tensor, prompt: str | None = None, task: str | None = None
+    ) -> dict[str, Tensor]:
+        """The loss's terms, unweighted: ``margin_mse``, ``nll`` (the teacher margin's Gaussian NLL, training the
+        variance only) and ``kl`` (mean KL); :meth:`forward` is ``margin_mse + nll_weight * nll + beta * kl``."""
         if len(inputs) < 3:
             raise ValueError(
                 f"VariationalMarginMSELoss expects (query, document_0, document_1, ...), got {len(inputs)}"
@@ -166,12 +177,10 @@ class VariationalMarginMSELoss(_VarCELoss):
         mean, var, kl = (torch.stack(m, dim=1) for m in zip(*moments))  # each (B, n+1)
         margin = mean[:, :1] - mean[:, 1:]
         target = labels[:, :1] - labels[:, 1:]
-        loss = (margin - target).pow(2).mean()
-        if self.nll_weight:
-            spread = (var[:, :1] + var[:, 1:]).clamp_min(1e-8)
-            residual = (margin.detach() - target).pow(2)
-            loss = loss + self.nll_weight * 0.5 * (residual / spread + torch.log(spread)).mean()
-        return loss + self.beta * kl.mean() if self.beta else loss
+        spread = (var[:, :1] + var[:, 1:]).clamp_min(1e-8)
+        residual = (margin.detach() - target).pow(2)
+        nll = 0.5 * (residual / spread + torch.log(spread)).mean()
+        return {"margin_mse": (margin - target).pow(2).mean(), "nll": nll, "kl": kl.mean()}
 
     def get_config_dict(self) -> dict[str, Any]:
         return {"beta": self.beta, "nll_weight": self.nll_weight}
