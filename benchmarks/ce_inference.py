@@ -10,9 +10,10 @@ The pairs are BM25's top ``--depth`` (PISA) for ``--queries`` seeded test querie
 same pairs for every model and configuration. What is measured:
 
 * effectiveness: every configuration scores all the pairs once (this is also its warm-up); the re-ranked run's
-  nDCG@10 (ir_measures, judged test queries) and its relative change against torch fp32 of the same model on the same
-  queries, and how closely the scores follow torch fp32's (Spearman, largest difference; for a VarCrossEncoder the
-  expected score E[s] ranks, Eq. 22, and std[s], Eq. 23, is compared as well);
+  nDCG@10 (ir_measures, judged test queries; per query in the JSON) and its relative change against torch fp32 of the
+  same model on the same queries, with the paired t-test's p and the 95% interval of the per-query difference, and how
+  closely the scores follow torch fp32's (Spearman, largest difference; for a VarCrossEncoder the expected score
+  E[s] ranks, Eq. 22, and std[s], Eq. 23, is compared as well);
 * speed: the first ``--max-pairs`` pairs (default all) are scored ``--repeats`` times, every configuration of every
   model once per round, in rotating order (interleaved, so that a slow phase of the machine hits all of them alike);
   pairs/s is the median over rounds, and the speedup the median over rounds of torch fp32's time / the
@@ -149,12 +150,23 @@ def score(model: Any, pairs: list[tuple[str, str]], batch_size: int) -> tuple[np
 
 
 def ndcg10(cand: Any, scores: np.ndarray, qrels: Any) -> float:
+    """The run's nDCG@10 (ir_measures' aggregate over the judged queries)."""
     import ir_measures
     from ir_measures import nDCG
 
     run = cand[["qid", "docno"]].rename(columns={"qid": "query_id", "docno": "doc_id"}).assign(score=scores)
     qrels = qrels.rename(columns={"qid": "query_id", "docno": "doc_id", "label": "relevance"})
     return float(ir_measures.calc_aggregate([nDCG @ 10], qrels, run)[nDCG @ 10])
+
+
+def ndcg10_per_query(cand: Any, scores: np.ndarray, qrels: Any) -> dict[str, float]:
+    """The run's nDCG@10 per judged query (ir_measures), for the paired test against torch fp32."""
+    import ir_measures
+    from ir_measures import nDCG
+
+    run = cand[["qid", "docno"]].rename(columns={"qid": "query_id", "docno": "doc_id"}).assign(score=scores)
+    qrels = qrels.rename(columns={"qid": "query_id", "docno": "doc_id", "label": "relevance"})
+    return {m.query_id: float(m.value) for m in ir_measures.iter_calc([nDCG @ 10], qrels, run)}
 
 
 def export_record(path: str, backend: str, precision: str) -> dict | None:
@@ -211,9 +223,12 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:
         ap.error(str(e))
 
+    import pandas as pd
     import torch
     from transformers.utils import logging as hf_logging
 
+    from pyterrier_prob.evaluation import paired_ci, paired_p
+    from pyterrier_prob.experiments.report import cell
     from st_extensions.cross_encoder import load_cross_encoder
 
     hf_logging.set_verbosity_error()
@@ -272,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["scored_pairs"] = len(pairs)
             row["score_all_s"] = time.perf_counter() - t0
             row["ndcg10"] = ndcg10(cand, full[key][0], data["qrels"])
+            row["ndcg10_per_query"] = ndcg10_per_query(cand, full[key][0], data["qrels"])
             print(
                 f"  {name} {backend} {precision}: nDCG@10 {row['ndcg10']:.4f} ({row['score_all_s']:.1f} s)", flush=True
             )
@@ -284,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
         mean, std = full[key]
         ref_ndcg = rows[base]["ndcg10"]
         row["ndcg10_rel_change"] = (row["ndcg10"] - ref_ndcg) / ref_ndcg if ref_ndcg else None
+        ours, ref = pd.Series(row["ndcg10_per_query"]), pd.Series(rows[base]["ndcg10_per_query"])
+        row["ndcg10_p_vs_torch_fp32"] = None if key == base else paired_p(ours, ref)  # paired t-test over the queries
+        row["ndcg10_ci95_vs_torch_fp32"] = None if key == base else paired_ci(ours, ref)
         row["score_spearman_vs_torch_fp32"] = _spearman(ref_mean, mean)
         row["score_max_abs_diff_vs_torch_fp32"] = float(np.abs(ref_mean - mean).max()) if len(mean) else None
         if std is not None and ref_std is not None:
@@ -342,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
         change = row["ndcg10_rel_change"]
         print(
             f"{label} {row['pairs_per_s']:8.1f} pairs/s  x{speed:.2f} vs torch fp32  nDCG@10 {row['ndcg10']:.4f} "
-            f"({change:+.2%})"
+            f"({change:+.2%}, p {cell(row.get('ndcg10_p_vs_torch_fp32'), '.2g')})"
             if speed is not None and change is not None
             else f"{label} {row['pairs_per_s']:8.1f} pairs/s  nDCG@10 {row['ndcg10']:.4f}"
         )
