@@ -143,6 +143,7 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
     main["per_query_runs"] = {run: s["per_query"] for run, s in others.items()}
     main["ablation_curves"] = {run: s.get("dev_curves", {}) for run, s in others.items()}
     main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
+    main["ablation_lexical_share"] = {run: s.get("lexical_share", {}) for run, s in others.items()}
     main["runs_combined"] = {run: s.get("students") for run, s in summaries.items()}  # the runs and students so far
     main["goal"] = goal(main)
     return main
@@ -227,7 +228,7 @@ def ndcg_table(result: dict[str, Any]) -> list[str]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The tables docs/varce.md shows, from ``varce_rerank.json``: :func:`ndcg_table`, the goal, AURC per collection,
-    the attention mass between the texts and the dev curves."""
+    the attention mass between the texts, how far each ranker follows BM25 and the dev curves."""
     out = ndcg_table(result)
     g = goal(result)
     if g["chosen"] is not None:
@@ -266,6 +267,20 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {kept['uniform_query_to_document']:.3f} | {first['document_to_query']:.3f} → "
                 f"{kept['document_to_query']:.3f} | {kept['uniform_document_to_query']:.3f} |"
             )
+    shares = {("main", n): {c: v[n] for c, v in result.get("lexical_share", {}).items() if n in v}
+              for n in dict.fromkeys(n for v in result.get("lexical_share", {}).values() for n in v)}  # fmt: skip
+    for run, summary in result.get("ablation_lexical_share", {}).items():
+        names = dict.fromkeys(n for v in summary.values() for n in v if not n.startswith("Teacher"))
+        shares |= {(run, n): {c: v[n] for c, v in summary.items() if n in v} for n in names}
+    if shares:
+        labels = list(evaluated := result["evaluated"])
+        out += ["", "What each ranker follows: BM25's share of the least-squares weights of its per-query z-scores on"
+                " BM25's and the teacher bi-encoder's (R^2):", ""]  # fmt: skip
+        out += ["| run / ranker | " + " | ".join(labels) + " |", "|---|" + "---|" * len(evaluated)]
+        for (run, n), by in shares.items():
+            got = [by.get(c) for c in labels]
+            cells = [MISSING if g is None else f"{cell(g['bm25_share'], '.3f')} ({cell(g['r2'], '.2f')})" for g in got]
+            out.append(f"| {run}/{n} | " + " | ".join(cells) + " |")
     out += ["", "Dev curves (nDCG@10 by step; best kept):", ""]
     curves = {("main", s): c for s, c in result.get("dev_curves", {}).items()}
     for run, summary in result.get("ablation_curves", {}).items():

@@ -305,6 +305,22 @@ def test_teacher_in_student_units_ranks_as_the_fused_teacher_and_starts_at_the_s
         distill.teacher_in_student_units(pool, 0.0, 10.0)
 
 
+def test_lexical_share_closed_forms():
+    """Within each query z(bm25) and z(dense) are orthogonal with equal norms, so z(a z_b + b z_d) = (a z_b + b z_d) /
+    sqrt(a^2 + b^2) in every query and the least-squares weights are exactly (a, b) / sqrt(a^2 + b^2), r2 1."""
+    b, d = np.array([1.0, -1.0, 1.0, -1.0]), np.array([1.0, 1.0, -1.0, -1.0])  # orthogonal, mean 0, sd 1
+    frame = pd.DataFrame({"qid": np.repeat(["1", "2"], 4), "bm25": np.r_[b, 5 + 2 * b], "dense": np.r_[d, 0.3 * d]})
+    zb, zd = np.r_[b, b], np.r_[d, d]
+    for a, c in ((3.0, 4.0), (1.0, 0.0), (0.0, 2.0), (-1.0, 1.0)):
+        got = distill.lexical_share(frame, 7.0 + a * zb + c * zd)  # an offset changes no z-score
+        norm = np.hypot(a, c)
+        assert got["w_bm25"] == pytest.approx(a / norm) and got["w_dense"] == pytest.approx(c / norm)
+        assert got["r2"] == pytest.approx(1.0) and got["bm25_share"] == pytest.approx(abs(a) / (abs(a) + abs(c)))
+    noise = distill.lexical_share(frame, np.r_[b * d, b * d])  # orthogonal to both halves
+    assert noise["r2"] == pytest.approx(0.0, abs=1e-12)
+    assert np.isnan(distill.lexical_share(frame, np.ones(8))["bm25_share"])  # nothing to explain
+
+
 def test_choose_teacher_picks_the_better_signal():
     # query 1: BM25 puts the relevant doc last, the dense score first -> alpha 1 is best
     pool = pd.DataFrame({"qid": ["1"] * 3, "docno": ["r", "x", "y"], "bm25": [1.0, 5.0, 4.0], "dense": [0.9, 0.1, 0.2]})
@@ -584,6 +600,11 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
         assert 0.1 * mass["step_0"][0]["uniform_query_to_document"] < mass["step_0"][0]["query_to_document"] < 1
     by_alpha = {float(a): v for a, v in summary["teacher"]["dev_nDCG@10_by_alpha"].items()}
     alpha = summary["teacher"]["alpha"]
+    fused = f"Teacher (bi-encoder + BM25, alpha {alpha})"
+    assert list(summary["lexical_share"]) == list(summary["evaluated"])  # how far each ranker follows BM25
+    for shares in summary["lexical_share"].values():
+        assert list(shares) == [fused, *STUDENTS]
+        assert all(0 <= v["r2"] <= 1 + 1e-12 and 0 <= v["bm25_share"] <= 1 for v in shares.values())
     best = max(by_alpha.values())
     assert alpha == min(a for a, v in by_alpha.items() if v == best)  # the best on dev, ties to the smaller
     systems = ["BM25", "Teacher (bi-encoder)", f"Teacher (bi-encoder + BM25, alpha {alpha})", *STUDENTS]
@@ -619,6 +640,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     assert "Recipe of distilled-CE, distilled-VarCE-MEANVAR, distilled-VarCE-VAR: **partial**" in report
     assert f"zero-shot: {ood}" in report and "chosen on dev (" in report and "chosen on dev: each student's" in report
     assert f"Selective prediction on {ood} (" in report and "- VarCE-VAR (" in report  # AURCs, attention mass
+    assert f"| {fused} | {summary['lexical_share'][str(folder)][fused]['bm25_share']:.3f} (" in report
     assert f"pseudo-queries: {sum(pseudo['queries'].values())} cut from" in report
     teacher_files = sorted(p.name.rsplit("-", 1)[0] for p in (out / "teacher").rglob("*.npy"))
     assert teacher_files == sorted([f"{slug(str(f), '_')}-{w}" for f in (folder, ood) for w in ("docs", "queries")]
@@ -633,7 +655,7 @@ def test_teacher_run_end_to_end(small_beir, small_beir_no_train_no_dev, minilm_p
     again = json.loads((out / "summary.json").read_text())
     assert not [k for k in again["timings_s"] if k.startswith("train_")]  # nothing trained again
     for key in ("rows", "dev_curves", "teacher", "calibration", "uncertainty", "dev_candidates", "kept_untrained",
-                "cross_attention_mass", "aurc", "std_shift"):  # fmt: skip
+                "cross_attention_mass", "aurc", "std_shift", "lexical_share"):  # fmt: skip
         assert_same_figures(again[key], summary[key])
     assert again["train_steps_per_s"] == summary["train_steps_per_s"]  # a reused student reports its training's
     assert {p.name: p.stat().st_mtime_ns for p in mc_files} == stamps  # the MC-dropout passes were not run again

@@ -21,6 +21,7 @@ QIDS = [f"q{i}" for i in range(6)]
 FUSED = "Teacher (bi-encoder + BM25, alpha 0.8)"
 MASS = {"layer": 4, "query_to_document": 0.5, "document_to_query": 0.2}
 MASS |= {"uniform_query_to_document": 0.9, "uniform_document_to_query": 0.1}
+SHARE = {"w_bm25": 0.1, "w_dense": 0.3, "r2": 0.8, "bm25_share": 0.25}
 AURC = {"aurc": {"score (top 10)": 0.5}, "e_aurc": {"score (top 10)": 0.1}, "random": 0.6, "optimal": 0.4}
 
 
@@ -55,6 +56,9 @@ def _summary(systems: dict[str, tuple[int | None, list[float], float | None]]) -
         "evaluated": {c: {"depth": 100, "zero_shot": c == OOD, "queries": 6} for c in (HOME, OOD)},
         "cross_attention_mass": {n: {"step_0": [MASS], "kept": [MASS]} for n, (j, _, _) in systems.items() if j},
         "aurc": {HOME: {"CE": AURC}},
+        "lexical_share": {
+            c: {n: SHARE for n in systems if n != "BM25" and n != "Teacher (bi-encoder)"} for c in (HOME,)
+        },
     }
 
 
@@ -86,7 +90,7 @@ def test_combine_p_vs_j1_the_row_chosen_on_dev_and_the_goal(tmp_path):
         "CE": (2, ce2, 0.31), "VarCE-VAR": (2, [0.5] * 6, 0.30),
         "CE (score as text)": (2, [0.9] * 6, 0.99),  # never the chosen row, however high on dev
     }))  # fmt: skip
-    _write(f"{out}-j1-pseudo", _summary({"BM25": (None, bm25, None), "CE": (1, ce1, 0.5)}))
+    _write(f"{out}-j1-pseudo", _summary({"BM25": (None, bm25, None), FUSED: (None, fused, None), "CE": (1, ce1, 0.5)}))
     _write(f"{out}-j3-pseudo", _summary({"CE": (3, [0.1] * 6, 0.31)}))  # ties main's CE on dev: main comes first
     combined = varce_rerank.combine(out, list(varce_rerank.RUNS))
     rows = {(r["run"], r["system"], r["collection"], r["depth"]): r for r in combined["rows"]}
@@ -118,3 +122,5 @@ def test_combine_p_vs_j1_the_row_chosen_on_dev_and_the_goal(tmp_path):
     assert "| CE | 0.5000 (0.1000) | 0.6000 | 0.4000 |" in text  # AURC (E-AURC), random, optimal
     assert "| j1-pseudo/CE | 4 | 0.500 → 0.500 | 0.900 | 0.200 → 0.200 | 0.100 |" in text
     assert "- main/CE: 0.3000 (0) → 0.3100 (300); kept step 300" in text
+    assert f"| main/{FUSED} | 0.250 (0.80) | — |" in text  # how far each follows BM25; scifact: not measured
+    assert "| j1-pseudo/CE | 0.250 (0.80) | — |" in text and f"| j1-pseudo/{FUSED}" not in text  # the main run's

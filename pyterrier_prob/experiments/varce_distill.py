@@ -433,15 +433,28 @@ def _scorers(cfg: VarceJobConfig, h: Harness, models: dict[str, Any]) -> dict[st
 
 
 # ------------------------------------------------------------------------------------------------ analyses
+def ranker_scores(frame: pd.DataFrame, alpha: float) -> dict[str, Any]:
+    """Each ranker's scores of ``frame``'s rows by row name: BM25, the teacher's bi-encoder alone, the fused teacher
+    and every student scored there."""
+    scores = {"BM25": frame["bm25"], BI_ENCODER: frame["dense"]}
+    scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
+    return scores | {s: frame[s] for s in (*STUDENTS, *SCORE_STUDENTS) if s in frame.columns}
+
+
+def lexical_shares(frame: pd.DataFrame, alpha: float) -> dict[str, dict[str, float]]:
+    """:func:`~pyterrier_prob.varce.distill.lexical_share` of the fused teacher and every student on ``frame``: how
+    far each ranks by BM25 and how far by the teacher's bi-encoder."""
+    scores = ranker_scores(frame, alpha)
+    return {n: distill.lexical_share(frame, v) for n, v in scores.items() if n not in ("BM25", BI_ENCODER)}
+
+
 def rerank_rows(
     frame: pd.DataFrame, qrels: pd.DataFrame, alpha: float, label: str, qids: list[str], depth: int
 ) -> tuple[list[dict], dict[str, pd.Series]]:
     """Rows (collection, depth, system, queries, nDCG@10, p values) of BM25, the teacher and every student over all
     ``qids`` (nothing retrieved: 0) on BM25's top ``depth`` of ``frame``, and the per-query values."""
     frame = frame[frame["rank"] < depth]
-    scores = {"BM25": frame["bm25"], BI_ENCODER: frame["dense"]}
-    scores[f"Teacher (bi-encoder + BM25, alpha {alpha})"] = distill.teacher_scores(frame, alpha)
-    scores |= {s: frame[s] for s in (*STUDENTS, *SCORE_STUDENTS) if s in frame.columns}
+    scores = ranker_scores(frame, alpha)
     per_query = {n: distill.ndcg_at_10(frame.assign(score=v), qrels, qids=qids) for n, v in scores.items()}
     rows = system_rows(per_query, label, depth)
     for row in rows:
@@ -627,7 +640,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         dev_cand, dev_qrels = evaluate.cand, evaluate.qrels
         dev_scored = scored(h, scorers, f"{data.train_collection.name}/{data.dev}", dev_cand, "score")
     risks = sorted({0.0, *map(float, cfg.risks)})
-    rows, calibration, uncertainty, evaluated, selective, per_query_ndcg = [], {}, {}, {}, {}, {}
+    rows, calibration, uncertainty, evaluated, selective, per_query_ndcg, lexical = [], {}, {}, {}, {}, {}, {}
     for tg in targets:
         with h.stage(f"rerank_{slug(tg.label, '_')}", f"re-ranking BM25's top {tg.depth} of {tg.label}/{tg.split}"):
             cand = tg.candidates(h, tg.topics, tg.depth).rename(columns={"score": "bm25"})
@@ -638,6 +651,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
                 if depth == tg.depth:
                     kept = per_query
                     per_query_ndcg[tg.label] = {n: v.to_dict() for n, v in per_query.items()}
+                    lexical[tg.label] = lexical_shares(frame[frame["rank"] < depth], fusion["alpha"])
                 rows.extend(r)
         zero_shot = tg.collection.name != data.train_collection.name or tg is not targets[0]
         evaluated[tg.label] = {"split": tg.split, "queries": len(tg.topics), "queries_available": tg.available}
@@ -678,6 +692,7 @@ def run(cfg: VarceJobConfig) -> dict[str, Any]:
         "scoring": {s: sc.info() for s, sc in scorers.items()},
         "aurc": selective,
         "per_query": per_query_ndcg,
+        "lexical_share": lexical,
         "std_shift": std_shift(selective, targets[0].label) if selective else {},
         "dev_candidates": 0 if dev_cand is None else int(len(dev_cand)),
     }

@@ -178,7 +178,7 @@ def _scoring(summary: dict[str, Any]) -> str:
 def distill_markdown(summary: dict[str, Any]) -> str:
     """The distillation run's report (``varce --teacher``): the re-ranking table at each collection's depth (nDCG@10,
     p vs BM25 / CE), the evaluated collections, the teacher's choice on dev, the students' ECE, the attention between
-    the texts in their joint layers and the selective-prediction AURCs."""
+    the texts in their joint layers, how far each ranker follows BM25 and the selective-prediction AURCs."""
     rows = pd.DataFrame(summary["rows"])
     evaluated = summary["evaluated"]
     rows = rows[[d == evaluated[c]["depth"] for c, d in zip(rows["collection"], rows["depth"])]].copy()
@@ -209,8 +209,31 @@ def distill_markdown(summary: dict[str, Any]) -> str:
                 r = c["ranking"]
                 extra = f" (without std[s]: {r['rce_without_std']:.4f})" if "rce_without_std" in r else ""
                 text[-1] += f"; ranking calibration error {r['rce']:.4f} over {r['pairs']} top-10 pairs{extra}"
-    text += _attention_lines(summary) + _aurc_lines(summary)
+    text += _attention_lines(summary) + _lexical_lines(summary) + _aurc_lines(summary)
     return "\n".join(text) + "\n"
+
+
+def _lexical_lines(summary: dict[str, Any]) -> list[str]:
+    """How far each ranker follows BM25 and how far the teacher's bi-encoder, per collection (least-squares weights of
+    its per-query z-scores on theirs, ``distill.lexical_share``)."""
+    shares = summary.get("lexical_share") or {}
+    if not shares:
+        return []
+    labels = list(shares)
+    text = [
+        "",
+        "What each ranker follows: the BM25 share |w_bm25| / (|w_bm25| + |w_dense|) of the least-squares weights of "
+        "its per-query z-scores on BM25's and the teacher bi-encoder's (R^2 in brackets), on the re-ranked pairs:",
+        "",
+        "| ranker | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    names = list(dict.fromkeys(n for v in shares.values() for n in v))
+    for name in names:
+        got = [shares[c].get(name) for c in labels]
+        cells = [MISSING if g is None else f"{cell(g['bm25_share'], '.3f')} ({cell(g['r2'], '.2f')})" for g in got]
+        text.append(f"| {name} | " + " | ".join(cells) + " |")
+    return text
 
 
 def _attention_lines(summary: dict[str, Any]) -> list[str]:

@@ -16,7 +16,7 @@ import pandas as pd
 from datasets import Dataset
 
 from pyterrier_prob.atomic import atomic_write, read_checked
-from pyterrier_prob.fusion import ALPHAS, interpolate, zscore_per_query  # ALPHAS: the fusion weights tried on dev
+from pyterrier_prob.fusion import ALPHAS, ScoresLike, interpolate, zscore_per_query  # ALPHAS: fusion weights on dev
 from pyterrier_prob.varce.rerank import score_as_text
 from st_extensions.cross_encoder import VarCrossEncoder
 
@@ -29,6 +29,7 @@ __all__ = [
     "dense_run",
     "distillation_rows",
     "encode",
+    "lexical_share",
     "ndcg_at_10",
     "score_pairs",
     "teacher_in_student_units",
@@ -89,6 +90,29 @@ def add_cosines(
 def teacher_scores(pool: pd.DataFrame, alpha: float) -> np.ndarray:
     """``alpha * z(dense) + (1 - alpha) * z(bm25)`` with per-query z-scores over each query's candidates."""
     return interpolate(pool["qid"], pool["bm25"], pool["dense"], alpha)
+
+
+def lexical_share(frame: pd.DataFrame, score: ScoresLike) -> dict[str, float]:
+    """How far a re-ranker's ranking follows each half of the teacher: the least-squares weights of ``z_q(score)`` on
+    ``z_q(bm25)`` and ``z_q(dense)`` (per-query z-scores, as the teacher fuses them, pooled over ``frame``'s rows),
+    ``r2`` (the share of ``z_q(score)``'s variance they explain) and ``bm25_share`` = ``|w_bm25| / (|w_bm25| +
+    |w_dense|)``. The fused teacher's share is about ``1 - alpha``; a student that kept only the bi-encoder half is
+    near 0 (docs/varce.md)."""
+    q = frame["qid"]
+    x = np.column_stack([zscore_per_query(q, frame["bm25"]), zscore_per_query(q, frame["dense"])])
+    y = zscore_per_query(q, score)
+    if not y.any():  # no rows, or constant scores in every query: nothing to explain
+        nan = float("nan")
+        return {"w_bm25": nan, "w_dense": nan, "r2": nan, "bm25_share": nan}
+    w, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ w
+    total = np.abs(w).sum()
+    return {
+        "w_bm25": float(w[0]),
+        "w_dense": float(w[1]),
+        "r2": float(1.0 - resid @ resid / (y @ y)),  # y has mean 0 within each query
+        "bm25_share": float(abs(w[0]) / total) if total > 0 else float("nan"),
+    }
 
 
 def teacher_in_student_units(pool: pd.DataFrame, alpha: float, scale: float) -> np.ndarray:
