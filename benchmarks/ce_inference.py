@@ -26,6 +26,7 @@ seeded training queries (another split than the one measured).
 
     python benchmarks/ce_inference.py --model CE=PATH --model VarCE-VAR=PATH [--dataset irds:beir/nfcorpus]
         [--queries N] [--depth 20] [--repeats 5] [--max-pairs N] [--threads T] [--out benchmarks/results/...]
+    python benchmarks/ce_inference.py --table benchmarks/results/ce_inference.json   # its table, no measurement
 """
 
 from __future__ import annotations
@@ -193,9 +194,54 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float | None:
     return float(spearmanr(a, b)[0])
 
 
+BACKEND_NAMES = {"torch": "torch", "onnx": "ONNX Runtime", "openvino": "OpenVINO"}
+
+
+def _precision_label(row: dict, settings: dict) -> str:
+    if row["precision"] != "int8":
+        return row["precision"]
+    if row["backend"] == "onnx":
+        return "int8 (dynamic, int8 weights)"
+    given, split = settings.get("calibration_pairs_given"), settings.get("calibration_split")
+    return f"int8 (NNCF, calibrated on {given} {split} pairs)"
+
+
+def table(result: dict) -> list[str]:
+    """The docs' table of a results file: per model (a column when there are several) and configuration, pairs/s,
+    the speedup over torch fp32 (median, min–max over rounds), nDCG@10, its relative change and the paired t-test's p
+    against torch fp32 (— where the file has no per-query values)."""
+    from pyterrier_prob.experiments.report import MISSING, cell
+
+    several = len({r["model"] for r in result["rows"]}) > 1
+    head = [
+        "backend",
+        "precision",
+        "pairs/s",
+        "× torch fp32 (min–max over rounds)",
+        "nDCG@10",
+        "change",
+        "p vs torch fp32",
+    ]
+    head = ["model", *head] if several else head
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in result["rows"]:
+        cells = [BACKEND_NAMES.get(row["backend"], row["backend"]), _precision_label(row, result["settings"])]
+        if row.get("skipped"):
+            cells += [MISSING] * 5
+        else:
+            speed, span = row["speedup_vs_torch_fp32"], row.get("speedup_min_max")
+            speed_cell = cell(speed, ".2f") + (f" ({span[0]:.2f}–{span[1]:.2f})" if span else "")
+            change = row["ndcg10_rel_change"]
+            cells += [cell(row["pairs_per_s"], ".1f"), speed_cell, cell(row["ndcg10"], ".4f"), cell(change, "+.2%")]
+            cells.append(cell(row.get("ndcg10_p_vs_torch_fp32"), ".2g"))
+        lines.append("| " + " | ".join([row["model"], *cells] if several else cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", required=True, help="NAME=PATH of a saved CE / VarCE (repeatable)")
+    ap.add_argument("--model", action="append", help="NAME=PATH of a saved CE / VarCE (repeatable; required)")
+    ap.add_argument("--table", metavar="JSON", help="print the table of a results file (no measurement) and stop")
     ap.add_argument("--dataset", default="irds:beir/nfcorpus", help="collection (pyterrier_prob.collections spec)")
     ap.add_argument("--split", default="test", help="the split whose queries are measured")
     ap.add_argument("--queries", type=int, default=None, help="seeded sample of this many queries (default all)")
@@ -210,6 +256,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/ce_inference.json")
     a = ap.parse_args(argv)
+    if a.table:
+        with open(a.table, encoding="utf8") as f:
+            print("\n".join(table(json.load(f))))
+        return {}
+    if not a.model:
+        ap.error("--model NAME=PATH is required (or --table JSON to print a results file)")
     command = shlex.join(sys.orig_argv if argv is None else ["python", __file__, *argv])
     for name in ("depth", "repeats", "batch_size"):
         if getattr(a, name) < 1:
