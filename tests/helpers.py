@@ -1,17 +1,38 @@
-"""Small pieces shared by several test files: the toy query/document texts, a tiny trainer setup, the CLI help, and
-what a rerun that reuses a run is checked with (:func:`assert_same_figures`, :func:`pisa_threads_finish_backwards`)."""
+"""Small pieces shared by several test files: the toy query/document texts, a tiny trainer setup, the CLI help, a
+benchmark script loaded as a module (:func:`load_benchmark`), and what a rerun that reuses a run is checked with
+(:func:`assert_same_figures`, :func:`pisa_threads_finish_backwards`)."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
+import pathlib
+import sys
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import pandas as pd
 import pytest
 
 from pyterrier_prob.cli import main
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (the folder is no package; its scripts import their siblings, such as
+    ``_machine``, so it is on ``sys.path`` while the module loads)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
 
 QUERIES = ["vitamin d and bone health", "statins side effects", "breast cancer diet", "gut bacteria"]
 DOCS = [

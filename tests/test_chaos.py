@@ -2,19 +2,13 @@
 --recipe partial`` killed at random moments over its stages and resumed ends with the uninterrupted run's
 ``results.md`` tables and model weights (1e-6), and no temporary or partial file left behind."""
 
-import importlib.util
-import pathlib
-
 import pytest
-
-CHAOS = pathlib.Path(__file__).parent.parent / "benchmarks" / "chaos.py"
+from helpers import load_benchmark
 
 
 @pytest.mark.slow
 def test_two_kills_resume_to_the_uninterrupted_results(tmp_path):
-    spec = importlib.util.spec_from_file_location("chaos", CHAOS)
-    chaos = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chaos)
+    chaos = load_benchmark("chaos")
     result = chaos.chaos(tmp_path, kills=2, seed=0, log=lambda *a: None)
     failed = [r for r in result["kills"] if not r["passed"]]
     assert not failed, failed

@@ -1,23 +1,13 @@
 """``benchmarks/contention.py``'s summary of its rounds: medians, per-round ratios, the ratio of the medians and the
 one-sided t-test against half the speed alone, checked against values worked out by hand."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
-BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
+from helpers import load_benchmark
 
 
 def _contention():
-    sys.path.insert(0, str(BENCH))  # contention.py imports its sibling modules
-    try:
-        spec = importlib.util.spec_from_file_location("contention", BENCH / "contention.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_benchmark("contention")
 
 
 def _round(alone, busy, job):

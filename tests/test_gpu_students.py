@@ -4,24 +4,18 @@ has no ir_measures) against ir_measures, and its device step end to end on a han
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import pathlib
 
 import ir_measures
 import numpy as np
 import pandas as pd
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("gpu_students", ROOT / "benchmarks" / "gpu_students.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_students")
 
 
 def test_device_ndcg_is_ir_measures(gpu):

@@ -3,20 +3,13 @@ figures are the means over the batches, and the NLL / Margin-MSE ratio is the ra
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def terms():
-    spec = importlib.util.spec_from_file_location("varce_loss_terms", ROOT / "benchmarks" / "varce_loss_terms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("varce_loss_terms")
 
 
 def test_every_parameter_falls_in_one_group(terms):
