@@ -162,6 +162,17 @@ def test_harness_training_stops_on_patience_and_keeps_the_best_steps_weights(sma
     assert curve["best_step"] == 1 and curve["best_dev"] == 0.5 and curve["stopped_by"] == "patience"
     assert curve["measure"] == "nDCG@10" and curve["evaluations"] == 3
 
+    # a retrain of the same name that is killed rewrites the curve (step 0 only); reusing the saved model puts the
+    # curve that led to its weights back
+    path = tmp_path / "o" / "curves" / "sys.json"
+    trained = json.loads(path.read_text())
+    assert [p["step"] for p in trained["points"]] == [0, 1, 2]
+    path.write_text(json.dumps({"points": trained["points"][:1], "best": trained["points"][0]}))
+    cfg.reuse = True
+    again = Harness("t", cfg)
+    again.train("sys", build, lambda m: MaskedMultipleNegativesRankingLoss(m, judged=pairs.judged), pairs, dev=dev)
+    assert "sys" not in again._fresh and json.loads(path.read_text()) == trained  # reused, its curve restored
+
 
 def test_resume_continues_only_checkpoints_of_the_same_settings(tmp_path):
     """``--resume`` trusts a run folder without ``settings.json`` (as before), continues one made with the same

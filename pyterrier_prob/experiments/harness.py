@@ -223,6 +223,9 @@ class Harness:
             losses = fine_tune(
                 model, training_loss, rows, recipe, desc=f"training {name}", callbacks=[*callbacks, rate], **run
             )
+            here = os.path.abspath(self.path("curves"))
+            curves = [c.path for c in callbacks if isinstance(c, DevCurve) and c.path and os.path.isfile(c.path)]
+            curves = [c for c in curves if os.path.dirname(os.path.abspath(c)) == here]  # the run's own curves
             self.step_rates[name] = rate.steps_per_second
             if own_cache:
                 self.save_encoder_cache()
@@ -232,6 +235,9 @@ class Harness:
                 "losses": losses,
                 "rows": self.rows_info[name],
                 "steps_per_s": rate.steps_per_second,
+                # the dev curves as they led to these weights: a later training of the same name that is killed
+                # rewrites curves/, and --reuse of this model puts its own curves back (_reused_model)
+                "dev_curves": {os.path.relpath(c, self.output): read_if_present(c) for c in curves},
             }
             self._save_trained(name, model, recipe, info, training_loss, rows)
         self._fresh.add(name)
@@ -288,6 +294,10 @@ class Harness:
             model = set_max_len(load_model(path, device="cpu"), self.cfg.max_seq_length)
         self.saved_models[name], self.records[name] = path, dict(saved.get("record") or {})
         self.rows_info[name] = saved.get("rows")
+        for rel, curve in (saved.get("dev_curves") or {}).items():  # the curves that led to these weights
+            curve_path = self.path(rel)
+            if read_if_present(curve_path) != curve:  # e.g. a retrain of this name, killed, began another
+                atomic_write(curve_path, json.dumps(curve, indent=1))
         if saved.get("steps_per_s") is not None:  # its training's speed, as the run that trained it measured
             self.step_rates[name] = saved["steps_per_s"]
         return model, list(saved.get("losses", []))
