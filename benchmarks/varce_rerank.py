@@ -279,7 +279,7 @@ def markdown(result: dict[str, Any]) -> str:
         out += ["| run / ranker | " + " | ".join(labels) + " |", "|---|" + "---|" * len(evaluated)]
         for (run, n), by in shares.items():
             got = [by.get(c) for c in labels]
-            cells = [MISSING if g is None else f"{cell(g['bm25_share'], '.3f')} ({cell(g['r2'], '.2f')})" for g in got]
+            cells = [MISSING if v is None else f"{cell(v['bm25_share'], '.3f')} ({cell(v['r2'], '.2f')})" for v in got]
             out.append(f"| {run}/{n} | " + " | ".join(cells) + " |")
     out += ["", "Dev curves (nDCG@10 by step; best kept):", ""]
     curves = {("main", s): c for s, c in result.get("dev_curves", {}).items()}
