@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="benchmarks/results/ce_inference.json")
     a = ap.parse_args(argv)
     if a.table:
-        with open(a.table, encoding="utf8") as f:
-            print("\n".join(table(json.load(f))))
+        from pyterrier_prob.experiments.report import print_json_table
+
+        print_json_table(a.table, table)
         return {}
     if not a.model:
         ap.error("--model NAME=PATH is required (or --table JSON to print a results file)")

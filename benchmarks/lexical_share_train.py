@@ -14,7 +14,6 @@ to new queries.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -51,8 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table", metavar="JSON", help="print the table of a results file (no measurement)")
     a = ap.parse_args(argv)
     if a.table:
-        with open(a.table, encoding="utf8") as f:
-            print("\n".join(table(json.load(f))))
+        from pyterrier_prob.experiments.report import print_json_table
+
+        print_json_table(a.table, table)
         return
     if not a.pool or not a.model:
         ap.error("--pool and --model NAME=PATH are needed to measure (or --table JSON)")

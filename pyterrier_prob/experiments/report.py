@@ -3,9 +3,10 @@ which models kept their untrained weights, a model's rows for its card."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,6 +25,7 @@ __all__ = [
     "measure_cell",
     "model_figures",
     "p_mark",
+    "print_json_table",
     "report_head",
     "slug",
 ]
@@ -48,6 +50,13 @@ def cell(value: Any, fmt: str) -> str:
     """A table's cell: ``value`` formatted with ``fmt``, :data:`MISSING` where it is missing (None, NaN or ±inf)."""
     missing = value is None or pd.isna(value) or (isinstance(value, float) and not math.isfinite(value))
     return MISSING if missing else format(value, fmt)
+
+
+def print_json_table(path: str, render: Callable[[dict[str, Any]], Sequence[str]]) -> None:
+    """Print the lines ``render`` makes of the results file at ``path`` (a benchmark's ``--table JSON``: no
+    measurement)."""
+    with open(path, encoding="utf8") as f:
+        print("\n".join(render(json.load(f))))
 
 
 def measure_cell(row: Mapping[str, Any], measure: str, fmt: str = ".4f") -> str:
