@@ -12,8 +12,10 @@ trained model, pool, cache and score is reused; a killed run continues from its 
 - the ablation (``<output>-j1-pseudo``, ``-j2-train``, ``-j1-train``): the CE alone at 1 and 2 joint layers, on the same
   rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher;
 - ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows (J = 6, a plain CrossEncoder, needs a GPU);
-- ``<output>-j2-joint``: the main run's CE with its score read from the joint layers alone (``--score-from joint``: no
-  frozen bi-encoder path), which starts far below the bi-encoder it is built from.
+- ``<output>-j2-joint`` (only with ``--runs``: not among the default runs, to save their CPU hours; the score paths
+  are compared in ``benchmarks/results/varce_score_paths_probe.json``): the main run's CE with its score read from the
+  joint layers alone (``--score-from joint``: no frozen bi-encoder path), which starts far below the bi-encoder it is
+  built from.
 
 The ablation's runs skip the MC-dropout passes (``--mc-dropout 0``): they are there for nDCG@10.
 
@@ -80,6 +82,8 @@ ABLATION_ONLY = ["--mc-dropout", "0"]
 #: compared with, then the main run's other students, then the rest of the ablation (each run reuses what is made).
 ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)]
 ORDER += [(run, None) for run in ("j2-train", "j1-train", "j3-pseudo", "j2-joint")]
+#: The runs made unless ``--runs`` names others (``j2-joint`` is made only when asked for).
+DEFAULT_RUNS = [run for run in RUNS if run != "j2-joint"]
 
 
 def run_folder(output: str, run: str) -> str:
@@ -295,7 +299,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", default="outputs/varce_rerank", help="the main run's output folder")
-    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS), help="the runs to make, in order")
+    ap.add_argument("--runs", nargs="+", default=DEFAULT_RUNS, choices=list(RUNS), help="the runs to make")
     ap.add_argument("--out", default="benchmarks/results/varce_rerank.json")
     ap.add_argument("--no-write", action="store_true", help="make the runs only")
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out (written before) and stop")
@@ -327,7 +331,9 @@ def main() -> int:
         "command": f"python benchmarks/varce_rerank.py --output {a.output}"
         + " --write-only" * a.write_only
         + (f" --out {a.out}" if a.out != ap.get_default("out") else ""),
-        "experiment_commands": {r: "pyterrier-prob " + shlex.join(command(a.output, r)) for r in RUNS},
+        "experiment_commands": {
+            r: "pyterrier-prob " + shlex.join(command(a.output, r)) for r in summary["runs_combined"]
+        },
         "machine": describe(),
         **summary,
     }
