@@ -859,3 +859,17 @@ def test_a_model_folders_fingerprint_ignores_its_card(tmp_path):
     assert folder_fingerprint(str(tmp_path), 256) != before
     os.utime(tmp_path / "model.safetensors", (1e9, 1e9))
     assert folder_fingerprint(str(tmp_path), 128) != before
+
+
+def test_score_pairs_gives_a_plain_cross_encoders_logits(minilm_path):
+    """A plain CrossEncoder's ``predict`` applies a sigmoid by default; ``score_pairs`` promises the logit."""
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(minilm_path, num_labels=1, device="cpu")
+    scores, std = distill.score_pairs(model, [q for q, _ in PAIRS], [d for _, d in PAIRS])
+    features = model.tokenizer([q for q, _ in PAIRS], [d for _, d in PAIRS], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = model.model(**features).logits[:, 0].numpy()
+    assert std is None
+    np.testing.assert_allclose(scores, logits, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-3)  # not the sigmoid

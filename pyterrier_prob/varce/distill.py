@@ -13,6 +13,7 @@ from typing import Any
 import ir_measures
 import numpy as np
 import pandas as pd
+import torch
 from datasets import Dataset
 
 from pyterrier_prob.atomic import atomic_write, read_checked
@@ -212,7 +213,8 @@ def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], ba
     if isinstance(model, VarCrossEncoder):
         mean, std = model.predict(pairs, batch_size=batch_size, return_std=True)
         return np.asarray(mean, np.float32), np.asarray(std, np.float32)
-    return np.asarray(model.predict(pairs, batch_size=batch_size), np.float32), None
+    logits = model.predict(pairs, batch_size=batch_size, activation_fn=torch.nn.Identity())
+    return np.asarray(logits, np.float32), None
 
 
 class DenseDev:
