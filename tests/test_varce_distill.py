@@ -772,6 +772,13 @@ def test_kernel_pooling_brute_force_and_kernel_student_starts_as_the_bi_encoder(
         for k, (mu, s) in enumerate(zip(mus, sigmas)):
             per = [np.log1p(sum(np.exp(-((float(n[b, i] @ n[b, j]) - mu) ** 2) / (2 * s * s)) for j in di)) for i in qi]
             assert float(got[b, k]) == pytest.approx(float(np.mean(per)), rel=1e-9, abs=1e-12)
+    # a position that is padding in every pair changes nothing; a pair without document tokens pools log1p(0) = 0
+    padded = torch.cat([tokens, torch.randn(2, 1, 5, generator=g, dtype=torch.float64)], dim=1)
+    pad = torch.zeros(2, 1, dtype=torch.long)
+    wider = kernel_pooling(padded, torch.cat([q_mask, pad], 1), torch.cat([mask, pad], 1), mus, sigmas)
+    torch.testing.assert_close(wider, got, rtol=1e-12, atol=1e-12)
+    no_doc = kernel_pooling(tokens, q_mask, q_mask, mus, sigmas)
+    assert torch.equal(no_doc, torch.zeros_like(no_doc))
     # an exact copy of a query token in the document counts once in the exact-match kernel
     copy = tokens.clone()
     copy[0, 2] = copy[0, 0] * 3.0

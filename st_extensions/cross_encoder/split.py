@@ -345,15 +345,19 @@ def kernel_pooling(
     ``K_k(i) = sum_j exp(-(M_ij - mu_k)^2 / (2 sigma_k^2))`` per kernel, and ``log(1 + K_k(i))`` averaged over the
     query's tokens: ``(batch, len(mus))``. ``log1p`` where KNRM takes ``log`` saturates as BM25's TF does and stays
     finite on a document with no match; the average over query tokens keeps the feature's scale apart from the query's
-    length (within a query the ranking is the same as KNRM's sum)."""
+    length (within a query the ranking is the same as KNRM's sum). Only the positions that hold a query token in some
+    pair of the batch are rows of ``M``, and only those that hold a document token in some pair its columns:
+    ``(batch, Lq, Ld, K)`` where every token against every token would be ``(batch, T, T, K)``."""
     n = F.normalize(tokens, dim=-1)
     d_mask = (mask - q_mask).to(n.dtype)
-    sim = n @ n.transpose(1, 2)  # (B, T, T): every token against every token; rows: query, columns: document
+    rows = q_mask.bool().any(0).nonzero().squeeze(1)  # positions that are a query token somewhere in the batch
+    cols = d_mask.bool().any(0).nonzero().squeeze(1)  # ... a document token
+    sim = n[:, rows] @ n[:, cols].transpose(1, 2)  # (B, Lq, Ld): rows: query tokens, columns: document tokens
     mu = torch.as_tensor(mus, dtype=n.dtype, device=n.device)
     sigma = torch.as_tensor(sigmas, dtype=n.dtype, device=n.device)
-    k = torch.exp(-((sim.unsqueeze(-1) - mu) ** 2) / (2 * sigma**2)) * d_mask[:, None, :, None]  # (B, T, T, K)
-    soft_tf = torch.log1p(k.sum(2))  # (B, T, K)
-    q = q_mask.to(n.dtype).unsqueeze(-1)
+    k = torch.exp(-((sim.unsqueeze(-1) - mu) ** 2) / (2 * sigma**2)) * d_mask[:, None, cols, None]  # (B, Lq, Ld, K)
+    soft_tf = torch.log1p(k.sum(2))  # (B, Lq, K)
+    q = q_mask[:, rows].to(n.dtype).unsqueeze(-1)
     return (soft_tf * q).sum(1) / q.sum(1).clamp_min(1.0)
 
 
