@@ -206,14 +206,15 @@ def distillation_rows(
 
 
 def score_pairs(model: Any, queries: Sequence[str], documents: Sequence[str], batch_size: int = 64) -> tuple:
-    """``(E[s], std[s])`` of a VarCrossEncoder per (query, document) pair; ``(logits, None)`` for a CrossEncoder."""
+    """``(E[s], std[s])`` of a VarCrossEncoder per (query, document) pair; ``(logits, None)`` for a CrossEncoder
+    (whatever its ``activation_fn``). No progress bar: callers show their own."""
     pairs = list(zip(queries, documents))
     if not pairs:
         return np.zeros(0, np.float32), None
     if isinstance(model, VarCrossEncoder):
-        mean, std = model.predict(pairs, batch_size=batch_size, return_std=True)
+        mean, std = model.predict(pairs, batch_size=batch_size, return_std=True, show_progress_bar=False)
         return np.asarray(mean, np.float32), np.asarray(std, np.float32)
-    logits = model.predict(pairs, batch_size=batch_size, activation_fn=torch.nn.Identity())
+    logits = model.predict(pairs, batch_size=batch_size, activation_fn=torch.nn.Identity(), show_progress_bar=False)
     return np.asarray(logits, np.float32), None
 
 

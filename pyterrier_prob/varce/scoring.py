@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from pyterrier_prob.atomic import atomic_write
+from pyterrier_prob.varce.distill import score_pairs
 from pyterrier_prob.varce.rerank import VarCrossEncoderReranker
 from st_extensions.cross_encoder import VarCrossEncoder, predict_sharing_layers
 from st_extensions.partial import check_partial_transformer, state_fingerprint
@@ -103,11 +103,8 @@ class PairScorer:
                 out = self._reranker(part[["qid", "query", "docno", "text"]])
                 new = zip(out["query"], out["docno"], out["score_mean"], out["score_std"])
             else:
-                pairs = list(zip(part["query"], part["text"]))
-                mean = self.model.predict(
-                    pairs, batch_size=self.batch_size, activation_fn=torch.nn.Identity(), show_progress_bar=False
-                )
-                new = zip(part["query"], part["docno"], np.asarray(mean).reshape(-1), [math.nan] * len(part))
+                mean, _ = score_pairs(self.model, part["query"].tolist(), part["text"].tolist(), self.batch_size)
+                new = zip(part["query"], part["docno"], mean, [math.nan] * len(part))
             self.add(collection, new, time.perf_counter() - t0)
         vals = np.array([self.cache[k] for k in keys], dtype=np.float64).reshape(-1, 2)
         return vals[:, 0], vals[:, 1]
