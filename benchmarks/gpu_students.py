@@ -130,10 +130,26 @@ def ndcg_at_10(pairs: pd.DataFrame, scores: np.ndarray, qrels: pd.DataFrame) -> 
     return pd.Series(out, dtype=float)
 
 
-def device(bundle: str, out: str, students: list[str], steps: int, eval_every: int, lr: float, batch: int) -> None:
+def device(
+    bundle: str,
+    out: str,
+    students: list[str],
+    steps: int,
+    eval_every: int,
+    lr: float,
+    batch: int,
+    patience: int = 3,
+    budget_s: float | None = None,
+) -> None:
     """Train each student on the bundle's rows (sentence-transformers' trainer, Margin-MSE; the VarCE's Gaussian
     likelihood and KL as on the CPU) and write ``out/<student>/``: ``curve.json`` (dev nDCG@10 every ``eval_every``
-    steps, wall times, the card) and ``<split>.npy`` (the test pairs' scores at the best dev point)."""
+    steps, wall times, the card) and ``<split>.npy`` (the test pairs' scores at the best dev point).
+
+    The weights train in float32 (the bundle's teacher is saved in float16; bf16 autocast on a GPU). Training stops
+    after ``patience`` dev points without a new best (the CPU students' rule) or once ``budget_s`` seconds of training
+    have passed; the best dev point's weights are kept in memory and only they score the test pairs, once."""
+    import tempfile
+
     import torch
     from datasets import Dataset
     from sentence_transformers import CrossEncoder
@@ -158,6 +174,8 @@ def device(bundle: str, out: str, students: list[str], steps: int, eval_every: i
     }  # fmt: skip
     cuda = torch.cuda.is_available()
     card = torch.cuda.get_device_name(0) if cuda else "CPU"
+    if cuda:
+        torch.set_float32_matmul_precision("high")
     teacher, length = os.path.join(bundle, "teacher"), 2 * int(manifest["max_seq_length"])
     for student in students:
         if student == "CE":
@@ -169,49 +187,73 @@ def device(bundle: str, out: str, students: list[str], steps: int, eval_every: i
 
             model = build_var_cross_encoder(teacher, variant=student.split("-")[1], max_seq_length=length)
             loss = VariationalMarginMSELoss(model)
+        model.float()  # float16 weights would not train under Adam; the new head was made in float16 too
         folder = os.path.join(out, student)
         os.makedirs(folder, exist_ok=True)
         curve: dict[str, Any] = {"card": card, "student": student, "points": [], "best": None, "rows": n}
+        curve |= {"lr": lr, "batch_size": batch, "eval_every": eval_every, "patience": patience, "budget_s": budget_s}
+        best_state: dict[str, Any] = {}
 
         def predict(name: str, m: Any = model) -> np.ndarray:
             pairs = splits[name][0]
             texts_ = [(texts[q], texts[t]) for q, t in zip(pairs["q"], pairs["t"])]
             return np.asarray(m.predict(texts_, batch_size=256, show_progress_bar=False), dtype=np.float32)
 
-        def evaluate(step: int, c: dict = curve, folder: str = folder, student: str = student, m: Any = model) -> None:
+        def save(c: dict = curve, folder: str = folder) -> None:
+            with open(os.path.join(folder, "curve.json"), "w", encoding="utf8") as f:
+                json.dump(c, f, indent=1)
+
+        def evaluate(
+            step: int, c: dict = curve, m: Any = model, student: str = student, best: dict = best_state
+        ) -> bool:
+            """The dev point at ``step``; True when it is a new best (its weights then kept on the CPU)."""
             start = time.perf_counter()
             m.eval()
             dev = float(ndcg_at_10(splits[DEV][0], predict(DEV, m), splits[DEV][1]).mean())
             c["points"].append({"step": step, "dev": dev, "eval_s": time.perf_counter() - start})
-            if c["best"] is None or dev > c["best"]["dev"]:
+            new = c["best"] is None or dev > c["best"]["dev"]
+            if new:
                 c["best"] = {"step": step, "dev": dev}
-                for name in splits:
-                    if name != DEV:
-                        np.save(os.path.join(folder, f"{manifest['splits'][name]['file']}.npy"), predict(name, m))
-            with open(os.path.join(folder, "curve.json"), "w", encoding="utf8") as f:
-                json.dump(c, f, indent=1)
+                best.clear()
+                best.update({k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()})
+            save(c)
             m.train()
             print(f"{student} step {step}: dev nDCG@10 {dev:.4f}", flush=True)
+            return new
 
         class Every(TrainerCallback):
             def __init__(self, evaluate: Any) -> None:
-                self.evaluate = evaluate
+                self.evaluate, self.since, self.start = evaluate, 0, time.perf_counter()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 if state.global_step % eval_every == 0:
-                    self.evaluate(state.global_step)
+                    self.since = 0 if self.evaluate(state.global_step) else self.since + 1
+                    if self.since >= patience:
+                        control.should_training_stop = True
+                if budget_s is not None and time.perf_counter() - self.start > budget_s:
+                    control.should_training_stop = True
 
         evaluate(0)
         targs = CrossEncoderTrainingArguments(
-            output_dir=os.path.join(folder, "tmp"), per_device_train_batch_size=batch, learning_rate=lr,
-            max_steps=min(steps, n // batch), warmup_ratio=0.1, seed=0, save_strategy="no", report_to=[],
-            logging_steps=100, bf16=cuda, dataloader_drop_last=True,
+            output_dir=tempfile.mkdtemp(prefix=f"gpu-{student}-"), per_device_train_batch_size=batch,
+            learning_rate=lr, max_steps=min(steps, n // batch), warmup_ratio=0.1, seed=0, save_strategy="no",
+            report_to=[], logging_steps=100, bf16=cuda, dataloader_drop_last=True,
         )  # fmt: skip
         start = time.perf_counter()
-        CrossEncoderTrainer(model=model, args=targs, train_dataset=data, loss=loss, callbacks=[Every(evaluate)]).train()
+        trainer = CrossEncoderTrainer(
+            model=model, args=targs, train_dataset=data, loss=loss, callbacks=[Every(evaluate)]
+        )
+        trainer.train()
         curve["train_s"] = time.perf_counter() - start
-        with open(os.path.join(folder, "curve.json"), "w", encoding="utf8") as f:
-            json.dump(curve, f, indent=1)
+        curve["steps_run"] = int(trainer.state.global_step)
+        model.load_state_dict(best_state)
+        model.eval()
+        start = time.perf_counter()
+        for name in splits:
+            if name != DEV:
+                np.save(os.path.join(folder, f"{manifest['splits'][name]['file']}.npy"), predict(name, model))
+        curve["test_s"] = time.perf_counter() - start
+        save(curve)
 
 
 # ------------------------------------------------------------------------------------------------ here: collect
@@ -271,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--eval-every", type=int, default=300)
     d.add_argument("--lr", type=float, default=2e-5)
     d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--patience", type=int, default=3, help="dev points without a new best before stopping")
+    d.add_argument("--budget-s", type=float, help="stop training after this many seconds (a lease's limit)")
     c = sub.add_parser("collect")
     c.add_argument("--bundle", required=True)
     c.add_argument("--scores", required=True, help="the device step's --out, as brought back")
@@ -280,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.step == "prepare":
         print(json.dumps(prepare(a.output, a.bundle, a.work or f"{a.bundle}-work", a.steps), indent=1))
     elif a.step == "device":
-        device(a.bundle, a.out, a.students, a.steps, a.eval_every, a.lr, a.batch_size)
+        device(a.bundle, a.out, a.students, a.steps, a.eval_every, a.lr, a.batch_size, a.patience, a.budget_s)
     else:
         from benchmarks._machine import write_result
 

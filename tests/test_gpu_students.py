@@ -64,7 +64,7 @@ def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     SentenceTransformer(minilm_path, device="cpu").half().save(str(bundle / "teacher"))
     out = tmp_path / "out"
-    gpu.device(str(bundle), str(out), ["CE", "VarCE-VAR"], steps=2, eval_every=1, lr=1e-4, batch=2)
+    gpu.device(str(bundle), str(out), ["CE", "VarCE-VAR"], steps=2, eval_every=1, lr=1e-4, batch=2, patience=5)
     for student in ("CE", "VarCE-VAR"):
         curve = json.loads((out / student / "curve.json").read_text())
         assert [p["step"] for p in curve["points"]] == [0, 1, 2] and curve["card"] == "CPU" and curve["rows"] == 4
