@@ -20,10 +20,11 @@ The device has no ``datasets`` (the trainer's): its wheels and those of ``dill``
 teacher's ranking in the students' units), BM25's top 100 of the dev queries of the learning curves, of nfcorpus/test
 and of the zero-shot collections, their judgements, and the teacher in fp16 (the starting weights): texts once each,
 pairs as indices. ``device`` trains each student with the sentence-transformers trainer, re-ranks the dev pairs every
-``--eval-every`` steps (nDCG@10, :func:`ndcg_at_10`) and scores the test pairs at each new best dev point only: what
-comes back is the dev curve and the test scores of the step chosen on dev. ``collect`` recomputes the dev figure with
-ir_measures, evaluates the test scores against the main run's rows (paired tests) and writes
-``benchmarks/results/varce_gpu.json``, each row labelled with the card.
+``--eval-every`` steps (nDCG@10, :func:`ndcg_at_10`), keeps the weights of the best dev point in memory, stops after
+``--patience`` points without a new best or at ``--budget-s``, and scores the test pairs with the kept weights once:
+what comes back is the dev curve and the test scores of the step chosen on dev. ``collect`` evaluates the test
+scores with ir_measures against the main run's rows (paired tests) and writes ``benchmarks/results/varce_gpu.json``,
+each row labelled with the card; ``benchmarks/varce_rerank.py`` adds its rows to the table (run ``j6-gpu``).
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ def prepare(output: str, bundle: str, work: str, steps: int | None = None) -> di
     targets = {tg.label: tg for tg in target_stage(cfg, h, data)}
     for name, target in [(DEV, splits[DEV][0]), *targets.items()]:
         if name == DEV:
-            cand, qrels = target.cand, target.qrels
+            cand, qrels, qids = target.cand, target.qrels, target.qids
         else:
             cand, qrels = target.candidates(h, target.topics, target.depth), target.qrels
+            qids = target.topics["qid"].astype(str).tolist()
         pairs = pd.DataFrame({"qid": cand["qid"].astype(str), "docno": cand["docno"].astype(str)})
         pairs["q"], pairs["t"] = index(cand["query"]), index(cand["text"])
         key = re.sub(r"[^A-Za-z0-9]+", "_", name)  # a plain file name: the device brings back no other
@@ -104,6 +106,7 @@ def prepare(output: str, bundle: str, work: str, steps: int | None = None) -> di
             os.path.join(bundle, f"qrels-{key}.parquet")
         )
         manifest["splits"][name] = {"file": key, "pairs": len(pairs), "queries": int(pairs["qid"].nunique())}
+        manifest["splits"][name]["qids"] = [str(q) for q in qids]  # the evaluated ones: a query without candidates is 0
     with gzip.open(os.path.join(bundle, "texts.json.gz"), "wt", encoding="utf8") as f:
         json.dump(list(texts), f)
     teacher.half().save(os.path.join(bundle, "teacher"))
@@ -113,10 +116,13 @@ def prepare(output: str, bundle: str, work: str, steps: int | None = None) -> di
 
 
 # ------------------------------------------------------------------------------------------------ there: device
-def ndcg_at_10(pairs: pd.DataFrame, scores: np.ndarray, qrels: pd.DataFrame) -> pd.Series:
+def ndcg_at_10(
+    pairs: pd.DataFrame, scores: np.ndarray, qrels: pd.DataFrame, qids: list[str] | None = None
+) -> pd.Series:
     """nDCG@10 per query of ``pairs`` ranked by ``scores`` (trec_eval's: gain = label, 1 / log2(rank + 1), ties by
-    docno descending; queries of ``pairs`` with no judgement score 0): the device's own measure for choosing the step
-    (no ir_measures there); :func:`collect` checks it against ir_measures."""
+    docno descending; queries with no judgement score 0), for every query of ``qids`` (default: those of ``pairs``; one
+    without candidates scores 0, as in :func:`pyterrier_prob.varce.distill.ndcg_at_10`, which the CPU students' dev
+    curves use): the device's own measure for choosing the step (no ir_measures there; tested against it)."""
     run = pairs.assign(score=scores).sort_values(["qid", "score", "docno"], ascending=[True, False, False])
     gains = {(q, d): g for q, d, g in qrels[["qid", "docno", "label"]].itertuples(index=False) if g > 0}
     ideal = qrels[qrels["label"] > 0].groupby("qid")["label"].apply(lambda g: sorted(g, reverse=True)[:10])
@@ -127,6 +133,8 @@ def ndcg_at_10(pairs: pd.DataFrame, scores: np.ndarray, qrels: pd.DataFrame) -> 
         best = ideal.get(qid, [])
         idcg = float(np.dot(best, discount[: len(best)]))
         out[qid] = float(np.dot(top, discount[: len(top)])) / idcg if idcg > 0 else 0.0
+    if qids is not None:
+        return pd.Series([out.get(str(q), 0.0) for q in qids], index=[str(q) for q in qids], dtype=float)
     return pd.Series(out, dtype=float)
 
 
@@ -172,6 +180,7 @@ def device(
                pd.read_parquet(os.path.join(bundle, f"qrels-{s['file']}.parquet")))
         for name, s in manifest["splits"].items()
     }  # fmt: skip
+    dev_qids = manifest["splits"][DEV].get("qids")
     cuda = torch.cuda.is_available()
     card = torch.cuda.get_device_name(0) if cuda else "CPU"
     if cuda:
@@ -191,6 +200,7 @@ def device(
         folder = os.path.join(out, student)
         os.makedirs(folder, exist_ok=True)
         curve: dict[str, Any] = {"card": card, "student": student, "points": [], "best": None, "rows": n}
+        curve["dev_queries"] = len(dev_qids) if dev_qids is not None else int(splits[DEV][0]["qid"].nunique())
         curve |= {"lr": lr, "batch_size": batch, "eval_every": eval_every, "patience": patience, "budget_s": budget_s}
         best_state: dict[str, Any] = {}
 
@@ -209,7 +219,7 @@ def device(
             """The dev point at ``step``; True when it is a new best (its weights then kept on the CPU)."""
             start = time.perf_counter()
             m.eval()
-            dev = float(ndcg_at_10(splits[DEV][0], predict(DEV, m), splits[DEV][1]).mean())
+            dev = float(ndcg_at_10(splits[DEV][0], predict(DEV, m), splits[DEV][1], dev_qids).mean())
             c["points"].append({"step": step, "dev": dev, "eval_s": time.perf_counter() - start})
             new = c["best"] is None or dev > c["best"]["dev"]
             if new:
@@ -258,9 +268,13 @@ def device(
 
 # ------------------------------------------------------------------------------------------------ here: collect
 def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
-    """Each returned student's dev curve (its chosen step's dev figure recomputed with ir_measures) and its test rows
-    against the main run's per-query nDCG@10 (``output/summary.json``): paired t-tests against the teacher's bi-encoder
-    and the J = 2 CE, the paired difference's 95% interval against BM25."""
+    """Each returned student's dev curve and its test rows against the main run's per-query nDCG@10
+    (``output/summary.json``): paired t-tests against the teacher's bi-encoder and the J = 2 CE, the paired
+    difference's 95% interval against BM25, and the per-query nDCG@10 (ir_measures) under ``per_query``.
+
+    The dev figures are put on the CPU curves' footing, the mean over every evaluated dev query (one without BM25
+    candidates counts 0): a device run that averaged over the queries with candidates alone (``dev_queries`` fewer than
+    the manifest's ``qids``) is scaled by their ratio, exact since the others score 0; ``dev_as_run`` keeps its own."""
     from pyterrier_prob.evaluation import paired_ci, paired_p
     from pyterrier_prob.experiments.varce_distill import BI_ENCODER
     from pyterrier_prob.varce import distill
@@ -269,13 +283,23 @@ def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
         manifest = json.load(f)
     with open(os.path.join(output, "summary.json"), encoding="utf8") as f:
         main = json.load(f)
-    result: dict[str, Any] = {"students": {}, "rows": []}
+    dev_split = manifest["splits"][DEV]
+    if "qids" not in dev_split:
+        raise SystemExit(f"{bundle}/manifest.json lists no evaluated dev qids: rerun `prepare` (same rows and pairs)")
+    result: dict[str, Any] = {"students": {}, "rows": [], "per_query": {}}
     for student in sorted(os.listdir(scores)):
         path = os.path.join(scores, student, "curve.json")
         if not os.path.isfile(path):
             continue
         with open(path, encoding="utf8") as f:
             curve = json.load(f)
+        averaged = int(curve.get("dev_queries", dev_split["queries"]))
+        scale = averaged / len(dev_split["qids"])
+        if scale != 1.0:
+            curve["dev_as_run"] = {"points": curve["points"], "best": curve["best"], "queries": averaged}
+            curve["points"] = [{**pt, "dev": pt["dev"] * scale} for pt in curve["points"]]
+            curve["best"] = {**curve["best"], "dev": curve["best"]["dev"] * scale}
+            curve["dev_queries"] = len(dev_split["qids"])
         result["students"][student] = curve
         system = f"{student} (J = 6, {curve['card']})"
         for name, split in manifest["splits"].items():
@@ -290,10 +314,13 @@ def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
             ref = {k: pd.Series(v) for k, v in main["per_query"][name].items()}
             row = {"collection": name, "system": system, "joint_layers": 6, "input_score": None, "chosen_on_dev": False}
             row |= {"nDCG@10": float(per.mean()), "queries": len(per), "best_dev_step": curve["best"]["step"]}
+            row |= {"dev": curve["best"]["dev"], "card": curve["card"]}
+            row["p_vs_bm25"] = paired_p(per, ref["BM25"])
             row["p_vs_bi_encoder"] = paired_p(per, ref[BI_ENCODER])
             row["p_vs_ce_j2"] = paired_p(per, ref["CE"]) if "CE" in ref else None
             row["ci95_vs_bm25"] = paired_ci(per, ref["BM25"])
             result["rows"].append(row)
+            result["per_query"].setdefault(name, {})[system] = {str(q): float(v) for q, v in per.items()}
     return result
 
 

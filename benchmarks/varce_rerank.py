@@ -11,7 +11,10 @@ trained model, pool, cache and score is reused; a killed run continues from its 
   VarCE-VAR that read BM25's score as text (``--input-score``);
 - the ablation (``<output>-j1-pseudo``, ``-j2-train``, ``-j1-train``): the CE alone at 1 and 2 joint layers, on the same
   rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher;
-- ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows (J = 6, a plain CrossEncoder, needs a GPU);
+- ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows;
+- ``j6-gpu`` (``--gpu``, ``benchmarks/results/varce_gpu.json``): the CE and VarCE-VAR at 6 joint layers (a plain
+  sentence-transformers CrossEncoder) on the main run's rows, trained on a lent GPU by ``benchmarks/gpu_students.py``,
+  each row labelled with the card;
 - ``<output>-j2-joint`` (only with ``--runs``: not among the default runs, to save their CPU hours; the score paths
   are compared in ``benchmarks/results/varce_score_paths_probe.json``): the main run's CE with its score read from the
   joint layers alone (``--score-from joint``: no frozen bi-encoder path), which starts far below the bi-encoder it is
@@ -84,6 +87,51 @@ ORDER = [("main", "CE"), ("j1-pseudo", None), ("main", None)]
 ORDER += [(run, None) for run in ("j2-train", "j1-train", "j3-pseudo", "j2-joint")]
 #: The runs made unless ``--runs`` names others (``j2-joint`` is made only when asked for).
 DEFAULT_RUNS = [run for run in RUNS if run != "j2-joint"]
+#: The J = 6 students trained on a lent GPU on the main run's rows (``benchmarks/gpu_students.py``), as the run
+#: ``j6-gpu``: their rows join the table labelled with the card, their dev curves join the choice made on dev.
+GPU_RESULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "varce_gpu.json")
+GPU_RUN = "j6-gpu"
+#: How the ``j6-gpu`` rows were made (the middle step on the GPU machine: ``benchmarks/gpu_students.py``'s docstring).
+GPU_COMMANDS = [
+    "python benchmarks/gpu_students.py prepare --output OUTPUT --bundle outputs/gpu-bundle",
+    "python benchmarks/gpu_students.py device --bundle outputs/gpu-bundle --out $OUT --students STUDENT --steps 3000 "
+    "--eval-every 300 --lr 2e-5 --batch-size 16 --patience 3 --budget-s 330",
+    "python benchmarks/gpu_students.py collect --bundle outputs/gpu-bundle --scores RETURNED --output OUTPUT",
+]
+
+
+def training_queries(run: str) -> str:
+    """The training rows of ``run`` (the GPU students: the main run's)."""
+    return RUNS["main" if run == GPU_RUN else run][1]
+
+
+def gpu_rows(path: str, main: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The rows of ``benchmarks/gpu_students.py collect``'s JSON in this table's layout (system ``<student>
+    (<card>)``, run :data:`GPU_RUN`, ``p_vs_CE`` against the J = 6 CE), their per-query nDCG@10 and dev curves."""
+    import pandas as pd
+
+    from pyterrier_prob.evaluation import paired_p
+
+    with open(path, encoding="utf8") as f:
+        gpu = json.load(f)
+    rows, per_query, curves = [], {}, {}
+    for student, curve in gpu["students"].items():
+        curves[f"{student} ({curve['card']})"] = curve
+    for r in gpu["rows"]:
+        student = r["system"].split(" (")[0]
+        system = f"{student} ({r['card']})"
+        depth = main["evaluated"][r["collection"]]["depth"]
+        mine = gpu["per_query"][r["collection"]][r["system"]]
+        ce = gpu["per_query"][r["collection"]].get(f"CE (J = 6, {r['card']})")
+        row = {"collection": r["collection"], "depth": depth, "system": system, "queries": r["queries"]}
+        row |= {"nDCG@10": r["nDCG@10"], "p_vs_bm25": r["p_vs_bm25"], "p_vs_bi_encoder": r["p_vs_bi_encoder"]}
+        row["p_vs_CE"] = None if student == "CE" or ce is None else paired_p(pd.Series(mine), pd.Series(ce))
+        row |= {"ci95_vs_bm25": r["ci95_vs_bm25"], "joint_layers": 6, "cross_attention_mass": None}
+        row |= {"joint_share": None, "input_score": None, "card": r["card"], "run": GPU_RUN}
+        row["training_queries"] = training_queries(GPU_RUN)
+        rows.append(row)
+        per_query.setdefault(r["collection"], {})[system] = mine
+    return rows, per_query, curves
 
 
 def run_folder(output: str, run: str) -> str:
@@ -101,9 +149,9 @@ def command(output: str, run: str, only: str | None = None) -> list[str]:
     return ["varce", *RECIPE, *options, "--teacher", teacher, "--output", run_folder(output, run)]
 
 
-def combine(output: str, runs: list[str]) -> dict[str, Any]:
+def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, Any]:
     """The main run's summary, its rows and the ablation's CE rows marked with their run, ``p_vs_j1`` and the row
-    chosen on dev."""
+    chosen on dev; ``gpu``: the J = 6 students' JSON (:func:`gpu_rows`), when one was made."""
     import pandas as pd
 
     from pyterrier_prob.evaluation import paired_p
@@ -130,22 +178,32 @@ def combine(output: str, runs: list[str]) -> dict[str, Any]:
                 other = pd.Series(summaries[j1]["per_query"][row["collection"]]["CE"])
                 row["p_vs_j1"] = None if (run, row["system"]) == (j1, "CE") else paired_p(mine, other)
             rows.append(row)
+    extra = gpu_rows(gpu, main) if gpu is not None and os.path.isfile(gpu) else ([], {}, {})
+    j1 = next((r for r, v in RUNS.items() if v[:2] == (1, training_queries(GPU_RUN)) and r in summaries), None)
+    for row in extra[0]:
+        if j1 is not None and row["collection"] in summaries[j1]["per_query"]:
+            mine = pd.Series(extra[1][row["collection"]][row["system"]])
+            row["p_vs_j1"] = paired_p(mine, pd.Series(summaries[j1]["per_query"][row["collection"]]["CE"]))
+        rows.append(row)
     dev = {  # every plain student at J >= 2: its best dev point (the learning curve), read before test
         (run, system): curve["best"]["dev"]
         for run, s in summaries.items()
         if RUNS[run][0] >= 2
         for system, curve in s["dev_curves"].items()
         if curve.get("best") and "score as text" not in system
-    }
-    chosen = max(dev, key=lambda k: (dev[k], -list(RUNS).index(k[0]))) if dev else None
+    } | {(GPU_RUN, system): curve["best"]["dev"] for system, curve in extra[2].items()}
+    order = [*RUNS, GPU_RUN]
+    chosen = max(dev, key=lambda k: (dev[k], -order.index(k[0]))) if dev else None
     for row in rows:  # the chosen student's rows at each collection's evaluated depth
-        depth = summaries[row["run"]]["evaluated"][row["collection"]]["depth"]
+        depth = summaries.get(row["run"], main)["evaluated"][row["collection"]]["depth"]
         row["chosen_on_dev"] = (row["run"], row["system"]) == chosen and row["depth"] == depth
     main = {**main, "rows": rows, "chosen_on_dev": {"run": chosen[0], "system": chosen[1], "dev": dev[chosen]}}
     main["ablation_dev"] = {f"{run}/{system}": v for (run, system), v in dev.items()}
     others = {run: s for run, s in summaries.items() if run != "main"}
     main["per_query_runs"] = {run: s["per_query"] for run, s in others.items()}
     main["ablation_curves"] = {run: s.get("dev_curves", {}) for run, s in others.items()}
+    if extra[0]:
+        main["per_query_runs"][GPU_RUN], main["ablation_curves"][GPU_RUN] = extra[1], extra[2]
     main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
     main["ablation_lexical_share"] = {run: s.get("lexical_share", {}) for run, s in others.items()}
     main["runs_combined"] = {run: s.get("students") for run, s in summaries.items()}  # the runs and students so far
@@ -184,7 +242,7 @@ def goal(result: dict[str, Any]) -> dict[str, Any]:
     bi = here["Teacher (bi-encoder)"]
     fused_name = next(n for n in here if n.startswith("Teacher (bi-encoder + BM25"))
     halfway = bi + (here[fused_name] - bi) / 2
-    training = RUNS[run][1]
+    training = training_queries(run)
     j1_run = next((r for r, v in RUNS.items() if v[:2] == (1, training)), None)
     j1 = next((r for r in rows if r["collection"] == home and (r["run"], r["system"]) == (j1_run, "CE")), None)
     out: dict[str, Any] = {"chosen": f"{run}/{system}", "collection": home, "nDCG@10": at[home]["nDCG@10"]}
@@ -304,6 +362,7 @@ def main() -> int:
     ap.add_argument("--no-write", action="store_true", help="make the runs only")
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out (written before) and stop")
     ap.add_argument("--write-only", action="store_true", help="make no run: combine the summaries there are")
+    ap.add_argument("--gpu", default=GPU_RESULT, help="the J = 6 students' JSON (benchmarks/gpu_students.py)")
     ap.add_argument("--table", default=None, help="print the nDCG@10 table of this JSON (written before) and stop")
     a = ap.parse_args()
     if a.markdown or a.table:
@@ -324,7 +383,7 @@ def main() -> int:
             return code
     if a.no_write:
         return 0
-    summary = combine(a.output, list(RUNS))
+    summary = combine(a.output, list(RUNS), a.gpu)
     result = {
         "benchmark": "Cross-encoders reading query and document together, distilled from a bi-encoder + BM25 "
         "teacher, as BM25 re-rankers (nDCG@10)",
@@ -333,7 +392,8 @@ def main() -> int:
         + (f" --out {a.out}" if a.out != ap.get_default("out") else ""),
         "experiment_commands": {
             r: "pyterrier-prob " + shlex.join(command(a.output, r)) for r in summary["runs_combined"]
-        },
+        }
+        | ({GPU_RUN: GPU_COMMANDS} if GPU_RUN in summary.get("per_query_runs", {}) else {}),
         "machine": describe(),
         **summary,
     }

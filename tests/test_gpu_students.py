@@ -36,6 +36,10 @@ def test_device_ndcg_is_ir_measures(gpu):
     for qid in ("a", "b"):
         assert ours[qid] == pytest.approx(ref[qid], abs=1e-12)
     assert ours["c"] == 0.0
+    # over given qids, as the CPU students' dev curves: one without candidates scores 0 and counts
+    over = gpu.ndcg_at_10(pairs, scores, qrels, qids=["a", "b", "c", "z"])
+    assert list(over.index) == ["a", "b", "c", "z"] and over["z"] == 0.0
+    assert over.mean() == pytest.approx((ref["a"] + ref["b"]) / 4, abs=1e-12)
 
 
 def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
@@ -88,11 +92,16 @@ def test_collect_rows_against_the_main_run(gpu, tmp_path):
     qrels = pd.DataFrame({"qid": qids, "docno": [f"d{3 * i + i % 3}" for i in range(6)], "label": 1})
     pairs.to_parquet(bundle / "pairs-x.parquet")
     qrels.to_parquet(bundle / "qrels-x.parquet")
-    splits = {"dev": {"file": "dev"}, "coll": {"file": "x"}}
+    splits = {"dev": {"file": "dev", "queries": 3, "qids": ["v1", "v2", "v3", "v4"]}, "coll": {"file": "x"}}
     (bundle / "manifest.json").write_text(json.dumps({"splits": splits}))
     s = np.tile([3.0, 2.0, 1.0], 6)  # each query's first document on top: reciprocal gains 1, 1/log2(3), 1/2
     np.save(scores / "CE" / "x.npy", s.astype(np.float32))
-    (scores / "CE" / "curve.json").write_text(json.dumps({"card": "TestCard", "best": {"step": 3, "dev": 0.5}}))
+    curve = {
+        "card": "TestCard",
+        "points": [{"step": 0, "dev": 0.25}, {"step": 3, "dev": 0.5}],
+        "best": {"step": 3, "dev": 0.5},
+    }
+    (scores / "CE" / "curve.json").write_text(json.dumps(curve))
     rng = np.random.default_rng(1)
     ref = {name: dict(zip(qids, rng.uniform(size=6))) for name in ("BM25", "Teacher (bi-encoder)", "CE")}
     (output / "summary.json").write_text(json.dumps({"per_query": {"coll": ref}}))
@@ -101,6 +110,9 @@ def test_collect_rows_against_the_main_run(gpu, tmp_path):
     expected = np.array([[1.0, 1 / np.log2(3), 0.5][i % 3] for i in range(6)])
     assert row["system"] == "CE (J = 6, TestCard)" and row["queries"] == 6 and row["best_dev_step"] == 3
     assert row["nDCG@10"] == pytest.approx(expected.mean(), abs=1e-9)
+    assert result["per_query"]["coll"][row["system"]] == pytest.approx(dict(zip(qids, expected)), abs=1e-9)
+    # the device averaged its dev points over the 3 dev queries with candidates: on the CPU curves' footing, 4 queries
+    assert row["dev"] == pytest.approx(0.5 * 3 / 4) and result["students"]["CE"]["dev_as_run"]["best"]["dev"] == 0.5
     bi = np.array([ref["Teacher (bi-encoder)"][q] for q in qids])
     assert row["p_vs_bi_encoder"] == pytest.approx(ttest_rel(expected, bi).pvalue, rel=1e-9)
     low, high = row["ci95_vs_bm25"]
