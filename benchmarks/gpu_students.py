@@ -267,10 +267,20 @@ def device(
 
 
 # ------------------------------------------------------------------------------------------------ here: collect
-def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
-    """Each returned student's dev curve and its test rows against the main run's per-query nDCG@10
-    (``output/summary.json``): paired t-tests against the teacher's bi-encoder and the J = 2 CE, the paired
-    difference's 95% interval against BM25, and the per-query nDCG@10 (ir_measures) under ``per_query``.
+def label(student: str, curve: dict[str, Any]) -> str:
+    """A returned student's row name: the student, J = 6, the card and (when recorded) its batch size and rate."""
+    parts = ["J = 6", curve["card"]]
+    if "batch_size" in curve and "lr" in curve:
+        parts.append(f"batch {curve['batch_size']}, lr {curve['lr']:g}")
+    return f"{student} ({', '.join(parts)})"
+
+
+def collect(bundle: str, scores: str | list[str], output: str) -> dict[str, Any]:
+    """Each returned student's dev curve (``scores``: one or several device ``--out`` folders, as brought back; a
+    student is named by :func:`label`) and its test rows against the main run's per-query nDCG@10
+    (``output/summary.json``): paired t-tests against the teacher's bi-encoder and the J = 2 CE (a VarCE also against
+    the CE of its folder), the paired difference's 95% interval against BM25, and the per-query nDCG@10 (ir_measures)
+    under ``per_query``.
 
     The dev figures are put on the CPU curves' footing, the mean over every evaluated dev query (one without BM25
     candidates counts 0): a device run that averaged over the queries with candidates alone (``dev_queries`` fewer than
@@ -287,11 +297,12 @@ def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
     if "qids" not in dev_split:
         raise SystemExit(f"{bundle}/manifest.json lists no evaluated dev qids: rerun `prepare` (same rows and pairs)")
     result: dict[str, Any] = {"students": {}, "rows": [], "per_query": {}}
-    for student in sorted(os.listdir(scores)):
-        path = os.path.join(scores, student, "curve.json")
-        if not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf8") as f:
+    folders = [scores] if isinstance(scores, str) else list(scores)
+    found = [
+        (d, st) for d in folders for st in sorted(os.listdir(d)) if os.path.isfile(os.path.join(d, st, "curve.json"))
+    ]
+    for folder, student in found:
+        with open(os.path.join(folder, student, "curve.json"), encoding="utf8") as f:
             curve = json.load(f)
         averaged = int(curve.get("dev_queries", dev_split["queries"]))
         scale = averaged / len(dev_split["qids"])
@@ -300,10 +311,12 @@ def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
             curve["points"] = [{**pt, "dev": pt["dev"] * scale} for pt in curve["points"]]
             curve["best"] = {**curve["best"], "dev": curve["best"]["dev"] * scale}
             curve["dev_queries"] = len(dev_split["qids"])
-        result["students"][student] = curve
-        system = f"{student} (J = 6, {curve['card']})"
+        system = label(student, curve)
+        if system in result["students"]:
+            raise SystemExit(f"{system} comes back twice ({folder}): one folder per configuration")
+        result["students"][system] = curve | {"folder": os.path.join(folder, student)}
         for name, split in manifest["splits"].items():
-            file = os.path.join(scores, student, f"{split['file']}.npy")
+            file = os.path.join(folder, student, f"{split['file']}.npy")
             if name == DEV or not os.path.isfile(file) or name not in main["per_query"]:
                 continue
             pairs = pd.read_parquet(os.path.join(bundle, f"pairs-{split['file']}.parquet"))
@@ -314,10 +327,13 @@ def collect(bundle: str, scores: str, output: str) -> dict[str, Any]:
             ref = {k: pd.Series(v) for k, v in main["per_query"][name].items()}
             row = {"collection": name, "system": system, "joint_layers": 6, "input_score": None, "chosen_on_dev": False}
             row |= {"nDCG@10": float(per.mean()), "queries": len(per), "best_dev_step": curve["best"]["step"]}
-            row |= {"dev": curve["best"]["dev"], "card": curve["card"]}
+            row |= {"dev": curve["best"]["dev"], "card": curve["card"], "student": student}
+            row |= {k: curve.get(k) for k in ("batch_size", "lr", "steps_run")}
             row["p_vs_bm25"] = paired_p(per, ref["BM25"])
             row["p_vs_bi_encoder"] = paired_p(per, ref[BI_ENCODER])
             row["p_vs_ce_j2"] = paired_p(per, ref["CE"]) if "CE" in ref else None
+            ce = result["per_query"].get(name, {}).get(label("CE", curve))
+            row["p_vs_ce_j6"] = None if student == "CE" or ce is None else paired_p(per, pd.Series(ce))
             row["ci95_vs_bm25"] = paired_ci(per, ref["BM25"])
             result["rows"].append(row)
             result["per_query"].setdefault(name, {})[system] = {str(q): float(v) for q, v in per.items()}
@@ -344,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--budget-s", type=float, help="stop training after this many seconds (a lease's limit)")
     c = sub.add_parser("collect")
     c.add_argument("--bundle", required=True)
-    c.add_argument("--scores", required=True, help="the device step's --out, as brought back")
+    c.add_argument("--scores", required=True, nargs="+", help="the device step's --out folders, as brought back")
     c.add_argument("--output", required=True)
     c.add_argument("--out", default=RESULT)
     a = ap.parse_args(argv)

@@ -96,7 +96,10 @@ GPU_COMMANDS = [
     "python benchmarks/gpu_students.py prepare --output OUTPUT --bundle outputs/gpu-bundle",
     "python benchmarks/gpu_students.py device --bundle outputs/gpu-bundle --out $OUT --students STUDENT --steps 3000 "
     "--eval-every 300 --lr 2e-5 --batch-size 16 --patience 3 --budget-s 330",
-    "python benchmarks/gpu_students.py collect --bundle outputs/gpu-bundle --scores RETURNED --output OUTPUT",
+    "python benchmarks/gpu_students.py device --bundle outputs/gpu-bundle --out $OUT --students STUDENT --steps 750 "
+    "--eval-every 75 --lr 4e-5 --batch-size 64 --patience 3 --budget-s 190",
+    "python benchmarks/gpu_students.py collect --bundle outputs/gpu-bundle --scores RETURNED_16 RETURNED_64 "
+    "--output OUTPUT",
 ]
 
 
@@ -106,31 +109,28 @@ def training_queries(run: str) -> str:
 
 
 def gpu_rows(path: str, main: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
-    """The rows of ``benchmarks/gpu_students.py collect``'s JSON in this table's layout (system ``<student>
-    (<card>)``, run :data:`GPU_RUN`, ``p_vs_CE`` against the J = 6 CE), their per-query nDCG@10 and dev curves."""
-    import pandas as pd
-
-    from pyterrier_prob.evaluation import paired_p
-
+    """The rows of ``benchmarks/gpu_students.py collect``'s JSON in this table's layout (run :data:`GPU_RUN`, the
+    system named as there without its ``J = 6``: the card and the configuration; ``p_vs_CE`` against the J = 6 CE of
+    the same configuration), their per-query nDCG@10 and dev curves."""
     with open(path, encoding="utf8") as f:
         gpu = json.load(f)
-    rows, per_query, curves = [], {}, {}
-    for student, curve in gpu["students"].items():
-        curves[f"{student} ({curve['card']})"] = curve
+
+    def name(system: str) -> str:
+        return system.replace("J = 6, ", "")
+
+    rows, per_query = [], {}
+    curves = {name(system): curve for system, curve in gpu["students"].items()}
     for r in gpu["rows"]:
-        student = r["system"].split(" (")[0]
-        system = f"{student} ({r['card']})"
-        depth = main["evaluated"][r["collection"]]["depth"]
-        mine = gpu["per_query"][r["collection"]][r["system"]]
-        ce = gpu["per_query"][r["collection"]].get(f"CE (J = 6, {r['card']})")
-        row = {"collection": r["collection"], "depth": depth, "system": system, "queries": r["queries"]}
-        row |= {"nDCG@10": r["nDCG@10"], "p_vs_bm25": r["p_vs_bm25"], "p_vs_bi_encoder": r["p_vs_bi_encoder"]}
-        row["p_vs_CE"] = None if student == "CE" or ce is None else paired_p(pd.Series(mine), pd.Series(ce))
+        system = name(r["system"])
+        row = {"collection": r["collection"], "depth": main["evaluated"][r["collection"]]["depth"], "system": system}
+        row |= {"queries": r["queries"], "nDCG@10": r["nDCG@10"], "p_vs_bm25": r["p_vs_bm25"]}
+        row |= {"p_vs_bi_encoder": r["p_vs_bi_encoder"], "p_vs_CE": r.get("p_vs_ce_j6")}
         row |= {"ci95_vs_bm25": r["ci95_vs_bm25"], "joint_layers": 6, "cross_attention_mass": None}
         row |= {"joint_share": None, "input_score": None, "card": r["card"], "run": GPU_RUN}
+        row |= {k: r.get(k) for k in ("batch_size", "lr", "steps_run")}
         row["training_queries"] = training_queries(GPU_RUN)
         rows.append(row)
-        per_query.setdefault(r["collection"], {})[system] = mine
+        per_query.setdefault(r["collection"], {})[system] = gpu["per_query"][r["collection"]][r["system"]]
     return rows, per_query, curves
 
 

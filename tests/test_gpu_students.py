@@ -112,8 +112,31 @@ def test_collect_rows_against_the_main_run(gpu, tmp_path):
     assert row["nDCG@10"] == pytest.approx(expected.mean(), abs=1e-9)
     assert result["per_query"]["coll"][row["system"]] == pytest.approx(dict(zip(qids, expected)), abs=1e-9)
     # the device averaged its dev points over the 3 dev queries with candidates: on the CPU curves' footing, 4 queries
-    assert row["dev"] == pytest.approx(0.5 * 3 / 4) and result["students"]["CE"]["dev_as_run"]["best"]["dev"] == 0.5
+    assert (
+        row["dev"] == pytest.approx(0.5 * 3 / 4)
+        and result["students"]["CE (J = 6, TestCard)"]["dev_as_run"]["best"]["dev"] == 0.5
+    )
     bi = np.array([ref["Teacher (bi-encoder)"][q] for q in qids])
     assert row["p_vs_bi_encoder"] == pytest.approx(ttest_rel(expected, bi).pvalue, rel=1e-9)
     low, high = row["ci95_vs_bm25"]
     assert low < (expected - np.array([ref["BM25"][q] for q in qids])).mean() < high
+
+    # a second configuration in its own folder: named by its batch and rate, its VarCE paired with its own CE
+    second = tmp_path / "s2"
+    config = {"card": "TestCard", "batch_size": 64, "lr": 4e-5, "dev_queries": 4}
+    for student, order in (("CE", [3.0, 2.0, 1.0]), ("VarCE-VAR", [1.0, 3.0, 2.0])):
+        (second / student).mkdir(parents=True)
+        np.save(second / student / "x.npy", np.tile(order, 6).astype(np.float32))
+        c = config | {"points": [{"step": 0, "dev": 0.2}], "best": {"step": 0, "dev": 0.2}}
+        (second / student / "curve.json").write_text(json.dumps(c))
+    both = gpu.collect(str(bundle), [str(scores), str(second)], str(output))
+    names = [r["system"] for r in both["rows"]]
+    assert names == ["CE (J = 6, TestCard)", "CE (J = 6, TestCard, batch 64, lr 4e-05)",
+                     "VarCE-VAR (J = 6, TestCard, batch 64, lr 4e-05)"]  # fmt: skip
+    var = both["rows"][2]
+    mine = np.array([[0.5, 1.0, 1 / np.log2(3)][i % 3] for i in range(6)])  # scores [1, 3, 2]: the relevant one's rank
+    assert var["nDCG@10"] == pytest.approx(mine.mean(), abs=1e-9)
+    assert var["p_vs_ce_j6"] == pytest.approx(ttest_rel(mine, expected).pvalue, rel=1e-9)
+    assert both["rows"][1]["p_vs_ce_j6"] is None and var["dev"] == 0.2 and var["batch_size"] == 64
+    with pytest.raises(SystemExit, match="comes back twice"):
+        gpu.collect(str(bundle), [str(second), str(second)], str(output))

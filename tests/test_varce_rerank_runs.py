@@ -129,8 +129,8 @@ def test_combine_p_vs_j1_the_row_chosen_on_dev_and_the_goal(tmp_path):
 
 
 def test_gpu_students_join_the_table_and_the_choice_on_dev(tmp_path):
-    """The J = 6 students of ``benchmarks/gpu_students.py`` join as run ``j6-gpu``: labelled with the card, paired
-    against the J = 1 CE on the same rows and (VarCE) against the J = 6 CE, their dev points in the choice."""
+    """The J = 6 students of ``benchmarks/gpu_students.py`` join as run ``j6-gpu``: labelled with the card and their
+    configuration, paired against the J = 1 CE on the same rows, their dev points in the choice."""
     out, gpu = str(tmp_path / "v"), str(tmp_path / "varce_gpu.json")
     bm25, bi, fused = [0.3, 0.2, 0.4, 0.3, 0.3, 0.2], [0.35, 0.3, 0.4, 0.35, 0.4, 0.3], [0.45] * 6
     ce1, ce6, var6 = [0.4, 0.4, 0.5, 0.3, 0.4, 0.1], [0.5, 0.3, 0.6, 0.3, 0.5, 0.3], [0.6, 0.3, 0.7, 0.4, 0.5, 0.4]
@@ -138,34 +138,35 @@ def test_gpu_students_join_the_table_and_the_choice_on_dev(tmp_path):
     _write(out, _summary(systems | {"CE": (2, [0.4] * 6, 0.31)}))
     _write(f"{out}-j1-pseudo", _summary({"CE": (1, ce1, 0.2)}))
     curve = {"card": "TestCard", "points": [{"step": 0, "dev": 0.1}, {"step": 300, "dev": 0.4}]}
-    students = {
-        "CE": curve | {"best": {"step": 300, "dev": 0.30}},
-        "VarCE-VAR": curve | {"best": {"step": 300, "dev": 0.32}},
-    }
-    rows, per_query = [], {HOME: {}}
-    for student, values in (("CE", ce6), ("VarCE-VAR", var6)):
-        system = f"{student} (J = 6, TestCard)"
+    students, rows, per_query = {}, [], {HOME: {}}
+    for student, values, dev, p in (("CE", ce6, 0.30, None), ("VarCE-VAR", var6, 0.32, 0.04)):
+        system = f"{student} (J = 6, TestCard, batch 16, lr 2e-05)"
+        students[system] = curve | {"best": {"step": 300, "dev": dev}}
         per_query[HOME][system] = dict(zip(QIDS, values))
-        row = {"collection": HOME, "system": system, "queries": 6, "nDCG@10": float(np.mean(values))}
+        row = {"collection": HOME, "system": system, "queries": 6, "nDCG@10": float(np.mean(values)), "p_vs_ce_j6": p}
         rows.append(row | {"card": "TestCard", "p_vs_bm25": 0.5, "p_vs_bi_encoder": 0.5, "ci95_vs_bm25": [-0.1, 0.1]})
     with open(gpu, "w", encoding="utf8") as f:
         json.dump({"students": students, "rows": rows, "per_query": per_query}, f)
     combined = varce_rerank.combine(out, list(varce_rerank.RUNS), gpu)
     got = {(r["run"], r["system"]): r for r in combined["rows"] if r["collection"] == HOME and r["depth"] == 100}
-    ce, var = got["j6-gpu", "CE (TestCard)"], got["j6-gpu", "VarCE-VAR (TestCard)"]
+    ce, var = (
+        got["j6-gpu", "CE (TestCard, batch 16, lr 2e-05)"],
+        got["j6-gpu", "VarCE-VAR (TestCard, batch 16, lr 2e-05)"],
+    )
     assert ce["joint_layers"] == var["joint_layers"] == 6 and ce["training_queries"] == "train + pseudo-queries"
     assert ce["p_vs_j1"] == pytest.approx(ttest_rel(ce6, ce1).pvalue) and ce["p_vs_CE"] is None
-    assert var["p_vs_CE"] == pytest.approx(ttest_rel(var6, ce6).pvalue)
-    assert combined["ablation_dev"]["j6-gpu/VarCE-VAR (TestCard)"] == 0.32
-    assert combined["chosen_on_dev"] == {"run": "j6-gpu", "system": "VarCE-VAR (TestCard)", "dev": 0.32}
+    assert var["p_vs_j1"] == pytest.approx(ttest_rel(var6, ce1).pvalue) and var["p_vs_CE"] == 0.04
+    chosen = "VarCE-VAR (TestCard, batch 16, lr 2e-05)"
+    assert combined["ablation_dev"][f"j6-gpu/{chosen}"] == 0.32
+    assert combined["chosen_on_dev"] == {"run": "j6-gpu", "system": chosen, "dev": 0.32}
     assert var["chosen_on_dev"] and not ce["chosen_on_dev"]
     g = combined["goal"]
-    assert g["chosen"] == "j6-gpu/VarCE-VAR (TestCard)" and g["nDCG@10"] == pytest.approx(np.mean(var6))
+    assert g["chosen"] == f"j6-gpu/{chosen}" and g["nDCG@10"] == pytest.approx(np.mean(var6))
     assert g["p_vs_j1"] == pytest.approx(ttest_rel(var6, ce1).pvalue)
-    assert combined["per_query_runs"]["j6-gpu"][HOME]["CE (TestCard)"] == dict(zip(QIDS, ce6))
+    assert combined["per_query_runs"]["j6-gpu"][HOME]["CE (TestCard, batch 16, lr 2e-05)"] == dict(zip(QIDS, ce6))
     text = varce_rerank.markdown(combined)
-    assert f"| VarCE-VAR (TestCard), J = 6, train + pseudo-queries (j6-gpu) | **{np.mean(var6):.4f}** (" in text
-    assert "- j6-gpu/CE (TestCard): 0.1000 (0) → 0.4000 (300); kept step 300" in text
+    assert f"| {chosen}, J = 6, train + pseudo-queries (j6-gpu) | **{np.mean(var6):.4f}** (" in text
+    assert "- j6-gpu/CE (TestCard, batch 16, lr 2e-05): 0.1000 (0) → 0.4000 (300); kept step 300" in text
     # without the file, the table is the CPU runs' alone
     alone = varce_rerank.combine(out, list(varce_rerank.RUNS), str(tmp_path / "none.json"))
     assert all(r["run"] != "j6-gpu" for r in alone["rows"]) and alone["chosen_on_dev"]["run"] == "main"
