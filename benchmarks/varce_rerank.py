@@ -108,6 +108,11 @@ def training_queries(run: str) -> str:
     return RUNS["main" if run == GPU_RUN else run][1]
 
 
+def j1_run(training: str, made: Any = RUNS) -> str | None:
+    """The J = 1 run trained on ``training`` among the runs of ``made`` (the runs whose summaries are there)."""
+    return next((r for r, v in RUNS.items() if v[:2] == (1, training) and r in made), None)
+
+
 def gpu_rows(path: str, main: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
     """The rows of ``benchmarks/gpu_students.py collect``'s JSON in this table's layout (run :data:`GPU_RUN`, the
     system named as there without its ``J = 6``: the card and the configuration; ``p_vs_CE`` against the J = 6 CE of
@@ -172,14 +177,14 @@ def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, A
             if run != "main" and row["joint_layers"] is None:
                 continue  # BM25 and the teacher: the main run's rows
             row = {**row, "run": run, "training_queries": training if row["joint_layers"] is not None else None}
-            j1 = next((r for r, v in RUNS.items() if v[:2] == (1, training) and r in summaries), None)
+            j1 = j1_run(training, summaries)
             if row["joint_layers"] is not None and j1 is not None and row["collection"] in summaries[j1]["per_query"]:
                 mine = pd.Series(s["per_query"][row["collection"]][row["system"]])
                 other = pd.Series(summaries[j1]["per_query"][row["collection"]]["CE"])
                 row["p_vs_j1"] = None if (run, row["system"]) == (j1, "CE") else paired_p(mine, other)
             rows.append(row)
     extra = gpu_rows(gpu, main) if gpu is not None and os.path.isfile(gpu) else ([], {}, {})
-    j1 = next((r for r, v in RUNS.items() if v[:2] == (1, training_queries(GPU_RUN)) and r in summaries), None)
+    j1 = j1_run(training_queries(GPU_RUN), summaries)
     for row in extra[0]:
         if j1 is not None and row["collection"] in summaries[j1]["per_query"]:
             mine = pd.Series(extra[1][row["collection"]][row["system"]])
@@ -243,8 +248,8 @@ def goal(result: dict[str, Any]) -> dict[str, Any]:
     fused_name = next(n for n in here if n.startswith("Teacher (bi-encoder + BM25"))
     halfway = bi + (here[fused_name] - bi) / 2
     training = training_queries(run)
-    j1_run = next((r for r, v in RUNS.items() if v[:2] == (1, training)), None)
-    j1 = next((r for r in rows if r["collection"] == home and (r["run"], r["system"]) == (j1_run, "CE")), None)
+    j1_name = j1_run(training)
+    j1 = next((r for r in rows if r["collection"] == home and (r["run"], r["system"]) == (j1_name, "CE")), None)
     out: dict[str, Any] = {"chosen": f"{run}/{system}", "collection": home, "nDCG@10": at[home]["nDCG@10"]}
     out["bi_encoder"], out["fused_teacher"], out["halfway"] = bi, here[fused_name], halfway
     out["share_of_gap"] = (at[home]["nDCG@10"] - bi) / (here[fused_name] - bi)
