@@ -279,8 +279,8 @@ def collect(bundle: str, scores: str | list[str], output: str) -> dict[str, Any]
     """Each returned student's dev curve (``scores``: one or several device ``--out`` folders, as brought back; a
     student is named by :func:`label`) and its test rows against the main run's per-query nDCG@10
     (``output/summary.json``): paired t-tests against the teacher's bi-encoder and the J = 2 CE (a VarCE also against
-    the CE of its folder), the paired difference's 95% interval against BM25, and the per-query nDCG@10 (ir_measures)
-    under ``per_query``.
+    the CE of its folder), the paired difference's 95% interval against BM25, the per-query nDCG@10 (ir_measures)
+    under ``per_query``, and the main run's rows' means under ``reference``.
 
     The dev figures are put on the CPU curves' footing, the mean over every evaluated dev query (one without BM25
     candidates counts 0): a device run that averaged over the queries with candidates alone (``dev_queries`` fewer than
@@ -297,6 +297,10 @@ def collect(bundle: str, scores: str | list[str], output: str) -> dict[str, Any]
     if "qids" not in dev_split:
         raise SystemExit(f"{bundle}/manifest.json lists no evaluated dev qids: rerun `prepare` (same rows and pairs)")
     result: dict[str, Any] = {"students": {}, "rows": [], "per_query": {}}
+    result["reference"] = {  # the main run's rows these are paired with: their mean nDCG@10 over the same queries
+        name: {system: float(np.mean(list(values.values()))) for system, values in systems.items()}
+        for name, systems in main["per_query"].items()
+    }
     folders = [scores] if isinstance(scores, str) else list(scores)
     found = [
         (d, st) for d in folders for st in sorted(os.listdir(d)) if os.path.isfile(os.path.join(d, st, "curve.json"))

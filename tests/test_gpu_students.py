@@ -111,6 +111,7 @@ def test_collect_rows_against_the_main_run(gpu, tmp_path):
     assert row["system"] == "CE (J = 6, TestCard)" and row["queries"] == 6 and row["best_dev_step"] == 3
     assert row["nDCG@10"] == pytest.approx(expected.mean(), abs=1e-9)
     assert result["per_query"]["coll"][row["system"]] == pytest.approx(dict(zip(qids, expected)), abs=1e-9)
+    assert result["reference"]["coll"] == pytest.approx({k: np.mean(list(v.values())) for k, v in ref.items()})
     # the device averaged its dev points over the 3 dev queries with candidates: on the CPU curves' footing, 4 queries
     assert (
         row["dev"] == pytest.approx(0.5 * 3 / 4)
