@@ -148,6 +148,7 @@ def device(
     batch: int,
     patience: int = 3,
     budget_s: float | None = None,
+    head_lr: float | None = None,
 ) -> None:
     """Train each student on the bundle's rows (sentence-transformers' trainer, Margin-MSE; the VarCE's Gaussian
     likelihood and KL as on the CPU) and write ``out/<student>/``: ``curve.json`` (dev nDCG@10 every ``eval_every``
@@ -155,7 +156,9 @@ def device(
 
     The weights train in float32 (the bundle's teacher is saved in float16; bf16 autocast on a GPU). Training stops
     after ``patience`` dev points without a new best (the CPU students' rule) or once ``budget_s`` seconds of training
-    have passed; the best dev point's weights are kept in memory and only they score the test pairs, once."""
+    have passed; the best dev point's weights are kept in memory and only they score the test pairs, once. The
+    parameters a student adds to the teacher's weights train at a rate of their own (:func:`head_rates`); the curve
+    records every optimizer group's rate and size (``param_groups``)."""
     import tempfile
 
     import torch
@@ -202,6 +205,8 @@ def device(
         curve: dict[str, Any] = {"card": card, "student": student, "points": [], "best": None, "rows": n}
         curve["dev_queries"] = len(dev_qids) if dev_qids is not None else int(splits[DEV][0]["qid"].nunique())
         curve |= {"lr": lr, "batch_size": batch, "eval_every": eval_every, "patience": patience, "budget_s": budget_s}
+        mapping = head_rates(model, loss, student, head_lr)
+        curve["head_lr"] = sorted(set(mapping.values()))
         best_state: dict[str, Any] = {}
 
         def predict(name: str, m: Any = model) -> np.ndarray:
@@ -247,7 +252,7 @@ def device(
         targs = CrossEncoderTrainingArguments(
             output_dir=tempfile.mkdtemp(prefix=f"gpu-{student}-"), per_device_train_batch_size=batch,
             learning_rate=lr, max_steps=min(steps, n // batch), warmup_ratio=0.1, seed=0, save_strategy="no",
-            report_to=[], logging_steps=100, bf16=cuda, dataloader_drop_last=True,
+            report_to=[], logging_steps=100, bf16=cuda, dataloader_drop_last=True, learning_rate_mapping=mapping,
         )  # fmt: skip
         start = time.perf_counter()
         trainer = CrossEncoderTrainer(
@@ -256,6 +261,11 @@ def device(
         trainer.train()
         curve["train_s"] = time.perf_counter() - start
         curve["steps_run"] = int(trainer.state.global_step)
+        curve["param_groups"] = [
+            {"lr": g.get("initial_lr", g["lr"]), "parameters": sum(p.numel() for p in g["params"])}
+            for g in trainer.optimizer.param_groups
+            if g["params"]
+        ]
         model.load_state_dict(best_state)
         model.eval()
         start = time.perf_counter()
@@ -266,12 +276,33 @@ def device(
         save(curve)
 
 
+def head_rates(model: Any, loss: Any, student: str, head_lr: float | None = None) -> dict[str, float]:
+    """``learning_rate_mapping`` of a student: the parameters it adds to the teacher's weights train at a rate of their
+    own, as the CPU students' heads do -- the VarCE's head at its declared rate
+    (:func:`pyterrier_prob.training.head_learning_rates`, with its branches' scales), the CE's new ``classifier`` at
+    that same rate (``VariationalHead.learning_rate``); ``head_lr`` replaces the declared rate for both."""
+    from pyterrier_prob.training import head_learning_rates
+    from st_extensions.cross_encoder.head import VariationalHead
+
+    mapping = head_learning_rates(model, loss, default=head_lr)
+    if student == "CE":
+        rate = VariationalHead.learning_rate if head_lr is None else head_lr
+        new = [n for n, _ in loss.named_parameters() if re.search(r"(^|\.)classifier\.", n)]
+        if not new:
+            raise ValueError("the CE has no `classifier` parameters to give the head's learning rate")
+        mapping |= {f"^{re.escape(n)}$": float(rate) for n in new}
+    return mapping
+
+
 # ------------------------------------------------------------------------------------------------ here: collect
 def label(student: str, curve: dict[str, Any]) -> str:
-    """A returned student's row name: the student, J = 6, the card and (when recorded) its batch size and rate."""
+    """A returned student's row name: the student, J = 6, the card and (when recorded) its batch size, rate and its
+    head's own rate (curves from before the head had one record none: it trained at ``lr``)."""
     parts = ["J = 6", curve["card"]]
     if "batch_size" in curve and "lr" in curve:
         parts.append(f"batch {curve['batch_size']}, lr {curve['lr']:g}")
+    if curve.get("head_lr"):
+        parts.append("head lr " + "/".join(f"{r:g}" for r in curve["head_lr"]))
     return f"{student} ({', '.join(parts)})"
 
 
@@ -332,7 +363,7 @@ def collect(bundle: str, scores: str | list[str], output: str) -> dict[str, Any]
             row = {"collection": name, "system": system, "joint_layers": 6, "input_score": None, "chosen_on_dev": False}
             row |= {"nDCG@10": float(per.mean()), "queries": len(per), "best_dev_step": curve["best"]["step"]}
             row |= {"dev": curve["best"]["dev"], "card": curve["card"], "student": student}
-            row |= {k: curve.get(k) for k in ("batch_size", "lr", "steps_run")}
+            row |= {k: curve.get(k) for k in ("batch_size", "lr", "head_lr", "steps_run")}
             row["p_vs_bm25"] = paired_p(per, ref["BM25"])
             row["p_vs_bi_encoder"] = paired_p(per, ref[BI_ENCODER])
             row["p_vs_ce_j2"] = paired_p(per, ref["CE"]) if "CE" in ref else None
@@ -360,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--eval-every", type=int, default=300)
     d.add_argument("--lr", type=float, default=2e-5)
     d.add_argument("--batch-size", type=int, default=16)
+    d.add_argument("--head-lr", type=float, default=None, help="the added head's rate (default: its declared one)")
     d.add_argument("--patience", type=int, default=3, help="dev points without a new best before stopping")
     d.add_argument("--budget-s", type=float, help="stop training after this many seconds (a lease's limit)")
     c = sub.add_parser("collect")
@@ -371,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.step == "prepare":
         print(json.dumps(prepare(a.output, a.bundle, a.work or f"{a.bundle}-work", a.steps), indent=1))
     elif a.step == "device":
-        device(a.bundle, a.out, a.students, a.steps, a.eval_every, a.lr, a.batch_size, a.patience, a.budget_s)
+        device(
+            a.bundle, a.out, a.students, a.steps, a.eval_every, a.lr, a.batch_size, a.patience, a.budget_s, a.head_lr
+        )
     else:
         from benchmarks._machine import write_result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import ir_measures
 import numpy as np
@@ -67,6 +68,16 @@ def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
     manifest = {"rows": 4, "documents_per_row": 4, "splits": splits, "steps": 2, "batch_size": 2, "max_seq_length": 32}
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     SentenceTransformer(minilm_path, device="cpu").half().save(str(bundle / "teacher"))
+    from sentence_transformers import CrossEncoder
+
+    from st_extensions.cross_encoder import build_var_cross_encoder
+    from st_extensions.cross_encoder.head import VariationalHead
+
+    ce, var = CrossEncoder(minilm_path, num_labels=1), build_var_cross_encoder(minilm_path, variant="VAR")
+    heads = {"CE": sum(p.numel() for p in ce.model.classifier.parameters())}
+    heads["VarCE-VAR"] = sum(p.numel() for m in var.modules() if isinstance(m, VariationalHead) for p in m.parameters())
+    totals = {"CE": sum(p.numel() for p in ce.parameters()), "VarCE-VAR": sum(p.numel() for p in var.parameters())}
+    assert heads["CE"] == 385 and 0 < heads["VarCE-VAR"] < totals["VarCE-VAR"] / 100
     out = tmp_path / "out"
     gpu.device(str(bundle), str(out), ["CE", "VarCE-VAR"], steps=2, eval_every=1, lr=1e-4, batch=2, patience=5)
     for student in ("CE", "VarCE-VAR"):
@@ -75,6 +86,27 @@ def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
         assert curve["best"]["dev"] == max(p["dev"] for p in curve["points"])
         scores = np.load(out / student / "beir_nfcorpus.npy")
         assert scores.shape == (6,) and np.isfinite(scores).all()
+        # the added head trains at its own rate (the VarCE head's declared 1e-3, its branches scaled), the rest at lr
+        groups = curve["param_groups"]
+        head = sum(g["parameters"] for g in groups if g["lr"] != 1e-4)
+        assert sorted({g["lr"] for g in groups if g["lr"] != 1e-4}) == curve["head_lr"]
+        assert head == heads[student] and sum(g["parameters"] for g in groups) == totals[student]
+    assert curve["head_lr"] and max(curve["head_lr"]) == 1e-3
+
+
+def test_head_rates_name_the_added_parameters(gpu, minilm_path):
+    """The CE's new ``classifier`` (and nothing else) at the head's rate, or at ``head_lr`` when given."""
+    import torch
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.cross_encoder.losses import MarginMSELoss
+
+    ce = CrossEncoder(minilm_path, num_labels=1, activation_fn=torch.nn.Identity())
+    loss = MarginMSELoss(ce)
+    for head_lr, rate in ((None, 1e-3), (5e-4, 5e-4)):
+        mapping = gpu.head_rates(ce, loss, "CE", head_lr)
+        named = [n for n, _ in loss.named_parameters() if any(re.search(k, n) for k in mapping)]
+        assert [n.rsplit(".", 2)[-2:] for n in named] == [["classifier", "weight"], ["classifier", "bias"]]
+        assert set(mapping.values()) == {rate}
 
 
 def test_collect_rows_against_the_main_run(gpu, tmp_path):
