@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -34,6 +35,15 @@ def test_notebook_executes(path, monkeypatch):
 def test_each_paper_has_a_notebook():
     names = {p.stem for p in NOTEBOOKS}
     assert set(PAPER_NOTEBOOKS) <= names, f"missing notebooks: {set(PAPER_NOTEBOOKS) - names}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_lets_openmp_threads_sleep_before_torch_loads(path):
+    """A kernel beside another job on the same cores crawls while its idle OpenMP threads spin (docs/cluster.md): each
+    notebook's first code cell calls ``passive_waiting()`` before any cell imports torch or the models."""
+    first, *rest = _code_cells(nbformat.read(path, as_version=4))
+    assert "\npassive_waiting()" in first.source, f"{path.name}: its first cell does not call passive_waiting()"
+    assert not re.search(r"^\s*(import|from) (torch|st_extensions|sentence_transformers)\b", first.source, re.M)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
