@@ -45,8 +45,11 @@ def test_device_ndcg_is_ir_measures(gpu):
 
 def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
     """Two steps of each student on four rows, the dev curve at steps 0, 1, 2 and the test scores of the best dev
-    point, all from the bundle's files."""
-    from sentence_transformers import SentenceTransformer
+    point, all from the bundle's files; the added head trains at a rate of its own."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    from st_extensions.cross_encoder import build_var_cross_encoder
+    from st_extensions.cross_encoder.head import VariationalHead
 
     bundle = tmp_path / "b"
     bundle.mkdir()
@@ -68,11 +71,6 @@ def test_device_step_on_a_tiny_bundle(gpu, minilm_path, tmp_path):
     manifest = {"rows": 4, "documents_per_row": 4, "splits": splits, "steps": 2, "batch_size": 2, "max_seq_length": 32}
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     SentenceTransformer(minilm_path, device="cpu").half().save(str(bundle / "teacher"))
-    from sentence_transformers import CrossEncoder
-
-    from st_extensions.cross_encoder import build_var_cross_encoder
-    from st_extensions.cross_encoder.head import VariationalHead
-
     ce, var = CrossEncoder(minilm_path, num_labels=1), build_var_cross_encoder(minilm_path, variant="VAR")
     heads = {"CE": sum(p.numel() for p in ce.model.classifier.parameters())}
     heads["VarCE-VAR"] = sum(p.numel() for m in var.modules() if isinstance(m, VariationalHead) for p in m.parameters())
