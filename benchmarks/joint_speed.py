@@ -5,7 +5,9 @@ frozen bi-encoder path) and J = 6, a plain sentence-transformers ``CrossEncoder`
 
 A training step is a forward and backward pass and an AdamW step on ``--rows`` rows of a query and ``--docs``
 documents (nfcorpus/train queries with nfcorpus documents); inference scores ``--pairs`` pairs in batches of 64. The
-per-text cache is filled before timing (its cost is paid once per text, not per pair).
+per-text caches are filled before timing (their cost is paid once per text, not per pair): the lower layers' states
+and, for inference, the frozen bi-encoder path's mean state of each text (``SplitTransformer.separate_means``; in
+training its layers' dropout is on, so it runs per pair).
 
     python benchmarks/joint_speed.py --teacher outputs/v52/models/distill-teacher
 """
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         models[j], optimizers[j] = model, torch.optim.AdamW(params, lr=1e-5)
         train_step(model, train[: a.docs], optimizers[j])  # warm-up
-        model.predict(infer[:64], batch_size=64, show_progress_bar=False)
+        warm = infer if j != 6 else infer[:64]  # the split students: every text's bi-encoder path once
+        model.predict(warm, batch_size=64, show_progress_bar=False)
     times: dict[int, dict[str, list[float]]] = {j: {"train": [], "infer": []} for j in a.joints}
     for _ in range(a.repeats):  # interleaved: every J once per repeat
         for j in a.joints:

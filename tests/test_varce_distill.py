@@ -227,6 +227,49 @@ def test_cached_lower_layers_match_and_round_trip(minilm_path, tmp_path):
     np.testing.assert_allclose(loaded_std, std, atol=1e-6)
 
 
+def test_bi_encoder_path_from_the_per_text_cache_is_the_per_pair_path(minilm_path, tmp_path):
+    """In eval mode, pairs that come as cache rows take the frozen bi-encoder path's per-side means from a per-text
+    cache: the same feature as :func:`segment_product` of :meth:`run_separate` (to float rounding), each distinct text
+    computed once over any batches, a score read as text computed per pair on the query side; in training mode (dropout
+    on) the path runs per pair; another state cache empties it."""
+    from pyterrier_prob.varce.rerank import score_as_text
+    from st_extensions.cross_encoder.split import SEPARATE, SEPARATE_MEANS, segment_product, separate_product
+
+    pairs = [*PAIRS, (PAIRS[0][0], PAIRS[2][1]), (PAIRS[2][0], PAIRS[0][1]), PAIRS[1]]
+    for score in (False, True):
+        model = build_split_cross_encoder(
+            minilm_path, bi_encoder_path=True, joint_feature="kernels", variant="VAR", score_segment=score
+        )
+        given = [(q, d) for q, d in zip([p[0] for p in pairs], score_as_text([p[1] for p in pairs], range(6)))]
+        given = given if score else pairs
+        split = model[0]
+        split_state_cache(model, str(tmp_path / f"states-{score}"), split.cache_texts(given))
+        computed: list[int] = []
+
+        def counted(h, m, computed=computed, mean=split._separate_mean):
+            computed.append(len(h))
+            return mean(h, m)
+
+        split._separate_mean = counted
+        model.eval()
+        for batch in (given[:2], given[2:5], given):  # texts first seen in batches of other shapes
+            features = split.preprocess(batch)
+            hidden, mask, is_query = split.joint_inputs(dict(features))
+            out = split(dict(features))
+            assert SEPARATE_MEANS in out and SEPARATE not in out
+            q_mask = out["query_token_mask"].float()
+            got = separate_product(out, q_mask, out["attention_mask"].float(), 20.0)
+            expected = segment_product(split.run_separate(hidden, mask, is_query), q_mask, mask.float(), 20.0)
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+        # 3 queries and 3 documents, each once; with the score as text the query side is per pair (2 + 3 + 6 pairs)
+        assert len(split._separate_means) == (3 if score else 6)
+        assert (sum(computed) == 3 + 2 + 3 + 6) if score else (sum(computed) == 6)
+        model.train()
+        assert SEPARATE in split(split.preprocess(given[:2])) and SEPARATE_MEANS not in split(split.preprocess(given))
+        split_state_cache(model, str(tmp_path / f"other-{score}"), split.cache_texts(given[:1]))
+        assert split._separate_means == {}
+
+
 def test_split_model_checks(minilm_path, tmp_path):
     with pytest.raises(ValueError, match="joint_layers"):
         build_split_cross_encoder(minilm_path, joint_layers=7)

@@ -50,6 +50,9 @@ __all__ = [
 
 QUERY_MASK = "query_token_mask"
 SEPARATE = "separate_token_embeddings"
+#: The bi-encoder path's mean token state of each pair's query and document side, ``(batch, hidden)`` each: what
+#: :func:`segment_product` reads of :data:`SEPARATE`, written instead of it where the lower layers come from the cache.
+SEPARATE_MEANS = "separate_segment_means"
 #: Each joint layer's output, bottom to top (the last is ``token_embeddings``).
 JOINT_STATES = "joint_layer_states"
 BIAS_FILE = "split_attention.safetensors"
@@ -116,7 +119,10 @@ class SplitTransformer(Transformer):
         )
         if self.separate is not None:
             self.separate.requires_grad_(False)
-        self.state_cache: LayerStateCache | None = None
+        self._state_cache: LayerStateCache | None = None
+        #: the bi-encoder path's mean token state per cache row, kept in eval mode (frozen layers without dropout on
+        #: cached inputs: a constant of the text); emptied when another state cache is set
+        self._separate_means: dict[int, Tensor] = {}
         #: runs the pair path on another runtime (:func:`st_extensions.cross_encoder.load_cross_encoder`): tokenised
         #: pairs -> this module's pair outputs (``token_embeddings``, ``attention_mask``, ``query_token_mask``,
         #: each joint layer's states and the bi-encoder path's); None: torch
@@ -145,6 +151,16 @@ class SplitTransformer(Transformer):
                 raise FileNotFoundError(f"{path} is missing: the SplitTransformer's frozen bi-encoder layers")
             module.separate.load_state_dict(load_file(path))
         return module
+
+    @property
+    def state_cache(self) -> LayerStateCache | None:
+        """The lower layers' states per text (:func:`split_state_cache`), or None: computed per batch."""
+        return self._state_cache
+
+    @state_cache.setter
+    def state_cache(self, cache: LayerStateCache | None) -> None:
+        self._state_cache = cache
+        self._separate_means = {}  # its rows name other texts now
 
     @property
     def split_layer(self) -> int:
@@ -266,6 +282,44 @@ class SplitTransformer(Transformer):
                 hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 
+    def _separate_mean(self, hidden: Tensor, mask: Tensor) -> Tensor:
+        """The bi-encoder path over texts ``(n, T, hidden)`` each read alone: the mean of its output over each text's
+        tokens ``(n, hidden)``."""
+        additive = torch.zeros_like(mask, dtype=hidden.dtype).masked_fill(mask == 0, torch.finfo(hidden.dtype).min)
+        with torch.no_grad():
+            for layer in self.separate:
+                out = layer(hidden, attention_mask=additive[:, None, None, :])
+                hidden = out[0] if isinstance(out, tuple) else out
+        m = mask.to(hidden.dtype).unsqueeze(-1)
+        return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+    def _separate_side(self, rows: list[int], hidden: Tensor, mask: Tensor) -> Tensor:
+        """:meth:`_separate_mean` of one side of a batch, each cache row computed once (the first pair holding it)
+        and kept: in eval mode the frozen path's output depends only on the text."""
+        known = self._separate_means
+        first = {row: i for i, row in reversed(list(enumerate(rows))) if row not in known}
+        if first:
+            at = list(first.values())
+            width = int(mask[at].sum(1).max())
+            for row, mean in zip(first, self._separate_mean(hidden[at, :width], mask[at, :width])):
+                known[row] = mean
+        return torch.stack([known[row] for row in rows])
+
+    def separate_means(self, features: dict[str, Any], hidden: Tensor, mask: Tensor, is_query: Tensor) -> Tensor:
+        """The bi-encoder path's mean token state of each pair's query side and document side, ``(2, batch,
+        hidden)``, from the per-text cache (pairs that came as cache rows, in eval mode; a query side that also reads
+        a score as text is computed per pair): the values :func:`segment_product` takes of :meth:`run_separate`'s
+        output, to float rounding, at a cost per distinct text instead of per pair. In training mode the path runs
+        per pair, as its layers' dropout is then on."""
+        width = int(is_query[0].sum())  # the query side first, in every pair
+        q_side, d_side = (hidden[:, :width], mask[:, :width]), (hidden[:, width:], mask[:, width:])
+        d = self._separate_side(features["document_rows"].tolist(), *d_side)
+        if "score_input_ids" in features:  # the query side holds the score's tokens too: one per pair
+            q = self._separate_mean(*q_side)
+        else:
+            q = self._separate_side(features["query_rows"].tolist(), *q_side)
+        return torch.stack([q, d])
+
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if self.runtime is not None and "document_input_ids" in features:
             features.update(self.runtime(features))
@@ -274,7 +328,9 @@ class SplitTransformer(Transformer):
         if joint is None:
             return super().forward(features, **kwargs)
         hidden, mask, is_query = joint
-        if self.separate is not None:
+        if self.separate is not None and "query_rows" in features and not self.training:
+            features[SEPARATE_MEANS] = self.separate_means(features, hidden, mask, is_query)
+        elif self.separate is not None:
             features[SEPARATE] = self.run_separate(hidden, mask, is_query)
         features[JOINT_STATES] = []
         features["token_embeddings"] = self.run_joint(hidden, mask, is_query, outputs=features[JOINT_STATES])
@@ -286,11 +342,26 @@ class SplitTransformer(Transformer):
 def segment_product(tokens: Tensor, q_mask: Tensor, mask: Tensor, scale: float) -> Tensor:
     """``scale * normalize(mean_q) * normalize(mean_d)`` of a pair's token states ``(batch, hidden)``: its sum is
     ``scale`` times the cosine of the query's and the document's mean tokens (``q_mask``: the query's tokens)."""
-    u_q, u_d = (
-        F.normalize((tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0), dim=-1)
-        for m in (q_mask, mask - q_mask)
-    )
-    return scale * u_q * u_d
+    means = [(tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0) for m in (q_mask, mask - q_mask)]
+    return means_product(*means, scale)
+
+
+def means_product(mean_q: Tensor, mean_d: Tensor, scale: float) -> Tensor:
+    """``scale * normalize(mean_q) * normalize(mean_d)`` (:func:`segment_product` of given means)."""
+    return scale * F.normalize(mean_q, dim=-1) * F.normalize(mean_d, dim=-1)
+
+
+def separate_product(features: dict[str, Any], q_mask: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """:func:`segment_product` of the bi-encoder path, from its per-side means where the SplitTransformer wrote them
+    (:data:`SEPARATE_MEANS`, the cached path), else from its token states (:data:`SEPARATE`)."""
+    if SEPARATE_MEANS in features:
+        return means_product(*features[SEPARATE_MEANS], scale)
+    return segment_product(features[SEPARATE], q_mask, mask, scale)
+
+
+def has_separate(features: dict[str, Any]) -> bool:
+    """Whether a SplitTransformer's output holds its bi-encoder path (token states or per-side means)."""
+    return SEPARATE in features or SEPARATE_MEANS in features
 
 
 @register_module
@@ -314,13 +385,13 @@ class SegmentInteraction(Module):
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         if QUERY_MASK not in features:
             raise ValueError("SegmentInteraction reads a SplitTransformer's output (no query_token_mask)")
-        if self.bi_encoder_path and SEPARATE not in features:
+        if self.bi_encoder_path and not has_separate(features):
             raise ValueError("SegmentInteraction(bi_encoder_path=True) reads a SplitTransformer with a bi-encoder path")
         tokens = features["token_embeddings"]
         q_mask, mask = features[QUERY_MASK].to(tokens.dtype), features["attention_mask"].to(tokens.dtype)
         joint = self._feature(tokens, q_mask, mask)
         if self.bi_encoder_path:
-            joint = torch.cat([self._feature(features[SEPARATE], q_mask, mask), joint], dim=-1)
+            joint = torch.cat([separate_product(features, q_mask, mask, self.scale), joint], dim=-1)
         features["sentence_embedding"] = joint
         return features
 
@@ -389,11 +460,11 @@ class KernelInteraction(Module):
         self.scale = finite_float("scale", scale, low=0.0)
 
     def forward(self, features: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
-        if SEPARATE not in features or JOINT_STATES not in features:
+        if not has_separate(features) or JOINT_STATES not in features:
             raise ValueError("KernelInteraction reads a SplitTransformer built with bi_encoder_path=True")
         states = features[JOINT_STATES]
         q_mask, mask = features[QUERY_MASK].to(states[-1].dtype), features["attention_mask"].to(states[-1].dtype)
-        parts = [segment_product(features[SEPARATE], q_mask, mask, self.scale)]
+        parts = [separate_product(features, q_mask, mask, self.scale)]
         parts += [self.scale * kernel_pooling(x, q_mask, mask, self.mus, self.sigmas) for x in states]
         features["sentence_embedding"] = torch.cat(parts, dim=-1)
         return features
