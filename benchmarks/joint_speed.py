@@ -7,7 +7,9 @@ A training step is a forward and backward pass and an AdamW step on ``--rows`` r
 documents (nfcorpus/train queries with nfcorpus documents); inference scores ``--pairs`` pairs in batches of 64. The
 per-text caches are filled before timing (their cost is paid once per text, not per pair): the lower layers' states
 and, for inference, the frozen bi-encoder path's mean state of each text (``SplitTransformer.separate_means``; in
-training its layers' dropout is on, so it runs per pair).
+training its layers' dropout is on, so it runs per pair). The split students' inference is also timed with that path
+run per pair (``cache_separate = False``), in the same repeats: ``infer_pairs_per_s_path_per_pair`` and the ratio
+``infer_speedup_of_path_cache`` (medians of the same batches).
 
     python benchmarks/joint_speed.py --teacher outputs/v52/models/distill-teacher
 """
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         train_step(model, train[: a.docs], optimizers[j])  # warm-up
         warm = infer if j != 6 else infer[:64]  # the split students: every text's bi-encoder path once
         model.predict(warm, batch_size=64, show_progress_bar=False)
-    times: dict[int, dict[str, list[float]]] = {j: {"train": [], "infer": []} for j in a.joints}
+    times: dict[int, dict[str, list[float]]] = {j: {"train": [], "infer": [], "per_pair": []} for j in a.joints}
     for _ in range(a.repeats):  # interleaved: every J once per repeat
         for j in a.joints:
             start = time.perf_counter()
@@ -108,6 +110,12 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             models[j].predict(infer, batch_size=64, show_progress_bar=False)
             times[j]["infer"].append(time.perf_counter() - start)
+            if j != 6:  # the same pairs with the bi-encoder path per pair
+                models[j][0].cache_separate = False
+                start = time.perf_counter()
+                models[j].predict(infer, batch_size=64, show_progress_bar=False)
+                times[j]["per_pair"].append(time.perf_counter() - start)
+                models[j][0].cache_separate = True
     rows = []
     for j in a.joints:
         t, i = times[j]["train"], times[j]["infer"]
@@ -115,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         row |= {"infer_pairs_per_s": a.pairs / statistics.median(i)}
         row |= {"train_s": {"min": min(t), "median": statistics.median(t), "max": max(t)}}
         row |= {"infer_s": {"min": min(i), "median": statistics.median(i), "max": max(i)}}
+        if per := times[j]["per_pair"]:
+            row |= {"infer_pairs_per_s_path_per_pair": a.pairs / statistics.median(per)}
+            row |= {"infer_speedup_of_path_cache": statistics.median(per) / statistics.median(i)}
         rows.append(row)
     base = rows[0]
     for row in rows:

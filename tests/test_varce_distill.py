@@ -264,6 +264,9 @@ def test_bi_encoder_path_from_the_per_text_cache_is_the_per_pair_path(minilm_pat
         # 3 queries and 3 documents, each once; with the score as text the query side is per pair (2 + 3 + 6 pairs)
         assert len(split._separate_means) == (3 if score else 6)
         assert (sum(computed) == 3 + 2 + 3 + 6) if score else (sum(computed) == 6)
+        split.cache_separate = False
+        assert SEPARATE in split(split.preprocess(given[:2]))  # switched off: per pair in eval mode too
+        split.cache_separate = True
         model.train()
         assert SEPARATE in split(split.preprocess(given[:2])) and SEPARATE_MEANS not in split(split.preprocess(given))
         split_state_cache(model, str(tmp_path / f"other-{score}"), split.cache_texts(given[:1]))

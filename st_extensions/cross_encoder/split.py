@@ -123,6 +123,9 @@ class SplitTransformer(Transformer):
         #: the bi-encoder path's mean token state per cache row, kept in eval mode (frozen layers without dropout on
         #: cached inputs: a constant of the text); emptied when another state cache is set
         self._separate_means: dict[int, Tensor] = {}
+        #: False: the bi-encoder path runs per pair in eval mode too (what the per-text cache saves, measured by
+        #: ``benchmarks/joint_speed.py``)
+        self.cache_separate = True
         #: runs the pair path on another runtime (:func:`st_extensions.cross_encoder.load_cross_encoder`): tokenised
         #: pairs -> this module's pair outputs (``token_embeddings``, ``attention_mask``, ``query_token_mask``,
         #: each joint layer's states and the bi-encoder path's); None: torch
@@ -328,7 +331,7 @@ class SplitTransformer(Transformer):
         if joint is None:
             return super().forward(features, **kwargs)
         hidden, mask, is_query = joint
-        if self.separate is not None and "query_rows" in features and not self.training:
+        if self.separate is not None and "query_rows" in features and self.cache_separate and not self.training:
             features[SEPARATE_MEANS] = self.separate_means(features, hidden, mask, is_query)
         elif self.separate is not None:
             features[SEPARATE] = self.run_separate(hidden, mask, is_query)
