@@ -306,7 +306,7 @@ class SplitTransformer(Transformer):
             width = int(mask[at].sum(1).max())
             for row, mean in zip(first, self._separate_mean(hidden[at, :width], mask[at, :width])):
                 known[row] = mean
-        return torch.stack([known[row] for row in rows])
+        return torch.stack([known[row] for row in rows]).to(device=hidden.device, dtype=hidden.dtype)  # if moved
 
     def separate_means(self, features: dict[str, Any], hidden: Tensor, mask: Tensor, is_query: Tensor) -> Tensor:
         """The bi-encoder path's mean token state of each pair's query side and document side, ``(2, batch,
