@@ -231,7 +231,7 @@ def test_bi_encoder_path_from_the_per_text_cache_is_the_per_pair_path(minilm_pat
     """In eval mode, pairs that come as cache rows take the frozen bi-encoder path's per-side means from a per-text
     cache: the same feature as :func:`segment_product` of :meth:`run_separate` (to float rounding), each distinct text
     computed once over any batches, a score read as text computed per pair on the query side; in training mode (dropout
-    on) the path runs per pair; another state cache empties it."""
+    on) the path runs per pair; another state cache or loaded weights empty it."""
     from pyterrier_prob.varce.rerank import score_as_text
     from st_extensions.cross_encoder.split import SEPARATE, SEPARATE_MEANS, segment_product, separate_product
 
@@ -264,6 +264,9 @@ def test_bi_encoder_path_from_the_per_text_cache_is_the_per_pair_path(minilm_pat
         # 3 queries and 3 documents, each once; with the score as text the query side is per pair (2 + 3 + 6 pairs)
         assert len(split._separate_means) == (3 if score else 6)
         assert (sum(computed) == 3 + 2 + 3 + 6) if score else (sum(computed) == 6)
+        model.load_state_dict(model.state_dict())  # other weights: computed again
+        assert split._separate_means == {}
+        split(split.preprocess(given[:2]))
         split.cache_separate = False
         assert SEPARATE in split(split.preprocess(given[:2]))  # switched off: per pair in eval mode too
         split.cache_separate = True

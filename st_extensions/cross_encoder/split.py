@@ -51,7 +51,8 @@ __all__ = [
 QUERY_MASK = "query_token_mask"
 SEPARATE = "separate_token_embeddings"
 #: The bi-encoder path's mean token state of each pair's query and document side, ``(batch, hidden)`` each: what
-#: :func:`segment_product` reads of :data:`SEPARATE`, written instead of it where the lower layers come from the cache.
+#: :func:`segment_product` reads of :data:`SEPARATE`, written instead of it in eval mode where the lower layers come
+#: from the cache.
 SEPARATE_MEANS = "separate_segment_means"
 #: Each joint layer's output, bottom to top (the last is ``token_embeddings``).
 JOINT_STATES = "joint_layer_states"
@@ -154,6 +155,10 @@ class SplitTransformer(Transformer):
                 raise FileNotFoundError(f"{path} is missing: the SplitTransformer's frozen bi-encoder layers")
             module.separate.load_state_dict(load_file(path))
         return module
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._separate_means = {}  # computed with the weights being replaced
+        super()._load_from_state_dict(*args, **kwargs)
 
     @property
     def state_cache(self) -> LayerStateCache | None:
