@@ -170,6 +170,14 @@ def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, A
     if "main" not in summaries:
         raise SystemExit(f"no summary of the main run in {output}: run it first")
     main = summaries["main"]
+
+    def j1_per_query(training: str, collection: str) -> pd.Series | None:
+        """The per-query nDCG@10 of the J = 1 CE trained on ``training`` at ``collection`` (None: not made there)."""
+        j1 = j1_run(training, summaries)
+        if j1 is None or collection not in summaries[j1]["per_query"]:
+            return None
+        return pd.Series(summaries[j1]["per_query"][collection]["CE"])
+
     rows = []
     for run, s in summaries.items():
         layers, training, _ = RUNS[run]
@@ -177,18 +185,17 @@ def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, A
             if run != "main" and row["joint_layers"] is None:
                 continue  # BM25 and the teacher: the main run's rows
             row = {**row, "run": run, "training_queries": training if row["joint_layers"] is not None else None}
-            j1 = j1_run(training, summaries)
-            if row["joint_layers"] is not None and j1 is not None and row["collection"] in summaries[j1]["per_query"]:
+            other = j1_per_query(training, row["collection"]) if row["joint_layers"] is not None else None
+            if other is not None:
                 mine = pd.Series(s["per_query"][row["collection"]][row["system"]])
-                other = pd.Series(summaries[j1]["per_query"][row["collection"]]["CE"])
-                row["p_vs_j1"] = None if (run, row["system"]) == (j1, "CE") else paired_p(mine, other)
+                is_j1 = (run, row["system"]) == (j1_run(training, summaries), "CE")
+                row["p_vs_j1"] = None if is_j1 else paired_p(mine, other)
             rows.append(row)
     extra = gpu_rows(gpu, main) if gpu is not None and os.path.isfile(gpu) else ([], {}, {})
-    j1 = j1_run(training_queries(GPU_RUN), summaries)
     for row in extra[0]:
-        if j1 is not None and row["collection"] in summaries[j1]["per_query"]:
-            mine = pd.Series(extra[1][row["collection"]][row["system"]])
-            row["p_vs_j1"] = paired_p(mine, pd.Series(summaries[j1]["per_query"][row["collection"]]["CE"]))
+        other = j1_per_query(training_queries(GPU_RUN), row["collection"])
+        if other is not None:
+            row["p_vs_j1"] = paired_p(pd.Series(extra[1][row["collection"]][row["system"]]), other)
         rows.append(row)
     dev = {  # every plain student at J >= 2: its best dev point (the learning curve), read before test
         (run, system): curve["best"]["dev"]

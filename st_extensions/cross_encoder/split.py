@@ -291,15 +291,9 @@ class SplitTransformer(Transformer):
         return hidden
 
     def _separate_mean(self, hidden: Tensor, mask: Tensor) -> Tensor:
-        """The bi-encoder path over texts ``(n, T, hidden)`` each read alone: the mean of its output over each text's
-        tokens ``(n, hidden)``."""
-        additive = torch.zeros_like(mask, dtype=hidden.dtype).masked_fill(mask == 0, torch.finfo(hidden.dtype).min)
-        with torch.no_grad():
-            for layer in self.separate:
-                out = layer(hidden, attention_mask=additive[:, None, None, :])
-                hidden = out[0] if isinstance(out, tuple) else out
-        m = mask.to(hidden.dtype).unsqueeze(-1)
-        return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        """The bi-encoder path over texts ``(n, T, hidden)`` each read alone (:meth:`run_separate` with one segment):
+        the mean of its output over each text's tokens ``(n, hidden)``."""
+        return masked_mean(self.run_separate(hidden, mask, torch.ones_like(mask, dtype=torch.bool)), mask)
 
     def _separate_side(self, rows: list[int], hidden: Tensor, mask: Tensor) -> Tensor:
         """:meth:`_separate_mean` of one side of a batch, each cache row computed once (the first pair holding it)
@@ -350,8 +344,13 @@ class SplitTransformer(Transformer):
 def segment_product(tokens: Tensor, q_mask: Tensor, mask: Tensor, scale: float) -> Tensor:
     """``scale * normalize(mean_q) * normalize(mean_d)`` of a pair's token states ``(batch, hidden)``: its sum is
     ``scale`` times the cosine of the query's and the document's mean tokens (``q_mask``: the query's tokens)."""
-    means = [(tokens * m.unsqueeze(-1)).sum(1) / m.sum(1, keepdim=True).clamp_min(1.0) for m in (q_mask, mask - q_mask)]
-    return means_product(*means, scale)
+    return means_product(masked_mean(tokens, q_mask), masked_mean(tokens, mask - q_mask), scale)
+
+
+def masked_mean(tokens: Tensor, mask: Tensor) -> Tensor:
+    """The mean of ``tokens`` ``(batch, T, hidden)`` over the positions ``mask`` marks ``(batch, T)``; 0 where none."""
+    m = mask.to(tokens.dtype).unsqueeze(-1)
+    return (tokens * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
 def means_product(mean_q: Tensor, mean_d: Tensor, scale: float) -> Tensor:
