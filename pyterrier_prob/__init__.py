@@ -7,10 +7,7 @@ Each paper's PyTerrier side is one subpackage (:mod:`pyterrier_prob.pebr`, :mod:
 ``pyterrier-prob <paper>`` runs. The models, modules and losses they use live in :mod:`st_extensions`.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from st_extensions.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -28,17 +25,5 @@ _PUBLIC: dict[str, str] = {  # module -> the names it gives to ``pyterrier_prob`
     "pyterrier_prob.training": "fine_tune Recipe",
 }
 #: Public names, imported on first use (``import pyterrier_prob`` stays cheap for the command line).
-_EXPORTS: dict[str, str] = {name: module for module, names in _PUBLIC.items() for name in names.split()}
-
-__all__ = ["__version__", *_EXPORTS]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'pyterrier_prob' has no attribute {name!r}")
-    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)  # imported once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)
+__all__ = ["__version__", *__all__]
