@@ -82,6 +82,9 @@ RUNNER = (
     "sys.argv = [sys.argv[1]]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
+#: The libraries :data:`ZYGOTE` imports before it forks (what the blocks import; the heavy ones).
+PRELOADED = ("torch", "sentence_transformers", "pyterrier", "pyterrier_pisa", "ir_datasets", "ir_measures", "faiss")
+PRELOADED += ("pyterrier_prob", "st_extensions")
 #: Printed by :data:`ZYGOTE` after each block, with the block's exit status.
 DONE = "zygote-block-done"
 #: A process that imports what the blocks import, then per request (``[folder, script, timeout]`` on stdin) forks a
@@ -90,10 +93,13 @@ DONE = "zygote-block-done"
 #: child ends as a script's interpreter does (exit status as ``SystemExit`` gives it, a traceback on stderr, atexit
 #: handlers run, output flushed) but skips tearing the imported modules down (a second or two with torch loaded).
 ZYGOTE = f"""
-import atexit, json, os, runpy, signal, sys, traceback, warnings
-import faiss, ir_datasets, ir_measures, numpy, pandas, pyterrier, pyterrier_pisa, sentence_transformers, torch
-import pyterrier_prob, st_extensions
+import atexit, importlib, json, os, runpy, signal, sys, traceback, warnings
 from pyterrier_prob.validation import EmptyRetrievalWarning
+for name in {PRELOADED!r}:
+    try:
+        importlib.import_module(name)
+    except ImportError:  # an optional library not installed: the blocks that need it say so themselves
+        pass
 for line in sys.stdin:
     folder, script, timeout = json.loads(line)
     pid = os.fork()
