@@ -435,8 +435,7 @@ def kernel_pooling(
     sigma = torch.as_tensor(sigmas, dtype=n.dtype, device=n.device)
     k = torch.exp(-((sim.unsqueeze(-1) - mu) ** 2) / (2 * sigma**2)) * d_mask[:, None, cols, None]  # (B, Lq, Ld, K)
     soft_tf = torch.log1p(k.sum(2))  # (B, Lq, K)
-    q = q_mask[:, rows].to(n.dtype).unsqueeze(-1)
-    return (soft_tf * q).sum(1) / q.sum(1).clamp_min(1.0)
+    return masked_mean(soft_tf, q_mask[:, rows])
 
 
 @register_module
