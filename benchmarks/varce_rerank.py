@@ -300,36 +300,111 @@ def ndcg_table(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The tables docs/varce.md shows, from ``varce_rerank.json``: :func:`ndcg_table`, the goal, AURC per collection,
-    the attention mass between the texts, how far each ranker follows BM25 and the dev curves."""
-    out = ndcg_table(result)
+def goal_lines(result: dict[str, Any]) -> list[str]:
+    """The goal checked on the figures (:func:`goal`), as sentences."""
     g = goal(result)
-    if g["chosen"] is not None:
-        out += ["", f"Chosen on dev: {g['chosen']} ({result['chosen_on_dev']['dev']:.4f} on dev).", ""]
-        out.append(
-            f"- {g['collection']}: {g['nDCG@10']:.4f} against the bi-encoder alone {g['bi_encoder']:.4f} and the "
-            f"fused teacher {g['fused_teacher']:.4f}: {100 * g['share_of_gap']:.0f}% of the way (halfway "
-            f"{g['halfway']:.4f}: {'met' if g['halfway_met'] else 'missed'})."
-        )
-        if g["j1"] is not None:
-            verdict = "met" if g["above_j1_met"] else "missed"
-            out.append(f"- Against the J = 1 CE on the same rows, {g['j1']:.4f}: p = {_p(g['p_vs_j1'])} ({verdict}).")
-        for label, z in g["zero_shot"].items():
-            ci = z["ci95_vs_bm25"]
-            span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
-            verdict = "non-inferior" if z["non_inferior"] else "not shown non-inferior"
-            out.append(f"- {label}: {z['nDCG@10']:.4f}; 95% interval of (it − BM25) {span} ({verdict} at −0.02).")
-    for label, systems in result.get("aurc", {}).items():
-        confidences = list(dict.fromkeys(k for t in systems.values() for k in t["aurc"]))
-        out += ["", f"AURC on {label} (E-AURC; risk 1 − nDCG@10; lower is better; random: the mean risk):", ""]
-        out.append("| re-ranker | " + " | ".join(confidences) + " | random | optimal |")
-        out.append("|---|" + "---|" * (len(confidences) + 2))
+    if g["chosen"] is None:
+        return ["No row chosen on dev: no plain student at J >= 2 has a dev curve."]
+    out = [f"Chosen on dev: {g['chosen']} ({result['chosen_on_dev']['dev']:.4f} on dev).", ""]
+    out.append(
+        f"- {g['collection']}: {g['nDCG@10']:.4f} against the bi-encoder alone {g['bi_encoder']:.4f} and the "
+        f"fused teacher {g['fused_teacher']:.4f}: {100 * g['share_of_gap']:.0f}% of the way (halfway "
+        f"{g['halfway']:.4f}: {'met' if g['halfway_met'] else 'missed'})."
+    )
+    if g["j1"] is not None:
+        verdict = "met" if g["above_j1_met"] else "missed"
+        out.append(f"- Against the J = 1 CE on the same rows, {g['j1']:.4f}: p = {_p(g['p_vs_j1'])} ({verdict}).")
+    for label, z in g["zero_shot"].items():
+        ci = z["ci95_vs_bm25"]
+        span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+        verdict = "non-inferior" if z["non_inferior"] else "not shown non-inferior"
+        out.append(f"- {label}: {z['nDCG@10']:.4f}; 95% interval of (it − BM25) {span} ({verdict} at −0.02).")
+    return out
+
+
+def aurc_table(result: dict[str, Any]) -> list[str]:
+    """AURC (E-AURC) of each confidence per collection and re-ranker, with random and optimal (Geifman et al.)."""
+    aurc = result.get("aurc", {})
+    confidences = list(dict.fromkeys(k for s in aurc.values() for t in s.values() for k in t["aurc"]))
+    out = ["AURC (E-AURC) of query-level selective prediction; risk 1 − nDCG@10; lower is better; random: the mean "
+           "risk:", "", "| collection | re-ranker | " + " | ".join(confidences) + " | random | optimal |",
+           "|---|---|" + "---|" * (len(confidences) + 2)]  # fmt: skip
+    for label, systems in aurc.items():
         for s, t in systems.items():
             vals = [f"{t['aurc'][c]:.4f} ({t['e_aurc'][c]:.4f})" if c in t["aurc"] else MISSING for c in confidences]
-            out.append(f"| {s} | " + " | ".join(vals) + f" | {t['random']:.4f} | {t['optimal']:.4f} |")
-    out += ["", "Attention between the texts per joint layer, step 0 → kept (uniform: what uniform attention gives):"]
-    out += ["", "| run / student | layer | query→document | uniform | document→query | uniform |"]
+            out.append(f"| {label} | {s} | " + " | ".join(vals) + f" | {t['random']:.4f} | {t['optimal']:.4f} |")
+    return out
+
+
+def calibration_table(result: dict[str, Any]) -> list[str]:
+    """ECE of the Platt map fitted on dev (for a VarCE also without std[s]) and the ranking calibration error."""
+    out = ["Calibration on the in-domain test pairs (ECE over 15 equal-mass bins of the Platt map fitted on dev; "
+           "RCE: the same for P(the higher-scored of two judged documents of a query is the more relevant) = "
+           "sigmoid(a Δs), a fitted on dev; without std[s]: a VarCE's variance not integrated out):", "",
+           "| re-ranker | ECE | ECE without std[s] | RCE | RCE without std[s] | Platt a, b |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for s, c in result.get("calibration", {}).items():
+        ranking = c.get("ranking", {})
+        cells = [cell(c.get("ece"), ".4f"), cell(c.get("ece_without_std"), ".4f"), cell(ranking.get("rce"), ".4f")]
+        cells += [cell(ranking.get("rce_without_std"), ".4f"), f"{c['platt'][0]:.3f}, {c['platt'][1]:.3f}"]
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    return out
+
+
+def uncertainty_table(result: dict[str, Any]) -> list[str]:
+    """Per collection and VarCE: the mean std[s] over the top 10 (one-sided p that it is higher than in domain),
+    Spearman's rho of a query's std[s] with its nDCG@10, and the risk-aware lambda chosen on dev with its test
+    nDCG@10 (p against lambda = 0)."""
+    shift = result.get("std_shift", {})
+    out = ["VarCE's uncertainty per collection (std[s] over each query's top 10; rho > 0: uncertain queries score "
+           "higher; E[s] − λ·std[s] with λ chosen on dev):", "", "| collection | re-ranker | mean std[s] (p higher "
+           "than in domain) | ρ(std[s], nDCG@10) (p, queries) | λ chosen on dev | test nDCG@10 at λ (p vs λ = 0) |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for label, systems in result.get("uncertainty", {}).items():
+        for s, u in systems.items():
+            moved = shift.get(s, {}).get(label)
+            if moved is not None:
+                mean = f"{moved['mean']:.3f} (p {_p(moved['p'])})"
+            else:
+                mean = next((f"{v['in_domain']:.3f}" for v in shift.get(s, {}).values()), MISSING)
+            rho = f"{cell(u.get('rho_top10_std_vs_nDCG@10'), '.2f')} ({_p(u.get('p_top10_std'))}, {u['n_queries']})"
+            risk = f"{cell(u.get('risk_test'), '.4f')} ({_p(u.get('risk_p_vs_lambda0'))})"
+            out.append(f"| {label} | {s} | {mean} | {rho} | {cell(u.get('risk_chosen'), 'g')} | {risk} |")
+    return out
+
+
+def input_score_table(result: dict[str, Any]) -> list[str]:
+    """Each main-run student that reads BM25's score as text (``input_score`` not null) against its plain version:
+    the paired difference of nDCG@10 per collection, its 95% interval and paired t-test (Askari et al., ECIR 2023)."""
+    import pandas as pd
+
+    from pyterrier_prob.evaluation import paired_ci, paired_p
+
+    out = ["Reading BM25's score as text against the same student without it (paired over the queries):", ""]
+    out += [
+        "| collection | student | plain | score as text | difference (95% interval) | p |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, systems in result.get("per_query", {}).items():
+        texts = {r["system"] for r in _evaluated_rows(result) if r.get("input_score") and r.get("run") == "main"}
+        for system in [s for s in systems if s in texts]:
+            plain = system[: system.index(" (")]
+            if plain not in systems:
+                continue
+            a, b = pd.Series(systems[system]), pd.Series(systems[plain])
+            ci = paired_ci(a, b)
+            span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+            diff = float((a - b.reindex(a.index)).mean())
+            out.append(
+                f"| {label} | {plain} | {b.mean():.4f} | {a.mean():.4f} | {diff:+.4f} {span} | {_p(paired_p(a, b))} |"
+            )
+    return out
+
+
+def attention_table(result: dict[str, Any]) -> list[str]:
+    """The attention mass between the texts per joint layer at step 0 and at the kept step, beside uniform's."""
+    out = ["Attention between the texts per joint layer, step 0 → kept (uniform: what uniform attention gives):", ""]
+    out += ["| run / student | layer | query→document | uniform | document→query | uniform |"]
     out.append("|---|---|---|---|---|---|")
     masses = {("main", s): m for s, m in result.get("cross_attention_mass", {}).items()}
     for run, summary in result.get("ablation_attention", {}).items():
@@ -341,29 +416,57 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {kept['uniform_query_to_document']:.3f} | {first['document_to_query']:.3f} → "
                 f"{kept['document_to_query']:.3f} | {kept['uniform_document_to_query']:.3f} |"
             )
+    return out
+
+
+def lexical_table(result: dict[str, Any]) -> list[str]:
+    """BM25's share of each ranker's least-squares weights on BM25's and the bi-encoder's per-query z-scores."""
     shares = {("main", n): {c: v[n] for c, v in result.get("lexical_share", {}).items() if n in v}
               for n in dict.fromkeys(n for v in result.get("lexical_share", {}).values() for n in v)}  # fmt: skip
     for run, summary in result.get("ablation_lexical_share", {}).items():
         names = dict.fromkeys(n for v in summary.values() for n in v if not n.startswith("Teacher"))
         shares |= {(run, n): {c: v[n] for c, v in summary.items() if n in v} for n in names}
-    if shares:
-        labels = list(evaluated := result["evaluated"])
-        out += ["", "What each ranker follows: BM25's share of the least-squares weights of its per-query z-scores on"
-                " BM25's and the teacher bi-encoder's (R^2):", ""]  # fmt: skip
-        out += ["| run / ranker | " + " | ".join(labels) + " |", "|---|" + "---|" * len(evaluated)]
-        for (run, n), by in shares.items():
-            got = [by.get(c) for c in labels]
-            cells = [MISSING if v is None else f"{cell(v['bm25_share'], '.3f')} ({cell(v['r2'], '.2f')})" for v in got]
-            out.append(f"| {run}/{n} | " + " | ".join(cells) + " |")
-    out += ["", "Dev curves (nDCG@10 by step; best kept):", ""]
+    labels = list(result["evaluated"])
+    out = ["What each ranker follows: BM25's share of the least-squares weights of its per-query z-scores on"
+           " BM25's and the teacher bi-encoder's (R^2):", ""]  # fmt: skip
+    out += ["| run / ranker | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for (run, n), by in shares.items():
+        got = [by.get(c) for c in labels]
+        cells = [MISSING if v is None else f"{cell(v['bm25_share'], '.3f')} ({cell(v['r2'], '.2f')})" for v in got]
+        out.append(f"| {run}/{n} | " + " | ".join(cells) + " |")
+    return out
+
+
+def curves_table(result: dict[str, Any]) -> list[str]:
+    """Every student's dev curve (nDCG@10 by step) and the step kept."""
+    out = ["Dev curves (nDCG@10 by step; the best point is kept):", ""]
+    out += ["| run / student | dev nDCG@10 (step) | kept step |", "|---|---|---|"]
     curves = {("main", s): c for s, c in result.get("dev_curves", {}).items()}
     for run, summary in result.get("ablation_curves", {}).items():
         curves |= {(run, s): c for s, c in summary.items()}
     for (run, s), c in curves.items():
         points = " → ".join(f"{p['dev']:.4f} ({p['step']})" for p in c["points"])
-        best = c.get("best") or {}
-        out.append(f"- {run}/{s}: {points}; kept step {best.get('step')}")
-    return "\n".join(out) + "\n"
+        out.append(f"| {run}/{s} | {points} | {(c.get('best') or {}).get('step', MISSING)} |")
+    return out
+
+
+#: The tables of ``varce_rerank.json`` by name (``--table FILE --section NAME`` prints one; ``--markdown`` all).
+SECTIONS = {
+    "ndcg": ndcg_table,
+    "goal": goal_lines,
+    "aurc": aurc_table,
+    "calibration": calibration_table,
+    "uncertainty": uncertainty_table,
+    "input_score": input_score_table,
+    "attention": attention_table,
+    "lexical": lexical_table,
+    "curves": curves_table,
+}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Every table of :data:`SECTIONS` from ``varce_rerank.json``, in that order."""
+    return "\n\n".join("\n".join(section(result)) for section in SECTIONS.values()) + "\n"
 
 
 def main() -> int:
@@ -375,12 +478,13 @@ def main() -> int:
     ap.add_argument("--markdown", action="store_true", help="print the tables of --out (written before) and stop")
     ap.add_argument("--write-only", action="store_true", help="make no run: combine the summaries there are")
     ap.add_argument("--gpu", default=GPU_RESULT, help="the J = 6 students' JSON (benchmarks/gpu_students.py)")
-    ap.add_argument("--table", default=None, help="print the nDCG@10 table of this JSON (written before) and stop")
+    ap.add_argument("--table", default=None, help="print one table of this JSON (written before) and stop")
+    ap.add_argument("--section", default="ndcg", choices=list(SECTIONS), help="the table --table prints")
     a = ap.parse_args()
     if a.markdown or a.table:
         with open(a.table or a.out, encoding="utf8") as f:
             result = json.load(f)
-        print("\n".join(ndcg_table(result)) + "\n" if a.table else markdown(result), end="")
+        print("\n".join(SECTIONS[a.section](result)) + "\n" if a.table else markdown(result), end="")
         return 0
 
     from benchmarks._machine import describe, write_result

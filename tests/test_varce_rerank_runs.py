@@ -121,9 +121,9 @@ def test_combine_p_vs_j1_the_row_chosen_on_dev_and_the_goal(tmp_path):
     assert f"**{np.mean(ce2):.4f}**" in text  # the chosen row, bold
     assert f"| CE, J = 1, train + pseudo-queries (j1-pseudo) | {np.mean(ce1):.4f} (" in text
     assert f"{100 * g['share_of_gap']:.0f}% of the way (halfway 0.4000: met)" in text
-    assert "| CE | 0.5000 (0.1000) | 0.6000 | 0.4000 |" in text  # AURC (E-AURC), random, optimal
+    assert f"| {HOME} | CE | 0.5000 (0.1000) | 0.6000 | 0.4000 |" in text  # AURC (E-AURC), random, optimal
     assert "| j1-pseudo/CE | 4 | 0.500 → 0.500 | 0.900 | 0.200 → 0.200 | 0.100 |" in text
-    assert "- main/CE: 0.3000 (0) → 0.3100 (300); kept step 300" in text
+    assert "| main/CE | 0.3000 (0) → 0.3100 (300) | 300 |" in text
     assert f"| main/{FUSED} | 0.250 (0.80) | — |" in text  # how far each follows BM25; scifact: not measured
     assert "| j1-pseudo/CE | 0.250 (0.80) | — |" in text and f"| j1-pseudo/{FUSED}" not in text  # the main run's
 
@@ -166,7 +166,53 @@ def test_gpu_students_join_the_table_and_the_choice_on_dev(tmp_path):
     assert combined["per_query_runs"]["j6-gpu"][HOME]["CE (TestCard, batch 16, lr 2e-05)"] == dict(zip(QIDS, ce6))
     text = varce_rerank.markdown(combined)
     assert f"| {chosen}, J = 6, train + pseudo-queries (j6-gpu) | **{np.mean(var6):.4f}** (" in text
-    assert "- j6-gpu/CE (TestCard, batch 16, lr 2e-05): 0.1000 (0) → 0.4000 (300); kept step 300" in text
+    assert "| j6-gpu/CE (TestCard, batch 16, lr 2e-05) | 0.1000 (0) → 0.4000 (300) | 300 |" in text
     # without the file, the table is the CPU runs' alone
     alone = varce_rerank.combine(out, list(varce_rerank.RUNS), str(tmp_path / "none.json"))
     assert all(r["run"] != "j6-gpu" for r in alone["rows"]) and alone["chosen_on_dev"]["run"] == "main"
+
+
+def test_calibration_and_uncertainty_tables_and_one_section_printed(tmp_path, capsys):
+    """The calibration and uncertainty tables read the summary's own entries (a CE has no std[s] columns; std[s]
+    rises out of domain with its one-sided p), and ``--table FILE --section NAME`` prints that table alone."""
+    result = {
+        "evaluated": {HOME: {"depth": 100, "zero_shot": False, "queries": 6}},
+        "calibration": {
+            "CE": {"platt": [0.5, -4.0], "ece": 0.02, "ranking": {"rce": 0.04}},
+            "VarCE-VAR": {
+                "platt": [0.7, -4.4],
+                "ece": 0.018,
+                "ece_without_std": 0.0184,
+                "ranking": {"rce": 0.05, "rce_without_std": 0.0486},
+            },
+        },  # fmt: skip
+        "uncertainty": {
+            c: {
+                "VarCE-VAR": {
+                    "n_queries": 300,
+                    "rho_top10_std_vs_nDCG@10": rho,
+                    "p_top10_std": 0.01,
+                    "risk_chosen": lam,
+                    "risk_test": 0.6,
+                    "risk_p_vs_lambda0": p,
+                }
+            }
+            for c, rho, lam, p in ((HOME, -0.13, 0.25, 0.052), (OOD, 0.21, 0.0, None))
+        },  # fmt: skip
+        "std_shift": {"VarCE-VAR": {OOD: {"mean": 0.383, "in_domain": 0.323, "p": 1.4e-53}}},
+    }
+    calibration = varce_rerank.calibration_table(result)
+    assert "| CE | 0.0200 | — | 0.0400 | — | 0.500, -4.000 |" in calibration
+    assert "| VarCE-VAR | 0.0180 | 0.0184 | 0.0500 | 0.0486 | 0.700, -4.400 |" in calibration
+    uncertainty = varce_rerank.uncertainty_table(result)
+    assert f"| {HOME} | VarCE-VAR | 0.323 | -0.13 (0.01, 300) | 0.25 | 0.6000 (0.052) |" in uncertainty
+    assert f"| {OOD} | VarCE-VAR | 0.383 (p 1.4e-53) | 0.21 (0.01, 300) | 0 | 0.6000 (—) |" in uncertainty
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result), encoding="utf8")
+    argv = sys.argv
+    try:
+        sys.argv = ["varce_rerank.py", "--table", str(path), "--section", "calibration"]
+        assert varce_rerank.main() == 0
+    finally:
+        sys.argv = argv
+    assert capsys.readouterr().out == "\n".join(calibration) + "\n"
