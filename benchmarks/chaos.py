@@ -59,33 +59,11 @@ def stage_of(message: str) -> str:
 
 
 def write_collection(folder: Path, splits: dict[str, int], extra_docs: int = 40, seed: int = 0) -> Path:
-    """A tiny BEIR folder cut from nfcorpus: per split the first ``n`` queries with relevant documents (the i-th with
-    up to ``1 + i % 4`` of them), plus ``extra_docs`` other documents."""
-    import ir_datasets
+    """A tiny BEIR folder cut from nfcorpus (:func:`pyterrier_prob.collections.write_beir_sample`): per split the first
+    ``n`` queries with relevant documents (the i-th with up to ``1 + i % 4`` of them), plus ``extra_docs`` others."""
+    from pyterrier_prob.collections import write_beir_sample
 
-    (folder / "qrels").mkdir(parents=True, exist_ok=True)
-    base, queries, wanted = ir_datasets.load("beir/nfcorpus"), {}, set()
-    for split, n in splits.items():
-        ds = ir_datasets.load(f"beir/nfcorpus/{split}")
-        texts = {q.query_id: q.text for q in ds.queries_iter()}
-        rel: dict[str, list[str]] = {}
-        for r in ds.qrels_iter():
-            if r.relevance >= 1 and r.query_id in texts:
-                rel.setdefault(r.query_id, []).append(r.doc_id)
-        chosen = sorted(rel)[:n]
-        rows = [(q, d) for i, q in enumerate(chosen) for d in sorted(rel[q])[: 1 + i % 4]]
-        wanted |= {d for _, d in rows}
-        queries.update({q: texts[q] for q in chosen})
-        lines = "".join(f"{q}\t{d}\t1\n" for q, d in rows)
-        (folder / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + lines, encoding="utf8")
-    others = sorted({d.doc_id for d in base.docs_iter()} - wanted)
-    wanted |= set(random.Random(seed).sample(others, extra_docs))
-    store = base.docs_store()
-    docs = (store.get(d) for d in sorted(wanted))
-    corpus = "".join(json.dumps({"_id": d.doc_id, "title": d.title, "text": d.text}) + "\n" for d in docs)
-    (folder / "corpus.jsonl").write_text(corpus, encoding="utf8")
-    queries_jsonl = "".join(json.dumps({"_id": q, "text": t}) + "\n" for q, t in queries.items())
-    (folder / "queries.jsonl").write_text(queries_jsonl, encoding="utf8")
+    write_beir_sample(folder, splits, docs_per_query=4, extra_docs=extra_docs, seed=seed)
     return folder
 
 

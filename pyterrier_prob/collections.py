@@ -34,6 +34,7 @@ __all__ = [
     "SplitChoice",
     "source_splits",
     "HeldOutCollection",
+    "write_beir_sample",
 ]
 
 _DEV_NAMES = ("dev", "validation", "valid", "val")
@@ -455,3 +456,57 @@ def source_splits(
     if train is not None and train == dev:
         raise ValueError(f"the train and dev splits must differ, got {train!r} for both")
     return train, dev
+
+
+def write_beir_sample(
+    folder: str | os.PathLike,
+    splits: dict[str, int],
+    *,
+    source: str = "beir/nfcorpus",
+    docs_per_query: int = 6,
+    extra_docs: int = 60,
+    seed: int = 0,
+) -> dict[str, object]:
+    """Write a small BEIR folder (``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``) cut from the ir_datasets
+    BEIR collection ``source``: per split the first ``n`` queries (by qid) with judged-relevant documents, the i-th
+    with up to ``1 + i % docs_per_query`` of them (so the number of relevant documents varies), plus ``extra_docs``
+    other documents drawn with ``seed``. For tests and benchmarks that need a local collection folder.
+
+    Returns ``{"docs": n_docs, "queries": {split: n}, "qrels": {split: n_rows}}``, what loading the folder must give."""
+    if docs_per_query < 1 or extra_docs < 0:
+        raise ValueError(f"write_beir_sample: docs_per_query must be >= 1 and extra_docs >= 0, got "
+                         f"{docs_per_query} and {extra_docs}")  # fmt: skip
+    folder = Path(folder)
+    (folder / "qrels").mkdir(parents=True, exist_ok=True)
+    base = ir_datasets.load(source)
+    queries: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    rows_by_split: dict[str, list[tuple[str, str]]] = {}
+    wanted: set[str] = set()
+    for split, n in splits.items():
+        ds = ir_datasets.load(f"{source}/{split}")
+        texts = {q.query_id: q.text for q in ds.queries_iter()}
+        rel: dict[str, list[str]] = {}
+        for r in ds.qrels_iter():
+            if r.relevance >= 1 and r.query_id in texts:
+                rel.setdefault(r.query_id, []).append(r.doc_id)
+        chosen = sorted(rel)[:n]
+        rows = [(q, d) for i, q in enumerate(chosen) for d in sorted(rel[q])[: 1 + i % docs_per_query]]
+        rows_by_split[split] = rows
+        wanted |= {d for _, d in rows}
+        queries.update({q: texts[q] for q in chosen})
+        counts[split] = len(chosen)
+    others = [d.doc_id for d in base.docs_iter() if d.doc_id not in wanted]
+    wanted |= set(random.Random(seed).sample(others, extra_docs))
+    store = base.docs_store()
+    with open(folder / "corpus.jsonl", "w", encoding="utf8") as f:
+        for doc_id in sorted(wanted):
+            d = store.get(doc_id)
+            f.write(json.dumps({"_id": doc_id, "title": d.title, "text": d.text}) + "\n")
+    with open(folder / "queries.jsonl", "w", encoding="utf8") as f:
+        for qid, text in queries.items():
+            f.write(json.dumps({"_id": qid, "text": text}) + "\n")
+    for split, rows in rows_by_split.items():
+        lines = "".join(f"{q}\t{d}\t1\n" for q, d in rows)
+        (folder / "qrels" / f"{split}.tsv").write_text("query-id\tcorpus-id\tscore\n" + lines, encoding="utf8")
+    return {"docs": len(wanted), "queries": counts, "qrels": {s: len(r) for s, r in rows_by_split.items()}}

@@ -245,3 +245,32 @@ def test_harness_holds_out_train_queries_as_dev(beir, tmp_path):
     assert plain.train == "train" and plain.cal_topics.empty and len(plain.test_topics) == 2
     with pytest.raises(ValueError, match="--dev-from-train"):
         data(dev_from_train=1.0)
+
+
+def test_write_beir_sample_round_trips_through_load_collection(tmp_path):
+    """The folder loads back as a BEIR collection with the counts it reports; the i-th query of a split keeps up to
+    ``1 + i % docs_per_query`` of its relevant documents (all labelled 1, all in the corpus); bad sizes are refused."""
+    import ir_datasets
+
+    from pyterrier_prob.collections import write_beir_sample
+
+    info = write_beir_sample(tmp_path / "s", {"train": 5, "test": 4}, docs_per_query=3, extra_docs=7, seed=1)
+    c = load_collection(str(tmp_path / "s"))
+    assert set(c.splits) >= {"train", "test"}
+    docnos = {d["docno"] for d in c.corpus_iter()}
+    assert len(docnos) == info["docs"]
+    for split, n in (("train", 5), ("test", 4)):
+        qrels = c.qrels(split)
+        assert info["queries"][split] == n == c.topics(split)["qid"].nunique()
+        assert info["qrels"][split] == len(qrels) and set(qrels["label"]) == {1} and set(qrels["docno"]) <= docnos
+        relevant = {}
+        for r in ir_datasets.load(f"beir/nfcorpus/{split}").qrels_iter():
+            if r.relevance >= 1:
+                relevant.setdefault(r.query_id, set()).add(r.doc_id)
+        kept = qrels.groupby("qid")["docno"].apply(set)
+        for i, qid in enumerate(sorted(kept.index)):
+            assert kept[qid] == set(sorted(relevant[qid])[: 1 + i % 3])
+    judged = set().union(*(set(c.qrels(s)["docno"]) for s in ("train", "test")))
+    assert len(docnos - judged) == 7
+    with pytest.raises(ValueError, match="docs_per_query"):
+        write_beir_sample(tmp_path / "bad", {"test": 1}, docs_per_query=0)
