@@ -385,8 +385,8 @@ def input_score_table(result: dict[str, Any]) -> list[str]:
         "| collection | student | plain | score as text | difference (95% interval) | p |",
         "|---|---|---|---|---|---|",
     ]
+    texts = {r["system"] for r in _evaluated_rows(result) if r.get("input_score") and r.get("run") == "main"}
     for label, systems in result.get("per_query", {}).items():
-        texts = {r["system"] for r in _evaluated_rows(result) if r.get("input_score") and r.get("run") == "main"}
         for system in [s for s in systems if s in texts]:
             plain = system[: system.index(" (")]
             if plain not in systems:

@@ -216,3 +216,24 @@ def test_calibration_and_uncertainty_tables_and_one_section_printed(tmp_path, ca
     finally:
         sys.argv = argv
     assert capsys.readouterr().out == "\n".join(calibration) + "\n"
+
+
+def test_input_score_table_pairs_each_score_as_text_student_with_its_plain_version():
+    """Only the main run's rows with ``input_score`` are compared, each with the student of its name before the
+    bracket; the difference, its interval and p are the paired t-test's over the queries."""
+    plain, text = [0.3, 0.5, 0.2, 0.6, 0.4], [0.4, 0.5, 0.35, 0.6, 0.5]
+    system = "CE (BM25 score as text)"
+    result = {
+        "evaluated": {HOME: {"depth": 100}},
+        "rows": [
+            {"collection": HOME, "depth": 100, "run": "main", "system": system, "input_score": "as text"},
+            {"collection": HOME, "depth": 100, "run": "main", "system": "CE", "input_score": None},
+        ],
+        "per_query": {HOME: {"CE": dict(zip(QIDS, plain)), system: dict(zip(QIDS, text))}},
+    }
+    test = ttest_rel(text, plain)
+    low, high = test.confidence_interval(0.95)
+    lines = varce_rerank.input_score_table(result)
+    row = f"| {HOME} | CE | {np.mean(plain):.4f} | {np.mean(text):.4f} | {np.mean(text) - np.mean(plain):+.4f} "
+    assert lines[-1] == row + f"[{low:+.4f}, {high:+.4f}] | {test.pvalue:.2g} |"
+    assert len([line for line in lines if line.startswith(f"| {HOME}")]) == 1
