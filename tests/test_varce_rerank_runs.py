@@ -185,7 +185,7 @@ def test_calibration_and_uncertainty_tables_and_one_section_printed(tmp_path, ca
                 "ece_without_std": 0.0184,
                 "ranking": {"rce": 0.05, "rce_without_std": 0.0486},
             },
-        },  # fmt: skip
+        },
         "uncertainty": {
             c: {
                 "VarCE-VAR": {
@@ -198,7 +198,7 @@ def test_calibration_and_uncertainty_tables_and_one_section_printed(tmp_path, ca
                 }
             }
             for c, rho, lam, p in ((HOME, -0.13, 0.25, 0.052), (OOD, 0.21, 0.0, None))
-        },  # fmt: skip
+        },
         "std_shift": {"VarCE-VAR": {OOD: {"mean": 0.383, "in_domain": 0.323, "p": 1.4e-53}}},
     }
     calibration = varce_rerank.calibration_table(result)
