@@ -401,6 +401,41 @@ def input_score_table(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def rows_table(result: dict[str, Any]) -> list[str]:
+    """The ablation's attribution of the training rows: at each J, the CE trained on nfcorpus/train's queries and
+    pseudo-queries against the CE trained on the train queries alone (same steps and seed), paired over the queries."""
+    import pandas as pd
+
+    from pyterrier_prob.evaluation import paired_ci, paired_p
+
+    def per_query(run: str, collection: str) -> pd.Series | None:
+        source = result.get("per_query", {}) if run == "main" else result.get("per_query_runs", {}).get(run, {})
+        values = source.get(collection, {}).get("CE")
+        return None if values is None else pd.Series(values)
+
+    runs = {(r["joint_layers"], r["training_queries"]): r["run"] for r in _evaluated_rows(result)
+            if r["system"] == "CE" and r.get("run") in RUNS and r.get("joint_layers")}  # fmt: skip
+    out = ["The training rows at each J: the CE on nfcorpus/train's queries and pseudo-queries against the CE on the "
+           "train queries alone (paired over the queries):", "",
+           "| collection | J | train only | train + pseudo-queries | difference (95% interval) | p |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for label in result["evaluated"]:
+        for j in sorted({j for j, _ in runs}):
+            if (j, "train") not in runs or (j, "train + pseudo-queries") not in runs:
+                continue
+            alone, both = per_query(runs[j, "train"], label), per_query(runs[j, "train + pseudo-queries"], label)
+            if alone is None or both is None:
+                continue
+            ci = paired_ci(both, alone)
+            span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+            diff = float((both - alone.reindex(both.index)).mean())
+            out.append(
+                f"| {label} | {j} | {alone.mean():.4f} | {both.mean():.4f} | {diff:+.4f} {span} | "
+                f"{_p(paired_p(both, alone))} |"
+            )
+    return out
+
+
 def attention_table(result: dict[str, Any]) -> list[str]:
     """The attention mass between the texts per joint layer at step 0 and at the kept step, beside uniform's."""
     out = ["Attention between the texts per joint layer, step 0 → kept (uniform: what uniform attention gives):", ""]
@@ -458,6 +493,7 @@ SECTIONS = {
     "calibration": calibration_table,
     "uncertainty": uncertainty_table,
     "input_score": input_score_table,
+    "rows": rows_table,
     "attention": attention_table,
     "lexical": lexical_table,
     "curves": curves_table,

@@ -237,3 +237,20 @@ def test_input_score_table_pairs_each_score_as_text_student_with_its_plain_versi
     row = f"| {HOME} | CE | {np.mean(plain):.4f} | {np.mean(text):.4f} | {np.mean(text) - np.mean(plain):+.4f} "
     assert lines[-1] == row + f"[{low:+.4f}, {high:+.4f}] | {test.pvalue:.2g} |"
     assert len([line for line in lines if line.startswith(f"| {HOME}")]) == 1
+
+
+def test_rows_table_pairs_the_ce_on_both_row_sets_at_each_j(tmp_path):
+    """At J = 2 the main run's CE (train + pseudo-queries) against ``j2-train``'s CE (train alone); J = 1 is left out
+    while only one of its two runs exists."""
+    out = str(tmp_path / "v")
+    bm25, both, alone = [0.3] * 6, [0.5, 0.4, 0.6, 0.3, 0.5, 0.2], [0.4, 0.4, 0.5, 0.3, 0.45, 0.2]
+    baselines = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bm25, None), FUSED: (None, both, None)}
+    _write(out, _summary(baselines | {"CE": (2, both, 0.31)}))
+    _write(f"{out}-j2-train", _summary({"CE": (2, alone, 0.30)}))
+    _write(f"{out}-j1-pseudo", _summary({"CE": (1, [0.1] * 6, 0.2)}))
+    lines = varce_rerank.rows_table(varce_rerank.combine(out, list(varce_rerank.RUNS)))
+    test = ttest_rel(both, alone)
+    low, high = test.confidence_interval(0.95)
+    row = f"| {HOME} | 2 | {np.mean(alone):.4f} | {np.mean(both):.4f} | {np.mean(both) - np.mean(alone):+.4f} "
+    assert row + f"[{low:+.4f}, {high:+.4f}] | {test.pvalue:.2g} |" in lines
+    assert [line.split(" | ")[1] for line in lines if line.startswith("| irds")] == ["2", "2"]  # both collections
