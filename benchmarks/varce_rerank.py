@@ -373,12 +373,21 @@ def uncertainty_table(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _paired(x: Any, y: Any) -> str:
+    """``+diff [low, high] | p`` of the paired per-query series ``x - y`` (mean difference over the queries both
+    hold, its 95% interval and the paired t-test), as the comparison tables print it."""
+    from pyterrier_prob.evaluation import paired_ci, paired_p
+
+    ci = paired_ci(x, y)
+    span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+    a, b = x.align(y, join="inner")
+    return f"{float((a - b).mean()):+.4f} {span} | {_p(paired_p(x, y))}"
+
+
 def input_score_table(result: dict[str, Any]) -> list[str]:
     """Each main-run student that reads BM25's score as text (``input_score`` not null) against its plain version:
     the paired difference of nDCG@10 per collection, its 95% interval and paired t-test (Askari et al., ECIR 2023)."""
     import pandas as pd
-
-    from pyterrier_prob.evaluation import paired_ci, paired_p
 
     out = ["Reading BM25's score as text against the same student without it (paired over the queries):", ""]
     out += [
@@ -392,12 +401,7 @@ def input_score_table(result: dict[str, Any]) -> list[str]:
             if plain not in systems:
                 continue
             a, b = pd.Series(systems[system]), pd.Series(systems[plain])
-            ci = paired_ci(a, b)
-            span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
-            diff = float((a - b.reindex(a.index)).mean())
-            out.append(
-                f"| {label} | {plain} | {b.mean():.4f} | {a.mean():.4f} | {diff:+.4f} {span} | {_p(paired_p(a, b))} |"
-            )
+            out.append(f"| {label} | {plain} | {b.mean():.4f} | {a.mean():.4f} | {_paired(a, b)} |")
     return out
 
 
@@ -405,8 +409,6 @@ def rows_table(result: dict[str, Any]) -> list[str]:
     """The ablation's attribution of the training rows: at each J, the CE trained on nfcorpus/train's queries and
     pseudo-queries against the CE trained on the train queries alone (same steps and seed), paired over the queries."""
     import pandas as pd
-
-    from pyterrier_prob.evaluation import paired_ci, paired_p
 
     def per_query(run: str, collection: str) -> pd.Series | None:
         source = result.get("per_query", {}) if run == "main" else result.get("per_query_runs", {}).get(run, {})
@@ -426,13 +428,7 @@ def rows_table(result: dict[str, Any]) -> list[str]:
             alone, both = per_query(runs[j, "train"], label), per_query(runs[j, "train + pseudo-queries"], label)
             if alone is None or both is None:
                 continue
-            ci = paired_ci(both, alone)
-            span = MISSING if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
-            diff = float((both - alone.reindex(both.index)).mean())
-            out.append(
-                f"| {label} | {j} | {alone.mean():.4f} | {both.mean():.4f} | {diff:+.4f} {span} | "
-                f"{_p(paired_p(both, alone))} |"
-            )
+            out.append(f"| {label} | {j} | {alone.mean():.4f} | {both.mean():.4f} | {_paired(both, alone)} |")
     return out
 
 
