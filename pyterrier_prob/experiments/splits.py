@@ -18,7 +18,7 @@ from pyterrier_prob.collections import (
 )
 
 if TYPE_CHECKING:
-    from pyterrier_prob.experiments.harness import CommonConfig
+    from pyterrier_prob.experiments.options import CommonConfig
 
 __all__ = ["Data", "load_data"]
 

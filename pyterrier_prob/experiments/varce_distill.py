@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -28,11 +28,11 @@ from pyterrier_prob.curves import DevCurve
 from pyterrier_prob.evaluation import paired_ci, paired_p
 from pyterrier_prob.experiments.harness import Data, Harness, TrainingPairs, slug
 from pyterrier_prob.experiments.options import flag
+from pyterrier_prob.experiments.varce_config import TRAIN_LAYERS, VarceJobConfig, dev_every
 from pyterrier_prob.experiments.varce_report import distill_markdown
 from pyterrier_prob.experiments.varce_train import (
     Target,
     dev_evaluator,
-    dev_every,
     folder_fingerprint,
     settings_fingerprint,
     target_stage,
@@ -65,9 +65,6 @@ from st_extensions.defaults import default_model_path
 from st_extensions.loading import load_model
 from st_extensions.losses import MaskedMultipleNegativesRankingLoss, VariationalMarginMSELoss
 
-if TYPE_CHECKING:
-    from pyterrier_prob.experiments.varce import VarceJobConfig
-
 __all__ = [
     "MODEL_PREFIX",
     "TRAIN_LAYERS",
@@ -80,8 +77,6 @@ __all__ = [
     "students",
 ]
 
-#: The students' joint (and trained) top layers when ``--train-layers`` is not given.
-TRAIN_LAYERS = 1
 #: The students (their rows' system names) and their VarCE variant (None: the CE).
 STUDENTS = {"CE": None, "VarCE-MEANVAR": "MEANVAR", "VarCE-VAR": "VAR"}
 #: The students that read BM25's score as text before the document (``--input-score``; their own rows).

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import torch
@@ -27,6 +27,7 @@ from pyterrier_prob.console import library_bars
 from pyterrier_prob.curves import DevCurve
 from pyterrier_prob.experiments.harness import Data, Harness
 from pyterrier_prob.experiments.output import read_if_present
+from pyterrier_prob.experiments.varce_config import VarceJobConfig, dev_every
 from pyterrier_prob.training import read_json
 from pyterrier_prob.varce.analysis import DevRerank
 from pyterrier_prob.varce.data import cross_encoder_training_data, evaluated_queries, groups_for
@@ -35,15 +36,11 @@ from st_extensions.cross_encoder import VarCrossEncoder, VariationalHead, build_
 from st_extensions.cross_encoder.frozen import CachedPairFeatures, build_cross_encoder
 from st_extensions.losses import VariationalBCELoss
 
-if TYPE_CHECKING:
-    from pyterrier_prob.experiments.varce import VarceJobConfig
-
 __all__ = [
     "CE_HEAD_PARAMETERS",
     "Target",
     "Trained",
     "dev_evaluator",
-    "dev_every",
     "dev_target",
     "folder_fingerprint",
     "recipe_summary",
@@ -191,12 +188,6 @@ def _quiet_transformers() -> Iterator[None]:
     finally:
         hf_logging.set_verbosity(level)
         st_logger.setLevel(st_level)
-
-
-def dev_every(cfg: VarceJobConfig) -> int:
-    """Steps between dev points: ``--dev-every``, else a tenth of the steps (a distilling run: half of them, a short
-    run's few dev points). The one rule: :meth:`VarceJobConfig.check` fills the option from it."""
-    return cfg.dev_every or max(1, cfg.steps // (2 if cfg.distils else 10))
 
 
 def dev_evaluator(cfg: VarceJobConfig, h: Harness, data: Data) -> DevRerank | None:
