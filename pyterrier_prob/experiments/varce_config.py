@@ -13,7 +13,9 @@ __all__ = ["NEGATIVE_SOURCES", "NOISE_ORDER", "RECIPE_DEFAULTS", "TRAIN_LAYERS",
 
 #: The students' joint (and trained) top layers when ``--train-layers`` is not given.
 TRAIN_LAYERS = 1
+#: The query perturbations of the robustness table (Table 4; docs/varce.md explains the codes).
 NOISE_ORDER = ("RD", "RS", "SE", "SR", "WEI", "WES")
+#: The first stages ``--negatives-from`` mines the label recipe's training negatives from.
 NEGATIVE_SOURCES = ("bm25", "dense")
 _ROBUST, _DEV, _OOD = "robustness (Table 4)", "learning curve and choices on dev", "zero-shot collections"
 _DISTIL = "distillation (--teacher)"
