@@ -11,7 +11,8 @@ trained model, pool, cache and score is reused; a killed run continues from its 
   VarCE-VAR that read BM25's score as text (``--input-score``);
 - the ablation (``<output>-j1-pseudo``, ``-j2-train``, ``-j1-train``): the CE alone at 1 and 2 joint layers, on the same
   rows as ``main`` or on nfcorpus/train's queries alone, same steps and seed, with the main run's teacher;
-- ``<output>-j3-pseudo``: the CE at 3 joint layers on the main run's rows;
+- ``<output>-j3-pseudo``: the CE and the VarCE-MEANVAR (the VarCE that dev preferred at J = 2, and the paper's best
+  variant) at 3 joint layers on the main run's rows;
 - ``j6-gpu`` (``--gpu``, ``benchmarks/results/varce_gpu.json``): the CE and VarCE-VAR at 6 joint layers (a plain
   sentence-transformers CrossEncoder) on the main run's rows, trained on a lent GPU by ``benchmarks/gpu_students.py``,
   each row labelled with the card;
@@ -71,7 +72,7 @@ RUNS = {
     "j1-pseudo": (1, "train + pseudo-queries", ["--train-layers", "1", *PSEUDO, "--students", "CE"]),
     "j2-train": (2, "train", ["--train-layers", "2", "--students", "CE"]),
     "j1-train": (1, "train", ["--train-layers", "1", "--students", "CE"]),
-    "j3-pseudo": (3, "train + pseudo-queries", ["--train-layers", "3", *PSEUDO, "--students", "CE"]),
+    "j3-pseudo": (3, "train + pseudo-queries", ["--train-layers", "3", *PSEUDO, "--students", "CE", "VarCE-MEANVAR"]),
     "j2-joint": (
         2,
         "train + pseudo-queries",

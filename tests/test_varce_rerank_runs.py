@@ -76,6 +76,8 @@ def test_ablation_runs_skip_mc_dropout_and_the_main_run_keeps_it():
     assert j1.output == "out-j1-pseudo" and j1.teacher == os.path.join("out", varce_rerank.TEACHER)
     only = parser.parse_args(varce_rerank.command("out", "main", only="CE")[1:])
     assert only.students == ["CE"] and not only.input_score and only.mc_dropout == 8
+    j3 = parser.parse_args(varce_rerank.command("out", "j3-pseudo")[1:])  # VarCE against CE at J = 3 as well
+    assert j3.students == ["CE", "VarCE-MEANVAR"] and j3.train_layers == 3 and j3.mc_dropout == 0
     # the default runs: the main run, the {rows} x {J = 1, 2} ablation and J = 3; the joint-score CE only when asked
     assert varce_rerank.DEFAULT_RUNS == ["main", "j1-pseudo", "j2-train", "j1-train", "j3-pseudo"]
 
