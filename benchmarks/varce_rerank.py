@@ -39,6 +39,12 @@ trained on the same rows.
 
     python benchmarks/varce_rerank.py --output outputs/varce_rerank            # every run, then the JSON
     python benchmarks/varce_rerank.py --output outputs/varce_rerank --runs main  # the main run alone
+
+A run whose output folder is gone (a fresh machine) need not be made again: ``--earlier
+benchmarks/results/varce_rerank.json`` reads its rows, per-query values and curves from the JSON written before
+(``runs_from_earlier`` names them). A run made since with a retrained teacher (its first run's teacher was lost) keeps
+that teacher's rows, labelled with the run, and the goal of a row it holds is measured against them
+(``retrained_teacher``).
 """
 
 from __future__ import annotations
@@ -155,22 +161,91 @@ def command(output: str, run: str, only: str | None = None) -> list[str]:
     return ["varce", *RECIPE, *options, "--teacher", teacher, "--output", run_folder(output, run)]
 
 
-def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, Any]:
+#: The keys :func:`combine` and :func:`main` add to the main run's summary (:func:`earlier_summaries` drops them).
+COMBINED_KEYS = {
+    "benchmark", "command", "experiment_commands", "machine", "rows", "chosen_on_dev", "ablation_dev",
+    "per_query_runs", "ablation_curves", "ablation_attention", "ablation_lexical_share", "runs_combined", "goal",
+    "runs_from_earlier", "retrained_teacher",
+}  # fmt: skip
+#: The keys :func:`combine` adds to each row (:func:`earlier_summaries` drops them).
+ROW_KEYS = {"run", "training_queries", "p_vs_j1", "chosen_on_dev"}
+BI_ENCODER = "Teacher (bi-encoder)"
+
+
+def earlier_summaries(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The summary of each run a ``varce_rerank.json`` written before combined (``runs_combined``), as far as
+    :func:`combine` reads it: the run's rows, per-query nDCG@10, dev curves, attention and lexical shares; the main
+    run's whole summary. For runs whose output folder is gone (``--earlier``)."""
+
+    def rows(run: str) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k not in ROW_KEYS} for r in result["rows"] if r.get("run") == run]
+
+    out = {"main": {k: v for k, v in result.items() if k not in COMBINED_KEYS} | {"rows": rows("main")}}
+    for run in result["runs_combined"]:
+        if run == "main" or run not in RUNS:
+            continue
+        out[run] = {
+            "rows": rows(run),
+            "per_query": result["per_query_runs"][run],
+            "dev_curves": result["ablation_curves"].get(run, {}),
+            "cross_attention_mass": result.get("ablation_attention", {}).get(run, {}),
+            "lexical_share": result.get("ablation_lexical_share", {}).get(run, {}),
+            "students": result["runs_combined"][run],
+            "evaluated": result["evaluated"],
+            "teacher": result.get("retrained_teacher", {}).get(run, result.get("teacher")),
+        }
+    return out
+
+
+def retrained_teacher(run: str, summary: dict[str, Any], main: dict[str, Any]) -> bool:
+    """Whether ``run`` re-ranked with another teacher than the main run's (a teacher retrained by the same command
+    after the first was lost): its bi-encoder's per-query nDCG@10 differs from the main run's somewhere. Its BM25 must
+    be the main run's (the same first stage)."""
+    import numpy as np
+    import pandas as pd
+
+    differs = False
+    for collection, systems in summary.get("per_query", {}).items():
+        for system in ("BM25", BI_ENCODER):
+            if system not in systems or system not in main["per_query"].get(collection, {}):
+                continue
+            a, b = pd.Series(systems[system]), pd.Series(main["per_query"][collection][system])
+            same = a.index.equals(b.index) and np.allclose(a.to_numpy(float), b[a.index].to_numpy(float), atol=1e-9)
+            if system == "BM25" and not same:
+                raise ValueError(f"run {run}: BM25's per-query nDCG@10 at {collection} differs from the main run's")
+            differs |= system == BI_ENCODER and not same
+    return differs
+
+
+def combine(
+    output: str, runs: list[str], gpu: str | None = None, earlier: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The main run's summary, its rows and the ablation's CE rows marked with their run, ``p_vs_j1`` and the row
-    chosen on dev; ``gpu``: the J = 6 students' JSON (:func:`gpu_rows`), when one was made."""
+    chosen on dev; ``gpu``: the J = 6 students' JSON (:func:`gpu_rows`), when one was made; ``earlier``: a
+    ``varce_rerank.json`` written before, whose runs stand in for those with no summary in ``output``
+    (:func:`earlier_summaries`; ``runs_from_earlier`` names them). A run with its own, retrained teacher keeps that
+    teacher's rows (labelled with the run; ``retrained_teacher``), and the goal of a row it holds is measured
+    against them."""
     import pandas as pd
 
     from pyterrier_prob.evaluation import paired_p
 
-    summaries = {}
+    summaries, from_earlier = {}, []
+    before = earlier_summaries(earlier) if earlier is not None else {}
     for run in runs:
         path = os.path.join(run_folder(output, run), "summary.json")
         if os.path.isfile(path):
             with open(path, encoding="utf8") as f:
                 summaries[run] = json.load(f)
+        elif run in before:
+            summaries[run] = before[run]
+            from_earlier.append(run)
     if "main" not in summaries:
         raise SystemExit(f"no summary of the main run in {output}: run it first")
     main = summaries["main"]
+    retrained = {
+        run: s.get("teacher") for run, s in summaries.items() if run != "main" and retrained_teacher(run, s, main)
+    }
 
     def j1_per_query(training: str, collection: str) -> pd.Series | None:
         """The per-query nDCG@10 of the J = 1 CE trained on ``training`` at ``collection`` (None: not made there)."""
@@ -183,8 +258,9 @@ def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, A
     for run, s in summaries.items():
         layers, training, _ = RUNS[run]
         for row in s["rows"]:
-            if run != "main" and row["joint_layers"] is None:
-                continue  # BM25 and the teacher: the main run's rows
+            own = run in retrained and row["system"].startswith("Teacher")
+            if run != "main" and row["joint_layers"] is None and not own:
+                continue  # BM25 and the teacher: the main run's rows (unless the run's teacher was retrained)
             row = {**row, "run": run, "training_queries": training if row["joint_layers"] is not None else None}
             other = j1_per_query(training, row["collection"]) if row["joint_layers"] is not None else None
             if other is not None:
@@ -220,6 +296,8 @@ def combine(output: str, runs: list[str], gpu: str | None = None) -> dict[str, A
     main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
     main["ablation_lexical_share"] = {run: s.get("lexical_share", {}) for run, s in others.items()}
     main["runs_combined"] = {run: s.get("students") for run, s in summaries.items()}  # the runs and students so far
+    main["runs_from_earlier"] = from_earlier
+    main["retrained_teacher"] = retrained
     main["goal"] = goal(main)
     return main
 
@@ -229,8 +307,10 @@ def _p(value: float | None) -> str:
 
 
 def _label(row: dict[str, Any]) -> str:
-    if row.get("run") in (None, "main") or row["joint_layers"] is None:
+    if row.get("run") in (None, "main"):
         return row["system"]
+    if row["joint_layers"] is None:  # a run's own (retrained) teacher
+        return f"{row['system']}, retrained for {row['run']}"
     return f"{row['system']}, J = {row['joint_layers']}, {row['training_queries']} ({row['run']})"
 
 
@@ -251,14 +331,16 @@ def goal(result: dict[str, Any]) -> dict[str, Any]:
         return {"chosen": None}
     run, system = chosen[0]["run"], chosen[0]["system"]
     at = {r["collection"]: r for r in chosen}
-    here = {r["system"]: r["nDCG@10"] for r in rows if r["collection"] == home and r["run"] == "main"}
-    bi = here["Teacher (bi-encoder)"]
+    teacher_run = run if run in result.get("retrained_teacher", {}) else "main"  # the teacher its rows came from
+    here = {r["system"]: r["nDCG@10"] for r in rows if r["collection"] == home and r["run"] == teacher_run}
+    bi = here[BI_ENCODER]
     fused_name = next(n for n in here if n.startswith("Teacher (bi-encoder + BM25"))
     halfway = bi + (here[fused_name] - bi) / 2
     training = training_queries(run)
     j1_name = j1_run(training)
     j1 = next((r for r in rows if r["collection"] == home and (r["run"], r["system"]) == (j1_name, "CE")), None)
     out: dict[str, Any] = {"chosen": f"{run}/{system}", "collection": home, "nDCG@10": at[home]["nDCG@10"]}
+    out["teacher_run"] = teacher_run
     out["bi_encoder"], out["fused_teacher"], out["halfway"] = bi, here[fused_name], halfway
     out["share_of_gap"] = (at[home]["nDCG@10"] - bi) / (here[fused_name] - bi)
     out["halfway_met"] = at[home]["nDCG@10"] >= halfway
@@ -307,9 +389,10 @@ def goal_lines(result: dict[str, Any]) -> list[str]:
     if g["chosen"] is None:
         return ["No row chosen on dev: no plain student at J >= 2 has a dev curve."]
     out = [f"Chosen on dev: {g['chosen']} ({result['chosen_on_dev']['dev']:.4f} on dev).", ""]
+    retrained = "" if g.get("teacher_run", "main") == "main" else f" (the teacher retrained for {g['teacher_run']})"
     out.append(
         f"- {g['collection']}: {g['nDCG@10']:.4f} against the bi-encoder alone {g['bi_encoder']:.4f} and the "
-        f"fused teacher {g['fused_teacher']:.4f}: {100 * g['share_of_gap']:.0f}% of the way (halfway "
+        f"fused teacher {g['fused_teacher']:.4f}{retrained}: {100 * g['share_of_gap']:.0f}% of the way (halfway "
         f"{g['halfway']:.4f}: {'met' if g['halfway_met'] else 'missed'})."
     )
     if g["j1"] is not None:
@@ -513,6 +596,11 @@ def main() -> int:
     ap.add_argument("--gpu", default=GPU_RESULT, help="the J = 6 students' JSON (benchmarks/gpu_students.py)")
     ap.add_argument("--table", default=None, help="print one table of this JSON (written before) and stop")
     ap.add_argument("--section", default="ndcg", choices=list(SECTIONS), help="the table --table prints")
+    ap.add_argument(
+        "--earlier",
+        default=None,
+        help="a varce_rerank.json written before: its runs stand in for those whose output folder is gone",
+    )
     a = ap.parse_args()
     if a.markdown or a.table:
         with open(a.table or a.out, encoding="utf8") as f:
@@ -532,12 +620,17 @@ def main() -> int:
             return code
     if a.no_write:
         return 0
-    summary = combine(a.output, list(RUNS), a.gpu)
+    earlier = None
+    if a.earlier:
+        with open(a.earlier, encoding="utf8") as f:
+            earlier = json.load(f)
+    summary = combine(a.output, list(RUNS), a.gpu, earlier)
     result = {
         "benchmark": "Cross-encoders reading query and document together, distilled from a bi-encoder + BM25 "
         "teacher, as BM25 re-rankers (nDCG@10)",
         "command": f"python benchmarks/varce_rerank.py --output {a.output}"
         + " --write-only" * a.write_only
+        + (f" --earlier {a.earlier}" if a.earlier else "")
         + (f" --out {a.out}" if a.out != ap.get_default("out") else ""),
         "experiment_commands": {
             r: "pyterrier-prob " + shlex.join(command(a.output, r)) for r in summary["runs_combined"]

@@ -256,3 +256,64 @@ def test_rows_table_pairs_the_ce_on_both_row_sets_at_each_j(tmp_path):
     row = f"| {HOME} | 2 | {np.mean(alone):.4f} | {np.mean(both):.4f} | {np.mean(both) - np.mean(alone):+.4f} "
     assert row + f"[{low:+.4f}, {high:+.4f}] | {test.pvalue:.2g} |" in lines
     assert [line.split(" | ")[1] for line in lines if line.startswith("| irds")] == ["2", "2"]  # both collections
+
+
+def _earlier_and_now(tmp_path, j3_bi: list[float]) -> tuple[str, dict, dict]:
+    """A main run, its J = 1 CE and a J = 3 run whose bi-encoder scores ``j3_bi``; the JSON combined from the first
+    two (as ``main`` writes it, round-tripped through JSON) and the folders of those two then removed."""
+    import shutil
+
+    out = str(tmp_path / "v")
+    bm25, bi, fused = [0.3, 0.2, 0.4, 0.3, 0.3, 0.2], [0.35, 0.3, 0.4, 0.35, 0.4, 0.3], [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]
+    baselines = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bi, None), FUSED: (None, fused, None)}
+    _write(out, _summary(baselines | {"CE": (2, [0.5, 0.4, 0.6, 0.3, 0.5, 0.2], 0.31)}))
+    _write(f"{out}-j1-pseudo", _summary(baselines | {"CE": (1, [0.4, 0.4, 0.5, 0.3, 0.4, 0.1], 0.2)}))
+    before = json.loads(json.dumps(varce_rerank.combine(out, list(varce_rerank.RUNS))))
+    shutil.rmtree(out), shutil.rmtree(f"{out}-j1-pseudo")
+    j3 = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, j3_bi, None), FUSED: (None, [0.55] * 6, None)}
+    _write(f"{out}-j3-pseudo", _summary(j3 | {"CE": (3, [0.6, 0.5, 0.6, 0.4, 0.5, 0.4], 0.32)}))
+    return out, before, j3
+
+
+def test_runs_of_an_earlier_json_stand_in_for_lost_folders(tmp_path):
+    """``--earlier``: the runs a JSON written before combined, their folders gone, combine again to the same rows,
+    p-values, choice and goal, and a J = 3 run made since joins them (same teacher: the main run's rows)."""
+    bi = [0.35, 0.3, 0.4, 0.35, 0.4, 0.3]
+    out, before, _ = _earlier_and_now(tmp_path, bi)
+    with pytest.raises(SystemExit, match="no summary of the main run"):
+        varce_rerank.combine(out, list(varce_rerank.RUNS))
+    again = varce_rerank.combine(out, ["main", "j1-pseudo"], earlier=before)
+    assert again["runs_from_earlier"] == ["main", "j1-pseudo"] and again["retrained_teacher"] == {}
+    for key in ("rows", "chosen_on_dev", "ablation_dev", "per_query_runs", "ablation_curves", "goal", "teacher"):
+        assert again.get(key) == (before[key] | {"teacher_run": "main"} if key == "goal" else before.get(key))
+    now = varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=before)
+    assert now["runs_from_earlier"] == ["main", "j1-pseudo"] and list(now["runs_combined"])[-1] == "j3-pseudo"
+    assert now["chosen_on_dev"] == {"run": "j3-pseudo", "system": "CE", "dev": 0.32}
+    assert not [r for r in now["rows"] if r["run"] == "j3-pseudo" and r["joint_layers"] is None]
+    assert now["goal"]["teacher_run"] == "main" and now["goal"]["bi_encoder"] == pytest.approx(np.mean(bi))
+
+
+def test_a_run_with_a_retrained_teacher_keeps_its_teacher_rows_and_the_goal_uses_them(tmp_path):
+    """A run whose bi-encoder ranks otherwise than the main run's had its teacher retrained: its teacher rows stay,
+    labelled with the run, and the goal of its chosen row is halfway between its own bi-encoder and fused teacher."""
+    bi3 = [0.4, 0.3, 0.5, 0.35, 0.4, 0.3]  # mean 0.375; its fused teacher 0.55: halfway 0.4625
+    out, before, _ = _earlier_and_now(tmp_path, bi3)
+    now = varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=before)
+    assert list(now["retrained_teacher"]) == ["j3-pseudo"]
+    own = {r["system"] for r in now["rows"] if r["run"] == "j3-pseudo" and r["joint_layers"] is None}
+    assert own == {"Teacher (bi-encoder)", FUSED}  # BM25: the main run's row only
+    g = now["goal"]
+    assert g["chosen"] == "j3-pseudo/CE" and g["teacher_run"] == "j3-pseudo"
+    assert g["bi_encoder"] == pytest.approx(np.mean(bi3)) and g["fused_teacher"] == pytest.approx(0.55)
+    assert g["halfway"] == pytest.approx(0.4625) and g["halfway_met"]  # 0.5: met against its own teacher
+    assert g["share_of_gap"] == pytest.approx((0.5 - np.mean(bi3)) / (0.55 - np.mean(bi3)))
+    text = varce_rerank.markdown(now)
+    assert f"| Teacher (bi-encoder), retrained for j3-pseudo | {np.mean(bi3):.4f} (" in text
+    assert "(the teacher retrained for j3-pseudo)" in text
+
+
+def test_a_run_whose_bm25_differs_from_the_main_runs_is_refused(tmp_path):
+    out, before, j3 = _earlier_and_now(tmp_path, [0.35, 0.3, 0.4, 0.35, 0.4, 0.3])
+    _write(f"{out}-j3-pseudo", _summary(j3 | {"BM25": (None, [0.3] * 6, None), "CE": (3, [0.5] * 6, 0.32)}))
+    with pytest.raises(ValueError, match="run j3-pseudo: BM25's per-query nDCG@10 at irds:beir/nfcorpus differs"):
+        varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=before)
