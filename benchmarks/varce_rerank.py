@@ -42,9 +42,10 @@ trained on the same rows.
 
 A run whose output folder is gone (a fresh machine) need not be made again: ``--earlier
 benchmarks/results/varce_rerank.json`` reads its rows, per-query values and curves from the JSON written before
-(``runs_from_earlier`` names them). A run made since with a retrained teacher (its first run's teacher was lost) keeps
-that teacher's rows, labelled with the run, and the goal of a row it holds is measured against them
-(``retrained_teacher``).
+(``runs_from_earlier`` names them). A run made without the main run (``--runs j3-pseudo``) makes the main run's
+teacher first when the folder lacks it (:func:`make_teacher`). A run made since with a retrained teacher (its first
+run's teacher was lost) keeps that teacher's rows, labelled with the run, and the goal of a row it holds is measured
+against them (``retrained_teacher``).
 """
 
 from __future__ import annotations
@@ -215,6 +216,24 @@ def retrained_teacher(run: str, summary: dict[str, Any], main: dict[str, Any]) -
                 raise ValueError(f"run {run}: BM25's per-query nDCG@10 at {collection} differs from the main run's")
             differs |= system == BI_ENCODER and not same
     return differs
+
+
+def make_teacher(output: str) -> str:
+    """The main run's teacher alone, trained (or reused) into ``output`` as the main run makes it
+    (:func:`~pyterrier_prob.experiments.varce_distill.make_teacher`): for runs made without the main run whose
+    folder is gone. Returns its folder."""
+    from pyterrier_prob.cli import build_parser, passive_waiting
+
+    passive_waiting()  # as a command's process (before torch loads)
+    from pyterrier_prob.experiments import varce, varce_distill
+    from st_extensions.threads import batch_scheduling
+
+    args = command(output, "main", "CE")
+    cfg = varce.config_from_args(build_parser("varce").parse_args(args[1:]))
+    cfg.command = "pyterrier-prob " + shlex.join(args)
+    cfg.check()
+    batch_scheduling(cfg.sched_slice_ms)
+    return varce_distill.make_teacher(cfg)
 
 
 def combine(
@@ -611,6 +630,10 @@ def main() -> int:
     from benchmarks._machine import describe, write_result
     from pyterrier_prob.cli import main as cli
 
+    needs_teacher = any(run != "main" for run in a.runs) and "main" not in a.runs and not a.write_only
+    if needs_teacher and not os.path.isfile(os.path.join(a.output, TEACHER, "train_settings.json")):
+        print(f"the main run's teacher, into {a.output} (the runs asked for read it)", flush=True)
+        make_teacher(a.output)
     for run, only in ORDER:
         if run not in a.runs or a.write_only:
             continue

@@ -929,3 +929,27 @@ def test_score_pairs_gives_a_plain_cross_encoders_logits(minilm_path):
     assert std is None
     np.testing.assert_allclose(scores, logits, rtol=1e-4, atol=1e-5)
     assert not np.allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-3)  # not the sigmoid
+
+
+def test_make_teacher_trains_the_teacher_alone_and_reuses_it(small_beir, minilm_path, tmp_path):
+    """``make_teacher``: ``--teacher partial``'s bi-encoder trained into the output folder and nothing else (no
+    student, no pool, no summary); called again with the same settings it is reused, not trained again."""
+    from pyterrier_prob.cli import build_parser
+    from pyterrier_prob.experiments import varce, varce_distill
+
+    folder, _ = small_beir
+    out = tmp_path / "t"
+    argv = ["--dataset", str(folder), "--teacher", "partial", "--recipe", "partial", "--teacher-steps", "2"]
+    argv += ["--teacher-batch-size", "4", "--teacher-dev-every", "1", "--max-seq-length", "32", "--model", minilm_path]
+    argv += ["--steps", "2", "--output", str(out), "--quiet", "--reuse"]
+    cfg = varce.config_from_args(build_parser("varce").parse_args(argv))
+    made = varce_distill.make_teacher(cfg)
+    assert made == str(out / "models" / varce_distill.TEACHER)
+    weights = out / "models" / varce_distill.TEACHER / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert json.loads((out / "models" / varce_distill.TEACHER / "train_settings.json").read_text())
+    assert sorted(p.name for p in (out / "models").iterdir()) == [varce_distill.TEACHER]
+    assert not (out / "summary.json").exists()
+    assert [p["step"] for p in json.loads((out / "curves" / f"{varce_distill.TEACHER}.json").read_text())["points"]]
+    cfg = varce.config_from_args(build_parser("varce").parse_args(argv))
+    assert varce_distill.make_teacher(cfg) == made and weights.stat().st_mtime_ns == stamp  # reused

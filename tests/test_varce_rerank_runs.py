@@ -317,3 +317,30 @@ def test_a_run_whose_bm25_differs_from_the_main_runs_is_refused(tmp_path):
     _write(f"{out}-j3-pseudo", _summary(j3 | {"BM25": (None, [0.3] * 6, None), "CE": (3, [0.5] * 6, 0.32)}))
     with pytest.raises(ValueError, match="run j3-pseudo: BM25's per-query nDCG@10 at irds:beir/nfcorpus differs"):
         varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=before)
+
+
+def test_a_run_without_the_main_run_makes_the_main_runs_teacher_first(tmp_path, monkeypatch):
+    """``--runs j3-pseudo`` alone: the main run's teacher is made first when its folder lacks it (a fresh machine),
+    then the run's own command; with the teacher there, the command alone."""
+    import pyterrier_prob.cli
+
+    out, calls = str(tmp_path / "v"), []
+    monkeypatch.setattr(varce_rerank, "make_teacher", lambda output: calls.append(("teacher", output)))
+    monkeypatch.setattr(pyterrier_prob.cli, "main", lambda args: calls.append(("run", args)) and 0)
+    monkeypatch.setattr(sys, "argv", ["varce_rerank.py", "--output", out, "--runs", "j3-pseudo", "--no-write"])
+    assert varce_rerank.main() == 0
+    assert calls == [("teacher", out), ("run", varce_rerank.command(out, "j3-pseudo"))]
+    os.makedirs(os.path.join(out, varce_rerank.TEACHER))
+    with open(os.path.join(out, varce_rerank.TEACHER, "train_settings.json"), "w", encoding="utf8") as f:
+        f.write("{}")
+    calls.clear()
+    assert varce_rerank.main() == 0
+    assert calls == [("run", varce_rerank.command(out, "j3-pseudo"))]
+    monkeypatch.setattr(
+        sys, "argv", ["varce_rerank.py", "--output", str(tmp_path / "w"), "--runs", "main", "--no-write"]
+    )
+    calls.clear()
+    assert varce_rerank.main() == 0  # the main run makes its teacher itself
+    assert [c[0] for c in calls] == ["run", "run"] and calls[0][1] == varce_rerank.command(
+        str(tmp_path / "w"), "main", "CE"
+    )

@@ -606,13 +606,26 @@ def std_shift(selective: dict[str, dict[str, Any]], home: str) -> dict[str, Any]
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def run(cfg: VarceJobConfig) -> dict[str, Any]:
-    """The distillation run into ``cfg.output`` (docs/varce.md); returns the summary as :meth:`Harness.finish` wrote."""
+def _start(cfg: VarceJobConfig) -> tuple[Harness, Data, dict[str, str]]:
+    """The run's harness (holding ``cfg.output``), its data and the training collection's texts (read once)."""
     check_options(cfg)
     h = Harness("varce", cfg)  # checks cfg
     data = h.load_data(calibrate=True)  # the teacher's weight, the kept steps and lambda are chosen on dev
     check_data(data)
-    train_corpus = {d["docno"]: d["text"] for d in data.train_collection.corpus_iter()}  # read once
+    return h, data, {d["docno"]: d["text"] for d in data.train_collection.corpus_iter()}
+
+
+def make_teacher(cfg: VarceJobConfig) -> str:
+    """The run's teacher alone (:func:`teacher_model`: for ``--teacher partial`` trained into ``cfg.output``, or
+    reused when saved there with the same settings, resumed from its checkpoints when killed): its folder. For runs
+    that reuse another run's teacher when that run's folder is gone (``benchmarks/varce_rerank.py``)."""
+    h, data, corpus = _start(cfg)
+    return teacher_model(cfg, h, data, corpus)[0]
+
+
+def run(cfg: VarceJobConfig) -> dict[str, Any]:
+    """The distillation run into ``cfg.output`` (docs/varce.md); returns the summary as :meth:`Harness.finish` wrote."""
+    h, data, train_corpus = _start(cfg)
     teacher = teacher_model(cfg, h, data, train_corpus)
     model = SentenceTransformer(teacher[0], device="cpu")
     model.max_seq_length = cfg.max_seq_length
