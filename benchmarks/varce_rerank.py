@@ -218,22 +218,14 @@ def retrained_teacher(run: str, summary: dict[str, Any], main: dict[str, Any]) -
     return differs
 
 
-def make_teacher(output: str) -> str:
-    """The main run's teacher alone, trained (or reused) into ``output`` as the main run makes it
-    (:func:`~pyterrier_prob.experiments.varce_distill.make_teacher`): for runs made without the main run whose
-    folder is gone. Returns its folder."""
-    from pyterrier_prob.cli import build_parser, passive_waiting
+def make_teacher(output: str) -> int:
+    """The main run's teacher alone, trained (or reused) into ``output`` as the main run makes it (``pyterrier-prob
+    varce ... --teacher-only``): for runs made without the main run whose folder is gone. Returns the exit status."""
+    from pyterrier_prob.cli import main as cli
 
-    passive_waiting()  # as a command's process (before torch loads)
-    from pyterrier_prob.experiments import varce, varce_distill
-    from st_extensions.threads import batch_scheduling
-
-    args = command(output, "main", "CE")
-    cfg = varce.config_from_args(build_parser("varce").parse_args(args[1:]))
-    cfg.command = "pyterrier-prob " + shlex.join(args)
-    cfg.check()
-    batch_scheduling(cfg.sched_slice_ms)
-    return varce_distill.make_teacher(cfg)
+    args = [*command(output, "main", "CE"), "--teacher-only"]
+    print("pyterrier-prob " + shlex.join(args), flush=True)
+    return cli(args)
 
 
 def combine(
@@ -633,7 +625,8 @@ def main() -> int:
     needs_teacher = any(run != "main" for run in a.runs) and "main" not in a.runs and not a.write_only
     if needs_teacher and not os.path.isfile(os.path.join(a.output, TEACHER, "train_settings.json")):
         print(f"the main run's teacher, into {a.output} (the runs asked for read it)", flush=True)
-        make_teacher(a.output)
+        if code := make_teacher(a.output):
+            return code
     for run, only in ORDER:
         if run not in a.runs or a.write_only:
             continue

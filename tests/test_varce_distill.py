@@ -931,10 +931,11 @@ def test_score_pairs_gives_a_plain_cross_encoders_logits(minilm_path):
     assert not np.allclose(scores, 1 / (1 + np.exp(-logits)), atol=1e-3)  # not the sigmoid
 
 
-def test_make_teacher_trains_the_teacher_alone_and_reuses_it(small_beir, minilm_path, tmp_path):
-    """``make_teacher``: ``--teacher partial``'s bi-encoder trained into the output folder and nothing else (no
-    student, no pool, no summary); called again with the same settings it is reused, not trained again."""
-    from pyterrier_prob.cli import build_parser
+def test_teacher_only_trains_the_teacher_alone_and_reuses_it(small_beir, minilm_path, tmp_path, capsys):
+    """``pyterrier-prob varce --teacher-only`` (:func:`varce_distill.make_teacher`): ``--teacher partial``'s bi-encoder
+    trained into the output folder and nothing else (no student, no pool, no summary), its folder printed; run again
+    with the same settings it is reused, not trained again. Under another ``--teacher`` it is refused."""
+    from pyterrier_prob.cli import build_parser, main
     from pyterrier_prob.experiments import varce, varce_distill
 
     folder, _ = small_beir
@@ -942,9 +943,9 @@ def test_make_teacher_trains_the_teacher_alone_and_reuses_it(small_beir, minilm_
     argv = ["--dataset", str(folder), "--teacher", "partial", "--recipe", "partial", "--teacher-steps", "2"]
     argv += ["--teacher-batch-size", "4", "--teacher-dev-every", "1", "--max-seq-length", "32", "--model", minilm_path]
     argv += ["--steps", "2", "--output", str(out), "--quiet", "--reuse"]
-    cfg = varce.config_from_args(build_parser("varce").parse_args(argv))
-    made = varce_distill.make_teacher(cfg)
-    assert made == str(out / "models" / varce_distill.TEACHER)
+    made = str(out / "models" / varce_distill.TEACHER)
+    assert main(["varce", *argv, "--teacher-only"]) == 0
+    assert f"--teacher {made}" in capsys.readouterr().out
     weights = out / "models" / varce_distill.TEACHER / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert json.loads((out / "models" / varce_distill.TEACHER / "train_settings.json").read_text())
@@ -953,3 +954,6 @@ def test_make_teacher_trains_the_teacher_alone_and_reuses_it(small_beir, minilm_
     assert [p["step"] for p in json.loads((out / "curves" / f"{varce_distill.TEACHER}.json").read_text())["points"]]
     cfg = varce.config_from_args(build_parser("varce").parse_args(argv))
     assert varce_distill.make_teacher(cfg) == made and weights.stat().st_mtime_ns == stamp  # reused
+    argv[argv.index("partial")] = made
+    assert main(["varce", *argv, "--teacher-only"]) == 2
+    assert f"--teacher-only trains --teacher partial's bi-encoder, not --teacher {made}" in capsys.readouterr().err

@@ -319,6 +319,21 @@ def test_a_run_whose_bm25_differs_from_the_main_runs_is_refused(tmp_path):
         varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=before)
 
 
+def test_make_teacher_runs_the_main_runs_command_with_teacher_only(tmp_path, monkeypatch):
+    """The teacher alone is the main run's own command with ``--teacher-only`` (the same teacher settings), and a
+    failing command's exit status stops the grid before any run."""
+    import pyterrier_prob.cli
+
+    out, calls = str(tmp_path / "v"), []
+    monkeypatch.setattr(pyterrier_prob.cli, "main", lambda args: calls.append(args) or 2)
+    assert varce_rerank.make_teacher(out) == 2
+    assert calls == [[*varce_rerank.command(out, "main", "CE"), "--teacher-only"]]
+    assert "--teacher" in calls[0] and calls[0][calls[0].index("--teacher") + 1] == "partial"
+    monkeypatch.setattr(sys, "argv", ["varce_rerank.py", "--output", out, "--runs", "j3-pseudo", "--no-write"])
+    calls.clear()
+    assert varce_rerank.main() == 2 and len(calls) == 1  # the run itself never started
+
+
 def test_a_run_without_the_main_run_makes_the_main_runs_teacher_first(tmp_path, monkeypatch):
     """``--runs j3-pseudo`` alone: the main run's teacher is made first when its folder lacks it (a fresh machine),
     then the run's own command; with the teacher there, the command alone."""

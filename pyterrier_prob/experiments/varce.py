@@ -61,6 +61,12 @@ add_arguments, config_from_args = subcommand(VarceJobConfig, "VarCrossEncoder") 
 
 
 def run(cfg: VarceJobConfig) -> dict[str, Any]:
+    """The run ``cfg`` asks for: the distillation run (:func:`varce_distill.run`), its teacher alone
+    (``--teacher-only``) or the label recipe (``--teacher none``, :func:`run_varce_job`)."""
+    if cfg.teacher_only:  # the teacher alone, for runs that read it (--teacher <its folder>)
+        folder = varce_distill.make_teacher(cfg)
+        print(f"the teacher: {folder} (--teacher {folder})")
+        return {"teacher": folder}
     if cfg.teacher:
         return varce_distill.run(cfg)
     return run_varce_job(cfg)

@@ -86,6 +86,12 @@ class VarceJobConfig(CommonConfig):
         _DISTIL,
     )
     teacher_steps: int = option(100, "--teacher partial: the teacher's training steps (best dev point kept)", _DISTIL)
+    teacher_only: bool = option(
+        False,
+        "--teacher partial: train (or reuse) the teacher alone into --output and stop; other runs then read it as "
+        "--teacher <output>/models/distill-teacher",
+        _DISTIL,
+    )
     teacher_layers: int = option(2, "--teacher partial: the teacher's top layers that train", _DISTIL)
     teacher_batch_size: int = option(32, "--teacher partial: the teacher's batch size (distinct queries)", _DISTIL)
     teacher_lr: float = option(5e-5, "--teacher partial: the teacher's learning rate", _DISTIL)
@@ -179,6 +185,8 @@ class VarceJobConfig(CommonConfig):
             raise ValueError(f"--risks must be finite numbers, got {list(self.risks)}")
         if self.mc_dropout == 1:
             raise ValueError("--mc-dropout needs at least 2 passes for a spread (0: none), got 1")
+        if self.teacher_only and self.teacher != "partial":
+            raise ValueError(f"--teacher-only trains --teacher partial's bi-encoder, not --teacher {self.teacher}")
         if self.input_score and not self.teacher:
             raise ValueError("--input-score trains distilled students that read BM25's score: not under --teacher none")
         if tuple(self.students) != type(self)().students and not self.teacher:
