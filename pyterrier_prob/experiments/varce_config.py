@@ -186,7 +186,8 @@ class VarceJobConfig(CommonConfig):
         if self.mc_dropout == 1:
             raise ValueError("--mc-dropout needs at least 2 passes for a spread (0: none), got 1")
         if self.teacher_only and self.teacher != "partial":
-            raise ValueError(f"--teacher-only trains --teacher partial's bi-encoder, not --teacher {self.teacher}")
+            given = self.teacher or "none"
+            raise ValueError(f"--teacher-only trains --teacher partial's bi-encoder, not --teacher {given}")
         if self.input_score and not self.teacher:
             raise ValueError("--input-score trains distilled students that read BM25's score: not under --teacher none")
         if tuple(self.students) != type(self)().students and not self.teacher:
