@@ -166,8 +166,11 @@ def command(output: str, run: str, only: str | None = None) -> list[str]:
 COMBINED_KEYS = {
     "benchmark", "command", "experiment_commands", "machine", "rows", "chosen_on_dev", "ablation_dev",
     "per_query_runs", "ablation_curves", "ablation_attention", "ablation_lexical_share", "runs_combined", "goal",
-    "runs_from_earlier", "retrained_teacher",
+    "runs_from_earlier", "retrained_teacher", "ablation_uncertainty",
 }  # fmt: skip
+#: What :func:`combine` keeps of a run with a VarCE besides the main run (``ablation_uncertainty``): its selective
+#: prediction (AURC without the curves), calibration and uncertainty tables.
+UNCERTAINTY_KEYS = ("aurc", "calibration", "uncertainty", "std_shift")
 #: The keys :func:`combine` adds to each row (:func:`earlier_summaries` drops them).
 ROW_KEYS = {"run", "training_queries", "p_vs_j1", "chosen_on_dev"}
 BI_ENCODER = "Teacher (bi-encoder)"
@@ -175,8 +178,8 @@ BI_ENCODER = "Teacher (bi-encoder)"
 
 def earlier_summaries(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The summary of each run a ``varce_rerank.json`` written before combined (``runs_combined``), as far as
-    :func:`combine` reads it: the run's rows, per-query nDCG@10, dev curves, attention and lexical shares; the main
-    run's whole summary. For runs whose output folder is gone (``--earlier``)."""
+    :func:`combine` reads it: the run's rows, per-query nDCG@10, dev curves, attention and lexical shares, and a VarCE
+    run's uncertainty tables; the main run's whole summary. For runs whose output folder is gone (``--earlier``)."""
 
     def rows(run: str) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k not in ROW_KEYS} for r in result["rows"] if r.get("run") == run]
@@ -191,6 +194,7 @@ def earlier_summaries(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "dev_curves": result["ablation_curves"].get(run, {}),
             "cross_attention_mass": result.get("ablation_attention", {}).get(run, {}),
             "lexical_share": result.get("ablation_lexical_share", {}).get(run, {}),
+            **result.get("ablation_uncertainty", {}).get(run, {}),
             "students": result["runs_combined"][run],
             "evaluated": result["evaluated"],
             "teacher": result.get("retrained_teacher", {}).get(run, result.get("teacher")),
@@ -226,6 +230,26 @@ def make_teacher(output: str) -> int:
     args = [*command(output, "main", "CE"), "--teacher-only"]
     print("pyterrier-prob " + shlex.join(args), flush=True)
     return cli(args)
+
+
+def uncertainty_of(summary: dict[str, Any]) -> dict[str, Any]:
+    """A run's :data:`UNCERTAINTY_KEYS`, its AURC without the risk-coverage curves (the plot is the main run's)."""
+    out = {k: summary[k] for k in UNCERTAINTY_KEYS if summary.get(k)}
+    if "aurc" in out:
+        out["aurc"] = {c: {s: {k: v for k, v in t.items() if k != "curves"} for s, t in systems.items()}
+                       for c, systems in out["aurc"].items()}  # fmt: skip
+    return out
+
+
+def _by_run(result: dict[str, Any], key: str) -> dict[str, dict[str, Any]]:
+    """``key`` of the main run and of each run in ``ablation_uncertainty``, by the run's name."""
+    runs = {"main": result.get(key, {})}
+    return runs | {run: u.get(key, {}) for run, u in result.get("ablation_uncertainty", {}).items()}
+
+
+def _name(run: str, system: str) -> str:
+    """A re-ranker's name in the uncertainty tables: the main run's bare, another run's ``run/system``."""
+    return system if run == "main" else f"{run}/{system}"
 
 
 def combine(
@@ -306,6 +330,9 @@ def combine(
         main["per_query_runs"][GPU_RUN], main["ablation_curves"][GPU_RUN] = extra[1], extra[2]
     main["ablation_attention"] = {run: s.get("cross_attention_mass", {}) for run, s in others.items()}
     main["ablation_lexical_share"] = {run: s.get("lexical_share", {}) for run, s in others.items()}
+    main["ablation_uncertainty"] = {
+        run: uncertainty_of(s) for run, s in others.items() if any(s.get("uncertainty", {}).values())
+    }
     main["runs_combined"] = {run: s.get("students") for run, s in summaries.items()}  # the runs and students so far
     main["runs_from_earlier"] = from_earlier
     main["retrained_teacher"] = retrained
@@ -419,7 +446,11 @@ def goal_lines(result: dict[str, Any]) -> list[str]:
 
 def aurc_table(result: dict[str, Any]) -> list[str]:
     """AURC (E-AURC) of each confidence per collection and re-ranker, with random and optimal (Geifman et al.)."""
-    aurc = result.get("aurc", {})
+    runs = _by_run(result, "aurc")
+    aurc: dict[str, dict[str, Any]] = {}  # collection -> re-ranker -> its AURC, the main run's first
+    for run, by in runs.items():
+        for label, systems in by.items():
+            aurc.setdefault(label, {}).update({_name(run, s): t for s, t in systems.items()})
     confidences = list(dict.fromkeys(k for s in aurc.values() for t in s.values() for k in t["aurc"]))
     out = ["AURC (E-AURC) of query-level selective prediction; risk 1 − nDCG@10; lower is better; random: the mean "
            "risk:", "", "| collection | re-ranker | " + " | ".join(confidences) + " | random | optimal |",
@@ -438,7 +469,7 @@ def calibration_table(result: dict[str, Any]) -> list[str]:
            "sigmoid(a Δs), a fitted on dev; without std[s]: a VarCE's variance not integrated out):", "",
            "| re-ranker | ECE | ECE without std[s] | RCE | RCE without std[s] | Platt a, b |",
            "|---|---|---|---|---|---|"]  # fmt: skip
-    for s, c in result.get("calibration", {}).items():
+    for s, c in ((_name(run, s), c) for run, by in _by_run(result, "calibration").items() for s, c in by.items()):
         ranking = c.get("ranking", {})
         cells = [cell(c.get("ece"), ".4f"), cell(c.get("ece_without_std"), ".4f"), cell(ranking.get("rce"), ".4f")]
         cells += [cell(ranking.get("rce_without_std"), ".4f"), f"{c['platt'][0]:.3f}, {c['platt'][1]:.3f}"]
@@ -450,21 +481,26 @@ def uncertainty_table(result: dict[str, Any]) -> list[str]:
     """Per collection and VarCE: the mean std[s] over the top 10 (one-sided p that it is higher than in domain),
     Spearman's rho of a query's std[s] with its nDCG@10, and the risk-aware lambda chosen on dev with its test
     nDCG@10 (p against lambda = 0)."""
-    shift = result.get("std_shift", {})
+    shifts = _by_run(result, "std_shift")
     out = ["VarCE's uncertainty per collection (std[s] over each query's top 10; rho > 0: uncertain queries score "
            "higher; E[s] − λ·std[s] with λ chosen on dev):", "", "| collection | re-ranker | mean std[s] (p higher "
            "than in domain) | ρ(std[s], nDCG@10) (p, queries) | λ chosen on dev | test nDCG@10 at λ (p vs λ = 0) |",
            "|---|---|---|---|---|---|"]  # fmt: skip
-    for label, systems in result.get("uncertainty", {}).items():
-        for s, u in systems.items():
-            moved = shift.get(s, {}).get(label)
+    rows: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}  # collection -> (run, VarCE, its figures)
+    for run, by in _by_run(result, "uncertainty").items():
+        for label, systems in by.items():
+            rows.setdefault(label, []).extend((run, s, u) for s, u in systems.items())
+    for label, found in rows.items():
+        for run, s, u in found:
+            shift = shifts.get(run, {}).get(s, {})
+            moved = shift.get(label)
             if moved is not None:
                 mean = f"{moved['mean']:.3f} (p {_p(moved['p'])})"
             else:
-                mean = next((f"{v['in_domain']:.3f}" for v in shift.get(s, {}).values()), MISSING)
+                mean = next((f"{v['in_domain']:.3f}" for v in shift.values()), MISSING)
             rho = f"{cell(u.get('rho_top10_std_vs_nDCG@10'), '.2f')} ({_p(u.get('p_top10_std'))}, {u['n_queries']})"
             risk = f"{cell(u.get('risk_test'), '.4f')} ({_p(u.get('risk_p_vs_lambda0'))})"
-            out.append(f"| {label} | {s} | {mean} | {rho} | {cell(u.get('risk_chosen'), 'g')} | {risk} |")
+            out.append(f"| {label} | {_name(run, s)} | {mean} | {rho} | {cell(u.get('risk_chosen'), 'g')} | {risk} |")
     return out
 
 

@@ -359,3 +359,41 @@ def test_a_run_without_the_main_run_makes_the_main_runs_teacher_first(tmp_path, 
     assert [c[0] for c in calls] == ["run", "run"] and calls[0][1] == varce_rerank.command(
         str(tmp_path / "w"), "main", "CE"
     )
+
+
+def test_a_varce_runs_uncertainty_joins_the_tables_and_survives_earlier(tmp_path):
+    """A run with a VarCE besides the main run keeps its AURC (without the risk-coverage curves), calibration and
+    uncertainty under ``ablation_uncertainty``, labelled ``run/student`` in the tables after the main run's rows of
+    each collection; a CE-only run adds nothing there; ``--earlier`` gives them back."""
+    import shutil
+
+    out = str(tmp_path / "v")
+    bm25, bi = [0.3, 0.2, 0.4, 0.3, 0.3, 0.2], [0.35, 0.3, 0.4, 0.35, 0.4, 0.3]
+    fused = [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]
+    baselines = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bi, None), FUSED: (None, fused, None)}
+    main, j1 = _summary(baselines | {"CE": (2, [0.5] * 6, 0.31)}), _summary({"CE": (1, [0.4] * 6, 0.2)})
+    j3 = _summary({"CE": (3, [0.6] * 6, 0.30), "VarCE-MEANVAR": (3, [0.55] * 6, 0.32)})
+    std = {"aurc": {"std[s] (top 10)": 0.7}, "e_aurc": {"std[s] (top 10)": 0.3}, "random": 0.6, "optimal": 0.4}
+    j3["aurc"] = {c: {"VarCE-MEANVAR": std | {"curves": {"std[s] (top 10)": [0.1]}}} for c in (HOME, OOD)}
+    u = {"n_queries": 6, "rho_top10_std_vs_nDCG@10": 0.27, "p_top10_std": 4.5e-05, "risk_chosen": 0.25}
+    j3["uncertainty"] = {HOME: {"VarCE-MEANVAR": u | {"risk_test": 0.35, "risk_p_vs_lambda0": 0.15}}}
+    j3["std_shift"] = {"VarCE-MEANVAR": {OOD: {"mean": 0.383, "in_domain": 0.325, "p": 9e-73}}}
+    j3["calibration"] = {"VarCE-MEANVAR": {"platt": [0.755, -4.802], "ece": 0.0159, "ranking": {"rce": 0.0497}}}
+    j1["uncertainty"] = {HOME: {}}  # a CE-only run: no VarCE, nothing to add
+    for suffix, summary in (("", main), ("-j1-pseudo", j1), ("-j3-pseudo", j3)):
+        _write(out + suffix, summary)
+    combined = json.loads(json.dumps(varce_rerank.combine(out, list(varce_rerank.RUNS))))
+    kept = combined["ablation_uncertainty"]
+    assert list(kept) == ["j3-pseudo"] and kept["j3-pseudo"]["aurc"][OOD] == {"VarCE-MEANVAR": std}  # no curves
+    text = varce_rerank.markdown(combined)
+    home = [line for line in text.splitlines() if line.startswith(f"| {HOME} | ")]
+    assert home[:2] == [
+        f"| {HOME} | CE | 0.5000 (0.1000) | — | 0.6000 | 0.4000 |",  # AURC: the main run's row first
+        f"| {HOME} | j3-pseudo/VarCE-MEANVAR | — | 0.7000 (0.3000) | 0.6000 | 0.4000 |",
+    ]
+    assert "| j3-pseudo/VarCE-MEANVAR | 0.0159 | — | 0.0497 | — | 0.755, -4.802 |" in text
+    assert f"| {HOME} | j3-pseudo/VarCE-MEANVAR | 0.325 | 0.27 (4.5e-05, 6) | 0.25 | 0.3500 (0.15) |" in text
+    for suffix in ("", "-j1-pseudo", "-j3-pseudo"):
+        shutil.rmtree(out + suffix)
+    again = varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=combined)
+    assert again["ablation_uncertainty"] == kept and varce_rerank.markdown(again) == text
