@@ -539,12 +539,9 @@ def input_score_table(result: dict[str, Any]) -> list[str]:
 def rows_table(result: dict[str, Any]) -> list[str]:
     """The ablation's attribution of the training rows: at each J, the CE trained on nfcorpus/train's queries and
     pseudo-queries against the CE trained on the train queries alone (same steps and seed), paired over the queries."""
-    import pandas as pd
 
-    def per_query(run: str, collection: str) -> pd.Series | None:
-        source = result.get("per_query", {}) if run == "main" else result.get("per_query_runs", {}).get(run, {})
-        values = source.get(collection, {}).get("CE")
-        return None if values is None else pd.Series(values)
+    def per_query(run: str, collection: str) -> Any:
+        return _run_per_query(result, run, collection, "CE")
 
     runs = {(r["joint_layers"], r["training_queries"]): r["run"] for r in _evaluated_rows(result)
             if r["system"] == "CE" and r.get("run") in RUNS and r.get("joint_layers")}  # fmt: skip
@@ -560,6 +557,37 @@ def rows_table(result: dict[str, Any]) -> list[str]:
             if alone is None or both is None:
                 continue
             out.append(f"| {label} | {j} | {alone.mean():.4f} | {both.mean():.4f} | {_paired(both, alone)} |")
+    return out
+
+
+def _run_per_query(result: dict[str, Any], run: str, collection: str, system: str) -> Any:
+    """The per-query nDCG@10 of ``system`` of ``run`` at ``collection`` as a Series (None: not there)."""
+    import pandas as pd
+
+    source = result.get("per_query", {}) if run == "main" else result.get("per_query_runs", {}).get(run, {})
+    values = source.get(collection, {}).get(system)
+    return None if values is None else pd.Series(values)
+
+
+def joint_table(result: dict[str, Any]) -> list[str]:
+    """Each plain student at each J on the main run's rows (nfcorpus/train's queries and the pseudo-queries, the
+    kernel score; same steps and seed) against the same student at the next smaller J made, paired over the queries."""
+    made = {(r["system"], r["joint_layers"]): r["run"] for r in _evaluated_rows(result)
+            if r.get("run") in RUNS and RUNS[r["run"]][1] == "train + pseudo-queries" and r.get("joint_layers")
+            and "--score-from" not in RUNS[r["run"]][2] and not r.get("input_score")}  # fmt: skip
+    out = ["Each joint layer on the main run's rows: a student at J against the same student at the next smaller J "
+           "(paired over the queries):", "",
+           "| collection | student | J | nDCG@10 at the smaller J | at J | difference (95% interval) | p |",
+           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for label in result["evaluated"]:
+        for system in dict.fromkeys(s for s, _ in made):
+            layers = sorted(j for s, j in made if s == system)
+            for low, high in zip(layers, layers[1:]):
+                a = _run_per_query(result, made[system, low], label, system)
+                b = _run_per_query(result, made[system, high], label, system)
+                if a is not None and b is not None:
+                    cells = f"{low} → {high} | {a.mean():.4f} | {b.mean():.4f} | {_paired(b, a)}"
+                    out.append(f"| {label} | {system} | {cells} |")
     return out
 
 
@@ -621,6 +649,7 @@ SECTIONS = {
     "uncertainty": uncertainty_table,
     "input_score": input_score_table,
     "rows": rows_table,
+    "joint": joint_table,
     "attention": attention_table,
     "lexical": lexical_table,
     "curves": curves_table,

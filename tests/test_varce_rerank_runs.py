@@ -397,3 +397,36 @@ def test_a_varce_runs_uncertainty_joins_the_tables_and_survives_earlier(tmp_path
         shutil.rmtree(out + suffix)
     again = varce_rerank.combine(out, list(varce_rerank.RUNS), earlier=combined)
     assert again["ablation_uncertainty"] == kept and varce_rerank.markdown(again) == text
+
+
+def test_joint_table_pairs_each_student_with_itself_at_the_next_smaller_j(tmp_path):
+    """On the main run's rows only (not the train-only CEs, the joint-score CE or a score-as-text student): the CE
+    at J = 1 → 2 → 3 and the VarCE-MEANVAR at 2 → 3, each difference and p the paired t-test's over the queries."""
+    out = str(tmp_path / "v")
+    bm25, fused = [0.3] * 6, [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]
+    ce1, ce2, ce3 = [0.4, 0.4, 0.5, 0.3, 0.4, 0.1], [0.5, 0.4, 0.6, 0.3, 0.5, 0.2], [0.6, 0.5, 0.6, 0.4, 0.5, 0.4]
+    mv2, mv3 = [0.45, 0.4, 0.55, 0.3, 0.5, 0.2], [0.5, 0.45, 0.6, 0.35, 0.45, 0.3]
+    baselines = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bm25, None), FUSED: (None, fused, None)}
+    main = baselines | {"CE": (2, ce2, 0.31), "VarCE-MEANVAR": (2, mv2, 0.3), "CE (score as text)": (2, [0.9] * 6, 0.3)}
+    _write(out, _summary(main))
+    _write(f"{out}-j1-pseudo", _summary({"CE": (1, ce1, 0.2)}))
+    _write(f"{out}-j3-pseudo", _summary({"CE": (3, ce3, 0.3), "VarCE-MEANVAR": (3, mv3, 0.3)}))
+    _write(f"{out}-j2-train", _summary({"CE": (2, [0.0] * 6, 0.2)}))
+    _write(f"{out}-j2-joint", _summary({"CE": (2, [0.1] * 6, 0.2)}))
+    combined = varce_rerank.combine(out, list(varce_rerank.RUNS))
+    combined["rows"] = [
+        r | {"input_score": "as text"} if "score as text" in r["system"] else r for r in combined["rows"]
+    ]
+    lines = [line for line in varce_rerank.joint_table(combined) if line.startswith(f"| {HOME}")]
+
+    def row(system: str, j: str, x: list[float], y: list[float]) -> str:
+        test = ttest_rel(y, x)
+        low, high = test.confidence_interval(0.95)
+        diff = f"{np.mean(y) - np.mean(x):+.4f} [{low:+.4f}, {high:+.4f}]"
+        return f"| {HOME} | {system} | {j} | {np.mean(x):.4f} | {np.mean(y):.4f} | {diff} | {test.pvalue:.2g} |"
+
+    assert lines == [
+        row("CE", "1 → 2", ce1, ce2),
+        row("CE", "2 → 3", ce2, ce3),
+        row("VarCE-MEANVAR", "2 → 3", mv2, mv3),
+    ]
