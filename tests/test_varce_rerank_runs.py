@@ -371,8 +371,11 @@ def test_a_varce_runs_uncertainty_joins_the_tables_and_survives_earlier(tmp_path
     bm25, bi = [0.3, 0.2, 0.4, 0.3, 0.3, 0.2], [0.35, 0.3, 0.4, 0.35, 0.4, 0.3]
     fused = [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]
     baselines = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bi, None), FUSED: (None, fused, None)}
-    main, j1 = _summary(baselines | {"CE": (2, [0.5] * 6, 0.31)}), _summary({"CE": (1, [0.4] * 6, 0.2)})
-    j3 = _summary({"CE": (3, [0.6] * 6, 0.30), "VarCE-MEANVAR": (3, [0.55] * 6, 0.32)})
+    main = _summary(baselines | {"CE": (2, [0.5, 0.4, 0.6, 0.3, 0.5, 0.2], 0.31)})
+    j1 = _summary({"CE": (1, [0.4, 0.4, 0.5, 0.3, 0.4, 0.1], 0.2)})
+    j3 = _summary(
+        {"CE": (3, [0.6, 0.5, 0.6, 0.4, 0.5, 0.4], 0.3), "VarCE-MEANVAR": (3, [0.55, 0.5, 0.6, 0.4, 0.5, 0.3], 0.32)}
+    )
     std = {"aurc": {"std[s] (top 10)": 0.7}, "e_aurc": {"std[s] (top 10)": 0.3}, "random": 0.6, "optimal": 0.4}
     j3["aurc"] = {c: {"VarCE-MEANVAR": std | {"curves": {"std[s] (top 10)": [0.1]}}} for c in (HOME, OOD)}
     u = {"n_queries": 6, "rho_top10_std_vs_nDCG@10": 0.27, "p_top10_std": 4.5e-05, "risk_chosen": 0.25}
@@ -403,16 +406,20 @@ def test_joint_table_pairs_each_student_with_itself_at_the_next_smaller_j(tmp_pa
     """On the main run's rows only (not the train-only CEs, the joint-score CE or a score-as-text student): the CE
     at J = 1 → 2 → 3 and the VarCE-MEANVAR at 2 → 3, each difference and p the paired t-test's over the queries."""
     out = str(tmp_path / "v")
-    bm25, fused = [0.3] * 6, [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]
+    bm25, fused = [0.3, 0.2, 0.4, 0.3, 0.3, 0.2], [0.45, 0.4, 0.5, 0.45, 0.5, 0.4]
     ce1, ce2, ce3 = [0.4, 0.4, 0.5, 0.3, 0.4, 0.1], [0.5, 0.4, 0.6, 0.3, 0.5, 0.2], [0.6, 0.5, 0.6, 0.4, 0.5, 0.4]
     mv2, mv3 = [0.45, 0.4, 0.55, 0.3, 0.5, 0.2], [0.5, 0.45, 0.6, 0.35, 0.45, 0.3]
     baselines = {"BM25": (None, bm25, None), "Teacher (bi-encoder)": (None, bm25, None), FUSED: (None, fused, None)}
-    main = baselines | {"CE": (2, ce2, 0.31), "VarCE-MEANVAR": (2, mv2, 0.3), "CE (score as text)": (2, [0.9] * 6, 0.3)}
+    main = baselines | {
+        "CE": (2, ce2, 0.31),
+        "VarCE-MEANVAR": (2, mv2, 0.3),
+        "CE (score as text)": (2, [0.9, 0.8, 0.9, 0.7, 0.8, 0.9], 0.3),
+    }
     _write(out, _summary(main))
     _write(f"{out}-j1-pseudo", _summary({"CE": (1, ce1, 0.2)}))
     _write(f"{out}-j3-pseudo", _summary({"CE": (3, ce3, 0.3), "VarCE-MEANVAR": (3, mv3, 0.3)}))
-    _write(f"{out}-j2-train", _summary({"CE": (2, [0.0] * 6, 0.2)}))
-    _write(f"{out}-j2-joint", _summary({"CE": (2, [0.1] * 6, 0.2)}))
+    _write(f"{out}-j2-train", _summary({"CE": (2, [0.0, 0.1, 0.0, 0.2, 0.1, 0.0], 0.2)}))
+    _write(f"{out}-j2-joint", _summary({"CE": (2, [0.1, 0.2, 0.1, 0.0, 0.1, 0.3], 0.2)}))
     combined = varce_rerank.combine(out, list(varce_rerank.RUNS))
     combined["rows"] = [
         r | {"input_score": "as text"} if "score as text" in r["system"] else r for r in combined["rows"]
