@@ -536,13 +536,18 @@ def input_score_table(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _run_per_query(result: dict[str, Any], run: str, collection: str, system: str) -> Any:
+    """The per-query nDCG@10 of ``system`` of ``run`` at ``collection`` as a Series (None: not there)."""
+    import pandas as pd
+
+    source = result.get("per_query", {}) if run == "main" else result.get("per_query_runs", {}).get(run, {})
+    values = source.get(collection, {}).get(system)
+    return None if values is None else pd.Series(values)
+
+
 def rows_table(result: dict[str, Any]) -> list[str]:
     """The ablation's attribution of the training rows: at each J, the CE trained on nfcorpus/train's queries and
     pseudo-queries against the CE trained on the train queries alone (same steps and seed), paired over the queries."""
-
-    def per_query(run: str, collection: str) -> Any:
-        return _run_per_query(result, run, collection, "CE")
-
     runs = {(r["joint_layers"], r["training_queries"]): r["run"] for r in _evaluated_rows(result)
             if r["system"] == "CE" and r.get("run") in RUNS and r.get("joint_layers")}  # fmt: skip
     out = ["The training rows at each J: the CE on nfcorpus/train's queries and pseudo-queries against the CE on the "
@@ -553,20 +558,12 @@ def rows_table(result: dict[str, Any]) -> list[str]:
         for j in sorted({j for j, _ in runs}):
             if (j, "train") not in runs or (j, "train + pseudo-queries") not in runs:
                 continue
-            alone, both = per_query(runs[j, "train"], label), per_query(runs[j, "train + pseudo-queries"], label)
+            alone = _run_per_query(result, runs[j, "train"], label, "CE")
+            both = _run_per_query(result, runs[j, "train + pseudo-queries"], label, "CE")
             if alone is None or both is None:
                 continue
             out.append(f"| {label} | {j} | {alone.mean():.4f} | {both.mean():.4f} | {_paired(both, alone)} |")
     return out
-
-
-def _run_per_query(result: dict[str, Any], run: str, collection: str, system: str) -> Any:
-    """The per-query nDCG@10 of ``system`` of ``run`` at ``collection`` as a Series (None: not there)."""
-    import pandas as pd
-
-    source = result.get("per_query", {}) if run == "main" else result.get("per_query_runs", {}).get(run, {})
-    values = source.get(collection, {}).get(system)
-    return None if values is None else pd.Series(values)
 
 
 def joint_table(result: dict[str, Any]) -> list[str]:
